@@ -1,0 +1,30 @@
+# The two commands (see README): `make demo` and `make test`. Both set everything up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU machines: the local CPU build (a bare `torch` requirement would pull a multi-GB CUDA build).
+# GPU machines: `make setup TORCH_SPEC=torch` (or your CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	rm -rf runs/demo
+	$(BIN)/rollflow train --config examples/demo.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

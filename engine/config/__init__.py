@@ -1,0 +1,67 @@
+"""One typed RunConfig whose field names are slime's flags (`rollout_batch_size` ⇄ `--rollout-batch-size`).
+
+Sections live in their own modules; RunConfig is their union. Derived numbers (samples per rollout, G, k,
+train_iters) are computed in one place: `RunConfig.batch`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import model_validator
+
+from engine.config.algorithm import AlgorithmArgs
+from engine.config.checkpoint import CheckpointArgs
+from engine.config.cluster import ClusterArgs
+from engine.config.data import DataArgs
+from engine.config.packing import PackingArgs
+from engine.config.rollout import RolloutArgs
+from engine.config.tracking import TrackingArgs
+from engine.config.train import TrainArgs
+from engine.packing.arithmetic import BatchPlan, batch_plan
+
+SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
+            TrackingArgs]
+
+#: Fields that do not change what is trained (left out of the config hash).
+NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
+                "save", "load", "experiment_name", "num_cpus", "train_threads"}
+
+
+class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
+                TrackingArgs):
+    """Everything a user can set for one training run."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        self.batch  # raises an RF06 ConfigError with the working values
+        return self
+
+    @property
+    def dp_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def batch(self) -> BatchPlan:
+        return batch_plan(rollout_batch_size=self.rollout_batch_size,
+                          n_samples_per_prompt=self.n_samples_per_prompt, num_rollout=self.num_rollout,
+                          global_batch_size=self.global_batch_size,
+                          num_steps_per_rollout=self.num_steps_per_rollout,
+                          micro_batch_size=self.micro_batch_size, dp_size=self.dp_size,
+                          use_dynamic_batch_size=self.use_dynamic_batch_size)
+
+    def config_hash(self) -> str:
+        """sha256 (16 hex) of the fields that change what is trained."""
+        data = self.model_dump(mode="json", exclude=NON_SEMANTIC)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def flat_params(self) -> dict[str, Any]:
+        """The config as flat string-able params (for MLflow); lists and dicts as JSON."""
+        out = {}
+        for k, v in self.model_dump(mode="json").items():
+            out[k] = json.dumps(v) if isinstance(v, (list, dict)) else v
+        return out
+
+
+__all__ = ["RunConfig", "SECTIONS", "BatchPlan"]

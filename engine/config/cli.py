@@ -1,0 +1,177 @@
+"""RunConfig from YAML and the command line.
+
+Precedence: field defaults < `--config FILE` (YAML) < flags. Every field is a flag named like slime's
+(`--rollout-batch-size`); booleans also get `--no-…`; `--sglang-*` flags are kept verbatim in `sglang_args`.
+Unknown flags and keys are errors that suggest the nearest valid flag.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import ValidationError
+
+from engine.config import SECTIONS, RunConfig
+from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+SGLANG_PREFIX = "--sglang-"
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _add_field(group: argparse._ArgumentGroup, name: str, field) -> None:
+    tp = _unwrap_optional(field.annotation)
+    origin = typing.get_origin(tp)
+    default = field.default
+    help_text = (field.description or "").replace("%", "%%") + f" (default: {default!r})"
+    kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text)
+    if tp is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif origin is Literal:
+        kwargs["choices"] = list(typing.get_args(tp))
+        kwargs["metavar"] = "{" + ",".join(map(str, kwargs["choices"])) + "}"
+    elif origin is list:
+        (item,) = typing.get_args(tp)
+        kwargs.update(nargs="*", type=item, metavar=item.__name__.upper())
+    elif tp in (int, float, str):
+        kwargs.update(type=tp, metavar=tp.__name__.upper())
+    else:
+        return  # dicts (sglang_args) are filled by the pass-through
+    group.add_argument(flag(name), **kwargs)
+
+
+def build_parser(prog: str = "rollflow train", description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, allow_abbrev=False,
+        epilog="Any --sglang-<flag> [value] is passed unchanged to `python -m sglang.launch_server --<flag>`.")
+    parser.add_argument("--config", metavar="FILE", help="YAML file of flags (snake_case or dashed keys); "
+                        "flags on the command line override it")
+    for section in SECTIONS:
+        title = section.__name__.removesuffix("Args").lower()
+        doc = (sys.modules[section.__module__].__doc__ or "").strip().splitlines()
+        group = parser.add_argument_group(title, doc[0] if doc else None)
+        for name, field in section.model_fields.items():
+            _add_field(group, name, field)
+    return parser
+
+
+def _all_flags() -> list[str]:
+    out = []
+    for name, field in RunConfig.model_fields.items():
+        out.append(flag(name))
+        if _unwrap_optional(field.annotation) is bool:
+            out.append("--no-" + name.replace("_", "-"))
+    return out + ["--config"]
+
+
+def suggest(bad: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(bad, choices, n=1, cutoff=0.5)
+    return f"did you mean {close[0]}?" if close else "see `rollflow train --help` for every flag"
+
+
+def split_sglang(argv: list[str]) -> tuple[list[str], dict[str, str | bool]]:
+    """Take `--sglang-x [value]` tokens out of argv; a flag followed by another flag (or nothing) is a switch."""
+    rest, sglang = [], {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith(SGLANG_PREFIX):
+            key, eq, val = tok[len(SGLANG_PREFIX):].partition("=")
+            if eq:
+                sglang[key] = val
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                sglang[key] = argv[i + 1]
+                i += 1
+            else:
+                sglang[key] = True
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, sglang
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"--config {path}: no such file",
+                                    fix="pass the path of an existing YAML file"))
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"--config {path}: invalid YAML: {e}",
+                                    fix="fix the YAML syntax")) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                    what=f"--config {path}: top level is {type(raw).__name__}, not a mapping",
+                                    fix="write one `flag: value` per line"))
+    out: dict[str, Any] = {}
+    sglang: dict[str, Any] = dict(raw.pop("sglang_args", None) or raw.pop("sglang-args", None) or {})
+    names = list(RunConfig.model_fields)
+    for key, val in raw.items():
+        name = str(key).replace("-", "_")
+        if name.startswith("sglang_"):
+            sglang[str(key)[len("sglang_"):].replace("_", "-")] = val
+        elif name not in RunConfig.model_fields:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                        what=f"--config {path}: unknown key {key!r}",
+                                        fix=suggest(name, names).replace("did you mean ", "did you mean key ")))
+        else:
+            out[name] = val
+    if sglang:
+        out["sglang_args"] = sglang
+    return out
+
+
+def format_validation_error(err: ValidationError, source: dict[str, Any]) -> ConfigError:
+    diags = []
+    for e in err.errors():
+        name = str(e["loc"][0]) if e["loc"] else "config"
+        got = e.get("input")
+        field = RunConfig.model_fields.get(name)
+        hint = f"pass a valid value to {flag(name)}"
+        if field is not None and field.description:
+            hint += f" ({field.description.rstrip('.')})"
+        diags.append(Diagnosis(code="CONFIG", severity="error",
+                               what=f"{flag(name)} (field {name}) = {got!r}: {e['msg']}",
+                               fix=hint, facts={"field": name, "value": repr(got)}))
+    return ConfigError(diags)
+
+
+def make_config(values: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig(**values)
+    except ValidationError as e:
+        raise format_validation_error(e, values) from None
+
+
+def parse_args(argv: list[str], prog: str = "rollflow train") -> RunConfig:
+    """argv (without the subcommand) → RunConfig, or ConfigError / SystemExit(0) for --help."""
+    argv, sglang = split_sglang(list(argv))
+    parser = build_parser(prog)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        bad = next((u for u in unknown if u.startswith("-")), unknown[0])
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"unknown flag {bad}",
+                                    fix=suggest(bad.split("=")[0], _all_flags())))
+    values = load_yaml(ns.config) if ns.config else {}
+    cli = {k: v for k, v in vars(ns).items() if k != "config"}
+    values.update(cli)
+    if sglang:
+        values["sglang_args"] = {**values.get("sglang_args", {}), **sglang}
+    return make_config(values)

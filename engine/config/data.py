@@ -1,0 +1,52 @@
+"""Model, data and reward flags."""
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from engine import PROJECT_ROOT
+from engine.config.base import Section
+
+BUNDLED_MODEL = str(PROJECT_ROOT / "examples" / "tiny-qwen2-arith")
+BUNDLED_TRAIN = str(PROJECT_ROOT / "examples" / "data" / "arith" / "train.jsonl")
+BUNDLED_TEST = str(PROJECT_ROOT / "examples" / "data" / "arith" / "test.jsonl")
+
+
+class DataArgs(Section):
+    hf_checkpoint: str = BUNDLED_MODEL
+    """Hugging Face model directory: the policy's initial weights, tokenizer and chat template (default: the bundled tiny Qwen2 model)."""
+
+    model_name: Optional[str] = None
+    """Architecture name (e.g. qwen2, llama) so workers need not infer it from files (RF04)."""
+
+    prompt_data: str = BUNDLED_TRAIN
+    """Training prompts: a JSONL or Parquet file; `path@[a:b]` takes rows a..b-1 (default: the bundled arithmetic task)."""
+
+    eval_prompt_data: Optional[str] = BUNDLED_TEST
+    """Held-out prompts for greedy accuracy before and after training (JSONL or Parquet); empty to skip."""
+
+    eval_max_samples: int = Field(128, ge=1)
+    """At most this many eval prompts are scored (greedy)."""
+
+    input_key: str = "prompt"
+    """Row key holding the prompt (a string, or a list of chat messages)."""
+
+    label_key: Optional[str] = "label"
+    """Row key holding the reference answer passed to the reward function."""
+
+    metadata_key: Optional[str] = None
+    """Row key holding a dict copied into each sample's metadata."""
+
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (a string prompt becomes one user message)."""
+
+    rollout_shuffle: bool = False
+    """Shuffle prompts every epoch (seeded by --seed)."""
+
+    rm_type: Optional[Literal["exact_match", "math", "f1"]] = "exact_match"
+    """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number, sympy-equivalent), f1 (token F1)."""
+
+    custom_rm_path: Optional[str] = None
+    """Custom reward `module:function` or `path/to/file.py:function`, called as fn(sample) -> float | dict (sync or async)."""
+
+    group_rm: bool = False
+    """Call the custom reward once per group: fn(samples) -> list of rewards."""

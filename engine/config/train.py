@@ -1,0 +1,56 @@
+"""Training flags: backend, batch sizes, optimizer."""
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from engine.config.base import Section
+
+
+class TrainArgs(Section):
+    train_backend: Literal["torch", "megatron"] = "torch"
+    """Training backend: torch (transformers model, gloo/NCCL) or megatron (megatron-core, GPU only)."""
+
+    global_batch_size: Optional[int] = Field(None, ge=1)
+    """Samples (not prompts) per optimizer step (G). Default: B·n / num_steps_per_rollout."""
+
+    num_steps_per_rollout: Optional[int] = Field(None, ge=1)
+    """Optimizer steps per rollout (k); sets G = B·n / k and must agree with an explicit --global-batch-size."""
+
+    micro_batch_size: int = Field(1, ge=1)
+    """Samples per micro-batch in static mode (gradient accumulation over micro-batches)."""
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate (AdamW)."""
+
+    min_lr: float = Field(0.0, ge=0)
+    """Final learning rate of the cosine schedule."""
+
+    lr_decay_style: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warm-up, sized by train_iters."""
+
+    lr_warmup_iters: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+
+    adam_beta1: float = Field(0.9, gt=0, lt=1)
+    """AdamW beta1."""
+
+    adam_beta2: float = Field(0.98, gt=0, lt=1)
+    """AdamW beta2."""
+
+    clip_grad: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0 = off)."""
+
+    check_for_nan_in_loss_and_grad: bool = True
+    """Fail a step whose loss or gradients are NaN/Inf, naming its samples (RF13); --no-… skips such steps instead."""
+
+    train_step_timeout: float = Field(1800.0, gt=0)
+    """Seconds one train call (log-probs or an optimizer step) may take on the workers before it fails."""
+
+    seed: int = 1234
+    """Seed for data order, sampling and initialisation."""
+
+    train_threads: int = Field(0, ge=0)
+    """torch CPU threads per train worker (0 = cores / workers)."""

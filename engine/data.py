@@ -1,0 +1,114 @@
+"""Prompt data: JSONL or Parquet rows → prompts with labels, with a resumable position.
+
+`path@[a:b]` slices rows a..b-1. The dataset walks epochs in order (or shuffled per epoch by the seed); its
+`state()` (epoch, offset) goes into checkpoints so a resumed run continues with the next unseen prompts.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+_SLICE = re.compile(r"^(?P<path>.+)@\[(?P<a>-?\d*):(?P<b>-?\d*)\]$")
+
+
+@dataclass
+class PromptRow:
+    row: int  # 1-based line (JSONL) or row number (Parquet) in the file
+    prompt: str | list[dict[str, Any]]
+    label: Any
+    metadata: dict[str, Any]
+
+
+def _data_error(what: str, fix: str, **facts) -> ConfigError:
+    return ConfigError(Diagnosis(code="DATA", severity="error", what=what, fix=fix, facts=facts))
+
+
+def _read_rows(path: Path, flag: str) -> list[tuple[int, Any]]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise _data_error(f"{flag} {path}: line {lineno} is not valid JSON ({e.msg})",
+                                  f"fix or remove line {lineno}", path=str(path), line=lineno) from None
+    return rows
+
+
+def load_prompts(spec: str, *, input_key: str, label_key: str | None, metadata_key: str | None = None,
+                 flag: str = "--prompt-data") -> list[PromptRow]:
+    """Read and validate every row; a bad row is an error naming its line number and the key."""
+    m = _SLICE.match(spec)
+    path = Path(m["path"] if m else spec)
+    if not path.is_file():
+        raise _data_error(f"{flag} {path}: no such file", f"pass an existing .jsonl or .parquet file to {flag}",
+                          path=str(path))
+    rows = _read_rows(path, flag)
+    if m:
+        a = int(m["a"]) if m["a"] else None
+        b = int(m["b"]) if m["b"] else None
+        rows = rows[a:b]
+    out = []
+    for lineno, obj in rows:
+        if not isinstance(obj, dict):
+            raise _data_error(f"{flag} {path}: line {lineno} is a {type(obj).__name__}, not an object",
+                              "write one JSON object per line", path=str(path), line=lineno)
+        if input_key not in obj:
+            raise _data_error(f"{flag} {path}: line {lineno} has no key {input_key!r} (keys: {sorted(obj)})",
+                              f"--input-key one of {sorted(obj)}, or fix line {lineno}", path=str(path),
+                              line=lineno)
+        if label_key and label_key not in obj:
+            raise _data_error(f"{flag} {path}: line {lineno} has no key {label_key!r} (keys: {sorted(obj)})",
+                              f"--label-key one of {sorted(obj)}, or fix line {lineno}", path=str(path),
+                              line=lineno)
+        meta = obj.get(metadata_key) if metadata_key else None
+        out.append(PromptRow(lineno, obj[input_key], obj.get(label_key) if label_key else None,
+                             dict(meta) if isinstance(meta, dict) else {}))
+    if not out:
+        raise _data_error(f"{flag} {spec}: no rows", "point it at a file (or slice) with at least one row",
+                          path=str(path))
+    return out
+
+
+class PromptDataset:
+    """Epoch-wise walk over the rows; `next_batch(B)` never repeats a row within an epoch."""
+
+    def __init__(self, rows: list[PromptRow], *, shuffle: bool, seed: int):
+        self.rows, self.shuffle, self.seed = rows, shuffle, seed
+        self.epoch, self.offset = 0, 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[PromptRow]:
+        out = []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            out.append(self.rows[self._order[self.offset]])
+            self.offset += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._epoch_order(self.epoch)

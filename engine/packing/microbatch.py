@@ -1,0 +1,62 @@
+"""Micro-batch materialisation: several samples packed into one flat row (varlen).
+
+Per-token tensors are aligned with the flat token ids: entry t describes predicting tokens[t] from the tokens
+before it *in the same sample*. The first token of each sample has no prediction (mask 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.samples import Sample, Status
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # [T] long, samples concatenated (prompt + response each)
+    cu_seqlens: torch.Tensor  # [S+1] int32, sample boundaries in the flat row
+    position_ids: torch.Tensor  # [T] long, restarting at 0 for every sample
+    loss_mask: torch.Tensor  # [T] float, 1 on trained response tokens
+    advantages: torch.Tensor  # [T] float, the sample's advantage broadcast to its response tokens
+    rollout_log_probs: torch.Tensor  # [T] float, log π_engine(tokens[t]) from the rollout (0 off-response)
+    sample_ids: list[int]  # [S] Sample.index, for reports (RF09 / RF13)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+
+def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_multiple: int = 1) -> MicroBatch:
+    """Pack `samples` (with one advantage each) into a MicroBatch; optional padding to a multiple (TP / CP)."""
+    toks, pos, mask, adv, rlp, cu = [], [], [], [], [], [0]
+    for s, a in zip(samples, advantages):
+        L, R = len(s.tokens), s.response_length
+        P = L - R
+        trained = s.status in (Status.COMPLETED, Status.TRUNCATED)
+        toks += s.tokens
+        pos += list(range(L))
+        resp_mask = [float(m) if trained else 0.0 for m in s.loss_mask] if s.loss_mask else [0.0] * R
+        mask += [0.0] * P + resp_mask
+        adv += [0.0] * P + [float(a)] * R
+        lps = list(s.rollout_log_probs) if len(s.rollout_log_probs) == R else [0.0] * R
+        rlp += [0.0] * P + lps
+        cu.append(cu[-1] + L)
+    pad = (-len(toks)) % pad_to_multiple
+    if pad:  # one padding pseudo-sample, fully masked
+        toks += [0] * pad
+        pos += list(range(pad))
+        mask += [0.0] * pad
+        adv += [0.0] * pad
+        rlp += [0.0] * pad
+        cu.append(cu[-1] + pad)
+    return MicroBatch(tokens=torch.tensor(toks, dtype=torch.long), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                      position_ids=torch.tensor(pos, dtype=torch.long),
+                      loss_mask=torch.tensor(mask, dtype=torch.float32),
+                      advantages=torch.tensor(adv, dtype=torch.float32),
+                      rollout_log_probs=torch.tensor(rlp, dtype=torch.float32),
+                      sample_ids=[s.index for s in samples])

@@ -1,0 +1,51 @@
+"""The Sample contract shared by rollout, pack and train (design.md, "Data contracts")."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"  # stopped at EOS / a stop string or id
+    TRUNCATED = "truncated"  # reached rollout_max_response_len
+    ABORTED = "aborted"  # the engine aborted the request
+    FAILED = "failed"  # generation or reward failed; excluded from training
+
+
+@dataclass
+class Sample:
+    index: int  # position in the rollout (group_index · n + j)
+    group_index: int  # which prompt of the rollout
+    rollout_id: int
+    prompt: str | list[dict[str, Any]]  # raw prompt (text or chat messages)
+    tokens: list[int] = field(default_factory=list)  # [P + R] prompt + response token ids
+    response_length: int = 0  # R
+    response: str = ""  # decoded response text
+    label: Any = None
+    reward: float | dict[str, float] | None = None
+    loss_mask: list[int] = field(default_factory=list)  # [R] 1 = token is trained on
+    rollout_log_probs: list[float] = field(default_factory=list)  # [R] log π_engine(a|s) at the rollout temperature
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def scalar_reward(self) -> float:
+        """The reward used for advantages: a dict reward contributes its "score" key (else the mean of its values)."""
+        if isinstance(self.reward, dict):
+            return float(self.reward.get("score", sum(self.reward.values()) / max(len(self.reward), 1)))
+        return float(self.reward or 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        return cls(**{**d, "status": Status(d.get("status", "pending"))})

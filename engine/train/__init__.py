@@ -1,0 +1,1 @@
+"""Training backends behind one interface (`backend.TrainBackend`): torch (default) and megatron (GPU)."""

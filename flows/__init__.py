@@ -1,0 +1,1 @@
+"""Prefect flows: the training run (rl-train) and the `rollflow` command line."""

@@ -1,0 +1,109 @@
+"""RunConfig: flags, YAML, errors that name the field and the fix, derived batch numbers (RF06)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import RunConfig
+from engine.config.cli import build_parser, flag, parse_args
+from engine.doctor import ConfigError
+
+
+def test_flags_map_to_fields_and_override_yaml(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("rollout-batch-size: 16\nn_samples_per_prompt: 4\nlr: 3.0e-4\nrollout_stop: [\"\\n\\n\"]\n")
+    cfg = parse_args(["--config", str(cfg_file), "--rollout-batch-size", "8", "--colocate"])
+    assert cfg.rollout_batch_size == 8  # the flag beats the file
+    assert cfg.n_samples_per_prompt == 4 and cfg.lr == 3e-4 and cfg.rollout_stop == ["\n\n"]
+    assert cfg.colocate is True
+
+
+def test_boolean_negation_and_lists():
+    cfg = parse_args(["--no-check-for-nan-in-loss-and-grad", "--rollout-stop-token-ids", "7", "9"])
+    assert cfg.check_for_nan_in_loss_and_grad is False
+    assert cfg.rollout_stop_token_ids == [7, 9]
+
+
+def test_sglang_flags_are_kept_verbatim(tmp_path):
+    cfg = parse_args(["--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention",
+                      "--sglang-context-length=4096", "--num-rollout", "3"])
+    assert cfg.sglang_args == {"mem-fraction-static": "0.7", "enable-dp-attention": True,
+                               "context-length": "4096"}
+    assert cfg.num_rollout == 3
+
+
+def test_unknown_flag_suggests_the_nearest():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--rollout-bach-size", "4"])
+    assert "unknown flag --rollout-bach-size" in str(e.value)
+    assert "did you mean --rollout-batch-size?" in str(e.value)
+
+
+def test_unknown_yaml_key_suggests_the_nearest(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("n_sample_per_prompt: 4\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(f)])
+    assert "n_sample_per_prompt" in str(e.value) and "n_samples_per_prompt" in str(e.value)
+
+
+def test_negative_batch_size_names_field_value_and_fix():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--rollout-batch-size", "-4"])
+    msg = str(e.value)
+    assert "--rollout-batch-size" in msg and "rollout_batch_size" in msg and "-4" in msg
+    assert "greater than or equal to 1" in msg
+
+
+def test_bad_choice_is_rejected():
+    with pytest.raises(SystemExit):
+        parse_args(["--train-backend", "jax"])
+
+
+def test_help_lists_every_flag_with_help_and_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name, field in RunConfig.model_fields.items():
+        if name == "sglang_args":
+            assert "--sglang-" in out
+            continue
+        assert flag(name) in out, name
+        assert field.description, f"{name} has no help text"
+    assert "(default: 8)" in out  # rollout_batch_size's default is shown
+
+
+def test_every_field_has_a_flag():
+    parser = build_parser()
+    dests = {a.dest for a in parser._actions}
+    assert set(RunConfig.model_fields) - dests == {"sglang_args"}
+
+
+@pytest.mark.parametrize("args, fix", [
+    # B·n = 8·8 = 64; k = 3 does not divide 64
+    (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout one of [1, 2, 4, 8, 16, 32, 64]"),
+    # G = 48 does not divide 64 samples (G counts samples, not prompts)
+    (["--global-batch-size", "48"], "--global-batch-size one of"),
+    # k = 2 → G = 64/2 = 32 ≠ 16
+    (["--num-steps-per-rollout", "2", "--global-batch-size", "16"], "--global-batch-size 32"),
+    # G = 64 is not divisible by micro_batch_size × DP = 3 × 1
+    (["--micro-batch-size", "3"], "--micro-batch-size one of [1, 2, 4, 8, 16, 32, 64]"),
+])
+def test_inconsistent_batch_sizes_are_rf06_with_working_values(args, fix):
+    with pytest.raises(ConfigError) as e:
+        parse_args(args)
+    assert e.value.codes == ["RF06"]
+    assert fix in str(e.value)
+
+
+def test_derived_numbers_are_computed_once():
+    # B·n = 32·8 = 256 samples; k = 4 → G = 64; train_iters = num_rollout·k = 10·4 = 40
+    cfg = RunConfig(rollout_batch_size=32, n_samples_per_prompt=8, num_steps_per_rollout=4, num_rollout=10)
+    b = cfg.batch
+    assert (b.samples_per_rollout, b.global_batch_size, b.num_steps_per_rollout, b.train_iters) == (256, 64, 4, 40)
+
+
+def test_config_hash_ignores_paths_but_not_hyperparameters():
+    a = RunConfig(work_dir="/a", lr=1e-5)
+    assert a.config_hash() == RunConfig(work_dir="/b", lr=1e-5).config_hash()
+    assert a.config_hash() != RunConfig(work_dir="/a", lr=2e-5).config_hash()
