@@ -107,3 +107,13 @@ def test_config_hash_ignores_paths_but_not_hyperparameters():
     a = RunConfig(work_dir="/a", lr=1e-5)
     assert a.config_hash() == RunConfig(work_dir="/b", lr=1e-5).config_hash()
     assert a.config_hash() != RunConfig(work_dir="/a", lr=2e-5).config_hash()
+
+
+def test_readme_flag_reference_matches_the_code():
+    from pathlib import Path
+
+    from engine.config.docs import END, START, flags_markdown
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split(START, 1)[1].split(END, 1)[0]
+    assert block.strip() == flags_markdown().strip(), "run: python -m engine.config.docs --write README.md"
