@@ -52,6 +52,14 @@ class TrainWorker:
             save_weights_dir(self.backend.model_state(), path)
         return path
 
+    def push_weights(self, urls: list[str], version: int, bucket_bytes: int, timeout_s: float) -> dict[str, float]:
+        """Rank 0 sends the policy's weights to the engines' /update_weights_from_tensor (engine/weights/sync.py)."""
+        from engine.weights.sync import push_tensors
+
+        if self.rank != 0:
+            return {}
+        return push_tensors(urls, self.backend.model_state(), version, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+
     def export_hf(self, path: str) -> None:
         if self.rank == 0:
             self.backend.export_hf(path)
