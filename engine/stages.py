@@ -77,9 +77,14 @@ def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
     run.tracker.log_params(cfg.flat_params())
 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
-    start_rollout_engines(run)
-    run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters, timeout_s=cfg.train_step_timeout,
-                                         threads=run.train_threads, placement=run.placement, registry=run.ports)
+    try:
+        start_rollout_engines(run)
+        run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
+                                             timeout_s=cfg.train_step_timeout, threads=run.train_threads,
+                                             placement=run.placement, registry=run.ports)
+    except BaseException:
+        run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
+        raise
     return run
 
 

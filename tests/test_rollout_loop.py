@@ -78,9 +78,7 @@ def test_groups_come_back_in_prompt_order_with_statuses_rewards_and_logprobs(eng
     assert 0.0 <= m["rollout/truncated_share"] <= 1.0
 
 
-def test_same_rollout_id_same_samples_other_id_other_samples(engine, draw, tiny_model):
-    from engine.config.data import BUNDLED_TRAIN
-
+def test_same_rollout_id_same_samples_other_id_other_samples(engine, draw):
     def tokens(rollout_id):
         draw.dataset.load_state({"epoch": 0, "offset": 0})
         res = _run(engine, draw, rollout_id=rollout_id)
@@ -168,6 +166,5 @@ def test_without_fault_tolerance_a_dead_engine_fails_the_rollout(engine, draw):
 
 
 def test_rollout_deadline(engine, draw):
-    state, _ = engine
     with pytest.raises(RolloutTimeout, match="--rollout-timeout"):
         _run(engine, draw, timeout_s=0.05, params=SamplingParams(max_new_tokens=200, temperature=1.0))

@@ -185,6 +185,8 @@ class _Round:
             if gi >= self.cutoff:
                 return
             outs = await self._post(client, gi)
+            if gi >= self.cutoff:  # the round was cut while this group ran
+                return
             group = self._samples(gi, outs)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.reward_model.score_group, group)
