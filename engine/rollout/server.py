@@ -1,7 +1,7 @@
 """The built-in rollout engine: SGLang's HTTP API (engine/rollout/protocol.py) over `Generator`.
 
-Requests that arrive within `batch_window_s` of each other are generated as one batch (one forward per token
-for all of them), not one at a time. With `deterministic` (SGLang's `--enable-deterministic-inference`, which the
+Requests that arrive together (a burst: no gap over 10 ms, at most 50 ms) are generated as one batch (one forward
+per token for all of them), not one at a time. With `deterministic` (SGLang's `--enable-deterministic-inference`, which the
 launcher passes through) every HTTP request is generated as its own batch, so a request's tokens depend only on
 the request and the weights, never on what else arrived at the same time (see generation.py for why).
 
@@ -33,11 +33,17 @@ class _Pending:
 
 
 class BatchingScheduler:
-    """Collects requests for a short window, then runs them as one batch on a single generation thread."""
+    """Collects a burst of requests, then runs them as one batch on a single generation thread.
 
-    def __init__(self, generator: Generator, window_s: float = 0.01, max_batch: int = 256,
-                 isolate: bool = False):
+    A batch closes when no request arrived for `gap_s`, or `window_s` after its first request, or at `max_batch`
+    rows: a burst of concurrent requests (a rollout's groups) lands in one batch even when the client's sends
+    spread over tens of milliseconds on a busy machine, while a lone request waits only `gap_s`.
+    """
+
+    def __init__(self, generator: Generator, window_s: float = 0.05, max_batch: int = 256,
+                 isolate: bool = False, gap_s: float = 0.01):
         self.generator, self.window_s, self.max_batch, self.isolate = generator, window_s, max_batch, isolate
+        self.gap_s = min(gap_s, window_s)
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.batch_sizes: list[int] = []  # rows per batch run (exposed for tests and the benchmark)
         self._task: asyncio.Task | None = None
@@ -62,15 +68,15 @@ class BatchingScheduler:
     async def _collect(self, first: _Pending) -> list[_Pending]:
         loop = asyncio.get_running_loop()
         group, n = [first], len(first.reqs)
-        deadline = loop.time() + self.window_s
+        close = loop.time() + self.window_s
         while not self.isolate and n < self.max_batch:
-            timeout = deadline - loop.time()
+            timeout = min(close - loop.time(), self.gap_s)
             if timeout <= 0:
                 break
             try:
                 nxt = await asyncio.wait_for(self.queue.get(), timeout)
             except asyncio.TimeoutError:
-                break
+                break  # a gap: the burst is over
             group.append(nxt)
             n += len(nxt.reqs)
         return group
@@ -98,8 +104,8 @@ class EngineState:
     """The served model and its version; shared by the HTTP handlers."""
 
     def __init__(self, model_path: str, *, device: str = "cpu", threads: int | None = None,
-                 max_new_tokens: int = 128, batch_window_s: float = 0.01, max_batch: int = 256,
-                 deterministic: bool = False):
+                 max_new_tokens: int = 128, batch_window_s: float = 0.05, max_batch: int = 256,
+                 deterministic: bool = False, batch_gap_s: float = 0.01):
         import torch
 
         from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
@@ -113,6 +119,7 @@ class EngineState:
         self.weight_version = "default"  # SGLang's initial weight_version
         self.released = False
         self.batch_window_s, self.max_batch, self.deterministic = batch_window_s, max_batch, deterministic
+        self.batch_gap_s = batch_gap_s
         self.scheduler: BatchingScheduler | None = None
 
     def tokenize(self, text: str) -> list[int]:
@@ -162,7 +169,7 @@ def create_app(state: EngineState):
     @asynccontextmanager
     async def lifespan(_app):
         state.scheduler = BatchingScheduler(state.generator, state.batch_window_s, state.max_batch,
-                                            isolate=state.deterministic)
+                                            isolate=state.deterministic, gap_s=state.batch_gap_s)
         state.scheduler.start()
         yield
 
