@@ -11,8 +11,10 @@ Every request samples exactly `max_new` tokens (ignore_eos), so tokens/s counts 
 2. engines: 1 engine vs 2 engines (each with --threads torch threads, default 1), 16 groups × 4 samples through
    the rollout loop (least-outstanding spread). On a 2-core machine this is the demo's layout question: one engine
    per core, or one engine. (More threads than free cores makes OpenMP spin: measured 3x slower under load.)
-3. weight sync: seconds per MB to push the full state dict, tensor buckets (/update_weights_from_tensor) and disk
-   (save safetensors dir + /update_weights_from_disk).
+3. weight sync: seconds per MB to give an engine the full state dict: through Ray's object store to the engine
+   actor (the run's default, `--weight-sync-method tensor`; includes putting the arrays into the store), from disk
+   (save safetensors dir + /update_weights_from_disk, `--weight-sync-method disk`), and as a raw safetensors body
+   POSTed to /update_weights_from_tensor (HTTP; measures uvicorn's request-body path).
 Engines run as separate processes (`python -m engine.rollout.server`), as in a run. Each measurement is repeated;
 the JSON has every repeat, and the median, min and max.
 """
@@ -159,14 +161,50 @@ def sync_s_per_mb(url: str, model: str) -> dict[str, float]:
     state = {k: v.detach() for k, v in load_causal_lm(model).state_dict().items()}
     t0 = time.perf_counter()
     st = push_tensors([url], state, 1, bucket_bytes=512 * 2**20, timeout_s=600)
-    tensor_s = time.perf_counter() - t0
+    http_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         path = save_weights_dir(state, Path(d) / "v000002")
         push_disk([url], str(path), 2, timeout_s=600)
         disk_s = time.perf_counter() - t0
-    return {"mb": st["mb"], "tensor_s_per_mb": tensor_s / st["mb"], "disk_s_per_mb": disk_s / st["mb"],
-            "tensor_s": tensor_s, "disk_s": disk_s}
+    return {"mb": st["mb"], "http_tensor_s_per_mb": http_s / st["mb"], "disk_s_per_mb": disk_s / st["mb"],
+            "http_tensor_s": http_s, "disk_s": disk_s}
+
+
+def object_store_sync(model: str, threads: int, repeats: int, log_dir: Path) -> dict:
+    """The run's path: the arrays into Ray's object store, the engine actor copies them into its model."""
+    import ray
+
+    from engine.cluster import port_registry, worker_env
+    from engine.cluster.placement import place, rollout_layout
+    from engine.modeling import load_causal_lm
+    from engine.rollout.actor import EngineSpec
+    from engine.rollout.engines import EngineGroup
+    from engine.weights import numpy_state
+    from engine.weights.sync import push_object_store
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {**worker_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}})
+    try:
+        layout = rollout_layout(cluster_gpus=0, train_gpus=1, colocate=False, rollout_num_gpus=None,
+                                gpus_per_engine=1, cpu_engines=1)
+        group = EngineGroup(EngineSpec(kind="builtin", model_path=model, log_dir=str(log_dir), threads=threads,
+                                       start_timeout_s=600), place(layout), port_registry()).start()
+        state = {k: v.detach() for k, v in load_causal_lm(model).state_dict().items()}
+        runs = []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            arrays = numpy_state(state)
+            ref = ray.put(arrays)
+            push_object_store(group.serving_slots(), ref, 10 + i, timeout_s=600)
+            secs = time.perf_counter() - t0
+            mb = sum(a.nbytes for a in arrays.values()) / 2**20
+            runs.append({"object_store_s": secs, "object_store_s_per_mb": secs / mb, "mb": mb})
+            del ref
+        group.stop()
+        return runs
+    finally:
+        ray.shutdown()
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -205,7 +243,7 @@ def main() -> None:
             runs = [batched_vs_sequential(eng.url, ps, max_new) for _ in range(repeats)]
             entry["batched_vs_sequential"] = {"runs": runs, **summarize(runs)}
             runs = [sync_s_per_mb(eng.url, model) for _ in range(repeats)]
-            entry["weight_sync"] = {"runs": runs, **summarize(runs)}
+            entry["weight_sync_http_and_disk"] = {"runs": runs, **summarize(runs)}
             one = [engines_tok_s([eng.url], max_new) for _ in range(repeats)]
         finally:
             eng.stop()
@@ -218,6 +256,8 @@ def main() -> None:
         entry["engines"] = {f"1 engine x {a.threads} threads tok/s": summarize([{"v": x} for x in one])["v"],
                             f"2 engines x {a.threads} threads tok/s": summarize([{"v": x} for x in two])["v"],
                             "runs_1": one, "runs_2": two}
+        runs = object_store_sync(model, a.threads, repeats, work)
+        entry["weight_sync_object_store"] = {"runs": runs, **summarize(runs)}
         result["models"][name] = entry
         print(json.dumps({name: {k: v for k, v in entry.items() if k != "path_hint"}}, indent=1, default=str))
     result["machine"]["load_average_after"] = load_average()

@@ -107,7 +107,7 @@ def start_rollout_engines(run: Run) -> None:
     run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
                               runtime_env=cluster._threads_env(run.threads_per_process)).start()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
-    run.engines.resync = lambda urls: push_weights(run, urls, run.weight_version) if run.weight_version else None
+    run.engines.resync = lambda slots: push_weights(run, slots, run.weight_version) if run.weight_version else None
     if cfg.use_fault_tolerance:
         HealthMonitor(run.engines, interval_s=cfg.rollout_health_check_interval,
                       timeout_s=cfg.rollout_health_check_timeout,
@@ -270,22 +270,22 @@ def save(run: Run, rollout_id: int) -> str:
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------
-def push_weights(run: Run, urls: list[str], version: int) -> dict[str, float]:
+def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
     """The trainer's weights to these engines as `version` (--weight-sync-method), checked on every engine."""
     import shutil
 
-    from engine.weights.sync import push_disk
+    from engine.weights.sync import push_disk, push_object_store
 
     cfg = run.cfg
     if cfg.weight_sync_method == "tensor":
-        st = run.train_group.push_weights(urls, version, bucket_bytes=cfg.update_weight_buffer_size,
-                                          timeout_s=cfg.weight_sync_timeout)
-        return {"sync/mb": st["mb"], "sync/buckets": st["buckets"]}
+        ref, mb = run.train_group.weights_ref()
+        push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
+        return {"sync/mb": mb}
     path = run.work_dir / "weights" / f"v{version:06d}"
     run.train_group.save_weights(str(path))
     size = sum(f.stat().st_size for f in path.glob("*"))
     try:
-        push_disk(urls, str(path), version, timeout_s=cfg.weight_sync_timeout)
+        push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout)
     finally:
         shutil.rmtree(path, ignore_errors=True)  # versioned and deleted after use
     return {"sync/mb": size / 2**20}
@@ -299,7 +299,7 @@ def sync(run: Run, rollout_id: int) -> dict[str, float]:
     with run.engines.lock:
         if run.engines.released:
             run.engines.resume_memory()
-        out = push_weights(run, run.engines.serving(), version)
+        out = push_weights(run, run.engines.serving_slots(), version)
         run.weight_version = version
     return {**out, "sync/seconds": time.perf_counter() - t0, "sync/weight_version": float(version)}
 

@@ -20,7 +20,7 @@ def ray_cluster():
 
     from engine.cluster import worker_env
 
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=2, num_gpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": worker_env()})
     yield
     ray.shutdown()
@@ -33,7 +33,7 @@ def _group(tiny_model, tmp_path, *, kind="builtin", python=None, rollout_gpus=2)
     from engine.rollout.actor import EngineSpec
 
     # decoupled: 1 train GPU (bundle 0) + rollout GPUs on bundles 1.., one GPU per engine
-    layout = rollout_layout(cluster_gpus=4, train_gpus=1, colocate=False, rollout_num_gpus=rollout_gpus,
+    layout = rollout_layout(cluster_gpus=8, train_gpus=1, colocate=False, rollout_num_gpus=rollout_gpus,
                             gpus_per_engine=1, cpu_engines=1)
     spec = EngineSpec(kind=kind, model_path=tiny_model, log_dir=str(tmp_path / "logs"), threads=1, max_new_tokens=8,
                       python=python, start_timeout_s=180)
@@ -82,9 +82,12 @@ def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engin
     from engine.rewards import RewardModel
     from engine.rollout.health import HealthMonitor
     from engine.rollout.loop import Prompt, SamplingParams, generate_rollout
-    from engine.weights.sync import push_tensors
+    import ray
 
-    # the "trainer": weights that differ from the checkpoint, pushed as version 3
+    from engine.weights import numpy_state
+    from engine.weights.sync import push_object_store
+
+    # the "trainer": weights that differ from the checkpoint, synced as version 3 through Ray's object store
     model = load_causal_lm(tiny_model)
     with torch.no_grad():
         for p in model.parameters():
@@ -95,11 +98,16 @@ def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engin
 
     group = two_engines
     group.fault_tolerant = True
-    group.resync = lambda urls: push_tensors(urls, state, 3, bucket_bytes=2**30, timeout_s=60)
+    ref = ray.put(numpy_state(state))
+    group.resync = lambda slots: push_object_store(slots, ref, 3, timeout_s=60)
     # one check at start, then it sleeps until the rollout loop reports a failure
     monitor = HealthMonitor(group, interval_s=1000, timeout_s=10, first_wait_s=0).start()
     try:
-        push_tensors(group.serving(), state, 3, bucket_bytes=2**30, timeout_s=60)
+        push_object_store(group.serving_slots(), ref, 3, timeout_s=60)
+        with torch.no_grad():  # the engines serve exactly the trainer's weights
+            logits = model(torch.tensor([seq])).logits[0].float()
+        direct = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)
+        assert (_logprobs(group.slots[1].url, seq) - direct).abs().max() < 1e-4
         dead = group.slots[0]
         old_url, old_pid = dead.url, dead.info["pid"]
         os.kill(old_pid, signal.SIGKILL)  # the engine's actor process dies; nobody has told the group yet

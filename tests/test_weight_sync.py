@@ -95,7 +95,9 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
         work_dir = tmp_path
         train_group = FakeTrainGroup()
 
-    out = stages.push_weights(FakeRun(), [url], 8)
+    from types import SimpleNamespace
+
+    out = stages.push_weights(FakeRun(), [SimpleNamespace(url=url)], 8)
     assert written == [tmp_path / "weights" / "v000008"] and not written[0].exists()  # deleted after use
     assert out["sync/mb"] > 3.0
     after, version = _engine_logprobs(url, seq)
@@ -129,3 +131,17 @@ def test_wrong_weights_are_refused_and_change_nothing(setup):
     assert httpx.get(url + "/weight_version").json()["weight_version"] == version
     r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad], "load_format": None})
     assert r.status_code == 400 and "load_format" in r.json()["message"]
+
+
+def test_sglang_shaped_json_body_also_updates(setup):
+    from engine.rollout.client import EngineClient
+    from engine.weights import encode_tensors, unique_tensors
+
+    state, url, trainer = setup
+    seq = state.tokenize(SEQ_TEXT)
+    _train_a_little(trainer, 4)
+    # SGLang's UpdateWeightsFromTensorReqInput shape: one serialized entry per TP rank, version as a string
+    EngineClient(url).update_weights_from_tensor([encode_tensors(unique_tensors(trainer.model_state()))],
+                                                 load_format="safetensors", version=11, flush_cache=True)
+    after, version = _engine_logprobs(url, seq)
+    assert version == "11" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4

@@ -113,12 +113,12 @@ class TrainGroup:
         self._all("save_weights", path)
         return path
 
-    def push_weights(self, urls: list[str], version: int, *, bucket_bytes: int, timeout_s: float) -> dict:
-        """Rank 0 sends its weights straight to the engines (`/update_weights_from_tensor`, in buckets)."""
+    def weights_ref(self) -> tuple[Any, float]:
+        """(a reference to rank 0's weights in Ray's object store, their MB); the driver never holds the weights."""
         import ray
 
-        return ray.get(self.workers[0].push_weights.remote(urls, version, bucket_bytes, timeout_s),
-                       timeout=timeout_s)
+        ref, mb = self.workers[0].numpy_state.options(num_returns=2).remote()
+        return ref, ray.get(mb, timeout=self.timeout_s)
 
     def export_hf(self, path: str) -> None:
         self._all("export_hf", path)

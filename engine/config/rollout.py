@@ -78,10 +78,7 @@ class RolloutArgs(Section):
     """Seconds before the first health check (time for compilation and warm-up)."""
 
     weight_sync_method: Literal["tensor", "disk"] = "tensor"
-    """Trainer → engines: tensor (rank 0 posts bucketed tensors to /update_weights_from_tensor; built-in engine) or disk (versioned safetensors dir, /update_weights_from_disk)."""
-
-    update_weight_buffer_size: int = Field(512 * 2**20, ge=1)
-    """Bytes per weight-sync bucket (tensor mode)."""
+    """Trainer → engines: tensor (rank 0's weights through Ray's object store to the engine actors; built-in engine) or disk (versioned safetensors dir, /update_weights_from_disk)."""
 
     weight_sync_timeout: float = Field(600.0, gt=0)
     """Seconds one weight sync (all engines) may take before it fails."""
@@ -101,8 +98,9 @@ class RolloutArgs(Section):
         if self.weight_sync_method == "tensor" and self.rollout_engine == "sglang":
             errors.append(Diagnosis(
                 code="CONFIG", severity="error",
-                what="--weight-sync-method tensor sends base64 safetensors buckets, which only the built-in engine "
-                     "reads; SGLang's /update_weights_from_tensor takes CUDA IPC handles of the same host",
+                what="--weight-sync-method tensor hands the weights to the built-in engine's actor through Ray's object "
+                     "store; a SGLang server cannot take them that way (its /update_weights_from_tensor takes CUDA IPC "
+                     "handles of the same host)",
                 fix="--weight-sync-method disk with --rollout-engine sglang"))
         if errors:
             raise ConfigError(errors)

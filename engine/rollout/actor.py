@@ -33,6 +33,7 @@ class EngineActor:
     def __init__(self, spec: EngineSpec, index: int, registry: Any):
         self.spec, self.index, self.registry = spec, index, registry
         self.server: Any = None  # ServerThread (builtin) or LaunchedEngine (sglang)
+        self.state: Any = None  # the built-in engine's EngineState
         self.info: dict[str, Any] = {}
 
     def _ports(self, node: str, k: int) -> list[int]:
@@ -66,6 +67,7 @@ class EngineActor:
         device = f"cuda:{gpu_ids[0]}" if gpu_ids and torch.cuda.is_available() else "cpu"
         state = EngineState(self.spec.model_path, device=device, threads=self.spec.threads,
                             max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic)
+        self.state = state
         self.server = ServerThread(state, node, port)
         return self.server.start(timeout_s=self.spec.start_timeout_s), [port], None
 
@@ -84,6 +86,12 @@ class EngineActor:
                                      mem_fraction_static=mem_fraction_of(self.spec.sglang_args))
         url = self.server.start(self.spec.start_timeout_s)
         return url, [port, nccl_port, dist_port], self.server.proc.pid
+
+    def update_weights(self, named: dict, version: str) -> int:
+        """In-cluster weight sync: `named` arrives from Ray's object store (the caller passes a reference)."""
+        if self.state is None:
+            raise RuntimeError("weights by object store reach only the built-in engine; SGLang loads them from disk")
+        return self.state.update_from_named(named, version)
 
     def alive(self) -> bool:
         if self.spec.kind == "builtin":

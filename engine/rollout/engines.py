@@ -43,7 +43,7 @@ class EngineGroup:
         self.slots = [Slot(i, b) for i, b in enumerate(placement.layout.engine_bundles)]
         self.lock = threading.RLock()
         self.released = False  # colocated: memory handed to the trainer; health checks pause meanwhile
-        self.resync: Callable[[list[str]], None] | None = None  # pushes the current weights to these URLs
+        self.resync: Callable[[list[Slot]], None] | None = None  # gives these engines the current weights
         self.failures = threading.Event()  # set by report_failure: wakes the health monitor
         self.monitor = None
 
@@ -96,7 +96,7 @@ class EngineGroup:
             slot.actor = self._new_actor(slot)
             slot.info = ray.get(slot.actor.start.remote(), timeout=self.spec.start_timeout_s + 30)
             if self.resync is not None:
-                self.resync([slot.url])
+                self.resync([slot])
             slot.restarts += 1
             slot.serving = True
         log.warning("rollout engine %d restarted: %s → %s (restart %d)", slot.index, old, slot.url, slot.restarts)
@@ -111,6 +111,9 @@ class EngineGroup:
     # ---- what the rollout loop sees --------------------------------------------------------------------------
     def serving(self) -> list[str]:
         return [s.url for s in self.slots if s.serving and s.url]
+
+    def serving_slots(self) -> list[Slot]:
+        return [s for s in self.slots if s.serving and s.url]
 
     @property
     def urls(self) -> list[str]:

@@ -136,7 +136,7 @@ class EngineState:
                 self.weight_version = version
         return n
 
-    def update_from_tensors(self, blobs: list[str], version: str | None) -> int:
+    def update_from_tensors(self, blobs: list[str | bytes], version: str | None) -> int:
         from engine.weights import check_and_copy, decode_tensors
 
         if len(blobs) != 1:
@@ -145,6 +145,16 @@ class EngineState:
         named = decode_tensors(blobs[0])
         with self.generator.lock:
             n = check_and_copy(self.generator.model, named, full=False)
+            if version is not None:
+                self.weight_version = version
+        return n
+
+    def update_from_named(self, named: dict, version: str | None) -> int:
+        """A full state dict (tensors or numpy arrays, e.g. from Ray's object store) — the in-cluster path."""
+        from engine.weights import check_and_copy
+
+        with self.generator.lock:
+            n = check_and_copy(self.generator.model, named, full=True)
             if version is not None:
                 self.weight_version = version
         return n
@@ -264,14 +274,23 @@ def create_app(state: EngineState):
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
+        """SGLang's JSON body (base64 safetensors entries), or one raw safetensors blob with the options in the
+        query string (`application/octet-stream`: no base64, no JSON; what rollflow's sync sends)."""
         from engine.weights import TENSOR_LOAD_FORMAT
 
-        body = await _body(request)
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            q = request.query_params
+            body = {"load_format": q.get("load_format", TENSOR_LOAD_FORMAT), "weight_version": q.get("weight_version"),
+                    "abort_all_requests": q.get("abort_all_requests") == "true"}
+            blobs: list = [await request.body()]
+        else:
+            body = await _body(request)
+            blobs = list(body.get("serialized_named_tensors") or [])
         if body.get("load_format") != TENSOR_LOAD_FORMAT:
             return _err(400, f"load_format {body.get('load_format')!r}: the built-in engine takes "
-                             f"load_format={TENSOR_LOAD_FORMAT!r} (base64 safetensors blobs); SGLang's default "
-                             "format is pickled CUDA IPC handles, usable only on the same host")
-        return await _update(state.update_from_tensors, body, list(body.get("serialized_named_tensors") or []))
+                             f"load_format={TENSOR_LOAD_FORMAT!r} (safetensors blobs); SGLang's default format is "
+                             "pickled CUDA IPC handles, usable only on the same host")
+        return await _update(state.update_from_tensors, body, blobs)
 
     @app.post("/release_memory_occupation")
     async def release():

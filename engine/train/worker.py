@@ -52,13 +52,12 @@ class TrainWorker:
             save_weights_dir(self.backend.model_state(), path)
         return path
 
-    def push_weights(self, urls: list[str], version: int, bucket_bytes: int, timeout_s: float) -> dict[str, float]:
-        """Rank 0 sends the policy's weights to the engines' /update_weights_from_tensor (engine/weights/sync.py)."""
-        from engine.weights.sync import push_tensors
+    def numpy_state(self) -> tuple[dict, float]:
+        """(the policy's weights as numpy arrays, their MB): returned into Ray's object store for the engines."""
+        from engine.weights import numpy_state
 
-        if self.rank != 0:
-            return {}
-        return push_tensors(urls, self.backend.model_state(), version, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        state = numpy_state(self.backend.model_state())
+        return state, sum(a.nbytes for a in state.values()) / 2**20
 
     def export_hf(self, path: str) -> None:
         if self.rank == 0:
