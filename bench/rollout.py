@@ -221,6 +221,9 @@ def load_average() -> list[float]:
 
 
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the engine processes
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench/results/rollout-cpu.json"))
     ap.add_argument("--repeats", type=int, default=3)

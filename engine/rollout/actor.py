@@ -54,7 +54,8 @@ class EngineActor:
             url, ports, child = self._start_builtin(node, gpu_ids)
         else:
             url, ports, child = self._start_sglang(node, base_gpu, log)
-        self.info = {"url": url, "node": node, "pid": os.getpid(), "child_pid": child, "gpu_ids": gpu_ids,
+        self.info = {"url": url, "node": node, "node_id": ray.get_runtime_context().get_node_id(),
+                     "pid": os.getpid(), "child_pid": child, "gpu_ids": gpu_ids,
                      "base_gpu_id": base_gpu, "ports": ports, "log": log if self.spec.kind == "sglang" else None}
         return self.info
 
@@ -109,3 +110,14 @@ class EngineActor:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+
+def kill_process_group(pgid: int) -> bool:
+    """Kill a launched server's process group (it runs in its own session, so it outlives a SIGKILLed actor)."""
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False

@@ -75,13 +75,23 @@ class EngineGroup:
 
     def _kill(self, slot: Slot) -> None:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from engine.rollout.actor import kill_process_group
 
         if slot.actor is None:
             return
         try:
             ray.get(slot.actor.stop.remote(), timeout=15)
-        except Exception:  # dead or hung: a launched SGLang child is orphaned only if its node is unreachable
-            pass
+        except Exception:  # the actor is dead or hung: a server it launched may still hold its GPUs
+            pgid = slot.info.get("child_pid")
+            if pgid:
+                on_node = NodeAffinitySchedulingStrategy(slot.info["node_id"], soft=False)
+                try:
+                    ray.get(ray.remote(num_cpus=0)(kill_process_group).options(
+                        scheduling_strategy=on_node).remote(pgid), timeout=30)
+                except Exception as e:
+                    log.error("could not kill engine %d's server process group %s: %s", slot.index, pgid, e)
         ray.kill(slot.actor, no_restart=True)
         slot.actor = None
 
