@@ -145,8 +145,8 @@ def test_balance_data_evens_out_ranks_that_strided_leaves_unequal():
     # {300,200,150} (1000, 1000, 650); DP 2 needs 4 → {900,100} halves into {900} {100}.
     # strided: rank 0 = {900} + {300,200,150} = 1550, rank 1 = 1000 + 100 = 1100 → 1550 / 1325 = 1.170.
     # KK: runs (650|100), (1000|900) → 650+900 | 100+1000: the same 1550 | 1100. Then the best transfer for gap
-    # 450 (δ closest to 225, bins ≤ 1000): swap 300 ↔ 100 (δ = 200) → 1350 | 1300 → 1350 / 1325 = 1.019; the
-    # next gap, 50, is smaller than any sample, so it stops.
+    # 450 (δ closest to 225, bins ≤ 1000): move 200 into rank 1's {100} (δ = 200; the swap 300 ↔ 100 ties and a
+    # move is preferred) → 1350 | 1300 → 1350 / 1325 = 1.019; the next gap, 50, is below any sample: stop.
     lengths = [900, 400, 350, 300, 250, 200, 150, 100]
     F = [float(x) for x in lengths]
     kw = dict(dp_size=2, global_batch_size=8, max_tokens_per_gpu=1000, flops=F)
@@ -156,7 +156,7 @@ def test_balance_data_evens_out_ranks_that_strided_leaves_unequal():
         assert_schedule(s, lengths, dp_size=2, global_batch_size=8, cap=1000)
     assert schedule_stats(plain, lengths, F, 1000)["dp_imbalance"] == pytest.approx(1550 / 1325)
     assert schedule_stats(balanced, lengths, F, 1000)["dp_imbalance"] == pytest.approx(1350 / 1325)
-    assert sorted(sorted(lengths[i] for i in mb) for mb in balanced[0].ranks[1]) == [[250, 350, 400], [300]]
+    assert sorted(sorted(lengths[i] for i in mb) for mb in balanced[0].ranks[1]) == [[100, 200], [250, 350, 400]]
 
 
 def test_schedule_stats_by_hand():

@@ -86,11 +86,12 @@ def batch_plan(*, rollout_batch_size: int, n_samples_per_prompt: int, num_rollou
     else:
         g = bn  # one optimizer step per rollout
     if g % unit:
-        why = "every rank needs the same number of micro-batches" if dynamic else "static batch"
+        why = ("every rank must run the same number of micro-batches, one sample each in the worst case"
+               if dynamic else "every rank runs G / (micro_batch_size·DP) micro-batches of micro_batch_size samples")
         by_g = f"--global-batch-size one of {good} (that is --num-steps-per-rollout {ks})" if good else ""
         by_mbs = f"--micro-batch-size one of {_divisors(g // dp_size)}" if not dynamic and g % dp_size == 0 else ""
         by_dyn = "--use-dynamic-batch-size --max-tokens-per-gpu N" if not dynamic and g % dp_size == 0 else ""
-        raise rf06(f"global batch G = {g} is not {need} ({why}; DP = {dp_size} data-parallel ranks)",
+        raise rf06(f"global batch G = {g} is not {need} ({why})",
                    by_g, by_mbs, by_dyn)
     k = bn // g
     return BatchPlan(samples_per_rollout=bn, global_batch_size=g, num_steps_per_rollout=k,

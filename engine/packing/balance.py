@@ -14,8 +14,9 @@ O(n log n) and within a few per mille on the many-item inputs a DP schedule give
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from typing import Any
+
+import numpy as np
 
 
 def _flatten(tree: Any) -> list[int]:
@@ -86,9 +87,10 @@ def rebalance(groups: list[list[list[int]]], lengths: list[int], flops: list[flo
     Samples already over the cap (alone in their bin) never move.
     """
     groups = [[list(b) for b in g] for g in groups]
-    limit = float("inf") if cap is None else cap
-    F = [sum(flops[i] for b in g for i in b) for g in groups]
-    T = [[sum(lengths[i] for i in b) for b in g] for g in groups]
+    limit = float("inf") if cap is None else float(cap)
+    lengths_np, flops_np = np.asarray(lengths, dtype=np.float64), np.asarray(flops, dtype=np.float64)
+    F = [sum(sum(map(flops.__getitem__, b)) for b in g) for g in groups]
+    T = [[sum(map(lengths.__getitem__, b)) for b in g] for g in groups]
     mean = sum(F) / len(F)
     hi = [(-f, g) for g, f in enumerate(F)]
     lo = [(f, g) for g, f in enumerate(F)]
@@ -110,7 +112,7 @@ def rebalance(groups: list[list[list[int]]], lengths: list[int], flops: list[flo
             heapq.heappush(lo, (F[g], g))
         best = None
         for l in lightest:
-            best = _best_transfer(groups, T, h, l, F[h] - F[l], lengths, flops, limit, moves)
+            best = _best_transfer(groups, T, h, l, F[h] - F[l], lengths_np, flops_np, limit, moves)
             if best is not None:
                 break
         if best is None:
@@ -134,29 +136,48 @@ def rebalance(groups: list[list[list[int]]], lengths: list[int], flops: list[flo
     return groups
 
 
-def _best_transfer(groups, T, h: int, l: int, gap: float, lengths, flops, limit: float, moves: bool):
-    """(δ, (bin in h, sample s), (l, bin in l, sample t or None)) with δ ∈ (0, gap) closest to gap/2, or None."""
+def _best_transfer(groups, T, h: int, l: int, gap: float, lengths: np.ndarray, flops: np.ndarray, limit: float,
+                   moves: bool):
+    """(δ, (bin in h, sample s), (l, bin in l, sample t or None)) with δ ∈ (0, gap) closest to gap/2, or None.
+
+    Vectorised over the samples of h: a move s → l's roomiest bin has δ = f_s; a swap s ↔ t has δ = f_s − f_t,
+    with t among the 4 samples of l whose f_t is nearest f_s − gap/2 (bisection on l's sorted FLOPs).
+    """
     if gap <= 0 or not groups[l]:  # a group without micro-batches has nowhere to put a sample
         return None
     want = gap / 2
-    best, best_err = None, gap / 2  # only δ ∈ (0, gap) qualifies: |δ − gap/2| < gap/2
-    room = [limit - x for x in T[l]]
-    widest = max(range(len(room)), key=room.__getitem__)
-    # swaps: s ∈ h for t ∈ l, δ = f_s − f_t; candidates t by bisection on f_t ≈ f_s − gap/2
-    mine = sorted((flops[t], t, bl) for bl, b in enumerate(groups[l]) for t in b if T[l][bl] <= limit)
-    keys = [x[0] for x in mine]
-    for bh, b in enumerate(groups[h]):
-        if T[h][bh] > limit:
-            continue  # a lone oversize sample stays where it is
-        for s in b:
-            fs, Ls = flops[s], lengths[s]
-            if moves and len(b) > 1 and Ls <= room[widest] and abs(fs - want) < best_err:
-                best, best_err = (fs, (bh, s), (l, widest, None)), abs(fs - want)
-            pos = bisect_left(keys, fs - want)
-            for k in range(max(0, pos - 2), min(len(mine), pos + 2)):
-                ft, t, bl = mine[k]
-                d = fs - ft
-                if (abs(d - want) < best_err and T[h][bh] - Ls + lengths[t] <= limit
-                        and T[l][bl] - lengths[t] + Ls <= limit):
-                    best, best_err = (d, (bh, s), (l, bl, t)), abs(d - want)
+    # samples of h that may leave: not a lone oversize sample (bin over the cap)
+    hb = [(s, bh) for bh, b in enumerate(groups[h]) if T[h][bh] <= limit for s in b]
+    if not hb:
+        return None
+    s_idx, s_bin = np.array([x[0] for x in hb]), np.array([x[1] for x in hb])
+    fs, Ls = flops[s_idx], lengths[s_idx]
+    Th = np.asarray(T[h], dtype=np.float64)[s_bin]
+    best, best_err = None, want  # only δ ∈ (0, gap) qualifies: |δ − gap/2| < gap/2
+    if moves:
+        room = limit - np.asarray(T[l], dtype=np.float64)
+        w = int(np.argmax(room))
+        size = np.array([len(b) for b in groups[h]])[s_bin]
+        err = np.where((size > 1) & (Ls <= room[w]), np.abs(fs - want), np.inf)  # never empty a bin
+        k = int(np.argmin(err))
+        if err[k] < best_err:
+            best, best_err = (float(fs[k]), (int(s_bin[k]), int(s_idx[k])), (l, w, None)), float(err[k])
+    lb = [(t, bl) for bl, b in enumerate(groups[l]) if T[l][bl] <= limit for t in b]
+    if lb:
+        t_idx, t_bin = np.array([x[0] for x in lb]), np.array([x[1] for x in lb])
+        order = np.argsort(flops[t_idx], kind="stable")
+        t_idx, t_bin = t_idx[order], t_bin[order]
+        ft, Lt = flops[t_idx], lengths[t_idx]
+        Tl = np.asarray(T[l], dtype=np.float64)[t_bin]
+        pos = np.searchsorted(ft, fs - want)
+        for off in (-2, -1, 0, 1):
+            k = np.clip(pos + off, 0, len(ft) - 1)
+            d = fs - ft[k]
+            legal = (Th - Ls + Lt[k] <= limit) & (Tl[k] - Lt[k] + Ls <= limit)
+            err = np.where(legal, np.abs(d - want), np.inf)
+            j = int(np.argmin(err))
+            if err[j] < best_err:
+                kk = int(k[j])
+                best, best_err = (float(d[j]), (int(s_bin[j]), int(s_idx[j])),
+                                  (l, int(t_bin[kk]), int(t_idx[kk]))), float(err[j])
     return best

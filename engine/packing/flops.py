@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.doctor.diagnosis import ConfigError, Diagnosis
 
 
@@ -63,9 +65,9 @@ class ModelShape:
                           num_moe_layers=moe_layers, moe_ffn_hidden_size=moe_f)
 
 
-def sequence_flops(length: int, m: ModelShape) -> float:
-    """Forward FLOPs of one sequence of `length` tokens (the formula in the module docstring)."""
-    L, h = float(length), m.hidden_size
+def sequence_flops(length, m: ModelShape):
+    """Forward FLOPs of a sequence of `length` tokens (the module docstring's formula); length may be an array."""
+    L, h = length * 1.0, m.hidden_size
     ad, gd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     attn = 2 * L * h * ad + 4 * L * h * gd + 2 * m.num_heads * L * L * m.head_dim + 2 * L * ad * h
     dense = m.num_layers - m.num_moe_layers
@@ -74,5 +76,5 @@ def sequence_flops(length: int, m: ModelShape) -> float:
 
 
 def flops_per_sample(lengths: list[int], m: ModelShape) -> list[float]:
-    """[N] forward FLOPs of each sample, for build_dp_schedule(flops=...)."""
-    return [sequence_flops(L, m) for L in lengths]
+    """[N] forward FLOPs of each sample, for build_dp_schedule(flops=...): sequence_flops on an array."""
+    return sequence_flops(np.asarray(lengths, dtype=np.float64), m).tolist()

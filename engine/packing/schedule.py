@@ -45,22 +45,23 @@ class Step:
 def best_fit_decreasing(idx: list[int], lengths: list[int], cap: int) -> list[list[int]]:
     """Bins of total length ≤ cap, longest sample first into the fullest bin it fits; a sample > cap sits alone.
 
-    Open bins are kept as a sorted list of (room, bin) so the best fit is one bisect: O(n log n + n·bins/…).
+    Open bins are one sorted list of room·M + bin id (M > any bin id), so the best fit is one bisect.
     """
     bins: list[list[int]] = []
-    room: list[tuple[int, int]] = []  # (tokens left, bin id), sorted; full bins leave the list
-    for i in sorted(idx, key=lambda i: (-lengths[i], i)):
+    M = len(lengths) + 1
+    room: list[int] = []  # sorted room·M + bin; full bins leave the list
+    for i in sorted(idx, key=lengths.__getitem__, reverse=True):  # stable: equal lengths keep index order
         L = lengths[i]
-        pos = bisect_left(room, (L, -1))
+        pos = bisect_left(room, L * M)
         if pos < len(room):
-            left, b = room.pop(pos)
+            left, b = divmod(room.pop(pos), M)
             bins[b].append(i)
-            if left - L > 0:
-                insort(room, (left - L, b))
+            if left > L:
+                insort(room, (left - L) * M + b)
         else:
             bins.append([i])
             if L < cap:
-                insort(room, (cap - L, len(bins) - 1))
+                insort(room, (cap - L) * M + len(bins) - 1)
     return bins
 
 
@@ -77,7 +78,7 @@ def least_loaded_fit(idx: list[int], lengths: list[int], cost: list[float], cap:
     room = [cap] * num_bins
     ready = [(0.0, b) for b in range(num_bins)]  # (cost load, bin): room ≥ the current sample's length
     waiting: list[tuple[int, float, int]] = []  # (−room, cost load, bin)
-    for i in sorted(idx, key=lambda i: (-lengths[i], -cost[i], i)):
+    for i in sorted(idx, key=lengths.__getitem__, reverse=True):
         L = lengths[i]
         while waiting and -waiting[0][0] >= L:
             _, load, b = heapq.heappop(waiting)
@@ -128,7 +129,7 @@ def split_to_multiple(bins: list[list[int]], cost: list[float], dp_size: int) ->
     """
     bins = [list(b) for b in bins]
     target = max(dp_size, -(-len(bins) // dp_size) * dp_size)  # ⌈K / DP⌉·DP, e.g. 13 bins, DP 4 → 16
-    heap = [(-sum(cost[i] for i in b), j) for j, b in enumerate(bins) if len(b) > 1]
+    heap = [(-sum(map(cost.__getitem__, b)), j) for j, b in enumerate(bins) if len(b) > 1]
     heapq.heapify(heap)
     while len(bins) < target:
         if not heap:
@@ -142,17 +143,20 @@ def split_to_multiple(bins: list[list[int]], cost: list[float], dp_size: int) ->
         bins.append(b)
         for k, half in ((j, a), (len(bins) - 1, b)):
             if len(half) > 1:
-                heapq.heappush(heap, (-sum(cost[i] for i in half), k))
+                heapq.heappush(heap, (-sum(map(cost.__getitem__, half)), k))
     return bins
 
 
 # ---- the schedule ----------------------------------------------------------------------------------------------
 def _steps_of_trajectories(n: int, global_batch_size: int, rollout_ids: list[int] | None) -> list[list[int]]:
     """Sample indices of each step: global_batch_size trajectories per step, in order of first appearance."""
-    groups: dict[int, list[int]] = {}
-    for i, rid in enumerate(rollout_ids if rollout_ids is not None else range(n)):
-        groups.setdefault(rid, []).append(i)
-    trajectories = list(groups.values())
+    if rollout_ids is None:  # every sample its own trajectory
+        trajectories = [[i] for i in range(n)]
+    else:
+        groups: dict[int, list[int]] = {}
+        for i, rid in enumerate(rollout_ids):
+            groups.setdefault(rid, []).append(i)
+        trajectories = list(groups.values())
     if len(trajectories) % global_batch_size:
         raise ValueError(f"{len(trajectories)} trajectories ({n} samples) are not a multiple of global_batch_size = "
                          f"{global_batch_size}: a step holds global_batch_size whole trajectories")
@@ -190,7 +194,7 @@ def build_dp_schedule(lengths: list[int], *, dp_size: int, global_batch_size: in
         if cap is not None:
             bins = best_fit_decreasing(idx, lengths, cap)
             if balance_by_flops:  # as many bins as tokens need, filled by FLOPs
-                fitting = sum(1 for b in bins if sum(lengths[i] for i in b) <= cap)
+                fitting = sum(1 for b in bins if sum(map(lengths.__getitem__, b)) <= cap)
                 bins = least_loaded_fit(idx, lengths, weight, cap, fitting)
         elif balance_by_flops:
             bins = balanced_chunks(idx, weight, micro_batch_size)
@@ -198,7 +202,7 @@ def build_dp_schedule(lengths: list[int], *, dp_size: int, global_batch_size: in
             bins = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
         bins = split_to_multiple(bins, cost, dp_size)
         if balance_data:
-            parts = karmarkar_karp([sum(weight[i] for i in b) for b in bins], dp_size, equal_size=True)
+            parts = karmarkar_karp([sum(map(weight.__getitem__, b)) for b in bins], dp_size, equal_size=True)
             ranks = [[bins[j] for j in part] for part in parts]
             # KK places whole micro-batches; with few per rank single-sample transfers finish the job
             ranks = rebalance(ranks, lengths, weight, cap, moves=max_tokens_per_gpu is not None)
@@ -216,11 +220,11 @@ def schedule_stats(steps: list[Step], lengths: list[int], flops: list[float], ca
     a rank's FLOPs in the step: the share of step time ranks spend waiting for the slowest (1.0 = none).
     """
     mbs = [mb for s in steps for mb in s.micro_batches]
-    tokens = [sum(lengths[i] for i in mb) for mb in mbs]
+    tokens = [sum(map(lengths.__getitem__, mb)) for mb in mbs]
     dp = len(steps[0].ranks)
     slowest = mean = 0.0
     for s in steps:
-        per_rank = [sum(flops[i] for mb in rank for i in mb) for rank in s.ranks]
+        per_rank = [sum(sum(map(flops.__getitem__, mb)) for mb in rank) for rank in s.ranks]
         slowest += max(per_rank)
         mean += sum(per_rank) / dp
     budget = cap if cap is not None else max(tokens)
