@@ -1,5 +1,7 @@
-"""Pack/balance: the DP schedule's invariants (one helper, every test), KK, FLOPs, micro-batches, RF06."""
+"""Pack/balance: the DP schedule's invariants (one helper, every test), KK, FLOPs, micro-batches, RF03/RF06/RF07."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -307,3 +309,95 @@ def test_rf06_messages_show_the_numbers_and_the_fix(kw, what, fix):
     with pytest.raises(ConfigError) as e:
         batch_plan(**{**base, **kw})
     assert e.value.codes == ["RF06"] and what in str(e.value) and fix in str(e.value), str(e.value)
+
+
+# ---- config: RF03, CP, RF07 ------------------------------------------------------------------------------------
+def test_rf03_dynamic_batch_needs_a_cap_and_suggests_response_len_over_cp():
+    from engine.config import RunConfig
+    from engine.doctor.checks import Environment, dynamic_batch_needs_cap
+
+    env = Environment()
+    # no cap: error; safe start = rollout_max_response_len / cp = 8192 / 2 = 4096
+    cfg = RunConfig(use_dynamic_batch_size=True, rollout_max_response_len=8192, context_parallel_size=2,
+                    actor_num_gpus_per_node=2)
+    (d,) = dynamic_batch_needs_cap(cfg, env)
+    assert (d.code, d.severity) == ("RF03", "error") and "--max-tokens-per-gpu 4096" in d.fix
+    # a cap without dynamic batching does nothing: warned
+    (d,) = dynamic_batch_needs_cap(RunConfig(max_tokens_per_gpu=4096), env)
+    assert d.severity == "warning" and "no effect without --use-dynamic-batch-size" in d.what
+    # one response (8192) > cap·cp = 2048·2 = 4096: warned, fix CP = ⌈8192/2048⌉ = 4
+    cfg = RunConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=2048, rollout_max_response_len=8192,
+                    context_parallel_size=2, actor_num_gpus_per_node=2)
+    (d,) = dynamic_batch_needs_cap(cfg, env)
+    assert d.severity == "warning" and "2048·2 = 4096" in d.what and "--context-parallel-size 4" in d.fix
+    cfg = RunConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=8192, rollout_max_response_len=8192)
+    assert dynamic_batch_needs_cap(cfg, env) == []
+
+
+def test_context_parallel_divides_dp_and_needs_megatron():
+    from engine.config import RunConfig
+    from engine.doctor.checks import Environment, context_parallel_layout
+
+    cfg = RunConfig(actor_num_nodes=2, actor_num_gpus_per_node=4, context_parallel_size=2, train_backend="megatron",
+                    rollout_batch_size=4, n_samples_per_prompt=4)
+    assert cfg.dp_size == 4  # 2·4 GPUs / CP 2
+    assert context_parallel_layout(cfg, Environment()) == []
+    (d,) = context_parallel_layout(cfg.model_copy(update={"train_backend": "torch"}), Environment())
+    assert d.severity == "error" and "--context-parallel-size 2 with --train-backend torch" in d.what
+    (d,) = context_parallel_layout(cfg.model_copy(update={"context_parallel_size": 3}), Environment())
+    assert "8 train GPUs" in d.what and "not a multiple of --context-parallel-size 3" in d.what
+
+
+def test_moe_allgather_dispatcher_is_switched_to_alltoall_with_a_log_line(caplog):
+    from engine.config import RunConfig
+
+    with caplog.at_level(logging.WARNING, logger="rollflow.packing"):
+        cfg = RunConfig(moe_token_dispatcher_type="allgather")
+    assert cfg.moe_token_dispatcher_type == "alltoall"
+    assert any("[RF07]" in r.message and "switched to alltoall" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollflow.packing"):
+        assert RunConfig(moe_token_dispatcher_type="flex").moe_token_dispatcher_type == "flex"
+    assert not caplog.records
+
+
+def test_varlen_packing_has_no_off_switch():
+    from engine.config import RunConfig
+
+    # slime forces variable_seq_lengths = True; here no flag may exist to turn packing (THD / varlen) off
+    names = set(RunConfig.model_fields)
+    assert not {n for n in names if any(w in n for w in ("varlen", "variable_seq", "qkv_format", "no_pack",
+                                                         "packing"))}
+
+
+# ---- the pack stage, without Ray or Prefect --------------------------------------------------------------------
+def test_pack_stage_builds_equal_micro_batch_counts_and_logs_the_metrics(tmp_path, tiny_model):
+    from engine.config import RunConfig
+    from engine.run import Run
+    from engine.stages import RolloutBatch, pack
+
+    # B·n = 4·4 = 16 samples, k = 2 → G = 8, DP = 2, dynamic cap 40 tokens
+    cfg = RunConfig(hf_checkpoint=tiny_model, rollout_batch_size=4, n_samples_per_prompt=4, num_steps_per_rollout=2,
+                    actor_num_gpus_per_node=2, use_dynamic_batch_size=True, max_tokens_per_gpu=40,
+                    balance_data=True, work_dir=str(tmp_path))
+    groups = [[_sample(g * 4 + j, [1] * (3 + g), [2] * (5 + 3 * j), [-0.1] * (5 + 3 * j)) for j in range(4)]
+              for g in range(4)]
+    for g in groups:
+        for j, s in enumerate(g):
+            s.reward = float(j % 2)
+    packed = pack(Run(cfg), RolloutBatch(0, groups, {}))
+    lengths = [len(s.tokens) for g in groups for s in g]
+    steps = [Step(ranks=[[mb.sample_ids for mb in packed.per_rank_steps[r][k]] for r in range(2)])
+             for k in range(2)]
+    assert_schedule(steps, lengths, dp_size=2, global_batch_size=8, cap=40)
+    m = packed.metrics
+    assert m["pack/micro_batches"] == sum(len(s.micro_batches) for s in steps)
+    assert m["pack/micro_batches_per_rank"] == m["pack/micro_batches"] / 2
+    assert m["pack/tokens"] == sum(lengths) and 0 < m["pack/efficiency"] <= 1
+    assert 1.0 <= m["pack/dp_imbalance"] <= 1.1
+    # advantages reach the tokens: the GRPO advantage of sample 1 (reward 1 in a 0/1/0/1 group) is positive
+    mb = next(mb for r in packed.per_rank_steps for st_ in r for mb in st_ if 1 in mb.sample_ids)
+    j = mb.sample_ids.index(1)
+    lo, hi = mb.cu_seqlens[j].item(), mb.cu_seqlens[j + 1].item()
+    assert (mb.advantages[lo:hi][mb.loss_mask[lo:hi] > 0] > 0).all()
+    assert torch.equal(mb.position_ids[lo:hi], torch.arange(hi - lo))
