@@ -3,8 +3,9 @@
 Pack first, distribute second. For each optimizer step (global_batch_size trajectories):
   1. pack the step's samples into micro-batches (bins):
        dynamic (max_tokens_per_gpu set): best-fit decreasing on tokens under cap = max_tokens_per_gpu·cp_size,
-                 a sample longer than the cap alone in its bin; with balance_by_flops the same bins then trade
-                 single samples (moves and swaps that keep every bin under the cap) to even out their FLOPs;
+                 a sample longer than the cap alone in its bin; with balance_by_flops as many bins as best fit
+                 needs are filled by FLOPs instead (longest sample first into the bin of least FLOPs that still
+                 has room under the cap; a new bin only when none has room);
        static:   micro_batch_size samples per bin, in order; with balance_by_flops the bins are drawn by
                  Karmarkar–Karp on FLOPs with equal part sizes (still micro_batch_size samples each);
   2. make the bin count a multiple of dp_size (and ≥ dp_size) by splitting the largest multi-sample bins in two;
@@ -216,8 +217,9 @@ def schedule_stats(steps: list[Step], lengths: list[int], flops: list[float], ca
     """What pack logs per rollout: packing efficiency, DP imbalance, micro-batches per rank.
 
     efficiency = real tokens / (micro-batches × cap); without a cap (static mode) the largest micro-batch stands
-    for the cap (what a fixed memory budget must hold). dp_imbalance = Σ_steps max_r F / Σ_steps mean_r F, F =
-    a rank's FLOPs in the step: the share of step time ranks spend waiting for the slowest (1.0 = none).
+    for the cap (what a fixed memory budget must hold); above 1 when samples longer than the cap sit alone.
+    dp_imbalance = Σ_steps max_r F / Σ_steps mean_r F, F = a rank's FLOPs in the step: how much longer the
+    slowest rank computes than the average one (1.0 = no rank waits).
     """
     mbs = [mb for s in steps for mb in s.micro_batches]
     tokens = [sum(map(lengths.__getitem__, mb)) for mb in mbs]
