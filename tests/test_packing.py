@@ -138,7 +138,12 @@ def test_model_shape_from_hf_config(tiny_model):
                                      "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
                                      "moe_intermediate_size": 768})
     assert (moe.num_moe_layers, moe.moe_ffn_hidden_size, moe.head_dim) == (48, 6144, 128)
-    with pytest.raises(ConfigError, match="lacks num_attention_heads"):
+    # Mixtral-like: top-2 of 8 experts of width intermediate_size 14336 → 2·14336 = 28672, h / a = 4096/32 = 128
+    mix = ModelShape.from_hf_config({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                                     "num_key_value_heads": 8, "vocab_size": 32000, "intermediate_size": 14336,
+                                     "num_local_experts": 8, "num_experts_per_tok": 2})
+    assert (mix.num_moe_layers, mix.moe_ffn_hidden_size, mix.head_dim) == (32, 28672, 128)
+    with pytest.raises(ConfigError, match="lacks num_attention_heads, intermediate_size"):
         ModelShape.from_hf_config({"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 3})
 
 

@@ -41,27 +41,29 @@ class ModelShape:
             path = path / "config.json" if path.is_dir() else path
             config = json.loads(path.read_text())
         c = config.get("text_config", config)  # multimodal configs nest the language model's
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") if k not in c]
+        required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [k for k in required if not c.get(k)]
         if missing:
             raise ConfigError(Diagnosis(
                 code="MODEL", severity="error",
                 what=f"the model config lacks {', '.join(missing)}: the FLOPs estimate used to balance DP ranks "
-                     "cannot be computed", fix="--hf-checkpoint a Hugging Face decoder model (config.json with "
-                                              "num_hidden_layers, hidden_size, num_attention_heads, vocab_size)",
+                     "cannot be computed", fix=f"--hf-checkpoint a Hugging Face decoder model (config.json with "
+                                              f"{', '.join(required)})",
                 facts={"missing": missing}))
         h, a, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
         top_k = c.get("num_experts_per_tok") or c.get("moe_router_topk") or 0
         experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0
         moe_layers, moe_f = 0, 0
-        if top_k and experts and c.get("moe_intermediate_size"):
+        if top_k and experts:  # Qwen-MoE / DeepSeek name the expert width; Mixtral's experts are intermediate_size
+            f_expert = c.get("moe_intermediate_size") or c["intermediate_size"]
             dense = len(c.get("mlp_only_layers") or []) or int(c.get("first_k_dense_replace") or 0)
             moe_layers = layers - dense
-            shared = c.get("shared_expert_intermediate_size") or (
-                c.get("n_shared_experts", 0) * c["moe_intermediate_size"])
-            moe_f = top_k * c["moe_intermediate_size"] + shared
+            shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * f_expert
+            moe_f = top_k * f_expert + shared
+        # transformers' own defaults: no num_key_value_heads = multi-head attention, no head_dim = h / a
         return ModelShape(num_layers=layers, hidden_size=h, num_heads=a,
                           num_kv_heads=c.get("num_key_value_heads") or a, head_dim=c.get("head_dim") or h // a,
-                          ffn_hidden_size=c.get("intermediate_size") or 4 * h, vocab_size=c["vocab_size"],
+                          ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"],
                           num_moe_layers=moe_layers, moe_ffn_hidden_size=moe_f)
 
 
