@@ -19,9 +19,18 @@ without breaking the token cap or the micro-batch counts, brings it to 0.1 %.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
 from typing import Any
 
 import numpy as np
+
+
+def bin_sums(bins: list[list[int]], values) -> list[float]:
+    """[K] Σ values[i] over each bin (one numpy bincount instead of K Python sums)."""
+    sizes = [len(b) for b in bins]
+    flat = np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=sum(sizes))
+    ids = np.repeat(np.arange(len(bins)), sizes)
+    return np.bincount(ids, weights=np.asarray(values, dtype=np.float64)[flat], minlength=len(bins)).tolist()
 
 
 def _flatten(tree: Any) -> list[int]:
@@ -94,8 +103,9 @@ def rebalance(groups: list[list[list[int]]], lengths: list[int], flops: list[flo
     groups = [[list(b) for b in g] for g in groups]
     limit = float("inf") if cap is None else float(cap)
     lengths_np, flops_np = np.asarray(lengths, dtype=np.float64), np.asarray(flops, dtype=np.float64)
-    F = [sum(sum(map(flops.__getitem__, b)) for b in g) for g in groups]
-    T = [[sum(map(lengths.__getitem__, b)) for b in g] for g in groups]
+    F = bin_sums([list(chain.from_iterable(g)) for g in groups], flops)
+    flat_T = iter(bin_sums([b for g in groups for b in g], lengths))
+    T = [[next(flat_T) for _ in g] for g in groups]
     mean = sum(F) / len(F)
     hi = [(-f, g) for g, f in enumerate(F)]
     lo = [(f, g) for g, f in enumerate(F)]

@@ -25,8 +25,9 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 from dataclasses import dataclass
+from itertools import chain
 
-from engine.packing.balance import karmarkar_karp, rebalance
+from engine.packing.balance import bin_sums, karmarkar_karp, rebalance
 
 
 @dataclass
@@ -55,10 +56,15 @@ def best_fit_decreasing(idx: list[int], lengths: list[int], cap: int) -> list[li
         L = lengths[i]
         pos = bisect_left(room, L * M)
         if pos < len(room):
-            left, b = divmod(room.pop(pos), M)
+            left, b = divmod(room[pos], M)
             bins[b].append(i)
-            if left > L:
-                insort(room, (left - L) * M + b)
+            if left > L:  # the bin's room shrinks: it moves left, to q ≤ pos; shift only room[q:pos]
+                v = (left - L) * M + b
+                q = bisect_left(room, v, 0, pos)
+                room[q + 1:pos + 1] = room[q:pos]
+                room[q] = v
+            else:
+                del room[pos]
         else:
             bins.append([i])
             if L < cap:
@@ -130,7 +136,7 @@ def split_to_multiple(bins: list[list[int]], cost: list[float], dp_size: int) ->
     """
     bins = [list(b) for b in bins]
     target = max(dp_size, -(-len(bins) // dp_size) * dp_size)  # ⌈K / DP⌉·DP, e.g. 13 bins, DP 4 → 16
-    heap = [(-sum(map(cost.__getitem__, b)), j) for j, b in enumerate(bins) if len(b) > 1]
+    heap = [(-c, j) for j, (b, c) in enumerate(zip(bins, bin_sums(bins, cost))) if len(b) > 1]
     heapq.heapify(heap)
     while len(bins) < target:
         if not heap:
@@ -151,8 +157,8 @@ def split_to_multiple(bins: list[list[int]], cost: list[float], dp_size: int) ->
 # ---- the schedule ----------------------------------------------------------------------------------------------
 def _steps_of_trajectories(n: int, global_batch_size: int, rollout_ids: list[int] | None) -> list[list[int]]:
     """Sample indices of each step: global_batch_size trajectories per step, in order of first appearance."""
-    if rollout_ids is None:  # every sample its own trajectory
-        trajectories = [[i] for i in range(n)]
+    if rollout_ids is None:  # every sample its own trajectory: steps are consecutive runs of G samples
+        trajectories: list[list[int]] | range = range(n)
     else:
         groups: dict[int, list[int]] = {}
         for i, rid in enumerate(rollout_ids):
@@ -161,6 +167,8 @@ def _steps_of_trajectories(n: int, global_batch_size: int, rollout_ids: list[int
     if len(trajectories) % global_batch_size:
         raise ValueError(f"{len(trajectories)} trajectories ({n} samples) are not a multiple of global_batch_size = "
                          f"{global_batch_size}: a step holds global_batch_size whole trajectories")
+    if rollout_ids is None:
+        return [list(range(s, s + global_batch_size)) for s in range(0, n, global_batch_size)]
     return [[i for t in trajectories[s:s + global_batch_size] for i in t]
             for s in range(0, len(trajectories), global_batch_size)]
 
@@ -195,7 +203,7 @@ def build_dp_schedule(lengths: list[int], *, dp_size: int, global_batch_size: in
         if cap is not None:
             bins = best_fit_decreasing(idx, lengths, cap)
             if balance_by_flops:  # as many bins as tokens need, filled by FLOPs
-                fitting = sum(1 for b in bins if sum(map(lengths.__getitem__, b)) <= cap)
+                fitting = sum(1 for t in bin_sums(bins, lengths) if t <= cap)
                 bins = least_loaded_fit(idx, lengths, weight, cap, fitting)
         elif balance_by_flops:
             bins = balanced_chunks(idx, weight, micro_batch_size)
@@ -203,7 +211,7 @@ def build_dp_schedule(lengths: list[int], *, dp_size: int, global_batch_size: in
             bins = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
         bins = split_to_multiple(bins, cost, dp_size)
         if balance_data:
-            parts = karmarkar_karp([sum(map(weight.__getitem__, b)) for b in bins], dp_size, equal_size=True)
+            parts = karmarkar_karp(bin_sums(bins, weight), dp_size, equal_size=True)
             ranks = [[bins[j] for j in part] for part in parts]
             # KK places whole micro-batches; with few per rank single-sample transfers finish the job
             ranks = rebalance(ranks, lengths, weight, cap, moves=max_tokens_per_gpu is not None)
@@ -222,11 +230,11 @@ def schedule_stats(steps: list[Step], lengths: list[int], flops: list[float], ca
     slowest rank computes than the average one (1.0 = no rank waits).
     """
     mbs = [mb for s in steps for mb in s.micro_batches]
-    tokens = [sum(map(lengths.__getitem__, mb)) for mb in mbs]
+    tokens = bin_sums(mbs, lengths)
     dp = len(steps[0].ranks)
     slowest = mean = 0.0
     for s in steps:
-        per_rank = [sum(sum(map(flops.__getitem__, mb)) for mb in rank) for rank in s.ranks]
+        per_rank = bin_sums([list(chain.from_iterable(rank)) for rank in s.ranks], flops)
         slowest += max(per_rank)
         mean += sum(per_rank) / dp
     budget = cap if cap is not None else max(tokens)
