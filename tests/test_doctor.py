@@ -98,13 +98,13 @@ def test_rf04_model_name_mismatch_and_multinode_hint(tiny_model):
     assert w.severity == "warning" and "--model-name qwen2" in w.fix
 
 
-def test_rf04_concurrent_loads_are_serialised_per_node(tiny_model, tmp_path):
-    """Processes loading the same model directory hold the per-node lock one at a time, and all succeed."""
+def test_rf04_model_dir_lock_serialises_processes(tmp_path):
+    """Processes loading the same model directory on a node hold its lock one at a time."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_load_and_report, args=(tiny_model, out)) for _ in range(3)]
+    procs = [ctx.Process(target=_hold_lock, args=(str(tmp_path), out)) for _ in range(3)]
     for p in procs:
         p.start()
     spans = sorted(out.get(timeout=120) for _ in procs)
@@ -112,29 +112,37 @@ def test_rf04_concurrent_loads_are_serialised_per_node(tiny_model, tmp_path):
         p.join(timeout=60)
         assert p.exitcode == 0
     for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
-        assert a1 <= b0, f"two loads held the lock at once: {spans}"
+        assert a1 <= b0, f"two processes held the model lock at once: {spans}"
 
 
-def _load_and_report(path, out):
+def _hold_lock(path, out):
     import time
+
+    from engine.modeling import model_dir_lock
+
+    with model_dir_lock(path):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        t1 = time.monotonic()
+    out.put((t0, t1))
+
+
+def test_rf04_every_model_load_takes_the_lock(tiny_model, monkeypatch):
+    from contextlib import contextmanager
 
     from engine import modeling
 
-    real = modeling.model_dir_lock
+    taken = []
 
-    class Timed:
-        def __enter__(self):
-            self.cm = real(path)
-            self.cm.__enter__()
-            self.t0 = time.monotonic()
+    @contextmanager
+    def recording_lock(path):
+        taken.append(path)
+        yield
 
-        def __exit__(self, *a):
-            t1 = time.monotonic()
-            self.cm.__exit__(*a)
-            out.put((self.t0, t1))
-
-    modeling.model_dir_lock = lambda p: Timed()
-    modeling.load_causal_lm(path)
+    monkeypatch.setattr(modeling, "model_dir_lock", recording_lock)
+    modeling.load_tokenizer(tiny_model)
+    modeling.load_causal_lm(tiny_model)
+    assert taken == [tiny_model, tiny_model]
 
 
 # ---- RF05 -----------------------------------------------------------------------------------------------------
