@@ -273,3 +273,12 @@ def test_doctor_cli_exit_codes_and_json(tmp_path, capsys, tiny_model):
 
 def test_every_registered_check_code_is_in_the_catalog():
     assert set(CHECKS) - set(CATALOG) <= {"DATA", "MODEL", "CONFIG"}
+
+
+def test_diagnosis_errors_survive_pickling():
+    import pickle
+
+    from engine.doctor.diagnosis import ConfigError
+
+    e = pickle.loads(pickle.dumps(ConfigError(Diagnosis(code="RF13", severity="error", what="w", fix="f"))))
+    assert type(e) is ConfigError and e.codes == ["RF13"] and "fix: f" in str(e)

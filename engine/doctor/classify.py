@@ -14,8 +14,13 @@ _OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: ca
                   r"out of memory)", re.I)
 _ILLEGAL = re.compile(r"an illegal memory access was encountered", re.I)
 _INDUCTOR = re.compile(r"JSONDecodeError", re.I)
-_PORTS = re.compile(r"Max retries exceeded with url: /(get_model_info|health|generate)|Address already in use|"
-                    r"address already in use", re.I)
+_PORTS = re.compile(r"Max retries exceeded with url: /get_model_info|address already in use", re.I)
+
+
+def _next(e: BaseException) -> BaseException | None:
+    """The exception behind `e`: Ray's RayTaskError keeps the remote one in `.cause`."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
 
 
 def _text(exc: BaseException) -> str:
@@ -25,7 +30,7 @@ def _text(exc: BaseException) -> str:
         seen.add(id(e))
         parts.append("".join(traceback.format_exception_only(type(e), e)))
         parts.append(str(getattr(e, "traceback_str", "") or ""))  # Ray's RayTaskError carries the remote traceback
-        e = e.__cause__ or e.__context__
+        e = _next(e)
     return "\n".join(parts)
 
 
@@ -82,5 +87,5 @@ def classify_exception(exc: BaseException, cfg=None) -> list[Diagnosis]:
         seen.add(id(e))
         if isinstance(e, DiagnosisError):
             return list(e.diagnoses)
-        e = e.__cause__ or e.__context__
+        e = _next(e)
     return classify_text(_text(exc), cfg)
