@@ -152,27 +152,35 @@ class PackedRollout:
 
 
 def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
-    """Advantages per sample, then the DP schedule, then packed micro-batches per rank and step."""
+    """Advantages per sample, then the DP schedule, then packed (varlen) micro-batches per rank and step.
+
+    Metrics: pack/efficiency (real tokens / (micro-batches × cap)), pack/dp_imbalance (max / mean FLOPs over
+    ranks), pack/micro_batches_per_rank, … (engine.packing.schedule.schedule_stats).
+    """
     import torch
 
     from engine.algorithms import grpo_advantages
+    from engine.packing.flops import ModelShape, flops_per_sample
     from engine.packing.microbatch import make_micro_batch
-    from engine.packing.schedule import build_dp_schedule
+    from engine.packing.schedule import build_dp_schedule, schedule_stats
 
     cfg, plan = run.cfg, run.plan
+    t0 = time.perf_counter()
     samples = [s for g in batch.groups for s in g]
     adv = grpo_advantages(torch.tensor([s.scalar_reward for s in samples]), cfg.n_samples_per_prompt).tolist()
-    steps = build_dp_schedule([len(s.tokens) for s in samples], dp_size=plan.dp_size,
-                              global_batch_size=plan.global_batch_size,
-                              max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
-                              micro_batch_size=cfg.micro_batch_size)
+    lengths = [len(s.tokens) for s in samples]
+    flops = flops_per_sample(lengths, ModelShape.from_hf_config(cfg.hf_checkpoint))
+    max_tokens = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None  # preflight: dynamic ⇒ set (RF03)
+    steps = build_dp_schedule(lengths, dp_size=plan.dp_size, global_batch_size=plan.global_batch_size,
+                              cp_size=cfg.context_parallel_size, max_tokens_per_gpu=max_tokens,
+                              micro_batch_size=cfg.micro_batch_size, balance_data=cfg.balance_data,
+                              balance_by_flops=cfg.balance_by_flops, flops=flops)
     per_rank = [[[make_micro_batch([samples[i] for i in mb], [adv[i] for i in mb]) for mb in step.ranks[r]]
                  for step in steps] for r in range(plan.dp_size)]
-    real = sum(len(s.tokens) for s in samples)
-    n_mb = sum(len(step.ranks[r]) for step in steps for r in range(plan.dp_size))
-    return PackedRollout(batch.rollout_id, per_rank, {"pack/micro_batches": float(n_mb),
-                                                      "pack/tokens": float(real),
-                                                      "pack/micro_batches_per_rank": n_mb / plan.dp_size})
+    cap = max_tokens * cfg.context_parallel_size if max_tokens is not None else None
+    metrics = {f"pack/{k}": v for k, v in schedule_stats(steps, lengths, flops, cap).items()}
+    metrics["pack/seconds"] = time.perf_counter() - t0
+    return PackedRollout(batch.rollout_id, per_rank, metrics)
 
 
 # ---- train -----------------------------------------------------------------------------------------------------

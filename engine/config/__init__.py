@@ -40,7 +40,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
 
     @property
     def dp_size(self) -> int:
-        return self.actor_num_nodes * self.actor_num_gpus_per_node
+        """Data-parallel ranks: train GPUs / CP (CP ranks share one micro-batch; preflight checks divisibility)."""
+        return max(1, self.actor_num_nodes * self.actor_num_gpus_per_node // self.context_parallel_size)
 
     @property
     def batch(self) -> BatchPlan:

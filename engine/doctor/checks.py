@@ -113,11 +113,51 @@ def load_dir_has_marker(cfg, env: Environment) -> list[Diagnosis]:
 
 @check("RF03")
 def dynamic_batch_needs_cap(cfg, env: Environment) -> list[Diagnosis]:
+    """--max-tokens-per-gpu: required by dynamic batching, ignored without it, and sized for one sample."""
+    cp, resp = cfg.context_parallel_size, cfg.rollout_max_response_len
+    safe = -(-resp // cp)  # slime's advice: start at rollout_max_response_len / cp_size, raise while memory allows
+    facts = dict(max_tokens_per_gpu=cfg.max_tokens_per_gpu, context_parallel_size=cp,
+                 rollout_max_response_len=resp, use_dynamic_batch_size=cfg.use_dynamic_batch_size)
     if cfg.use_dynamic_batch_size and cfg.max_tokens_per_gpu is None:
-        return [Diagnosis(code="RF03", severity="error",
+        return [Diagnosis(code="RF03", severity="error", facts=facts,
                           what="--use-dynamic-batch-size is set but --max-tokens-per-gpu is not",
-                          fix=f"--max-tokens-per-gpu {cfg.rollout_max_response_len} (rollout_max_response_len as a "
-                              "safe start), then raise it while memory allows")]
+                          fix=f"--max-tokens-per-gpu {safe} (rollout_max_response_len / context_parallel_size = "
+                              f"{resp} / {cp}, a safe start), then raise it while memory allows")]
+    if cfg.max_tokens_per_gpu is not None and not cfg.use_dynamic_batch_size:
+        return [Diagnosis(code="RF03", severity="warning", facts=facts,
+                          what=f"--max-tokens-per-gpu {cfg.max_tokens_per_gpu} has no effect without "
+                               f"--use-dynamic-batch-size: micro-batches hold --micro-batch-size "
+                               f"{cfg.micro_batch_size} samples whatever their length",
+                          fix="--use-dynamic-batch-size to pack by tokens under the cap, or drop --max-tokens-per-gpu")]
+    cap = (cfg.max_tokens_per_gpu or 0) * cp
+    if cfg.use_dynamic_batch_size and resp > cap:
+        return [Diagnosis(code="RF03", severity="warning", facts=facts,
+                          what=f"one response can reach rollout_max_response_len = {resp} tokens, more than the "
+                               f"micro-batch cap max_tokens_per_gpu·CP = {cfg.max_tokens_per_gpu}·{cp} = {cap}: "
+                               "such a sample is trained alone in its micro-batch, over the cap (OOM risk)",
+                          fix=f"--context-parallel-size {-(-resp // cfg.max_tokens_per_gpu)} (with the megatron "
+                              f"backend), or --max-tokens-per-gpu {safe} if memory allows")]
+    return []
+
+
+@check("CONFIG")
+def context_parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
+    """CP splits sequences across GPUs: only megatron does it, and CP must divide the train GPUs."""
+    cp, world = cfg.context_parallel_size, cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+    if cp == 1:
+        return []
+    if cfg.train_backend != "megatron":
+        return [Diagnosis(code="CONFIG", severity="error", facts={"context_parallel_size": cp},
+                          what=f"--context-parallel-size {cp} with --train-backend {cfg.train_backend}: only the "
+                               "megatron backend splits a sequence across GPUs (the torch backend would put "
+                               f"max_tokens_per_gpu·{cp} tokens on one worker)",
+                          fix="--train-backend megatron, or --context-parallel-size 1")]
+    if world % cp:
+        return [Diagnosis(code="CONFIG", severity="error", facts={"context_parallel_size": cp, "world": world},
+                          what=f"{world} train GPUs (actor_num_nodes × actor_num_gpus_per_node) are not a multiple "
+                               f"of --context-parallel-size {cp}",
+                          fix=f"--actor-num-gpus-per-node a multiple of {cp}, or a --context-parallel-size "
+                              f"dividing {world}")]
     return []
 
 
