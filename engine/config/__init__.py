@@ -39,8 +39,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         return self
 
     @property
-    def dp_size(self) -> int:
+    def train_world_size(self) -> int:
+        """Train ranks (GPUs, or CPU workers): nodes × GPUs per node."""
         return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: train ranks / (TP · PP); each replica gets its own micro-batches."""
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        return max(1, self.train_world_size // model_parallel)
 
     @property
     def batch(self) -> BatchPlan:
