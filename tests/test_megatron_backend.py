@@ -44,7 +44,7 @@ def test_model_kwargs_of_qwen2_5_1_5b():
 def test_layout_check(small_cfg):
     assert parallel_layout(small_cfg(), Environment()) == []
     torch_tp = parallel_layout(small_cfg(tensor_model_parallel_size=2, actor_num_gpus_per_node=2), Environment())
-    assert torch_tp[0].code == "LAYOUT" and "--train-backend megatron" in torch_tp[0].fix
+    assert torch_tp[0].code == "CONFIG" and "--train-backend megatron" in torch_tp[0].fix
     odd = parallel_layout(small_cfg(train_backend="megatron", tensor_model_parallel_size=2,
                                     pipeline_model_parallel_size=2, actor_num_gpus_per_node=6), Environment())
     assert "6 train GPUs" in odd[0].what and "multiple of 4" in odd[0].fix

@@ -121,20 +121,20 @@ def dynamic_batch_needs_cap(cfg, env: Environment) -> list[Diagnosis]:
     return []
 
 
-@check("LAYOUT")
+@check("CONFIG")
 def parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
     """TP / PP split the model: megatron backend only, and TP·PP must divide the train GPUs."""
     tp, pp, world = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.train_world_size
     if tp * pp == 1:
         return []
     if cfg.train_backend != "megatron":
-        return [Diagnosis(code="LAYOUT", severity="error",
+        return [Diagnosis(code="CONFIG", severity="error",
                           what=f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} with "
                                f"--train-backend {cfg.train_backend}: only the megatron backend splits the model",
                           fix="--train-backend megatron, or --tensor-model-parallel-size 1 "
                               "--pipeline-model-parallel-size 1")]
     if world % (tp * pp):
-        return [Diagnosis(code="LAYOUT", severity="error",
+        return [Diagnosis(code="CONFIG", severity="error",
                           what=f"{world} train GPUs (actor_num_nodes × actor_num_gpus_per_node) are not a multiple "
                                f"of TP·PP = {tp}·{pp} = {tp * pp}",
                           fix=f"--actor-num-gpus-per-node a multiple of {tp * pp}, or a smaller TP / PP",
