@@ -24,9 +24,20 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """q [T, a, d], k/v [T, g, d] (g divides a), cu_seqlens [S+1] int32 → out [T, a, d], causal per sample."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return _FlashVarlen.apply(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), int(max_seqlen),
-                                  scale)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        if FLASH["gqa_in_place"]:
+            try:
+                return _FlashVarlen.apply(q, k, v, cu, int(max_seqlen), scale)
+            except RuntimeError as e:  # a torch whose flash kernel wants as many kv heads as q heads
+                FLASH["gqa_in_place"], FLASH["error"] = False, str(e)[:200]
+        rep = q.shape[1] // k.shape[1]
+        return _FlashVarlen.apply(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu,
+                                  int(max_seqlen), scale)
     return per_sample_attention(q, k, v, cu_seqlens, scale)
+
+
+#: Which flash path this process uses (reported by the GPU benchmark).
+FLASH: dict = {"gqa_in_place": True, "error": None}
 
 
 def per_sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
