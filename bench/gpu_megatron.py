@@ -177,23 +177,33 @@ def hf_log_probs(model, mbs) -> list[torch.Tensor]:
     return out
 
 
-def parity(hf_dir: Path, dtype: str, mbs) -> tuple[dict, object]:
+def hf_reference(hf_dir: Path, dtype: str, mbs) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    from engine.train.megatron_attention import FLASH
-    from engine.train.megatron_backend import MegatronBackend
-
-    td = getattr(torch, dtype)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=td, attn_implementation="sdpa").cuda().eval()
-    ref = hf_log_probs(hf, mbs)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    ref = hf_log_probs(hf.cuda().eval(), mbs)
     del hf
     free()
-    be = MegatronBackend(run_config(hf_dir), params_dtype=dtype)
+    return ref
+
+
+def diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
+    return {"max_abs": float(d.max()), "mean_abs": float(d.mean()), "p99_abs": float(d.quantile(0.99))}
+
+
+def parity(hf_dir: Path, dtype: str, mbs, ref: list[torch.Tensor], kernels=None) -> tuple[dict, object]:
+    from engine.train.megatron_attention import FLASH
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.megatron_model import Kernels
+    from engine.train.packed_logprobs import _FUSED
+
+    be = MegatronBackend(run_config(hf_dir), params_dtype=dtype, kernels=kernels or Kernels())
     got = be.compute_log_probs(mbs)
-    diffs = torch.cat([(a - b).abs() for a, b in zip(got, ref)])
-    res = {"dtype": dtype, "tokens": int(diffs.numel()), "max_abs": float(diffs.max()),
-           "mean_abs": float(diffs.mean()), "log_prob_mean": float(torch.cat(ref).mean()),
-           "log_prob_std": float(torch.cat(ref).std()), "flash": dict(FLASH)}
+    res = {"dtype": dtype, "tokens": sum(mb.num_tokens for mb in mbs), **diff(got, ref),
+           "log_prob_mean": float(torch.cat(ref).mean()), "log_prob_std": float(torch.cat(ref).std()),
+           "kernels": str(be.kernels), "flash": dict(FLASH), "fused_log_probs_error": _FUSED["error"],
+           "log_probs": got}
     return res, be
 
 
@@ -251,10 +261,11 @@ def profile_step(be, mbs, old, ref, G) -> dict:
             "top_kernels": [{"name": n[:120], "calls": c, "s": t} for t, c, n in top]}
 
 
-def throughput(hf_dir: Path, shape: dict, out: dict, peak: float, n_mbs: int = 8, seq: int = 4096) -> None:
+def throughput(hf_dir: Path, shape: dict, out: dict, peak: float, kernels, name: str, profiled: bool,
+               n_mbs: int = 8, seq: int = 4096) -> None:
     from engine.train.megatron_backend import MegatronBackend
 
-    be = MegatronBackend(run_config(hf_dir, lr=1e-6), params_dtype="bfloat16")
+    be = MegatronBackend(run_config(hf_dir, lr=1e-6), params_dtype="bfloat16", kernels=kernels)
     lengths = random_lengths(seq, n_mbs, seed=7)
     mbs = packed_batch(lengths, shape["vocab_size"], seed=8)
     G = sum(mb.num_samples for mb in mbs)
@@ -281,7 +292,7 @@ def throughput(hf_dir: Path, shape: dict, out: dict, peak: float, n_mbs: int = 8
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     t, tl = statistics.median(times), statistics.median(lp_times)
-    out["throughput"] = {
+    out.setdefault("throughput", {})[name] = {"kernels": str(kernels),
         "shape": "Qwen2.5-1.5B (random weights)", "micro_batches": n_mbs, "tokens_per_micro_batch": seq,
         "samples": len(flat), "sample_lengths": lengths, "tokens_per_step": tokens,
         "train_step_s": times, "train_step_median_s": t, "train_tokens_per_s": tokens / t,
@@ -289,11 +300,12 @@ def throughput(hf_dir: Path, shape: dict, out: dict, peak: float, n_mbs: int = 8
         "logprob_pass_s": lp_times, "logprob_tokens_per_s": tokens / tl,
         "logprob_mfu": fwd / tl / 1e12 / peak, "forward_flops_per_step": fwd,
         "max_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
-    log("throughput", {k: v for k, v in out["throughput"].items() if "mfu" in k or "per_s" in k})
-    try:
-        out["profile"] = profile_step(be, mbs, old, ref, G)
-    except Exception as e:  # the numbers above stand without the profile
-        out["profile"] = {"error": repr(e)}
+    log("throughput", name, {k: v for k, v in out["throughput"][name].items() if "mfu" in k or "per_s" in k})
+    if profiled:
+        try:
+            out.setdefault("profile", {})[name] = profile_step(be, mbs, old, ref, G)
+        except Exception as e:  # the numbers above stand without the profile
+            out.setdefault("profile", {})[name] = {"error": repr(e)}
     del be
     free()
 
@@ -303,15 +315,18 @@ def layout_batch():
     return packed_batch([[300, 700], [500, 500], [900, 200], [400, 650]], QWEN2_05B["vocab_size"], seed=3)
 
 
-def layout_run(hf_dir: Path, tp: int, pp: int) -> dict:
-    """3 GRPO steps; each DP replica takes micro-batches j ≡ its DP rank (mod DP). Global sums over replicas."""
+def layout_run(hf_dir: Path, tp: int, pp: int, dtype: str) -> dict:
+    """3 GRPO steps; each DP replica takes micro-batches j ≡ its DP rank (mod DP). Global sums over replicas.
+    Unfused kernels: the layouts test the parallel arithmetic, and no process waits for a compile."""
     import torch.distributed as dist
 
     from engine.train.megatron_backend import MegatronBackend
+    from engine.train.megatron_model import Kernels
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     be = MegatronBackend(run_config(hf_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                    actor_num_gpus_per_node=world), params_dtype="bfloat16")
+                                    actor_num_gpus_per_node=world), params_dtype=dtype,
+                         kernels=Kernels(False, False, False))
     dp = world // (tp * pp)
     dp_rank = (be.rank // tp) % dp
     all_mbs = layout_batch()
@@ -328,7 +343,9 @@ def layout_run(hf_dir: Path, tp: int, pp: int) -> dict:
         steps.append({"loss": tot["loss_total"], "kl": tot["kl_sum"] / tot["tokens_count"],
                       "ratio": tot["ratio_sum"] / tot["tokens_count"], "grad_norm": m["grad_norm"],
                       "tokens": tot["tokens_count"]})
-    return {"tp": tp, "pp": pp, "dp": dp, "world": world, "steps": steps}
+    del be
+    free()
+    return {"tp": tp, "pp": pp, "dp": dp, "world": world, "dtype": dtype, "steps": steps}
 
 
 # ---- entry points --------------------------------------------------------------------------------------
@@ -362,20 +379,41 @@ def single(out_dir: Path) -> None:
     state = SimpleNamespace(be=None)
 
     def parity_fp32():
-        res, be = parity(small, "float32", mbs)
+        state.ref32 = hf_reference(small, "float32", mbs)
+        res, be = parity(small, "float32", mbs, state.ref32)
+        res.pop("log_probs")
         out["parity_fp32"] = res
         log("parity fp32", res)
         del be
         free()
 
     def parity_bf16():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        res, state.be = parity(small, "bfloat16", mbs)
+        # bf16 against transformers bf16 (the criterion), and both against the fp32 truth (the noise floor).
+        from engine.train.megatron_model import Kernels
+
+        ref16 = hf_reference(small, "bfloat16", mbs)
+        res, be = parity(small, "bfloat16", mbs, ref16, Kernels(False, False, False))
+        res.pop("log_probs")
+        out["parity_bf16_unfused"] = res
+        log("parity bf16 unfused", res)
+        del be
+        free()
+        res, be = parity(small, "bfloat16", mbs, ref16, Kernels(hf_rms_norm=True))
+        res.pop("log_probs")
+        out["parity_bf16_hf_norm"] = res
+        log("parity bf16 hf-order RMSNorm", res)
+        del be
+        free()
+        res, state.be = parity(small, "bfloat16", mbs, ref16)
+        got = res.pop("log_probs")
+        if getattr(state, "ref32", None) is not None:
+            res["hf_bf16_vs_hf_fp32"] = diff(ref16, state.ref32)
+            res["megatron_bf16_vs_hf_fp32"] = diff(got, state.ref32)
         out["parity_bf16"] = res
         log("parity bf16", res)
 
     def grpo_part():
-        be = state.be or parity(small, "bfloat16", mbs)[1]
+        be = state.be or parity(small, "bfloat16", mbs, hf_reference(small, "bfloat16", mbs))[1]
         out["grpo"] = grpo(be, packed_batch([[600, 350, 700, 420], [512, 800, 300, 260]],
                                             QWEN2_05B["vocab_size"], seed=2))
         del be
@@ -383,44 +421,72 @@ def single(out_dir: Path) -> None:
         free()
 
     def layout_ref():
-        out["layout_tp1"] = layout_run(small, 1, 1)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        out["layout_tp1"] = {d: layout_run(small, 1, 1, d) for d in ("float32", "bfloat16")}
 
-    def tput():
+    from engine.train.megatron_model import Kernels
+
+    variants = [("no_fused_log_probs", Kernels(fused_log_probs=False), False),
+                ("no_rope_in_attention", Kernels(rope_in_attention=False), False),
+                ("no_fused_swiglu", Kernels(fused_swiglu=False), False),
+                ("no_fused_adam", Kernels(fused_adam=False), False),
+                ("none_fused", Kernels(False, False, False, False), True)]
+
+    def tput(kernels, name, profiled):
         big = make_hf_model(QWEN25_15B, WORK / "qwen25_15b_bf16", torch.bfloat16)
-        throughput(big, QWEN25_15B, out, peak)
+        throughput(big, QWEN25_15B, out, peak, kernels, name, profiled)
 
     step("parity_fp32", parity_fp32)
     step("parity_bf16", parity_bf16)
     step("grpo", grpo_part)
+    step("throughput_all_fused", lambda: tput(Kernels(), "all_fused", True))
     step("layout_tp1", layout_ref)
-    step("throughput", tput)
+    for name, kernels, profiled in variants:  # one change at a time, then the first run's configuration
+        step(f"throughput_{name}", lambda k=kernels, n=name, p=profiled: tput(k, n, p))
     log("done", json.dumps({k: out.get(k) for k in ("parity_fp32", "parity_bf16")}, default=str)[:800])
 
 
 def layout(out_dir: Path, tp: int, pp: int) -> None:
     import torch.distributed as dist
 
-    res = layout_run(WORK / "qwen2_05b_fp32", tp, pp)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {d: layout_run(WORK / "qwen2_05b_fp32", tp, pp, d) for d in ("float32", "bfloat16")}
     if dist.get_rank() == 0:
-        save_json(out_dir / f"layout_tp{tp}_pp{pp}_w{res['world']}.json", res)
+        save_json(out_dir / f"layout_tp{tp}_pp{pp}_w{res['float32']['world']}.json", res)
         log("layout", res)
 
 
+def compare_layout(res: dict, ref: dict) -> dict:
+    return {"loss_abs_diff": [abs(a["loss"] - b["loss"]) for a, b in zip(res["steps"], ref["steps"])],
+            "grad_norm_rel_diff": [abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
+                                   for a, b in zip(res["steps"], ref["steps"])]}
+
+
 def report(out_dir: Path, write: Path | None) -> None:
+    """Checks against the issue's limits. Layouts: fp32 must agree to rounding at every step (|Δloss| ≤ 1e-5,
+    grad norm within 1e-3 relative); bf16 losses within 2e-3 and the step-1 grad norm within 1e-3 (later bf16
+    steps drift apart through Adam's normalisation of rounding noise, so they are reported, not judged)."""
     single_res = json.loads((out_dir / "single.json").read_text())
-    summary = {k: single_res.get(k) for k in ("env", "matmul_peak", "parity_fp32", "parity_bf16", "grpo",
-                                              "throughput", "profile", "errors", "seconds")}
-    ref = single_res.get("layout_tp1")
-    summary["layouts"] = {"tp1": ref}
+    summary = {k: single_res.get(k) for k in ("env", "matmul_peak", "parity_fp32", "parity_bf16",
+                                              "parity_bf16_unfused", "parity_bf16_hf_norm", "grpo", "throughput",
+                                              "profile", "errors", "seconds")}
+    ref = single_res.get("layout_tp1") or {}
+    summary["layouts"] = {"tp1_pp1_dp1": ref}
+    checks = {}
     for f in sorted(out_dir.glob("layout_*.json")):
         res = json.loads(f.read_text())
-        name = f"tp{res['tp']}_pp{res['pp']}_dp{res['dp']}"
-        if ref:
-            res["max_abs_loss_diff_vs_tp1"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(res["steps"], ref["steps"]))
-            res["max_rel_grad_norm_diff_vs_tp1"] = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
-                                                       for a, b in zip(res["steps"], ref["steps"]))
+        first = next(iter(res.values()))
+        name = f"tp{first['tp']}_pp{first['pp']}_dp{first['dp']}"
+        for dtype, r in res.items():
+            if dtype in ref:
+                r["vs_tp1"] = c = compare_layout(r, ref[dtype])
+                if dtype == "float32":
+                    checks[f"{name}_fp32_matches_tp1"] = max(c["loss_abs_diff"]) <= 1e-5 and \
+                        max(c["grad_norm_rel_diff"]) <= 1e-3
+                else:
+                    checks[f"{name}_bf16_matches_tp1"] = max(c["loss_abs_diff"]) <= 2e-3 and \
+                        c["grad_norm_rel_diff"][0] <= 1e-3
         summary["layouts"][name] = res
-    checks = {}
     if summary.get("parity_fp32"):
         checks["parity_fp32_max_abs<=1e-4"] = summary["parity_fp32"]["max_abs"] <= 1e-4
     if summary.get("parity_bf16"):
@@ -430,12 +496,8 @@ def report(out_dir: Path, write: Path | None) -> None:
         checks["grpo_loss_decreases"] = g[-1]["loss"] < g[0]["loss"]
         checks["grpo_step1_kl_is_0"] = abs(g[0]["kl"]) < 1e-6
         checks["grpo_step1_ratio_is_1"] = abs(g[0]["ratio"] - 1) < 1e-3
-    if summary.get("throughput"):
-        checks["mfu>=0.45"] = summary["throughput"]["train_mfu"] >= 0.45
-    for name, res in summary["layouts"].items():
-        if name != "tp1" and res and "max_abs_loss_diff_vs_tp1" in res:
-            checks[f"{name}_matches_tp1"] = res["max_abs_loss_diff_vs_tp1"] <= 2e-3 and \
-                res["max_rel_grad_norm_diff_vs_tp1"] <= 2e-2
+    for name, t in (summary.get("throughput") or {}).items():
+        checks[f"mfu>=0.45 ({name}: {t['train_mfu']:.3f})"] = t["train_mfu"] >= 0.45
     summary["checks"] = checks
     print(json.dumps(checks, indent=1))
     if write:

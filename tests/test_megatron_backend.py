@@ -30,7 +30,7 @@ def test_cpu_machine_imports_and_gets_the_fix(small_cfg):
 
 
 def test_model_kwargs_of_qwen2_5_1_5b():
-    from engine.train.megatron_model import model_kwargs
+    from engine.train.megatron_model import Kernels, have_transformer_engine, model_kwargs
 
     cfg, gpt = model_kwargs(shape_from_hf_config(QWEN25_1_5B), tp=2, pp=1, dtype=torch.bfloat16)
     assert (cfg["num_query_groups"], cfg["kv_channels"], cfg["ffn_hidden_size"]) == (2, 128, 8960)
@@ -38,7 +38,12 @@ def test_model_kwargs_of_qwen2_5_1_5b():
     assert cfg["normalization"] == "RMSNorm" and cfg["hidden_dropout"] == cfg["attention_dropout"] == 0.0
     assert cfg["calculate_per_token_loss"] and cfg["perform_initialization"]  # see megatron_model comments
     assert gpt["rotary_base"] == 1_000_000 and gpt["share_embeddings_and_output_weights"]
-    assert gpt["position_embedding_type"] == "rope" and not gpt["rope_scaling"]
+    assert not gpt["rope_scaling"]
+    # Without TE the packed attention rotates q/k itself, so GPTModel must not (else RoPE is applied twice).
+    assert gpt["position_embedding_type"] == ("rope" if have_transformer_engine() else "none")
+    _, megatron_rope = model_kwargs(shape_from_hf_config(QWEN25_1_5B), tp=1, pp=1, dtype=torch.bfloat16,
+                                    kernels=Kernels(rope_in_attention=False))
+    assert megatron_rope["position_embedding_type"] == "rope"
 
 
 def test_layout_check(small_cfg):

@@ -1,8 +1,9 @@
 """megatron-core's GPTModel, built by engine.train.megatron_model, against transformers on CPU (gloo).
 
 Runs only where megatron-core is installed (`pip install --no-deps megatron-core==0.16.1` works on a CPU
-machine). Each case is a fresh process group of 1 or 2 processes (TP = 1, 2). Megatron's RoPE moves its
-frequencies to `torch.cuda.current_device()`; the child processes point that at the CPU — the only patch.
+machine). Each case is a fresh process group of 1 or 2 processes (TP = 1, 2), with RoPE either Megatron's
+THD path or the packed attention's own. Megatron's RoPE moves its frequencies to
+`torch.cuda.current_device()`; the child processes point that at the CPU — the only patch.
 Checks, per family (Qwen2 tied / Qwen3 q-k norm / Llama GQA 6:2), on one packed row of 3 samples:
 log-probs and entropies equal the torch backend's per-sample ones; the gradients of Σ(log p + H) equal
 transformers' gradients mapped and sharded the same way; gathering the shards gives back the HF weights.
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _case(rank: int, world: int, port: int, families: list[str], out: dict) -> None:
+def _case(rank: int, world: int, port: int, families: list[str], rope_in_attention: bool, out: dict) -> None:
     warnings.filterwarnings("ignore")
     torch.cuda.current_device = lambda: "cpu"  # see module docstring
     import torch.distributed as dist
@@ -61,9 +62,15 @@ def _case(rank: int, world: int, port: int, families: list[str], out: dict) -> N
                 p.mul_(0.3)  # hf_model draws N(0, 1) weights; keep activations in a sane range
         s = shape_from_hf_config(hf.config.to_dict())
         vp = padded_vocab(s.vocab_size, tp)  # 101 → 102 at TP = 2: exercises the padding mask
-        cfg_kw, gpt_kw = mm.model_kwargs(s, tp=tp, pp=1, dtype=torch.float32)
+        # Megatron's fused SwiGLU is torch.compile'd: minutes on a small CPU, so it is left to the GPU run.
+        # The rope-in-attention case also uses the HF-order RMSNorm (layers, q/k norms, final norm).
+        kernels = mm.Kernels(rope_in_attention=rope_in_attention, fused_swiglu=False, hf_rms_norm=rope_in_attention)
+        cfg_kw, gpt_kw = mm.model_kwargs(s, tp=tp, pp=1, dtype=torch.float32, kernels=kernels)
+        assert gpt_kw["position_embedding_type"] == ("none" if rope_in_attention else "rope")
         config = TransformerConfig(**cfg_kw, use_cpu_initialization=True)
-        model = GPTModel(config=config, transformer_layer_spec=mm.layer_spec(s), vocab_size=vp, **gpt_kw)
+        model = GPTModel(config=config, transformer_layer_spec=mm.block_spec(s, config, kernels), vocab_size=vp,
+                         **gpt_kw)
+        assert isinstance(model.decoder.final_layernorm, mm.HFRMSNorm) == rope_in_attention
         mm.load_hf_into(model, config, hf.state_dict(), s, vocab_padded=vp)
         gathered = mm.gather_hf_state(model, config, s)
 
@@ -102,14 +109,16 @@ def _case(rank: int, world: int, port: int, families: list[str], out: dict) -> N
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("rope_in_attention", [True, False],
+                         ids=["rope-in-attention+hf-norm", "megatron-thd-rope+torch-norm"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_megatron_model_matches_transformers_on_packed_rows(world):
+def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_attention):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = mp.Manager().dict()
     families = ["qwen2", "qwen3", "llama"] if world == 1 else ["qwen2", "qwen3"]
-    mp.spawn(_case, args=(world, port, families, out), nprocs=world)
+    mp.spawn(_case, args=(world, port, families, rope_in_attention, out), nprocs=world)
     for (family, w, rank), res in out.items():
         assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, rank, res["lp"], res["ent"])
         bad = {n: e for n, e in res["grad"].items() if e > 1e-5}

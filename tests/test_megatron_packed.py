@@ -170,3 +170,67 @@ def test_two_vocab_shards_give_the_full_softmax_and_its_gradient():
     grad = torch.cat([out[0][2], out[1][2]], 1)  # [8, 12]
     torch.testing.assert_close(grad[:, :11], full.grad)
     assert torch.isfinite(grad).all() and grad[:, 11].abs().sum() == 0  # padding: no NaN, no gradient
+
+
+# ---- RoPE inside the packed attention ------------------------------------------------------------------
+def test_packed_positions_restart_per_sample():
+    from engine.train.megatron_attention import packed_positions
+
+    assert packed_positions(CU, 24).tolist() == [p for n in LENS for p in range(n)]
+
+
+def test_rope_frequencies_match_transformers_default_and_llama3():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.train.megatron_attention import Rope
+
+    torch.testing.assert_close(Rope(1e6).inv_freq(128), 1.0 / 1e6 ** (torch.arange(0, 128, 2).float() / 128))
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    torch.testing.assert_close(Rope(500000.0, 8.0).inv_freq(128), want.float())
+
+
+def test_rope_in_attention_equals_rotating_each_sample_from_zero():
+    """The core attention's own RoPE (one cos/sin table per micro-batch) = HF's rotate-half applied to each
+    sample separately with positions 0..L−1."""
+    from engine.train.megatron_attention import Rope
+
+    torch.manual_seed(5)
+    q, k, v = torch.randn(24, 4, 8), torch.randn(24, 2, 8), torch.randn(24, 2, 8)
+    rope = Rope(10000.0)
+    attn = PackedCoreAttention(SimpleNamespace(context_parallel_size=1, attention_dropout=0.0), 1, rope=rope)
+    out = attn(q, k, v, None, packed_seq_params=SimpleNamespace(cu_seqlens_q=CU, max_seqlen_q=9))
+
+    def rot(x, n):  # HF: q·cos + rotate_half(q)·sin for positions 0..n−1
+        f = torch.arange(n).float()[:, None] * rope.inv_freq(8)[None]
+        emb = torch.cat([f, f], -1)[:, None]
+        return x * emb.cos() + torch.cat([-x[..., 4:], x[..., :4]], -1) * emb.sin()
+
+    bounds = CU.tolist()
+    qr = torch.cat([rot(q[a:b], b - a) for a, b in zip(bounds[:-1], bounds[1:])])
+    kr = torch.cat([rot(k[a:b], b - a) for a, b in zip(bounds[:-1], bounds[1:])])
+    torch.testing.assert_close(out, dense_reference(qr, kr, v, CU).reshape(24, 32), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_formula_equals_the_reference():
+    """The function torch.compile fuses (TP = 1, bf16 logits, temperature) against the reference formula;
+    the compiled kernels themselves are checked on the GPU (bench parity, gpu tests)."""
+    from engine.train.packed_logprobs import _log_probs_entropy
+
+    torch.manual_seed(6)
+    logits = torch.randn(9, 50, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 50, (9,))
+    lp, ent = _log_probs_entropy(logits, targets, 1 / 0.7, True)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    g = logits.grad.clone()
+    logits.grad = None
+    lp2, ent2 = vocab_parallel_log_probs(logits.float() / 0.7, targets)
+    (lp2.sum() + 0.3 * ent2.sum()).backward()
+    torch.testing.assert_close(lp, lp2)
+    torch.testing.assert_close(ent, ent2)
+    torch.testing.assert_close(g, logits.grad)
+    _, ent3 = _log_probs_entropy(logits, targets, 1.0, False)
+    assert not ent3.requires_grad

@@ -28,11 +28,17 @@ import torch.distributed as dist
 from engine.algorithms import kl, policy_loss
 from engine.packing.microbatch import MicroBatch
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
-from engine.train.packed_logprobs import align_to_tokens, shift_targets, vocab_parallel_log_probs
+from engine.train.megatron_model import Kernels
+from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
 from engine.train.torch_backend import lr_lambda, per_sample_mean, rng_state, segment_ids, set_rng_state
 
 INSTALL_HINT = ("install it on a CUDA machine with `pip install 'rollflow[megatron]'` (megatron-core==0.16.1; "
                 "Transformer Engine optional), or use --train-backend torch")
+
+# The distributed optimizer's checkpoint format: one shard per DP rank, parallel save and load (Megatron-LM's
+# default). The model-space format ('fully_sharded_model_space') is refused by 0.16's torch_dist writer
+# ("ShardedTensor.flattened_range is not supported", seen on the H200).
+_OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 # (sum name, per-token quantity) reported by train_step, as the torch backend does.
 _STATS = ("loss_total", "pg_loss_sum", "entropy_sum", "kl_sum", "clipfrac_sum", "ratio_sum", "mismatch_sum",
@@ -72,7 +78,7 @@ def _finalize_grads_sum(model, num_tokens=None, **kw):
 
 class MegatronBackend:
     def __init__(self, cfg, *, rank: int | None = None, world_size: int | None = None, train_iters: int = 1,
-                 master: str | None = None, params_dtype: str = "bfloat16"):
+                 master: str | None = None, params_dtype: str = "bfloat16", kernels: Kernels = Kernels()):
         require_megatron()
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -99,8 +105,9 @@ class MegatronBackend:
         self.dtype = getattr(torch, params_dtype)
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
 
+        self.kernels = kernels
         gpt, self.config = build_model(self.shape, vocab_padded=self.vocab_padded, dtype=self.dtype, tp=self.tp,
-                                       pp=self.pp)
+                                       pp=self.pp, kernels=kernels)
         load_hf_into(gpt, self.config, load_weights_dir(cfg.hf_checkpoint), self.shape,
                      vocab_padded=self.vocab_padded)
         self.gpt = gpt  # unwrapped: its parameter names are the mapping's
@@ -115,6 +122,12 @@ class MegatronBackend:
                             clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                             use_distributed_optimizer=True),
             self.model)
+        if kernels.fused_adam:  # torch.optim.AdamW reads `fused` per group at every step
+            for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = getattr(o, "optimizer", None)
+                if isinstance(inner, torch.optim.AdamW):
+                    for g in inner.param_groups:
+                        g["fused"], g["foreach"] = True, False
         # The frozen reference policy: the initial weights of this rank's shards, on the host.
         self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in gpt.named_parameters()}
         self.steps_done = 0
@@ -160,27 +173,37 @@ class MegatronBackend:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         dev = torch.cuda.current_device()
+        # Inputs go to the GPU before the first kernel: a pageable host→device copy waits for the stream, so
+        # copying per micro-batch would drain the GPU between micro-batches.
+        inputs = [(mb.tokens.to(dev), mb.cu_seqlens.to(dev, dtype=torch.int32), mb.position_ids.to(dev))
+                  for mb in mbs]  # [T], [S+1], [T]
         reducers = self._vocab_reducers()
+        # TP = 1 reads the model-precision logits in fused kernels; TP > 1 combines the vocabulary shards.
+        fused = self.kernels.fused_log_probs and self.tp == 1
+        extra = {"fp32_output": False} if fused and self.dtype != torch.float32 else {}  # Float16Module's upcast
 
-        def loss_on_logits(j, mb, tokens, cu, logits):
-            logits = logits[0].float()  # [T, V/p]
-            if self.temperature != 1.0:
-                logits = logits / self.temperature
-            lp, ent = vocab_parallel_log_probs(logits, shift_targets(tokens), entropy_grad=entropy_grad,
-                                               **reducers)  # [T] each, position t predicts tokens[t+1]
+        def loss_on_logits(j, mb, tokens, cu, logits):  # logits [1, T, V/p]; position t predicts tokens[t+1]
+            if fused:
+                lp, ent = fused_log_probs(logits[0], shift_targets(tokens), temperature=self.temperature,
+                                          entropy_grad=entropy_grad)  # [T] each
+            else:
+                logits = logits[0].float()  # [T, V/p]
+                if self.temperature != 1.0:
+                    logits = logits / self.temperature
+                lp, ent = vocab_parallel_log_probs(logits, shift_targets(tokens), entropy_grad=entropy_grad,
+                                                   **reducers)  # [T] each
             loss, stats = loss_fn(j, mb, align_to_tokens(lp, cu), align_to_tokens(ent, cu))
             return loss, torch.ones((), dtype=torch.int, device=dev), stats
 
         def step(data_iterator, model):
             j = next(data_iterator)
             mb = mbs[j]
-            tokens = mb.tokens.to(dev, non_blocking=True)  # [T]
-            cu = mb.cu_seqlens.to(dev, dtype=torch.int32, non_blocking=True)  # [S+1]
-            longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+            tokens, cu, pos = inputs[j]
+            longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())  # host tensor: no sync
             psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                   max_seqlen_kv=longest)
-            out = model(input_ids=tokens[None], position_ids=mb.position_ids.to(dev)[None], attention_mask=None,
-                        packed_seq_params=psp)  # last stage: logits [1, T, V/p]; else hidden [T, 1, h]
+            out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=None,
+                        packed_seq_params=psp, **extra)  # last stage: logits [1, T, V/p]; else hidden [T, 1, h]
             return out, partial(loss_on_logits, j, mb, tokens, cu)
 
         return get_forward_backward_func()(
@@ -229,21 +252,25 @@ class MegatronBackend:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
+        # Every per-token input on the GPU up front (see _run): [T] each.
+        aux = [{"old": old_log_probs[j].to(dev), "mask": mb.loss_mask.to(dev), "adv": mb.advantages.to(dev),
+                "rollout": mb.rollout_log_probs.to(dev), "seg": segment_ids(mb.cu_seqlens).to(dev),
+                "ref": ref_log_probs[j].to(dev) if ref_log_probs is not None else None}
+               for j, mb in enumerate(mbs)]
+
         def loss_fn(j, mb, lp, ent):  # lp, ent [T] aligned with mb.tokens
-            old = old_log_probs[j].to(dev)  # [T] log π_old, from before this rollout's first update
-            mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)  # [T], [T]
-            pg, clipped = policy_loss(lp, old, adv, eps_clip=cfg.eps_clip)  # [T], [T]
+            a = aux[j]
+            old, mask = a["old"], a["mask"]  # [T] log π_old (from before this rollout's first update), [T]
+            pg, clipped = policy_loss(lp, old, a["adv"], eps_clip=cfg.eps_clip)  # [T], [T]
             tok_loss = pg - cfg.entropy_coef * ent
-            kl_t = kl(lp, ref_log_probs[j].to(dev), cfg.kl_loss_type) if ref_log_probs is not None \
-                else torch.zeros_like(lp)
+            kl_t = kl(lp, a["ref"], cfg.kl_loss_type) if a["ref"] is not None else torch.zeros_like(lp)
             if cfg.use_kl_loss:
                 tok_loss = tok_loss + cfg.kl_loss_coef * kl_t
-            cu = mb.cu_seqlens.to(dev)
-            loss = per_sample_mean(tok_loss, mask, segment_ids(cu), cu.numel() - 1).sum() / global_batch_size
+            loss = per_sample_mean(tok_loss, mask, a["seg"], mb.cu_seqlens.numel() - 1).sum() / global_batch_size
             with torch.no_grad():
                 stats = torch.stack([loss.detach(), (pg * mask).sum(), (ent * mask).sum(), (kl_t * mask).sum(),
                                      (clipped * mask).sum(), (torch.exp(lp - old) * mask).sum(),
-                                     ((mb.rollout_log_probs.to(dev) - old).abs() * mask).sum(), mask.sum()])
+                                     ((a["rollout"] - old).abs() * mask).sum(), mask.sum()])
             return loss, {"stats": stats}
 
         outs = self._run(mbs, loss_fn, forward_only=False, entropy_grad=cfg.entropy_coef > 0)
@@ -312,7 +339,8 @@ class MegatronBackend:
                 (root / sub).mkdir(parents=True)
         dist.barrier()
         dist_checkpointing.save(self.gpt.sharded_state_dict(), str(root / "model"))
-        dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict())},
+        dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(),
+                                                                                metadata=_OPTIM_FORMAT)},
                                 str(root / "optim"))
         if self.rank == 0:
             torch.save({"steps_done": self.steps_done, "skipped_steps": self.skipped_steps, "rng": rng_state()},
@@ -329,8 +357,8 @@ class MegatronBackend:
         state = dist_checkpointing.load(self.gpt.sharded_state_dict(), str(root / "model"))
         self.gpt.load_state_dict(state)
         if load_optim and (root / "optim" / "backend.pt").is_file():
-            tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(),
-                                                                   is_loading=True)}
+            tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
+                                                                   metadata=_OPTIM_FORMAT)}
             self.optimizer.load_state_dict(dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"])
             st = torch.load(root / "optim" / "backend.pt", weights_only=False)
             self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]

@@ -7,6 +7,7 @@ modules with the packed flash attention of `megatron_attention` in the core-atte
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,40 @@ def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype) -> tuple[dict, dict]:
+@dataclass(frozen=True)
+class Kernels:
+    """Speed choices that leave the math unchanged (bench/gpu_megatron.py measures each one)."""
+
+    fused_log_probs: bool = True  # TP = 1: log-softmax / entropy on bf16 logits, torch.compile'd (packed_logprobs)
+    rope_in_attention: bool = True  # without TE: RoPE in the packed core attention, no per-layer host sync
+    fused_swiglu: bool = True  # Megatron's compiled SwiGLU (bias_activation_fusion)
+    fused_adam: bool = True  # torch's single-kernel AdamW for Megatron's fallback optimizer (no TE / apex)
+    hf_rms_norm: bool = False  # without TE: RMSNorm in transformers' rounding order (bf16 parity with HF;
+    #                            several kernels instead of torch's one fused RMSNorm)
+
+
+class HFRMSNorm(torch.nn.Module):
+    """RMSNorm as transformers computes it: normalise in fp32, round to the input dtype, then × weight (in
+    that dtype). torch's fused RMSNorm rounds once, after the weight; in bf16 the two differ by an ulp."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_in_attention(kernels: Kernels) -> bool:
+    return kernels.rope_in_attention and not have_transformer_engine()
+
+
+def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels()
+                 ) -> tuple[dict, dict]:
     """(TransformerConfig kwargs, GPTModel kwargs) of an HF architecture: RMSNorm, SwiGLU, RoPE, no dropout."""
     import torch.nn.functional as F
 
@@ -41,39 +75,60 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype) -> 
         # them once instead of per shard (measured: TP=2 norm 0.352 vs 0.424 at TP=1, same gradients).
         perform_initialization=True,
         # Fusions that need apex / TE stay off; torch's RMSNorm and our attention are used instead.
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=kernels.fused_swiglu, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
     gpt = dict(
-        max_sequence_length=s.max_position_embeddings, position_embedding_type="rope",
+        max_sequence_length=s.max_position_embeddings,
+        # RoPE applied by PackedCoreAttention instead: GPTModel must not rotate a second time.
+        position_embedding_type="none" if rope_in_attention(kernels) else "rope",
         rotary_base=int(s.rope_theta), rotary_percent=1.0, share_embeddings_and_output_weights=s.tie_embeddings,
         rope_scaling=s.rope_scaling_factor is not None, rope_scaling_factor=s.rope_scaling_factor or 8.0,
     )
     return config, gpt
 
 
-def layer_spec(shape: ModelShape):
+def layer_spec(shape: ModelShape, kernels: Kernels = Kernels()):
     """TE layers when installed; else local layers with the packed flash core attention."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    from engine.train.megatron_attention import PackedCoreAttention
+    from engine.train.megatron_attention import PackedCoreAttention, Rope
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    rope = Rope(shape.rope_theta, shape.rope_scaling_factor) if rope_in_attention(kernels) else None
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"rope": rope})
+    if kernels.hf_rms_norm:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HFRMSNorm
+        if shape.qk_norm:
+            attn.q_layernorm = attn.k_layernorm = HFRMSNorm
     return spec
 
 
-def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int):
+def block_spec(shape: ModelShape, config, kernels: Kernels = Kernels()):
+    """This stage's layers (and, with hf_rms_norm, the final norm too, which a layer spec cannot set)."""
+    spec = layer_spec(shape, kernels)
+    if not kernels.hf_rms_norm or have_transformer_engine():
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=HFRMSNorm)
+
+
+def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int,
+                kernels: Kernels = Kernels()):
     """A GPTModel stage for this rank (pre/post-process by pipeline stage) and its TransformerConfig."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype)
+    cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels)
     config = TransformerConfig(**cfg_kw)
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(shape), vocab_size=vocab_padded,
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(shape, config, kernels),
+                     vocab_size=vocab_padded,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), **gpt_kw)
     return model, config

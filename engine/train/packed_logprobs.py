@@ -69,3 +69,40 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, voc
         ez = reduce_sum((e * finite_z).sum(dim=-1))  # [T]
         entropy = lse - ez / sumexp  # [T]
     return log_probs, entropy
+
+
+# ---- TP = 1, fused ----------------------------------------------------------------------------------------
+def _log_probs_entropy(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, entropy_grad: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The p = 1 case of `vocab_parallel_log_probs`, written for torch.compile: bf16 logits [T, V] are read
+    in fused reductions instead of materialising fp32 [T, V] copies (each 2.5 GB at T = 4096, V = 151,936)."""
+    x = logits.float() * inv_temperature  # [T, V]
+    m = x.detach().amax(dim=-1, keepdim=True)  # [T, 1]
+    z = x - m
+    e = z.exp()
+    s = e.sum(dim=-1)  # [T]
+    lse = s.log()
+    log_probs = z.gather(-1, targets[:, None]).squeeze(-1) - lse  # [T]
+    if not entropy_grad:
+        z, e, s, lse = z.detach(), e.detach(), s.detach(), lse.detach()
+    entropy = lse - (e * z).sum(dim=-1) / s  # [T]
+    return log_probs, entropy
+
+
+_FUSED: dict = {"fn": None, "error": None}
+
+
+def fused_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                    entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets) [T], entropy [T]) from unsharded logits [T, V] of any float dtype, compiled once per
+    process (T dynamic). Falls back to the eager formula if compilation fails (the reason is kept in _FUSED)."""
+    if _FUSED["error"] is None:
+        if _FUSED["fn"] is None:
+            _FUSED["fn"] = torch.compile(_log_probs_entropy, dynamic=False)
+        torch._dynamo.mark_dynamic(logits, 0)
+        torch._dynamo.mark_dynamic(targets, 0)
+        try:
+            return _FUSED["fn"](logits, targets, 1.0 / temperature, entropy_grad)
+        except Exception as e:  # no compiler / Triton here: same numbers, more memory traffic
+            _FUSED["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return _log_probs_entropy(logits, targets, 1.0 / temperature, entropy_grad)
