@@ -41,6 +41,14 @@ QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_bench"))
 
 
+def plain_kernels():
+    """Every speed choice off: Megatron's own RoPE, eager fp32 log-probs, torch's foreach AdamW …"""
+    from engine.train.megatron_model import Kernels
+
+    return Kernels(fused_log_probs=False, rope_in_attention=False, fused_swiglu=False, fused_adam=False,
+                   wgrad_fusion=False)
+
+
 def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
@@ -284,18 +292,20 @@ def throughput(hf_dir: Path, shape: dict, out: dict, peak: float, kernels, name:
     for _ in range(2):
         be.train_step(mbs, old, ref, G)
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, cpu = [], []
     for _ in range(5):
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         be.train_step(mbs, old, ref, G)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     t, tl = statistics.median(times), statistics.median(lp_times)
     out.setdefault("throughput", {})[name] = {"kernels": str(kernels),
         "shape": "Qwen2.5-1.5B (random weights)", "micro_batches": n_mbs, "tokens_per_micro_batch": seq,
         "samples": len(flat), "sample_lengths": lengths, "tokens_per_step": tokens,
-        "train_step_s": times, "train_step_median_s": t, "train_tokens_per_s": tokens / t,
+        "train_step_s": times, "train_step_median_s": t, "train_step_process_cpu_s": cpu,
+        "wgrad_fusion_active": bool(be.config.gradient_accumulation_fusion), "train_tokens_per_s": tokens / t,
         "train_model_tflops": 3 * fwd / t / 1e12, "train_mfu": 3 * fwd / t / 1e12 / peak,
         "logprob_pass_s": lp_times, "logprob_tokens_per_s": tokens / tl,
         "logprob_mfu": fwd / tl / 1e12 / peak, "forward_flops_per_step": fwd,
@@ -315,18 +325,18 @@ def layout_batch():
     return packed_batch([[300, 700], [500, 500], [900, 200], [400, 650]], QWEN2_05B["vocab_size"], seed=3)
 
 
-def layout_run(hf_dir: Path, tp: int, pp: int, dtype: str) -> dict:
+def layout_run(hf_dir: Path, tp: int, pp: int, dtype: str, kernels=None) -> dict:
     """3 GRPO steps; each DP replica takes micro-batches j ≡ its DP rank (mod DP). Global sums over replicas.
-    Unfused kernels: the layouts test the parallel arithmetic, and no process waits for a compile."""
+    Default: no compiled kernels (the layouts test the parallel arithmetic; no process waits for a compile)."""
     import torch.distributed as dist
 
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.megatron_model import Kernels
 
     world = int(os.environ.get("WORLD_SIZE", 1))
+    kernels = kernels or Kernels(fused_log_probs=False)
     be = MegatronBackend(run_config(hf_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                    actor_num_gpus_per_node=world), params_dtype=dtype,
-                         kernels=Kernels(False, False, False))
+                                    actor_num_gpus_per_node=world), params_dtype=dtype, kernels=kernels)
     dp = world // (tp * pp)
     dp_rank = (be.rank // tp) % dp
     all_mbs = layout_batch()
@@ -345,7 +355,7 @@ def layout_run(hf_dir: Path, tp: int, pp: int, dtype: str) -> dict:
                       "tokens": tot["tokens_count"]})
     del be
     free()
-    return {"tp": tp, "pp": pp, "dp": dp, "world": world, "dtype": dtype, "steps": steps}
+    return {"tp": tp, "pp": pp, "dp": dp, "world": world, "dtype": dtype, "kernels": str(kernels), "steps": steps}
 
 
 # ---- entry points --------------------------------------------------------------------------------------
@@ -392,7 +402,7 @@ def single(out_dir: Path) -> None:
         from engine.train.megatron_model import Kernels
 
         ref16 = hf_reference(small, "bfloat16", mbs)
-        res, be = parity(small, "bfloat16", mbs, ref16, Kernels(False, False, False))
+        res, be = parity(small, "bfloat16", mbs, ref16, plain_kernels())
         res.pop("log_probs")
         out["parity_bf16_unfused"] = res
         log("parity bf16 unfused", res)
@@ -423,14 +433,19 @@ def single(out_dir: Path) -> None:
     def layout_ref():
         torch.backends.cuda.matmul.allow_tf32 = False
         out["layout_tp1"] = {d: layout_run(small, 1, 1, d) for d in ("float32", "bfloat16")}
+        # the production kernels (compiled log-probs, fused wgrad …) against the plain ones, same steps
+        out["kernels_vs_plain_bf16"] = layout_run(small, 1, 1, "bfloat16", Kernels())
+        out["plain_bf16"] = layout_run(small, 1, 1, "bfloat16", plain_kernels())
 
     from engine.train.megatron_model import Kernels
 
-    variants = [("no_fused_log_probs", Kernels(fused_log_probs=False), False),
+    variants = [("with_fused_swiglu", Kernels(fused_swiglu=True), False),
+                ("no_wgrad_fusion", Kernels(wgrad_fusion=False), False),
+                ("no_fused_log_probs", Kernels(fused_log_probs=False), False),
                 ("no_rope_in_attention", Kernels(rope_in_attention=False), False),
-                ("no_fused_swiglu", Kernels(fused_swiglu=False), False),
                 ("no_fused_adam", Kernels(fused_adam=False), False),
-                ("none_fused", Kernels(False, False, False, False), True)]
+                ("none", plain_kernels(), True),
+                ("default_again", Kernels(), False)]
 
     def tput(kernels, name, profiled):
         big = make_hf_model(QWEN25_15B, WORK / "qwen25_15b_bf16", torch.bfloat16)
@@ -439,7 +454,7 @@ def single(out_dir: Path) -> None:
     step("parity_fp32", parity_fp32)
     step("parity_bf16", parity_bf16)
     step("grpo", grpo_part)
-    step("throughput_all_fused", lambda: tput(Kernels(), "all_fused", True))
+    step("throughput_default", lambda: tput(Kernels(), "default", True))
     step("layout_tp1", layout_ref)
     for name, kernels, profiled in variants:  # one change at a time, then the first run's configuration
         step(f"throughput_{name}", lambda k=kernels, n=name, p=profiled: tput(k, n, p))
@@ -487,6 +502,11 @@ def report(out_dir: Path, write: Path | None) -> None:
                     checks[f"{name}_bf16_matches_tp1"] = max(c["loss_abs_diff"]) <= 2e-3 and \
                         c["grad_norm_rel_diff"][0] <= 1e-3
         summary["layouts"][name] = res
+    kv, plain = single_res.get("kernels_vs_plain_bf16"), single_res.get("plain_bf16")
+    if kv and plain:
+        summary["kernels_vs_plain_bf16"] = {"kernels": kv, "plain": plain, "diff": (c := compare_layout(kv, plain))}
+        checks["default_kernels_bf16_match_plain"] = max(c["loss_abs_diff"]) <= 2e-3 and \
+            c["grad_norm_rel_diff"][0] <= 1e-3
     if summary.get("parity_fp32"):
         checks["parity_fp32_max_abs<=1e-4"] = summary["parity_fp32"]["max_abs"] <= 1e-4
     if summary.get("parity_bf16"):

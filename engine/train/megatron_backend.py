@@ -359,7 +359,9 @@ class MegatronBackend:
         if load_optim and (root / "optim" / "backend.pt").is_file():
             tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
                                                                    metadata=_OPTIM_FORMAT)}
-            self.optimizer.load_state_dict(dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"])
+            state = dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"]
+            with torch.no_grad():  # it copies into the fp32 main params, leaves that require grad
+                self.optimizer.load_state_dict(state)
             st = torch.load(root / "optim" / "backend.pt", weights_only=False)
             self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]
             set_rng_state(st["rng"])
