@@ -6,9 +6,12 @@ Each micro-batch contributes Σ_{its samples} mean / G (global G); Megatron's DD
 (calculate_per_token_loss, and a finalize step that ignores token counts), so reduce-scattering the gradient
 SUM over DP ranks gives exactly ∇L whatever the DP / TP / PP layout.
 
-Packed micro-batches run as one THD row: cu_seqlens bound the samples for attention (megatron_attention) and
-for RoPE (Megatron restarts positions at every boundary). The reference model for KL is the initial weights,
-kept on the host and swapped in for `compute_log_probs(ref=True)` (as slime does) instead of a second model.
+Packed micro-batches run as one THD row: cu_seqlens bound the samples for attention and RoPE (positions
+restart at every boundary; megatron_attention). The reference model for KL is the initial weights, kept on the
+host and swapped in for `compute_log_probs(ref=True)` (as slime does) instead of a second model. Speed choices
+that leave the math unchanged are `megatron_model.Kernels` (measured in bench/results/gpu_megatron.md).
+One difference from the torch backend: Megatron exempts biases and norm weights from weight decay (the
+default --weight-decay 0 makes the two identical).
 """
 from __future__ import annotations
 
