@@ -334,23 +334,24 @@ def test_rf03_dynamic_batch_needs_a_cap_and_suggests_response_len_over_cp():
     cfg = RunConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=2048, rollout_max_response_len=8192,
                     context_parallel_size=2, actor_num_gpus_per_node=2)
     (d,) = dynamic_batch_needs_cap(cfg, env)
-    assert d.severity == "warning" and "2048·2 = 4096" in d.what and "--context-parallel-size 4" in d.fix
+    assert d.severity == "warning" and "2048·2 = 4096" in d.what and "--max-tokens-per-gpu 4096" in d.fix
+    assert "--context-parallel-size 4" in d.fix  # slime's remedy, named with the note that it is not run here
     cfg = RunConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=8192, rollout_max_response_len=8192)
     assert dynamic_batch_needs_cap(cfg, env) == []
 
 
-def test_context_parallel_divides_dp_and_needs_megatron():
+def test_context_parallel_divides_dp_and_is_not_run_by_any_backend():
     from engine.config import RunConfig
-    from engine.doctor.checks import Environment, context_parallel_layout
+    from engine.doctor.checks import Environment, parallel_layout
 
     cfg = RunConfig(actor_num_nodes=2, actor_num_gpus_per_node=4, context_parallel_size=2, train_backend="megatron",
                     rollout_batch_size=4, n_samples_per_prompt=4)
     assert cfg.dp_size == 4  # 2·4 GPUs / CP 2
-    assert context_parallel_layout(cfg, Environment()) == []
-    (d,) = context_parallel_layout(cfg.model_copy(update={"train_backend": "torch"}), Environment())
-    assert d.severity == "error" and "--context-parallel-size 2 with --train-backend torch" in d.what
-    (d,) = context_parallel_layout(cfg.model_copy(update={"context_parallel_size": 3}), Environment())
-    assert "8 train GPUs" in d.what and "not a multiple of --context-parallel-size 3" in d.what
+    (d,) = parallel_layout(cfg, Environment())
+    assert d.severity == "error" and "--context-parallel-size 2" in d.what and "--context-parallel-size 1" in d.fix
+    tp = cfg.model_copy(update={"context_parallel_size": 1, "tensor_model_parallel_size": 3})
+    (d,) = parallel_layout(tp, Environment())
+    assert "8 train GPUs" in d.what and "TP·PP·CP = 3·1·1 = 3" in d.what
 
 
 def test_moe_allgather_dispatcher_is_switched_to_alltoall_with_a_log_line(caplog):

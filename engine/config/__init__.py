@@ -39,9 +39,17 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         return self
 
     @property
+    def train_world_size(self) -> int:
+        """Train ranks (GPUs, or CPU workers): nodes × GPUs per node."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: train GPUs / CP (CP ranks share one micro-batch; preflight checks divisibility)."""
-        return max(1, self.actor_num_nodes * self.actor_num_gpus_per_node // self.context_parallel_size)
+        """Data-parallel replicas: train ranks / (TP · PP · CP); each replica gets its own micro-batches
+        (CP ranks share one micro-batch; preflight checks the divisibility)."""
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * \
+            self.context_parallel_size
+        return max(1, self.train_world_size // model_parallel)
 
     @property
     def batch(self) -> BatchPlan:

@@ -135,30 +135,40 @@ def dynamic_batch_needs_cap(cfg, env: Environment) -> list[Diagnosis]:
                           what=f"one response can reach rollout_max_response_len = {resp} tokens, more than the "
                                f"micro-batch cap max_tokens_per_gpu·CP = {cfg.max_tokens_per_gpu}·{cp} = {cap}: "
                                "such a sample is trained alone in its micro-batch, over the cap (OOM risk)",
-                          fix=f"--context-parallel-size {-(-resp // cfg.max_tokens_per_gpu)} (with the megatron "
-                              f"backend), or --max-tokens-per-gpu {safe} if memory allows")]
+                          fix=f"--max-tokens-per-gpu {safe} if memory allows, or a shorter "
+                              f"--rollout-max-response-len (slime would split it with --context-parallel-size "
+                              f"{-(-resp // cfg.max_tokens_per_gpu)}; no rollflow backend runs context parallelism "
+                              "yet)")]
     return []
 
 
 @check("CONFIG")
-def context_parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
-    """CP splits sequences across GPUs: only megatron does it, and CP must divide the train GPUs."""
-    cp, world = cfg.context_parallel_size, cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
-    if cp == 1:
-        return []
+def parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
+    """TP / PP split the model (megatron backend only) and TP·PP must divide the train GPUs; no backend runs CP."""
+    tp, pp, cp, world = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                         cfg.context_parallel_size, cfg.train_world_size)
+    out = []
+    if cp > 1:
+        out.append(Diagnosis(code="CONFIG", severity="error", facts={"context_parallel_size": cp},
+                             what=f"--context-parallel-size {cp}: no rollflow backend splits a sequence across GPUs "
+                                  f"yet (the {cfg.train_backend} backend would put max_tokens_per_gpu·{cp} tokens on "
+                                  "one GPU)",
+                             fix="--context-parallel-size 1, with --max-tokens-per-gpu at least the longest sample"))
+    if tp * pp == 1:
+        return out
     if cfg.train_backend != "megatron":
-        return [Diagnosis(code="CONFIG", severity="error", facts={"context_parallel_size": cp},
-                          what=f"--context-parallel-size {cp} with --train-backend {cfg.train_backend}: only the "
-                               "megatron backend splits a sequence across GPUs (the torch backend would put "
-                               f"max_tokens_per_gpu·{cp} tokens on one worker)",
-                          fix="--train-backend megatron, or --context-parallel-size 1")]
-    if world % cp:
-        return [Diagnosis(code="CONFIG", severity="error", facts={"context_parallel_size": cp, "world": world},
-                          what=f"{world} train GPUs (actor_num_nodes × actor_num_gpus_per_node) are not a multiple "
-                               f"of --context-parallel-size {cp}",
-                          fix=f"--actor-num-gpus-per-node a multiple of {cp}, or a --context-parallel-size "
-                              f"dividing {world}")]
-    return []
+        out.append(Diagnosis(code="CONFIG", severity="error",
+                             what=f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} with "
+                                  f"--train-backend {cfg.train_backend}: only the megatron backend splits the model",
+                             fix="--train-backend megatron, or --tensor-model-parallel-size 1 "
+                                 "--pipeline-model-parallel-size 1"))
+    elif world % (tp * pp * cp):
+        out.append(Diagnosis(code="CONFIG", severity="error",
+                             what=f"{world} train GPUs (actor_num_nodes × actor_num_gpus_per_node) are not a "
+                                  f"multiple of TP·PP·CP = {tp}·{pp}·{cp} = {tp * pp * cp}",
+                             fix=f"--actor-num-gpus-per-node a multiple of {tp * pp * cp}, or a smaller TP / PP",
+                             facts={"world": world, "tp": tp, "pp": pp, "cp": cp}))
+    return out
 
 
 @check("RF05")

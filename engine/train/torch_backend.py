@@ -36,13 +36,13 @@ def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_ratio: floa
 def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[T] index of the sample each flat token belongs to."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
 
 
 def per_sample_mean(x: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, num: int) -> torch.Tensor:
     """[S] masked mean of x over each sample's tokens (0 for a sample with no trained token)."""
-    sums = torch.zeros(num, dtype=x.dtype).index_add(0, seg, x * mask)
-    cnts = torch.zeros(num, dtype=x.dtype).index_add(0, seg, mask)
+    sums = torch.zeros(num, dtype=x.dtype, device=x.device).index_add(0, seg, x * mask)
+    cnts = torch.zeros(num, dtype=x.dtype, device=x.device).index_add(0, seg, mask)
     return sums / cnts.clamp(min=1)
 
 

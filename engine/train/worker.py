@@ -21,9 +21,17 @@ class TrainWorker:
         configure_threads(threads)
         self.cfg = RunConfig(**cfg_dict)
         self.rank, self.world_size = rank, world_size
-        if world_size > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
-        self.backend = TorchBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters)
+        # Megatron shards the model over ranks: saving and gathering weights are collectives every rank joins.
+        self.collective = self.cfg.train_backend == "megatron"
+        if self.collective:
+            from engine.train.megatron_backend import MegatronBackend
+
+            self.backend = MegatronBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
+                                           master=master)
+        else:
+            if world_size > 1:
+                dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
+            self.backend = TorchBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters)
         self.steps: list[list[MicroBatch]] = []
         self.old: list[list[torch.Tensor]] = []
         self.ref: list[list[torch.Tensor]] | None = None
@@ -33,14 +41,15 @@ class TrainWorker:
         self.steps = steps
         self.old = [self.backend.compute_log_probs(mbs) for mbs in steps]
         self.ref = [self.backend.compute_log_probs(mbs, ref=True) for mbs in steps] if need_ref else None
-        return {"tokens": float(sum(mb.num_tokens for mbs in steps for mb in mbs))}
+        counted = getattr(self.backend, "reports_metrics", True)  # TP / PP peers of a replica count once
+        return {"tokens": float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if counted else 0.0}
 
     def train_step(self, k: int, global_batch_size: int) -> dict[str, Any]:
         return self.backend.train_step(self.steps[k], self.old[k], self.ref[k] if self.ref else None,
                                        global_batch_size)
 
     def save(self, path: str) -> list[str]:
-        return self.backend.save(path) if self.rank == 0 else []
+        return self.backend.save(path) if self.rank == 0 or self.collective else []
 
     def load(self, path: str, load_optim: bool = True) -> None:
         self.backend.load(path, load_optim=load_optim)
@@ -48,12 +57,13 @@ class TrainWorker:
     def save_weights(self, path: str) -> str:
         from engine.weights import save_weights_dir
 
+        state = self.backend.model_state() if self.rank == 0 or self.collective else {}
         if self.rank == 0:
-            save_weights_dir(self.backend.model_state(), path)
+            save_weights_dir(state, path)
         return path
 
     def export_hf(self, path: str) -> None:
-        if self.rank == 0:
+        if self.rank == 0 or self.collective:
             self.backend.export_hf(path)
 
     def param_checksum(self) -> float:
