@@ -32,12 +32,12 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         raise ValueError("rollflow_varlen attention needs cu_seq_lens_q: call the model through packed_forward")
     if sliding_window:
         raise NotImplementedError("rollflow_varlen attention does not implement sliding-window layers")
-    groups = query.shape[1] // key.shape[1]  # GQA: each kv head serves `groups` query heads
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    bounds = cu_seq_lens_q.tolist()
-    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                           scale=scaling, dropout_p=dropout)
-            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]  # [1, H, L_i, D] each
+    # split (not slicing): its backward is one cat; slicing's backward writes a full-size zero gradient per
+    # sample (3.5x slower fwd+bwd on 16 samples, measured). enable_gqa: no repeated k/v copies.
+    lens = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout,
+                                           enable_gqa=True)  # [1, H, L_i, D]
+            for q, k, v in zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2))]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
