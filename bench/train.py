@@ -126,20 +126,24 @@ def bench_model(name: str, model, n_samples: int, cap: int, repeats: int) -> dic
     attn_dense = sum(sum(totals[i] for i in g) ** 2 for g in groups)  # Σ (Σ L_i)² (dense block-diag mask)
     attn_padded = sum(len(g) * max(totals[i] for i in g) ** 2 for g in groups)  # Σ S·Lmax²
 
-    variants = {}
     base = model.eval()
     varlen = copy.deepcopy(base)
     use_varlen_attention(varlen)
-    for vname, m, fwd in (("packed", varlen, lambda mo, mb: packed_forward(mo, mb)),
-                          ("padded", base, padded_forward), ("sdpa", base, sdpa_packed_forward)):
-        opt = torch.optim.AdamW(m.parameters(), lr=0.0)  # lr 0: every repeat trains the same weights
-        train_step(m, opt, mbs[:1], fwd, n_samples)  # warm-up
-        secs = [train_step(m, opt, mbs, fwd, n_samples) for _ in range(repeats)]
-        variants[vname] = {"seconds": secs, "seconds_median": statistics.median(secs),
-                           "tokens_per_s_median": real / statistics.median(secs),
-                           "tokens_per_s_min": real / max(secs), "tokens_per_s_max": real / min(secs)}
-        print(f"{name:5s} {vname:7s} {real / statistics.median(secs):9.0f} tok/s  (runs: "
-              + ", ".join(f"{s:.2f}s" for s in secs) + ")", flush=True)
+    runs = {"packed": (varlen, packed_forward), "padded": (base, padded_forward), "sdpa": (base, sdpa_packed_forward)}
+    opts = {v: torch.optim.AdamW(m.parameters(), lr=0.0) for v, (m, _) in runs.items()}  # lr 0: same weights
+    for v, (m, fwd) in runs.items():
+        train_step(m, opts[v], mbs[:1], fwd, n_samples)  # warm-up
+    secs: dict[str, list[float]] = {v: [] for v in runs}
+    for _ in range(repeats):  # interleaved, so a change in machine load hits every variant alike
+        for v, (m, fwd) in runs.items():
+            secs[v].append(train_step(m, opts[v], mbs, fwd, n_samples))
+    variants = {}
+    for v, ss in secs.items():
+        variants[v] = {"seconds": ss, "seconds_median": statistics.median(ss),
+                       "tokens_per_s_median": real / statistics.median(ss), "tokens_per_s_min": real / max(ss),
+                       "tokens_per_s_max": real / min(ss)}
+        print(f"{name:5s} {v:7s} {real / statistics.median(ss):9.0f} tok/s  (runs: "
+              + ", ".join(f"{x:.2f}s" for x in ss) + ")", flush=True)
     share = 1 - real / padded_tokens
     return {"model": name, "parameters": sum(p.numel() for p in base.parameters()), "samples": n_samples,
             "cap_tokens": cap, "micro_batches": len(groups), "real_tokens": real, "padded_tokens": padded_tokens,
