@@ -2,7 +2,7 @@
 
 Models (Qwen2 architecture, float32, the bundled tokenizer's 259-token vocabulary):
   tiny   the bundled model (examples/tiny-qwen2-arith: 4 layers, h 128)
-  50m    12 layers, h 640, 10 heads (d 64), 2 kv heads, MLP 1728 — 51.6M parameters, random init (seed 0)
+  50m    12 layers, h 640, 10 heads (d 64), 2 kv heads, MLP 1728 — 51.8M parameters, random init (seed 0)
 Lengths: the pack/balance issue's distribution (a) scaled by 1/16: prompts normal(12.5, 6.25) ≥ 1, responses
 log-normal with median 62.5 and σ = 1, cut at 1,024 (the original: 200 ± 100, median 1,000, cap 16,384).
 Micro-batches: first-fit under --max-tokens tokens (engine.packing.schedule, dynamic mode); every variant

@@ -3,10 +3,10 @@
 A MicroBatch is one row of S samples: `cu_seqlens` marks their boundaries and `position_ids` restart at 0 for
 each, so rotary positions are per sample. Attention must never cross samples. `varlen_attention` (registered
 with transformers as "rollflow_varlen") runs causal SDPA on each sample's slice of q/k/v: a row costs
-Σ L_i² attention FLOPs, not the (Σ L_i)² of a dense block-diagonal mask, and no T×T mask is built. With this
-implementation transformers skips its own mask creation (the name is not a mask interface), and the call must
-pass `use_cache=False`: with a cache, transformers 5.24 disables its packed-sequence handling and attention
-silently crosses samples (measured: logits off by 10 on the bundled model).
+Σ L_i² attention FLOPs, not the (Σ L_i)² of a dense block-diagonal mask, and no T×T mask is built (with this
+implementation transformers skips its own mask creation: the name is not a mask interface). Calls pass
+`use_cache=False`; note that on transformers' own sdpa path a cache disables its packed-sequence detection and
+attention silently crosses samples (measured: logits off by 10 on the bundled model).
 
 Logits are computed only where a trained token is predicted (loss_mask > 0): entry t (token t given the
 sample's tokens before it) comes from the hidden state at t − 1, via transformers' `logits_to_keep`. Entries
