@@ -4,14 +4,15 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from tasks.common import publish
+from tasks.common import diagnosed, publish
 
 
 @task(name="train", task_run_name="train-{packed.rollout_id}", cache_policy=NO_CACHE)
 def train(run: Run, packed: stages.PackedRollout) -> dict[str, float]:
     """num_steps_per_rollout optimizer steps on the train workers (not retried: the update is not idempotent)."""
     seen = len(run.diagnoses)
-    out = publish(run, packed.rollout_id, stages.train(run, packed))
+    with diagnosed(run):
+        out = publish(run, packed.rollout_id, stages.train(run, packed))
     new = run.diagnoses[seen:]
     for d in new:  # runtime warnings (RF09 grad-norm spike): in the task's log and as an artifact
         get_run_logger().warning(d.render())
