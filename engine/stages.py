@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -149,17 +149,17 @@ class PackedRollout:
     rollout_id: int
     per_rank_steps: list[list[list[MicroBatch]]]  # [rank][step][micro-batch]
     metrics: dict[str, float]
+    rewards: list[float] = field(default_factory=list)  # [N] scalar reward per sample, by Sample.index
 
 
 def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
-    """Advantages per sample, then the DP schedule, then packed (varlen) micro-batches per rank and step.
+    """The DP schedule, then packed (varlen) micro-batches per rank and step.
 
+    Advantages are not computed here: the estimator needs the trainer's log-probs (and PPO the critic's values),
+    so the train workers compute them from the rollout's rewards (engine.train.worker.set_rollout).
     Metrics: pack/efficiency (real tokens / (micro-batches × cap)), pack/dp_imbalance (max / mean FLOPs over
     ranks), pack/micro_batches_per_rank, … (engine.packing.schedule.schedule_stats).
     """
-    import torch
-
-    from engine.algorithms import grpo_advantages
     from engine.packing.flops import ModelShape, flops_per_sample
     from engine.packing.microbatch import make_micro_batch
     from engine.packing.schedule import build_dp_schedule, schedule_stats
@@ -167,7 +167,8 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     cfg, plan = run.cfg, run.plan
     t0 = time.perf_counter()
     samples = [s for g in batch.groups for s in g]
-    adv = grpo_advantages(torch.tensor([s.scalar_reward for s in samples]), cfg.n_samples_per_prompt).tolist()
+    if [s.index for s in samples] != list(range(len(samples))):
+        raise ValueError("Sample.index must be the sample's position in the rollout (group_index·n + j)")
     lengths = [len(s.tokens) for s in samples]
     flops = flops_per_sample(lengths, ModelShape.from_hf_config(cfg.hf_checkpoint))
     max_tokens = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None  # preflight: dynamic ⇒ set (RF03)
@@ -175,36 +176,57 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
                               cp_size=cfg.context_parallel_size, max_tokens_per_gpu=max_tokens,
                               micro_batch_size=cfg.micro_batch_size, balance_data=cfg.balance_data,
                               balance_by_flops=cfg.balance_by_flops, flops=flops)
-    per_rank = [[[make_micro_batch([samples[i] for i in mb], [adv[i] for i in mb]) for mb in step.ranks[r]]
+    per_rank = [[[make_micro_batch([samples[i] for i in mb], [0.0] * len(mb)) for mb in step.ranks[r]]
                  for step in steps] for r in range(plan.dp_size)]
     cap = max_tokens * cfg.context_parallel_size if max_tokens is not None else None
     metrics = {f"pack/{k}": v for k, v in schedule_stats(steps, lengths, flops, cap).items()}
     metrics["pack/seconds"] = time.perf_counter() - t0
-    return PackedRollout(batch.rollout_id, per_rank, metrics)
+    return PackedRollout(batch.rollout_id, per_rank, metrics, rewards=[s.scalar_reward for s in samples])
 
 
 # ---- train -----------------------------------------------------------------------------------------------------
 def train(run: Run, packed: PackedRollout) -> dict[str, float]:
-    """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank."""
+    """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank, with the runtime checks.
+
+    RF01: on the run's first step the policy and the reference are the same weights (KL = 0, ratio = 1).
+    RF09: a step whose grad norm spikes is reported (a warning in run.diagnoses) with its sample ids.
+    """
+    from engine.doctor.diagnosis import DiagnosisError
     from engine.train.backend import reduce_metrics
+    from engine.train.checks import first_step_check, grad_norm_spike, spike_diagnosis
 
     cfg = run.cfg
     t0 = time.perf_counter()
     # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
-    run.train_group.set_rollout(packed.per_rank_steps, need_ref=True)
+    facts = reduce_metrics(run.train_group.set_rollout(packed.per_rank_steps, packed.rewards, need_ref=True))
+    first = run.resume is None and packed.rollout_id == 0
+    if first and (d := first_step_check(ref_logp_maxdiff=facts["ref_logp_maxdiff"], ratio_maxdev=None,
+                                        ref_source=cfg.ref_load or cfg.hf_checkpoint,
+                                        policy_source=cfg.hf_checkpoint)):
+        raise DiagnosisError(d)
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
         m = reduce_metrics(parts)
         m["loss"] = sum(p["loss_total"] for p in parts)
+        if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
+            raise DiagnosisError(d)
+        if (median := grad_norm_spike(run.grad_norms, m["grad_norm"])) is not None:
+            ids = sorted(i for rank in packed.per_rank_steps for mb in rank[k] for i in mb.sample_ids)
+            run.diagnoses.append(spike_diagnosis(step=len(run.grad_norms), rollout_id=packed.rollout_id,
+                                                 grad_norm=m["grad_norm"], median=median, sample_ids=ids))
+            m["grad_norm_spikes"] = 1.0
+        run.grad_norms.append(m["grad_norm"])
         per_step.append(m)
     secs = time.perf_counter() - t0
-    out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]
-           if k not in ("loss_total", "tokens")}
+    skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes"}
+    out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0] if k not in skip}
     out["train/grad_norm_max"] = max(s["grad_norm"] for s in per_step)
+    out["train/skipped_steps"] = sum(s["skipped"] for s in per_step)
+    out["train/skipped_steps_total"] = per_step[-1]["skipped_steps_total"]
+    out["train/grad_norm_spikes"] = sum(s.get("grad_norm_spikes", 0.0) for s in per_step)
     out["train/seconds"] = secs
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
-    out["train/skipped_steps"] = per_step[-1]["skipped_steps"]
     return out
 
 

@@ -112,7 +112,7 @@ def test_gpu_megatron_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
         assert abs(m["loss_total"] - t["loss_total"]) < 1e-5, step
         assert abs(m["grad_norm"] - t["grad_norm"]) < 1e-4 * max(1.0, t["grad_norm"]), step
         if step == 0:  # first-step invariant: KL = 0, ratio = 1
-            assert m["kl_sum"] == 0.0 and m["ratio_sum"] == m["tokens_count"]
+            assert m["kl_sum"] == 0.0 and m["ratio_sum"] == m["ratio_count"]
     path = tmp_path / "ckpt"
     files = mg.save(str(path))
     assert "optim/backend.pt" in files and any(f.startswith("model/") for f in files)

@@ -65,23 +65,25 @@ def test_core_attention_module_thd_and_sbhd_shapes():
 
 
 def test_packed_log_probs_follow_the_torch_backend_layout():
-    """A packed forward whose logits equal per-sample logits must give exactly TorchBackend.forward's
-    per-token log-probs and entropies: entry t is about tokens[t] given its own sample's prefix, 0 at starts."""
-    from engine.train.torch_backend import TorchBackend
+    """A packed forward whose logits equal per-sample logits must give exactly the torch backend's
+    per-token log-probs and entropies (engine.train.forward.packed_forward): entry t is about tokens[t] given its
+    own sample's prefix, 0 at sample starts."""
+    from engine.train.forward import packed_forward
 
     torch.manual_seed(2)
     V = 11
     table = torch.randn(V, V)  # a "model": logits of the next token depend on the current token only
 
     class Bigram(torch.nn.Module):
-        def forward(self, input_ids, attention_mask=None):
-            return SimpleNamespace(logits=table[input_ids])
+        def forward(self, input_ids, logits_to_keep=None, **_):
+            logits = table[input_ids]  # [1, T, V]
+            return SimpleNamespace(logits=logits if logits_to_keep is None else logits[:, logits_to_keep])
 
     tokens = torch.randint(0, V, (24,))
-    mb = MicroBatch(tokens=tokens, cu_seqlens=CU, position_ids=torch.cat([torch.arange(n) for n in LENS]),
-                    loss_mask=torch.ones(24), advantages=torch.zeros(24), rollout_log_probs=torch.zeros(24),
-                    sample_ids=[0, 1, 2, 3])
-    want_lp, want_ent = TorchBackend.forward(SimpleNamespace(temperature=1.0), Bigram(), mb)
+    positions = torch.cat([torch.arange(n) for n in LENS])
+    mb = MicroBatch(tokens=tokens, cu_seqlens=CU, position_ids=positions, loss_mask=(positions > 0).float(),
+                    advantages=torch.zeros(24), rollout_log_probs=torch.zeros(24), sample_ids=[0, 1, 2, 3])
+    want_lp, want_ent = packed_forward(Bigram(), mb, temperature=1.0)
     lp, ent = vocab_parallel_log_probs(table[tokens], shift_targets(tokens))  # the packed row's logits
     lp, ent = align_to_tokens(lp, CU), align_to_tokens(ent, CU)
     torch.testing.assert_close(lp, want_lp)

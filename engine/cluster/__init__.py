@@ -97,9 +97,11 @@ class TrainGroup:
                 for r, w in enumerate(self.workers)]
         return ray.get(refs, timeout=self.timeout_s)
 
-    def set_rollout(self, per_rank_steps: list[list[list[Any]]], need_ref: bool) -> list[dict[str, float]]:
-        """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches."""
-        return self._all("set_rollout", need_ref, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
+    def set_rollout(self, per_rank_steps: list[list[list[Any]]], rewards: list[float],
+                    need_ref: bool) -> list[dict[str, float]]:
+        """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches.
+        Every rank also gets the rewards of the whole rollout (see engine.train.worker)."""
+        return self._all("set_rollout", rewards, need_ref, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
         return self._all("train_step", k, global_batch_size)

@@ -171,6 +171,17 @@ def parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
     return out
 
 
+@check("CONFIG")
+def backend_supports_estimator(cfg, env: Environment) -> list[Diagnosis]:
+    if cfg.advantage_estimator == "ppo" and cfg.train_backend != "torch":
+        return [Diagnosis(code="CONFIG", severity="error",
+                          what=f"--advantage-estimator ppo needs a critic, which only the torch backend trains "
+                               f"(--train-backend {cfg.train_backend})",
+                          fix="--train-backend torch, or a critic-free estimator (grpo, gspo, cispo, "
+                              "reinforce_plus_plus, reinforce_plus_plus_baseline)")]
+    return []
+
+
 @check("RF05")
 def resume_hint(cfg, env: Environment) -> list[Diagnosis]:
     if cfg.save and not cfg.load and (it := read_marker(cfg.save)) is not None:

@@ -33,7 +33,8 @@ from engine.packing.microbatch import MicroBatch
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
 from engine.train.megatron_model import Kernels
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
-from engine.train.torch_backend import lr_lambda, per_sample_mean, rng_state, segment_ids, set_rng_state
+from engine.train.optim import lr_lambda
+from engine.train.torch_backend import TOKEN_METRICS, rng_state, set_rng_state
 
 INSTALL_HINT = ("install it on a CUDA machine with `pip install 'rollflow[megatron]'` (megatron-core==0.16.1; "
                 "Transformer Engine optional), or use --train-backend torch")
@@ -43,9 +44,9 @@ INSTALL_HINT = ("install it on a CUDA machine with `pip install 'rollflow[megatr
 # ("ShardedTensor.flattened_range is not supported", seen on the H200).
 _OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
-# (sum name, per-token quantity) reported by train_step, as the torch backend does.
-_STATS = ("loss_total", "pg_loss_sum", "entropy_sum", "kl_sum", "clipfrac_sum", "ratio_sum", "mismatch_sum",
-          "tokens_count")
+# What train_step's loss function reports per micro-batch, stacked in this order: the token sums of
+# engine.algorithms.policy_objective (as the torch backend reports them), then the loss share and the ratio check.
+_STATS = (*TOKEN_METRICS, "tokens", "loss_total", "ratio_maxdev")
 
 
 def require_megatron() -> None:
@@ -240,12 +241,30 @@ class MegatronBackend:
             m.train()
         if not self.is_last_stage:  # only the last stage computes the loss; it is the only user of these
             return [torch.zeros(mb.num_tokens) for mb in mbs]
-        return [o["log_probs"].float().cpu() for o in outs]
+        # 0 where loss_mask is 0, as the torch backend (engine.train.forward.packed_forward)
+        return [o["log_probs"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]
+
+    def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce a CPU tensor over this rank's data-parallel group (TP / PP peers hold the same data)."""
+        from megatron.core import parallel_state
+
+        t = x.to(torch.cuda.current_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
+                        group=parallel_state.get_data_parallel_group())
+        return t.cpu()
 
     # ---- one optimizer step --------------------------------------------------------------------------------
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
-                   ref_log_probs: list[torch.Tensor] | None, global_batch_size: int) -> dict[str, Any]:
+                   ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
+                   global_tokens: float | None = None) -> dict[str, Any]:
+        """One optimizer step; the loss is engine.algorithms.policy_objective, exactly as the torch backend's."""
+        from engine.algorithms import LossSpec, policy_objective
+
         cfg = self.cfg
+        spec = LossSpec.of(cfg)
+        if spec.per_token_loss and global_tokens is None:
+            raise ValueError("--calculate-per-token-loss needs the step's global trained-token count")
+        denom = max(global_tokens, 1.0) if spec.per_token_loss else global_batch_size
         dev = torch.cuda.current_device()
         for m in self.model:
             m.zero_grad_buffer()
@@ -257,36 +276,41 @@ class MegatronBackend:
 
         # Every per-token input on the GPU up front (see _run): [T] each.
         aux = [{"old": old_log_probs[j].to(dev), "mask": mb.loss_mask.to(dev), "adv": mb.advantages.to(dev),
-                "rollout": mb.rollout_log_probs.to(dev), "seg": segment_ids(mb.cu_seqlens).to(dev),
+                "rollout": mb.rollout_log_probs.to(dev), "cu": mb.cu_seqlens.to(dev),
                 "ref": ref_log_probs[j].to(dev) if ref_log_probs is not None else None}
                for j, mb in enumerate(mbs)]
 
         def loss_fn(j, mb, lp, ent):  # lp, ent [T] aligned with mb.tokens
             a = aux[j]
-            old, mask = a["old"], a["mask"]  # [T] log π_old (from before this rollout's first update), [T]
-            pg, clipped = policy_loss(lp, old, a["adv"], eps_clip=cfg.eps_clip)  # [T], [T]
-            tok_loss = pg - cfg.entropy_coef * ent
-            kl_t = kl(lp, a["ref"], cfg.kl_loss_type) if a["ref"] is not None else torch.zeros_like(lp)
-            if cfg.use_kl_loss:
-                tok_loss = tok_loss + cfg.kl_loss_coef * kl_t
-            loss = per_sample_mean(tok_loss, mask, a["seg"], mb.cu_seqlens.numel() - 1).sum() / global_batch_size
+            loss, stats, _ = policy_objective(spec, log_probs=lp, entropy=ent, old_log_probs=a["old"],
+                                              ref_log_probs=a["ref"], rollout_log_probs=a["rollout"],
+                                              advantages=a["adv"], loss_mask=a["mask"], cu_seqlens=a["cu"],
+                                              denominator=denom)
             with torch.no_grad():
-                stats = torch.stack([loss.detach(), (pg * mask).sum(), (ent * mask).sum(), (kl_t * mask).sum(),
-                                     (clipped * mask).sum(), (torch.exp(lp - old) * mask).sum(),
-                                     ((a["rollout"] - old).abs() * mask).sum(), mask.sum()])
-            return loss, {"stats": stats}
+                zero = torch.zeros((), device=lp.device)
+                dev_ratio = ((torch.exp(lp - a["old"]) - 1).abs() * a["mask"]).max() if mb.num_tokens else zero
+                row = [stats.get(k, zero) for k in TOKEN_METRICS] + [stats["tokens"], loss.detach(), dev_ratio]
+            return loss, {"stats": torch.stack([x.float() for x in row])}
 
         outs = self._run(mbs, loss_fn, forward_only=False, entropy_grad=cfg.entropy_coef > 0)
-        sums = torch.stack([o["stats"] for o in outs]).sum(0).tolist() if outs else [0.0] * len(_STATS)
-        m: dict[str, float] = dict(zip(_STATS, sums))
-        if not self.reports_metrics:
-            m = {k: 0.0 for k in m}
-        for name in ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "mismatch"):
-            m[name + "_count"] = m["tokens_count"]
-        grad_norm = self._optimizer_step(m["loss_total"], mbs)
+        vals = torch.stack([o["stats"] for o in outs]) if outs else torch.zeros(1, len(_STATS))
+        col = {k: vals[:, i] for i, k in enumerate(_STATS)}
+        tokens = float(col["tokens"].sum())
+        out: dict[str, Any] = {f"{k}_sum": float(col[k].sum()) for k in TOKEN_METRICS}
+        out.update({f"{k}_count": tokens for k in TOKEN_METRICS})
+        if not spec.use_tis:
+            del out["tis_clipfrac_sum"], out["tis_clipfrac_count"]
+        loss_total, ratio_maxdev = float(col["loss_total"].sum()), float(col["ratio_maxdev"].max())
+        if not self.reports_metrics:  # TP / PP peers of a replica report nothing, so sums count once
+            out = {k: 0.0 for k in out}
+            loss_total, ratio_maxdev = 0.0, 0.0
+        skipped_before = self.skipped_steps
+        grad_norm = self._optimizer_step(loss_total, mbs)
         self.steps_done += 1
-        m.update(grad_norm=grad_norm, lr=lr, skipped_steps=float(self.skipped_steps))
-        return m
+        out.update(loss_total=loss_total, grad_norm=grad_norm, lr=lr,
+                   skipped=float(self.skipped_steps > skipped_before),
+                   skipped_steps_total=float(self.skipped_steps), ratio_maxdev=ratio_maxdev)
+        return out
 
     def _optimizer_step(self, local_loss: float, mbs: list[MicroBatch]) -> float:
         """Megatron's ChainedOptimizer.step, split so a NaN/Inf gradient can be refused before the update."""
