@@ -159,10 +159,11 @@ class Tracker:
         """Last flush (whatever the retry interval), then mark the run terminated."""
         if self.flush(force=True) and self.run_id:
             self._call("end", lambda: self.client.set_terminated(self.run_id, status))
-        try:
-            self.outbox.rmdir()  # empty once everything was sent
-        except OSError:
-            pass
+        for d in (self.outbox, self.outbox.parent):  # empty once everything was sent
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
     @property
     def down(self) -> bool:
