@@ -109,6 +109,11 @@ class FakeMlflow:
         self._hit()
         return self.runs[self.add_run()]
 
+    def search_runs(self, experiment_ids, filter_string="", max_results=1000):
+        self._hit()
+        key, value = re.fullmatch(r"tags\.`(.+)` = '(.*)'", filter_string).groups()
+        return [r for r in self.runs.values() if r.data.tags.get(key) == value][:max_results]
+
     def update_run(self, run_id, status):
         self._hit()
         self.runs[run_id].info.status = status
@@ -229,6 +234,19 @@ def test_resume_continues_the_run_tags_each_resume_and_never_rewrites_params(tmp
     assert data.params == {"lr": "0.1", "num_rollout": "4", "new_flag": "1"}
     tag = json.loads(data.tags["rollflow.resume.2"])  # the second resume of this run
     assert tag == {"from_iteration": 3, "changed_params": {"num_rollout": ["4", "6"]}}
+
+
+def test_a_retried_flow_run_without_checkpoint_continues_its_mlflow_run(tmp_path):
+    fake, clock = FakeMlflow(), Clock()
+    first = make_tracker(tmp_path, fake, clock)
+    rid = first.start("r", None, tags={"prefect.flow_run_id": "fr-1"}, params={"lr": 1}, flow_run_id="fr-1")
+    first.end("FAILED")
+    again = make_tracker(tmp_path, fake, clock)  # Prefect retries the flow run: same id, no checkpoint yet
+    assert again.start("r", None, tags={"prefect.flow_run_id": "fr-1"}, params={"lr": 1}, flow_run_id="fr-1") == rid
+    assert fake.runs[rid].info.status == "RUNNING"
+    assert json.loads(fake.runs[rid].data.tags["rollflow.resume.1"])["from_iteration"] is None
+    other = make_tracker(tmp_path, fake, clock)  # another flow run of the same config: its own MLflow run
+    assert other.start("r", None, tags={}, params={"lr": 1}, flow_run_id="fr-2") != rid
 
 
 def test_a_manifest_run_missing_from_the_store_starts_a_new_run(tmp_path):

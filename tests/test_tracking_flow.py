@@ -89,20 +89,15 @@ def sqlite_runs(prefect_harness, tmp_path_factory):
     proc = subprocess.Popen(cmd_a, cwd=tmp, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        # the store exists once a checkpoint does (MLflow opens first); touching it earlier would race the
-        # trainer's schema migration
-        wait_for(lambda: checkpoint.read_marker(tmp / "ckpt-a") is not None, 600, "the first checkpoint", proc)
-
+        # kill once rollout 2 (after the checkpoint of rollout 1) reached MLflow: its samples file is the cheapest
+        # sign to poll (a file beside the store); pack, train and sync of 2 and all of 3 remain before save 3
         def rollout_2_logged():
-            client = MlflowClient(uri)
-            exp = client.get_experiment_by_name("cmp")
-            runs = client.search_runs([exp.experiment_id]) if exp else []
-            if runs and any(m.step == 2 for m in client.get_metric_history(runs[0].info.run_id,
-                                                                           "rollout/reward_mean")):
-                return runs[0].info.run_id
-            return None
+            if checkpoint.read_marker(tmp / "ckpt-a") != 1:
+                return None
+            hits = list((tmp / "work" / "mlartifacts").glob("*/artifacts/samples/rollout_0000002.jsonl"))
+            return hits[0].parts[-4] if hits else None  # mlartifacts/<run id>/artifacts/…
 
-        first_run_id = wait_for(rollout_2_logged, 600, "rollout 2 in MLflow", proc)
+        first_run_id = wait_for(rollout_2_logged, 600, "rollout 2 in MLflow", proc, poll=0.05)
     finally:
         kill_group(proc)
     killed_at_marker = checkpoint.read_marker(tmp / "ckpt-a")

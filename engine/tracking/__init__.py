@@ -102,13 +102,15 @@ class Tracker:
 
     # ---- what callers use ------------------------------------------------------------------------------------
     def start(self, run_name: str, run_id: str | None, *, tags: dict[str, str], params: dict[str, Any],
-              resume: dict[str, Any] | None = None) -> str | None:
+              resume: dict[str, Any] | None = None, flow_run_id: str | None = None) -> str | None:
         """Open (or continue `run_id`) now if MLflow answers, else as soon as it does; returns the run id or None.
 
-        `resume` (from iteration, time, flow run) becomes the next `rollflow.resume.<k>` tag of the run.
+        Without `run_id` (no checkpoint yet), a run tagged with the same `prefect.flow_run_id` is continued: a
+        retried flow run keeps its MLflow run even when it failed before its first checkpoint. Continuing a run
+        adds its next `rollflow.resume.<k>` tag (`resume`: from which iteration, when, which flow run).
         """
         with self._lock:
-            self._want = {"run_name": run_name, "run_id": run_id, "resume": resume}
+            self._want = {"run_name": run_name, "run_id": run_id, "resume": resume, "flow_run_id": flow_run_id}
             self._tags.update({k: redact_text(str(v)) for k, v in tags.items()})
             self._params.update({k: _param_value(v) for k, v in redact(params).items()})
         self.flush(force=True)
@@ -221,7 +223,8 @@ class Tracker:
 
     def _went_down(self, e: Exception, what: str = "sending") -> None:
         self.failures += 1
-        self.last_error = redact_text(f"{type(e).__name__}: {e}")[:400]
+        err = redact_text(f"{type(e).__name__}: {e}")
+        self.last_error = err if len(err) <= 400 else f"{err[:200]} … {err[-200:]}"  # the cause is at the end
         self._retry_at = self._clock() + self.retry_interval
         if not self.down:
             self.down_since = self._clock()
@@ -252,16 +255,22 @@ class Tracker:
                 warnings.warn(f"MLflow run {want['run_id']} named by the checkpoint manifest does not exist at "
                               f"{self.safe_uri}; this training run continues in a new MLflow run", TrackingWarning,
                               stacklevel=4)
-        if run is not None:
+        if run is None and want["flow_run_id"]:
+            same = self.client.search_runs([self.experiment_id], max_results=1,
+                                           filter_string=f"tags.`prefect.flow_run_id` = '{want['flow_run_id']}'")
+            run = same[0] if same else None
+        continued = run is not None
+        if continued:
             self.client.update_run(run.info.run_id, status="RUNNING")
         else:
             run = self.client.create_run(self.experiment_id, run_name=want["run_name"])
         old_params, old_tags = run.data.params, run.data.tags
         changed = {k: [old_params[k], v] for k, v in self._params.items() if k in old_params and old_params[k] != v}
         self._params = {k: v for k, v in self._params.items() if k not in old_params}
-        if want["resume"] is not None:
+        if continued:
             k = 1 + sum(t.startswith("rollflow.resume.") for t in old_tags)
-            self._tags[f"rollflow.resume.{k}"] = json.dumps({**want["resume"], "changed_params": changed})
+            resume = want["resume"] or {"from_iteration": None, "flow_run_id": want["flow_run_id"]}
+            self._tags[f"rollflow.resume.{k}"] = json.dumps({**resume, "changed_params": changed})
         if changed:
             warnings.warn(f"resumed MLflow run {run.info.run_id} keeps its first values of {sorted(changed)} "
                           f"(MLflow params are immutable); the new values are in the resume tag", TrackingWarning,

@@ -70,7 +70,8 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
         tags["rollflow.resumed_from"] = str(resume["iteration"])
     run_name = cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     manifest_run = (resume or {}).get("manifest", {}).get("mlflow_run_id")
-    tracker.start(run_name, manifest_run, tags=tags, params=run_params(cfg), resume=resume_info)
+    tracker.start(run_name, manifest_run, tags=tags, params=run_params(cfg), resume=resume_info,
+                  flow_run_id=flow_run_id)
     _safely("config", lambda: tracker.log_text(art.as_yaml(redact(cfg.model_dump(mode="json"))), "config.yaml"))
     tracker.sampler = SystemSampler(tracker, cfg.system_metrics_interval).start() \
         if cfg.system_metrics_interval > 0 else None
