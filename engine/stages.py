@@ -23,7 +23,7 @@ from engine.tracking import Tracker
 # ---- preflight -------------------------------------------------------------------------------------------------
 def preflight(cfg: RunConfig, env: Environment | None = None) -> list[Diagnosis]:
     """Every check; raises ConfigError when any is an error (nothing has started yet)."""
-    diags = run_preflight(cfg, env or Environment.local())
+    diags = run_preflight(cfg, env or Environment.for_config(cfg))
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise ConfigError(diags)
