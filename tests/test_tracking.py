@@ -475,3 +475,13 @@ def test_system_sampler_feeds_the_tracker(tmp_path):
     t.flush()
     keys = {k for k, _, _ in fake.metrics}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= keys
+
+
+def test_an_artifact_that_cannot_be_staged_is_counted_not_raised(tmp_path):
+    fake, clock = FakeMlflow(), Clock()
+    (tmp_path / "file").write_text("not a directory")
+    t = Tracker("http://x", "exp", outbox=tmp_path / "file" / "outbox", client_factory=lambda uri: fake, clock=clock)
+    t.start("r", None, tags={}, params={})
+    with pytest.warns(TrackingWarning, match="config.yaml not staged"):
+        t.log_text("a: 1\n", "config.yaml")
+    assert t.lost == {"artifacts": 1} and fake.artifacts == {}

@@ -94,6 +94,7 @@ class Tracker:
         self._artifacts: dict[str, Path] = {}  # artifact file (run-relative) → staged local file
         self._seq = itertools.count()
         self.dropped = 0  # metric points dropped because the buffer was full
+        self.dropped_artifacts = 0  # artifacts that could not even be staged locally
         self.failures = 0
         self.last_error: str | None = None
         self.down_since: float | None = None  # clock() of the first failure of the current outage
@@ -115,11 +116,6 @@ class Tracker:
             self._params.update({k: _param_value(v) for k, v in redact(params).items()})
         self.flush(force=True)
         return self.run_id
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        with self._lock:
-            self._params.update({k: _param_value(v) for k, v in redact(params).items()})
-        self.flush()
 
     def set_tags(self, tags: dict[str, str]) -> None:
         with self._lock:
@@ -148,8 +144,14 @@ class Tracker:
     def log_bytes(self, data: bytes, artifact_file: str) -> None:
         """Stage `data` in the outbox as `artifact_file` (a newer one replaces a pending older one), then send."""
         local = self.outbox / f"{next(self._seq):06d}" / Path(artifact_file).name
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_bytes(data)
+        try:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
+        except OSError as e:  # e.g. a full disk: this artifact is lost, training goes on
+            self.dropped_artifacts += 1
+            warnings.warn(f"artifact {artifact_file} not staged ({e}); it will not reach MLflow", TrackingWarning,
+                          stacklevel=2)
+            return
         with self._lock:
             old = self._artifacts.pop(artifact_file, None)
             if old is not None:
@@ -176,7 +178,8 @@ class Tracker:
         """What has not reached MLflow (so far): counts per kind, zeros left out."""
         with self._lock:
             out = {"run": int(self.run_id is None), "params": len(self._params), "tags": len(self._tags),
-                   "metric_points": len(self._metrics) + self.dropped, "artifacts": len(self._artifacts)}
+                   "metric_points": len(self._metrics) + self.dropped,
+                   "artifacts": len(self._artifacts) + self.dropped_artifacts}
         return {k: v for k, v in out.items() if v}
 
     def lost_report(self) -> str | None:
