@@ -17,6 +17,7 @@ from engine.doctor.diagnosis import ConfigError, Diagnosis
 from engine.packing.microbatch import MicroBatch
 from engine.run import Run
 from engine.samples import Sample
+from engine.tracking import Tracker
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
@@ -39,13 +40,22 @@ def resolve_resume(cfg: RunConfig) -> dict[str, Any] | None:
     return None
 
 
-def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None) -> Run:
-    """Start (or join) Ray, read the data, start the rollout engines and the train workers, open tracking."""
+# ---- track -----------------------------------------------------------------------------------------------------
+def track(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None) -> Tracker:
+    """Open the MLflow run first (the checkpoint manifest's run when resuming), so a failed preflight is recorded."""
+    from engine.tracking.record import open_tracking
+
+    return open_tracking(cfg, work_dir=Path(cfg.work_dir).resolve(), resume=resolve_resume(cfg),
+                         flow_run_id=flow_run_id, flow_run_url=flow_run_url)
+
+
+def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | None = None,
+          flow_run_url: str | None = None) -> Run:
+    """Start (or join) Ray, read the data, start the rollout engines and the train workers (tracking: `track`)."""
     from engine import cluster
     from engine.data import PromptDataset, load_prompts
     from engine.modeling import eos_token_ids, load_tokenizer
     from engine.rewards import RewardModel
-    from engine.tracking import Tracker, default_tracking_uri
 
     run = Run(cfg)
     run.flow_run_id, run.flow_run_url = flow_run_id, flow_run_url
@@ -62,19 +72,7 @@ def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
                                      flag="--eval-prompt-data")[: cfg.eval_max_samples]
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
 
-    run.tracker = Tracker(default_tracking_uri(str(run.work_dir), cfg.mlflow_tracking_uri), cfg.experiment_name)
-    manifest = run.resume["manifest"] if run.resume else {}
-    tags = {"rollflow.config_hash": cfg.config_hash(), "rollflow.model": cfg.hf_checkpoint,
-            "rollflow.dataset": cfg.prompt_data, "rollflow.save": cfg.save or ""}
-    if flow_run_id:
-        tags["prefect.flow_run_id"] = flow_run_id
-    if flow_run_url:
-        tags["prefect.flow_run_url"] = flow_run_url
-    if run.resume:
-        tags[f"rollflow.resumed_from.{run.resume['iteration']}"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    run_name = cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run.tracker.start(run_name, manifest.get("mlflow_run_id"), tags)
-    run.tracker.log_params(cfg.flat_params())
+    run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
     run.engines = cluster.start_builtin_engines(cfg.hf_checkpoint, cfg.rollout_num_engines,
@@ -300,7 +298,9 @@ def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> d
         "test_accuracy_after": acc_after,
         "wall_s": time.time() - run.started_at,
         "mlflow_run_id": run.tracker.run_id if run.tracker else None,
-        "mlflow_tracking_uri": run.tracker.uri if run.tracker else None,
+        "mlflow_tracking_uri": run.tracker.safe_uri if run.tracker else None,
+        "mlflow_run_url": run.tracker.run_url() if run.tracker else None,
+        "mlflow_lost": run.tracker.lost_report() if run.tracker else None,
         "flow_run_id": run.flow_run_id,
         "flow_run_url": run.flow_run_url,
         "save_dir": str(Path(run.cfg.save).resolve()) if run.cfg.save else None,
