@@ -69,19 +69,55 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+DOCTOR_HELP = """rollflow doctor [--config FILE] [train flags…] [--log FILE…] [--json]
+
+Runs every preflight check that needs no GPU on the config (the same checks `rollflow train` runs first) and
+prints the report, errors first; exits 1 when any check finds an error. --log FILE (repeatable) also classifies a
+failed run's log or traceback (engine logs, Ray task errors): out-of-memory (RF03), port collisions (RF08),
+illegal memory access (RF11), inductor JSONDecodeError (RF12), NaN/Inf (RF13). --json prints the diagnoses as a
+list of objects. `rollflow train --help` lists the train flags.
+"""
+
+
+def _take_option(argv: list[str], name: str) -> tuple[list[str], list[str]]:
+    """Remove every `name VALUE` / `name=VALUE` from argv; return (rest, values)."""
+    rest, values, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith(name + "="):
+            values.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, values
+
+
 def cmd_doctor(argv: list[str]) -> int:
-    """Every preflight check that needs no GPU; exit 1 when any finds an error."""
+    """Every preflight check that needs no GPU (and the classifiers on --log files); exit 1 on any error."""
     from engine.config.cli import parse_args
     from engine.doctor.checks import Environment, run_preflight
+    from engine.doctor.classify import classify_text
     from engine.doctor.diagnosis import ConfigError, render_report
 
+    if argv[:1] in (["-h"], ["--help"]):
+        print(DOCTOR_HELP)
+        return 0
     as_json = "--json" in argv
-    argv = [a for a in argv if a != "--json"]
+    argv, logs = _take_option([a for a in argv if a != "--json"], "--log")
+    cfg = None
     try:
         cfg = parse_args(argv, prog="rollflow doctor")
         diags = run_preflight(cfg, Environment.for_config(cfg))
     except ConfigError as e:
         diags = e.diagnoses
+    for path in logs:
+        if not Path(path).is_file():
+            print(f"rollflow doctor: --log {path}: no such file", file=sys.stderr)
+            return 2
+        diags += classify_text(Path(path).read_text(errors="replace"), cfg)
     if as_json:
         print(json.dumps([d.model_dump() for d in diags], indent=2))
     else:

@@ -296,6 +296,16 @@ def model_name_consistent(cfg, env: Environment) -> list[Diagnosis]:
 _SGLANG_PORT_KEYS = ("port", "router-port", "nccl-port", "dist-init-addr")
 
 
+@check("RF07")
+def moe_dispatcher_switched(cfg, env: Environment) -> list[Diagnosis]:
+    if not cfg._moe_dispatcher_switched:
+        return []
+    return [Diagnosis(code="RF07", severity="info",
+                      what="--moe-token-dispatcher-type allgather cannot handle packed (variable-length) sequences, "
+                           "and packing is always on: the run uses alltoall",
+                      fix="nothing to do (pass --moe-token-dispatcher-type alltoall to silence this)")]
+
+
 @check("RF08")
 def fixed_ports_free(cfg, env: Environment) -> list[Diagnosis]:
     from engine.rollout.ports import is_port_free, port_holder
