@@ -5,6 +5,7 @@ place → convert → [rollout → pack → train → save → sync] per rollout
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +20,18 @@ from engine.run import Run
 from engine.samples import Sample
 from engine.tracking import Tracker
 
+log = logging.getLogger("rollflow.doctor")
+
 
 # ---- preflight -------------------------------------------------------------------------------------------------
 def preflight(cfg: RunConfig, env: Environment | None = None) -> list[Diagnosis]:
-    """Every check; raises ConfigError when any is an error (nothing has started yet)."""
+    """Every check; raises ConfigError when any is an error (nothing has started yet), logs the others."""
     diags = run_preflight(cfg, env or Environment.for_config(cfg))
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise ConfigError(diags)
+    for d in diags:
+        log.warning(d.render())
     return diags
 
 

@@ -25,6 +25,7 @@ def _quiet_console() -> None:
     the progress bar) while the Prefect API / UI still receives every INFO log. Both are overridable."""
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollflow")  # engine logs (rollflow.*) reach the UI
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # MLflow resets its logger's level on import
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 

@@ -354,17 +354,19 @@ def test_context_parallel_divides_dp_and_is_not_run_by_any_backend():
     assert "8 train GPUs" in d.what and "TP·PP·CP = 3·1·1 = 3" in d.what
 
 
-def test_moe_allgather_dispatcher_is_switched_to_alltoall_with_a_log_line(caplog):
+def test_moe_allgather_dispatcher_is_switched_to_alltoall_and_reported(caplog):
+    from engine import stages
     from engine.config import RunConfig
+    from engine.doctor.checks import Environment
 
-    with caplog.at_level(logging.WARNING, logger="rollflow.packing"):
-        cfg = RunConfig(moe_token_dispatcher_type="allgather")
-    assert cfg.moe_token_dispatcher_type == "alltoall"
-    assert any("[RF07]" in r.message and "switched to alltoall" in r.message for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="rollflow.packing"):
-        assert RunConfig(moe_token_dispatcher_type="flex").moe_token_dispatcher_type == "flex"
-    assert not caplog.records
+    cfg = RunConfig(moe_token_dispatcher_type="allgather")
+    assert cfg.moe_token_dispatcher_type == "allgather" and cfg.moe_dispatcher == "alltoall"
+    assert RunConfig(moe_token_dispatcher_type="flex").moe_dispatcher == "flex"
+    with caplog.at_level(logging.WARNING, logger="rollflow.doctor"):
+        diags = stages.preflight(cfg, Environment())
+    (d,) = [d for d in diags if d.code == "RF07"]
+    assert d.severity == "info" and "uses alltoall" in d.what
+    assert any("[RF07 info]" in r.message for r in caplog.records)  # the log line
 
 
 def test_varlen_packing_has_no_off_switch():

@@ -1,14 +1,9 @@
 """Pack/balance flags (varlen packing is always on: there is no flag to turn it off)."""
-import logging
 from typing import Literal, Optional
 
-from typing import Any
-
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field
 
 from engine.config.base import Section
-
-log = logging.getLogger("rollflow.packing")
 
 
 class PackingArgs(Section):
@@ -30,18 +25,8 @@ class PackingArgs(Section):
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "alltoall"
     """MoE token dispatcher (megatron backend); allgather cannot handle packed variable-length sequences and is switched to alltoall (RF07)."""
 
-    # True when the config asked for allgather and got alltoall (the doctor reports it as RF07)
-    _moe_dispatcher_switched: bool = PrivateAttr(False)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _varlen_dispatcher(cls, data: Any, handler) -> "PackingArgs":
-        # slime does the same in validate_args: packing is always on, and allgather does not support it
-        asked = data.get("moe_token_dispatcher_type") if isinstance(data, dict) else None
-        if asked == "allgather":
-            data = {**data, "moe_token_dispatcher_type": "alltoall"}
-            log.warning("[RF07] --moe-token-dispatcher-type allgather does not support variable-length (packed) "
-                        "sequences, and packing is always on: switched to alltoall")
-        obj = handler(data)
-        obj._moe_dispatcher_switched = asked == "allgather"
-        return obj
+    @property
+    def moe_dispatcher(self) -> str:
+        """The MoE dispatcher a run uses: allgather cannot handle packed (variable-length) sequences and packing is
+        always on, so it becomes alltoall, as slime's validate_args does (the doctor reports it as RF07)."""
+        return "alltoall" if self.moe_token_dispatcher_type == "allgather" else self.moe_token_dispatcher_type

@@ -298,11 +298,11 @@ _SGLANG_PORT_KEYS = ("port", "router-port", "nccl-port", "dist-init-addr")
 
 @check("RF07")
 def moe_dispatcher_switched(cfg, env: Environment) -> list[Diagnosis]:
-    if not cfg._moe_dispatcher_switched:
+    if cfg.moe_dispatcher == cfg.moe_token_dispatcher_type:
         return []
     return [Diagnosis(code="RF07", severity="info",
                       what="--moe-token-dispatcher-type allgather cannot handle packed (variable-length) sequences, "
-                           "and packing is always on: the run uses alltoall",
+                           f"and packing is always on: the run uses {cfg.moe_dispatcher}",
                       fix="nothing to do (pass --moe-token-dispatcher-type alltoall to silence this)")]
 
 
