@@ -187,7 +187,7 @@ def object_store_sync(model: str, threads: int, repeats: int, log_dir: Path) -> 
              runtime_env={"env_vars": {**worker_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}})
     try:
         layout = rollout_layout(cluster_gpus=0, train_gpus=1, colocate=False, rollout_num_gpus=None,
-                                gpus_per_engine=1, cpu_engines=1)
+                                gpus_per_engine=1, num_engines=1)
         group = EngineGroup(EngineSpec(kind="builtin", model_path=model, log_dir=str(log_dir), threads=threads,
                                        start_timeout_s=600), place(layout), port_registry()).start()
         state = {k: v.detach() for k, v in load_causal_lm(model).state_dict().items()}

@@ -8,8 +8,9 @@
 - custom: `fn(sample) -> float | dict` (sync or async; the samples of a group are scored concurrently when async),
   or with `--group-rm` `fn(samples) -> list[float | dict]`.
 
-A reward function that raises, or returns something that is not a finite number (or a dict of them), marks its
-sample FAILED with the reason in `metadata["failure"]`; it never crashes the run.
+A reward function that raises, or returns something that is not a number (or a dict of numbers), marks its sample
+FAILED with the reason in `metadata["failure"]`; it never crashes the run. A NaN / Inf reward is kept: the train
+step then fails with RF13 naming the samples (or skips the step with --no-check-for-nan-in-loss-and-grad).
 """
 from __future__ import annotations
 
@@ -212,14 +213,13 @@ def call_maybe_async(fn: Callable, arg: Any) -> Any:
 
 
 def _check_reward(r: Any) -> float | dict[str, float]:
-    """A finite number, or a dict of finite numbers; anything else is an error naming what came back."""
-    if isinstance(r, bool) or isinstance(r, (int, float)):
-        if not math.isfinite(float(r)):
-            raise ValueError(f"returned a non-finite reward {r!r}")
+    """A number, or a dict of numbers; anything else is an error naming what came back. NaN / Inf pass through on
+    purpose: the train step stops on them with the sample ids (RF13), or skips the step with the flag."""
+    if isinstance(r, (bool, int, float)):
         return float(r)
-    if isinstance(r, dict) and r and all(isinstance(v, (int, float)) and math.isfinite(float(v)) for v in r.values()):
+    if isinstance(r, dict) and r and all(isinstance(v, (bool, int, float)) for v in r.values()):
         return {str(k): float(v) for k, v in r.items()}
-    raise ValueError(f"returned {type(r).__name__} {str(r)[:80]!r}; expected a finite float or a dict of them")
+    raise ValueError(f"returned {type(r).__name__} {str(r)[:80]!r}; expected a float or a dict of floats")
 
 
 class RewardModel:

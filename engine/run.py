@@ -37,6 +37,8 @@ class Run:
         self.flow_run_id: str | None = None
         self.flow_run_url: str | None = None
         self.cluster: dict[str, Any] = {}
+        self.grad_norms: list[float] = []  # per optimizer step of this process (RF09's running median)
+        self.diagnoses: list = []  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks
 
     # ---- CPU threads: every engine and train worker gets an equal share of the cores ------------------------
     # (on a busy 2-core machine OpenMP with 2 threads per process was 3-4x slower than 1 thread: measured)

@@ -5,8 +5,9 @@ place → convert → [rollout → pack → train → save → sync] per rollout
 from __future__ import annotations
 
 import json
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,20 @@ from engine.doctor.diagnosis import ConfigError, Diagnosis
 from engine.packing.microbatch import MicroBatch
 from engine.run import Run
 from engine.samples import Sample
+from engine.tracking import Tracker
+
+log = logging.getLogger("rollflow.doctor")
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
 def preflight(cfg: RunConfig, env: Environment | None = None) -> list[Diagnosis]:
-    """Every check; raises ConfigError when any is an error (nothing has started yet)."""
-    diags = run_preflight(cfg, env or Environment.local())
+    """Every check; raises ConfigError when any is an error (nothing has started yet), logs the others."""
+    diags = run_preflight(cfg, env or Environment.for_config(cfg))
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise ConfigError(diags)
+    for d in diags:
+        log.warning(d.render())
     return diags
 
 
@@ -39,13 +45,22 @@ def resolve_resume(cfg: RunConfig) -> dict[str, Any] | None:
     return None
 
 
-def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None) -> Run:
-    """Start (or join) Ray, read the data, start the rollout engines and the train workers, open tracking."""
+# ---- track -----------------------------------------------------------------------------------------------------
+def track(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None) -> Tracker:
+    """Open the MLflow run first (the checkpoint manifest's run when resuming), so a failed preflight is recorded."""
+    from engine.tracking.record import open_tracking
+
+    return open_tracking(cfg, work_dir=Path(cfg.work_dir).resolve(), resume=resolve_resume(cfg),
+                         flow_run_id=flow_run_id, flow_run_url=flow_run_url)
+
+
+def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | None = None,
+          flow_run_url: str | None = None) -> Run:
+    """Start (or join) Ray, read the data, start the rollout engines and the train workers (tracking: `track`)."""
     from engine import cluster
     from engine.data import PromptDataset, load_prompts
     from engine.modeling import eos_token_ids, load_tokenizer
     from engine.rewards import RewardModel
-    from engine.tracking import Tracker, default_tracking_uri
 
     run = Run(cfg)
     run.flow_run_id, run.flow_run_url = flow_run_id, flow_run_url
@@ -62,19 +77,7 @@ def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
                                      flag="--eval-prompt-data")[: cfg.eval_max_samples]
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
 
-    run.tracker = Tracker(default_tracking_uri(str(run.work_dir), cfg.mlflow_tracking_uri), cfg.experiment_name)
-    manifest = run.resume["manifest"] if run.resume else {}
-    tags = {"rollflow.config_hash": cfg.config_hash(), "rollflow.model": cfg.hf_checkpoint,
-            "rollflow.dataset": cfg.prompt_data, "rollflow.save": cfg.save or ""}
-    if flow_run_id:
-        tags["prefect.flow_run_id"] = flow_run_id
-    if flow_run_url:
-        tags["prefect.flow_run_url"] = flow_run_url
-    if run.resume:
-        tags[f"rollflow.resumed_from.{run.resume['iteration']}"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    run_name = cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run.tracker.start(run_name, manifest.get("mlflow_run_id"), tags)
-    run.tracker.log_params(cfg.flat_params())
+    run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
     try:
@@ -99,9 +102,9 @@ def start_rollout_engines(run: Run) -> None:
     cfg = run.cfg
     run.sample_filter = load_filter(cfg.dynamic_sampling_filter_path) if cfg.dynamic_sampling_filter_path else None
     run.ports = cluster.port_registry()
-    layout = rollout_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.dp_size, colocate=cfg.colocate,
-                            rollout_num_gpus=cfg.rollout_num_gpus, gpus_per_engine=cfg.rollout_num_gpus_per_engine,
-                            cpu_engines=cfg.rollout_num_engines)
+    layout = rollout_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.train_world_size,
+                            colocate=cfg.colocate, rollout_num_gpus=cfg.rollout_num_gpus,
+                            gpus_per_engine=cfg.rollout_num_gpus_per_engine, num_engines=cfg.rollout_num_engines)
     run.placement = place_group(layout)
     spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
     run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
@@ -200,54 +203,84 @@ class PackedRollout:
     rollout_id: int
     per_rank_steps: list[list[list[MicroBatch]]]  # [rank][step][micro-batch]
     metrics: dict[str, float]
+    rewards: list[float] = field(default_factory=list)  # [N] scalar reward per sample, by Sample.index
 
 
 def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
-    """Advantages per sample, then the DP schedule, then packed micro-batches per rank and step."""
-    import torch
+    """The DP schedule, then packed (varlen) micro-batches per rank and step.
 
-    from engine.algorithms import grpo_advantages
+    Advantages are not computed here: the estimator needs the trainer's log-probs (and PPO the critic's values),
+    so the train workers compute them from the rollout's rewards (engine.train.worker.set_rollout).
+    Metrics: pack/efficiency (real tokens / (micro-batches × cap)), pack/dp_imbalance (max / mean FLOPs over
+    ranks), pack/micro_batches_per_rank, … (engine.packing.schedule.schedule_stats).
+    """
+    from engine.packing.flops import ModelShape, flops_per_sample
     from engine.packing.microbatch import make_micro_batch
-    from engine.packing.schedule import build_dp_schedule
+    from engine.packing.schedule import build_dp_schedule, schedule_stats
 
     cfg, plan = run.cfg, run.plan
+    t0 = time.perf_counter()
     samples = [s for g in batch.groups for s in g]
-    adv = grpo_advantages(torch.tensor([s.scalar_reward for s in samples]), cfg.n_samples_per_prompt).tolist()
-    steps = build_dp_schedule([len(s.tokens) for s in samples], dp_size=plan.dp_size,
-                              global_batch_size=plan.global_batch_size,
-                              max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
-                              micro_batch_size=cfg.micro_batch_size)
-    per_rank = [[[make_micro_batch([samples[i] for i in mb], [adv[i] for i in mb]) for mb in step.ranks[r]]
+    if [s.index for s in samples] != list(range(len(samples))):
+        raise ValueError("Sample.index must be the sample's position in the rollout (group_index·n + j)")
+    lengths = [len(s.tokens) for s in samples]
+    flops = flops_per_sample(lengths, ModelShape.from_hf_config(cfg.hf_checkpoint))
+    max_tokens = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None  # preflight: dynamic ⇒ set (RF03)
+    steps = build_dp_schedule(lengths, dp_size=plan.dp_size, global_batch_size=plan.global_batch_size,
+                              cp_size=cfg.context_parallel_size, max_tokens_per_gpu=max_tokens,
+                              micro_batch_size=cfg.micro_batch_size, balance_data=cfg.balance_data,
+                              balance_by_flops=cfg.balance_by_flops, flops=flops)
+    per_rank = [[[make_micro_batch([samples[i] for i in mb], [0.0] * len(mb)) for mb in step.ranks[r]]
                  for step in steps] for r in range(plan.dp_size)]
-    real = sum(len(s.tokens) for s in samples)
-    n_mb = sum(len(step.ranks[r]) for step in steps for r in range(plan.dp_size))
-    return PackedRollout(batch.rollout_id, per_rank, {"pack/micro_batches": float(n_mb),
-                                                      "pack/tokens": float(real),
-                                                      "pack/micro_batches_per_rank": n_mb / plan.dp_size})
+    cap = max_tokens * cfg.context_parallel_size if max_tokens is not None else None
+    metrics = {f"pack/{k}": v for k, v in schedule_stats(steps, lengths, flops, cap).items()}
+    metrics["pack/seconds"] = time.perf_counter() - t0
+    return PackedRollout(batch.rollout_id, per_rank, metrics, rewards=[s.scalar_reward for s in samples])
 
 
 # ---- train -----------------------------------------------------------------------------------------------------
 def train(run: Run, packed: PackedRollout) -> dict[str, float]:
-    """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank."""
+    """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank, with the runtime checks.
+
+    RF01: on the run's first step the policy and the reference are the same weights (KL = 0, ratio = 1).
+    RF09: a step whose grad norm spikes is reported (a warning in run.diagnoses) with its sample ids.
+    """
+    from engine.doctor.diagnosis import DiagnosisError
     from engine.train.backend import reduce_metrics
+    from engine.train.checks import first_step_check, grad_norm_spike, spike_diagnosis
 
     cfg = run.cfg
     t0 = time.perf_counter()
     # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
-    run.train_group.set_rollout(packed.per_rank_steps, need_ref=True)
+    facts = reduce_metrics(run.train_group.set_rollout(packed.per_rank_steps, packed.rewards, need_ref=True))
+    first = run.resume is None and packed.rollout_id == 0
+    if first and (d := first_step_check(ref_logp_maxdiff=facts["ref_logp_maxdiff"], ratio_maxdev=None,
+                                        ref_source=cfg.ref_load or cfg.hf_checkpoint,
+                                        policy_source=cfg.hf_checkpoint)):
+        raise DiagnosisError(d)
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
         m = reduce_metrics(parts)
         m["loss"] = sum(p["loss_total"] for p in parts)
+        if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
+            raise DiagnosisError(d)
+        if (median := grad_norm_spike(run.grad_norms, m["grad_norm"])) is not None:
+            ids = sorted(i for rank in packed.per_rank_steps for mb in rank[k] for i in mb.sample_ids)
+            run.diagnoses.append(spike_diagnosis(step=len(run.grad_norms), rollout_id=packed.rollout_id,
+                                                 grad_norm=m["grad_norm"], median=median, sample_ids=ids))
+            m["grad_norm_spikes"] = 1.0
+        run.grad_norms.append(m["grad_norm"])
         per_step.append(m)
     secs = time.perf_counter() - t0
-    out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]
-           if k not in ("loss_total", "tokens")}
+    skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes"}
+    out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0] if k not in skip}
     out["train/grad_norm_max"] = max(s["grad_norm"] for s in per_step)
+    out["train/skipped_steps"] = sum(s["skipped"] for s in per_step)
+    out["train/skipped_steps_total"] = per_step[-1]["skipped_steps_total"]
+    out["train/grad_norm_spikes"] = sum(s.get("grad_norm_spikes", 0.0) for s in per_step)
     out["train/seconds"] = secs
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
-    out["train/skipped_steps"] = per_step[-1]["skipped_steps"]
     return out
 
 
@@ -333,7 +366,9 @@ def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> d
         "test_accuracy_after": acc_after,
         "wall_s": time.time() - run.started_at,
         "mlflow_run_id": run.tracker.run_id if run.tracker else None,
-        "mlflow_tracking_uri": run.tracker.uri if run.tracker else None,
+        "mlflow_tracking_uri": run.tracker.safe_uri if run.tracker else None,
+        "mlflow_run_url": run.tracker.run_url() if run.tracker else None,
+        "mlflow_lost": run.tracker.lost_report() if run.tracker else None,
         "flow_run_id": run.flow_run_id,
         "flow_run_url": run.flow_run_url,
         "save_dir": str(Path(run.cfg.save).resolve()) if run.cfg.save else None,

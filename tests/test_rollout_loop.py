@@ -135,6 +135,16 @@ def test_raising_reward_marks_failed_and_the_rollout_completes(engine, draw, tmp
     assert rollout_metrics(res, 1.0)["rollout/failed_share"] == 0.5
 
 
+def test_a_rollout_where_every_sample_failed_says_why(engine, draw, tmp_path):
+    from engine.rewards import RewardModel
+    from engine.rollout.loop import NothingToTrain
+
+    mod = tmp_path / "rm_down.py"
+    mod.write_text("def score(s):\n    raise ConnectionError('reward service down')\n")
+    with pytest.raises(NothingToTrain, match="all 12 samples failed.*reward service down"):
+        _run(engine, draw, reward_model=RewardModel(None, f"{mod}:score"))
+
+
 class _Pool:
     """Two engines, the first dead (nothing listens on its port)."""
 

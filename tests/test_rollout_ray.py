@@ -34,7 +34,7 @@ def _group(tiny_model, tmp_path, *, kind="builtin", python=None, rollout_gpus=2)
 
     # decoupled: 1 train GPU (bundle 0) + rollout GPUs on bundles 1.., one GPU per engine
     layout = rollout_layout(cluster_gpus=8, train_gpus=1, colocate=False, rollout_num_gpus=rollout_gpus,
-                            gpus_per_engine=1, cpu_engines=1)
+                            gpus_per_engine=1, num_engines=1)
     spec = EngineSpec(kind=kind, model_path=tiny_model, log_dir=str(tmp_path / "logs"), threads=1, max_new_tokens=8,
                       python=python, start_timeout_s=180)
     pl = place(layout, timeout_s=60)

@@ -138,7 +138,7 @@ def test_registry_never_hands_a_port_twice_per_node():
 
 
 def test_taken_port_is_skipped_and_its_holder_named():
-    from engine.rollout.ports import PortRegistry, allocate_ports, port_holder, port_in_use
+    from engine.rollout.ports import PortRegistry, allocate_ports, port_holder, port_holder_pid, port_in_use
 
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
@@ -149,8 +149,9 @@ def test_taken_port_is_skipped_and_its_holder_named():
         assert taken not in got and len(got) == 2
         import os
 
-        holder = port_holder(taken)
+        holder = port_holder_pid(taken)
         assert holder is not None and holder[0] == os.getpid()
+        assert port_holder(taken).startswith(f"pid {os.getpid()} (")
         d = port_in_use(taken, "0.0.0.0", "test engine")
         assert d.code == "RF08" and f"pid {os.getpid()}" in d.what and d.facts["holder_pid"] == os.getpid()
 
@@ -171,7 +172,7 @@ def test_colocated_engines_share_the_train_bundles():
 
     # T = 8 train GPUs, g = 2 → 4 engines on bundles 0, 2, 4, 6; trainer keeps 1 - 0.2 = 0.8 of each GPU
     lay = rollout_layout(cluster_gpus=8, train_gpus=8, colocate=True, rollout_num_gpus=None, gpus_per_engine=2,
-                         cpu_engines=1)
+                         num_engines=1)
     assert len(lay.bundles) == 8 and lay.engine_bundles == [0, 2, 4, 6] and lay.train_bundles == list(range(8))
     assert (lay.engine_gpu_fraction, lay.train_gpu_fraction) == (0.2, 0.8)
 
@@ -181,18 +182,30 @@ def test_decoupled_engines_follow_the_train_bundles():
 
     # T = 4, R = 4, g = 1 → bundles 0..7, engines on 4..7
     lay = rollout_layout(cluster_gpus=8, train_gpus=4, colocate=False, rollout_num_gpus=4, gpus_per_engine=1,
-                         cpu_engines=1)
+                         num_engines=1)
     assert len(lay.bundles) == 8 and lay.engine_bundles == [4, 5, 6, 7] and lay.train_gpu_fraction == 1.0
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine one of \\[1, 2, 4\\]"):
         rollout_layout(cluster_gpus=8, train_gpus=4, colocate=False, rollout_num_gpus=4, gpus_per_engine=3,
-                       cpu_engines=1)
+                       num_engines=1)
+
+
+def test_decoupled_without_rollout_gpus_counts_engines_times_tp():
+    from engine.cluster.placement import rollout_layout
+
+    # R = --rollout-num-engines × g = 2 × 2 = 4 (the doctor's RF02 arithmetic) → bundles 0..5, engines on 2 and 4
+    lay = rollout_layout(cluster_gpus=8, train_gpus=2, colocate=False, rollout_num_gpus=None, gpus_per_engine=2,
+                         num_engines=2)
+    assert len(lay.bundles) == 6 and lay.engine_bundles == [2, 4]
+    cpu = rollout_layout(cluster_gpus=8, train_gpus=2, colocate=False, rollout_num_gpus=0, gpus_per_engine=1,
+                         num_engines=2)
+    assert cpu.gpus_per_engine == 0 and all("GPU" not in b for b in cpu.bundles)
 
 
 def test_cpu_cluster_gets_cpu_engines():
     from engine.cluster.placement import rollout_layout
 
     lay = rollout_layout(cluster_gpus=0, train_gpus=1, colocate=True, rollout_num_gpus=None, gpus_per_engine=1,
-                         cpu_engines=3)
+                         num_engines=3)
     assert lay.engine_bundles == [0, 1, 2] and all("GPU" not in b for b in lay.bundles) and not lay.train_bundles
 
 

@@ -3,13 +3,13 @@
 GPU layout (strategy PACK, bundles {"GPU": 1}); T = actor_num_nodes · actor_num_gpus_per_node train
 GPUs, g = --rollout-num-gpus-per-engine:
     colocated   bundles 0..T-1;  train rank r on bundle r;  engine e on bundle e·g;       T/g engines
-    decoupled   bundles 0..T+R-1 (R = --rollout-num-gpus);  engine e on bundle T + e·g;   R/g engines
+    decoupled   bundles 0..T+R-1 (R = --rollout-num-gpus, else engines × g);  engine e on bundle T + e·g;  R/g engines
 An engine's Ray actor holds ENGINE_GPU_FRACTION of its first bundle: only a claim. The server it starts uses GPUs
 base_gpu_id .. base_gpu_id+g-1 of that node (base_gpu_id = the physical id Ray assigned to the actor), so when
 colocated the trainer holds the rest of the same bundle (1 − 0.2 = 0.8).
     e.g. colocated, T = 8, g = 2 → engines on bundles 0, 2, 4, 6; train ranks on 0..7 with 0.8 GPU each.
 
-CPU layout (the cluster has no GPUs, or none go to rollout): one bundle {"CPU": CPU_ENGINE_CLAIM} per engine
+CPU layout (the cluster has no GPUs, or --rollout-num-gpus 0): one bundle {"CPU": CPU_ENGINE_CLAIM} per engine
 (--rollout-num-engines). The claim is nominal — engines and trainers share the cores by thread counts (engine/run.py)
 — but it pins each engine to a slot that a restart reuses.
 """
@@ -39,12 +39,19 @@ class Layout:
 
 
 def rollout_layout(*, cluster_gpus: float, train_gpus: int, colocate: bool, rollout_num_gpus: int | None,
-                   gpus_per_engine: int, cpu_engines: int) -> Layout:
-    """The bundles and who sits where (pure: tested without Ray)."""
-    rollout_gpus = train_gpus if colocate else (rollout_num_gpus or 0)
+                   gpus_per_engine: int, num_engines: int) -> Layout:
+    """The bundles and who sits where (pure: tested without Ray).
+
+    Decoupled rollout GPUs are --rollout-num-gpus, else --rollout-num-engines × --rollout-num-gpus-per-engine (the
+    doctor's RF02 arithmetic); --rollout-num-gpus 0 keeps the engines on CPU.
+    """
+    if colocate:
+        rollout_gpus = train_gpus
+    else:
+        rollout_gpus = rollout_num_gpus if rollout_num_gpus is not None else num_engines * gpus_per_engine
     if cluster_gpus <= 0 or rollout_gpus == 0:
-        return Layout(bundles=[{"CPU": CPU_ENGINE_CLAIM} for _ in range(cpu_engines)],
-                      engine_bundles=list(range(cpu_engines)))
+        return Layout(bundles=[{"CPU": CPU_ENGINE_CLAIM} for _ in range(num_engines)],
+                      engine_bundles=list(range(num_engines)))
     flag = "--actor-num-nodes × --actor-num-gpus-per-node (colocated)" if colocate else "--rollout-num-gpus"
     if rollout_gpus % gpus_per_engine:
         ok = [g for g in range(1, rollout_gpus + 1) if rollout_gpus % g == 0]

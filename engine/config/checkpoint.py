@@ -15,3 +15,6 @@ class CheckpointArgs(Section):
 
     load: Optional[str] = None
     """Resume from this checkpoint directory (it must hold latest_checkpointed_iteration.txt: RF01)."""
+
+    ref_load: Optional[str] = None
+    """Reference model for KL: a checkpoint directory (with its marker) or a Hugging Face directory; default: the initial weights (--hf-checkpoint)."""

@@ -42,7 +42,7 @@ class RolloutArgs(Section):
     """GPUs per rollout engine (its tensor-parallel size)."""
 
     rollout_num_engines: int = Field(1, ge=1)
-    """Rollout engines started on this run when no GPUs are used (CPU / built-in engine)."""
+    """Rollout engines on a cluster without GPUs (or with --rollout-num-gpus 0); decoupled on GPUs without --rollout-num-gpus, they take engines × GPUs-per-engine GPUs."""
 
     rollout_concurrency: int = Field(64, ge=1)
     """Most generate requests in flight across all engines."""

@@ -94,6 +94,10 @@ class RolloutTimeout(TimeoutError):
     """The rollout did not finish within --rollout-timeout (retryable)."""
 
 
+class NothingToTrain(RuntimeError):
+    """Every sample of the rollout FAILED or was ABORTED (retryable: e.g. a reward service that was down)."""
+
+
 class EngineFailure(RuntimeError):
     """An engine stopped answering and the pool cannot replace it (retryable: the next attempt may find it back)."""
 
@@ -276,6 +280,11 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
     for gi, group in enumerate(kept):  # positions in the returned rollout
         for j, s in enumerate(group):
             s.group_index, s.index = gi, gi * n + j
+    samples = [s for g in kept for s in g]
+    if samples and all(s.status in (Status.FAILED, Status.ABORTED) for s in samples):
+        reasons = sorted({str(s.metadata.get("failure") or s.metadata.get("finish_reason")) for s in samples})
+        raise NothingToTrain(f"rollout {rollout_id}: all {len(samples)} samples failed or were aborted, nothing to "
+                             f"train on; reasons: {reasons[:3]}")
     return RolloutResult(kept, {k: float(v) for k, v in stats.items()})
 
 

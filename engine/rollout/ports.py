@@ -82,7 +82,7 @@ def socket_inodes(proc_net_tcp: str, port: int) -> set[str]:
     return out
 
 
-def port_holder(port: int, proc: Path = Path("/proc")) -> tuple[int, str] | None:
+def port_holder_pid(port: int, proc: Path = Path("/proc")) -> tuple[int, str] | None:
     """(pid, command line) of a process holding a socket on `port`, or None when it cannot be found."""
     inodes: set[str] = set()
     for table in ("net/tcp", "net/tcp6"):
@@ -106,9 +106,15 @@ def port_holder(port: int, proc: Path = Path("/proc")) -> tuple[int, str] | None
     return None
 
 
+def port_holder(port: int) -> str | None:
+    """'pid 123 (python …)' of the process holding `port`, when it can be seen (the doctor's RF08 check)."""
+    holder = port_holder_pid(port)
+    return f"pid {holder[0]} ({holder[1][:120]})" if holder else None
+
+
 def port_in_use(port: int, host: str, what: str) -> Diagnosis:
     """RF08: `port` on `host` is taken; name the holder when /proc tells it."""
-    holder = port_holder(port)
+    holder = port_holder_pid(port)
     held = f"held by pid {holder[0]} ({holder[1][:160]})" if holder else "held by a process this user cannot see"
     return Diagnosis(code="RF08", severity="error", what=f"{what}: port {port} on {host} is already in use, {held}",
                      fix="let rollflow pick the ports (its allocator checks them free), stop the process holding "

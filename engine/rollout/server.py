@@ -1,9 +1,9 @@
 """The built-in rollout engine: SGLang's HTTP API (engine/rollout/protocol.py) over `Generator`.
 
 Requests that arrive together (a burst: no gap over 10 ms, at most 50 ms) are generated as one batch (one forward
-per token for all of them), not one at a time. With `deterministic` (SGLang's `--enable-deterministic-inference`, which the
-launcher passes through) every HTTP request is generated as its own batch, so a request's tokens depend only on
-the request and the weights, never on what else arrived at the same time (see generation.py for why).
+per token for all of them), not one at a time. With `deterministic` (SGLang's `--enable-deterministic-inference`,
+which the launcher passes through) every HTTP request is generated as its own batch, so a request's tokens depend
+only on the request and the weights, never on what else arrived at the same time (see generation.py for why).
 
 Run it standalone with SGLang's launcher flags, so the SGLang launcher can start it as its process:
     python -m engine.rollout.server --model-path DIR --host 127.0.0.1 --port 30000 [--tp-size 1] [...]
