@@ -1,6 +1,9 @@
 """Prompt data: JSONL or Parquet rows → prompts with labels, with a resumable position.
 
-`path@[a:b]` slices rows a..b-1. The dataset walks epochs in order (or shuffled per epoch by the seed); its
+`path@[a:b]` slices rows a..b-1 (Python slice semantics: negative ends count from the end). A row is an object
+with the prompt under `--input-key` (text, or chat messages for `--apply-chat-template`), the label under
+`--label-key` and optionally a metadata object under `--metadata-key`; a bad row is an error naming its line
+(JSONL) or row (Parquet, 1-based). The dataset walks epochs in order (or shuffled per epoch by the seed); its
 `state()` (epoch, offset) goes into checkpoints so a resumed run continues with the next unseen prompts.
 """
 from __future__ import annotations
@@ -74,8 +77,17 @@ def load_prompts(spec: str, *, input_key: str, label_key: str | None, metadata_k
                               f"--label-key one of {sorted(obj)}, or fix line {lineno}", path=str(path),
                               line=lineno)
         meta = obj.get(metadata_key) if metadata_key else None
-        out.append(PromptRow(lineno, obj[input_key], obj.get(label_key) if label_key else None,
-                             dict(meta) if isinstance(meta, dict) else {}))
+        if meta is not None and not isinstance(meta, dict):
+            raise _data_error(f"{flag} {path}: line {lineno} has {metadata_key!r} = {str(meta)[:60]!r}, a "
+                              f"{type(meta).__name__}, not an object", f"--metadata-key a key holding an object "
+                              f"(e.g. {{\"source\": \"gsm8k\"}}), or fix line {lineno}", path=str(path), line=lineno)
+        prompt = obj[input_key]
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in prompt))):
+            raise _data_error(f"{flag} {path}: line {lineno} has {input_key!r} = {str(prompt)[:60]!r}: neither text "
+                              "nor a list of chat messages ({\"role\", \"content\"})",
+                              f"fix line {lineno}", path=str(path), line=lineno)
+        out.append(PromptRow(lineno, prompt, obj.get(label_key) if label_key else None, dict(meta or {})))
     if not out:
         raise _data_error(f"{flag} {spec}: no rows", "point it at a file (or slice) with at least one row",
                           path=str(path))

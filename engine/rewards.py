@@ -1,6 +1,16 @@
 """Reward functions: built-in (exact match, math, F1) and custom (`module:function` or `file.py:function`).
 
-A reward function that raises marks its sample FAILED with the reason; it never crashes the run.
+- exact_match: whitespace-normalised response == label.
+- math: the last `\\boxed{…}` of the response (else its last number) against the label: equal after
+  normalisation, or numerically, or symbolically via sympy — in a separate process killed after the time limit
+  (sympy's simplify can run for minutes on adversarial input; a thread cannot be stopped, a process can).
+- f1: token-level F1 (SQuAD style) of response vs label.
+- custom: `fn(sample) -> float | dict` (sync or async; the samples of a group are scored concurrently when async),
+  or with `--group-rm` `fn(samples) -> list[float | dict]`.
+
+A reward function that raises, or returns something that is not a number (or a dict of numbers), marks its sample
+FAILED with the reason in `metadata["failure"]`; it never crashes the run. A NaN / Inf reward is kept: the train
+step then fails with RF13 naming the samples (or skips the step with --no-check-for-nan-in-loss-and-grad).
 """
 from __future__ import annotations
 
@@ -8,13 +18,18 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
+import math
 import re
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
 from engine.doctor.diagnosis import ConfigError, Diagnosis
 from engine.samples import Sample, Status
+
+SYMPY_TIMEOUT_S = 2.0
+SYMPY_START_GRACE_S = 15.0
 
 
 def _norm(text: str) -> str:
@@ -47,42 +62,83 @@ def extract_boxed(text: str) -> str | None:
 
 def _math_normalize(s: str) -> str:
     s = s.strip().strip("$").replace(" ", "").replace("\\!", "").replace("dfrac", "frac").replace("tfrac", "frac")
-    s = s.replace("\\left", "").replace("\\right", "").rstrip(".")
+    s = s.replace("\\left", "").replace("\\right", "").replace(",", "").rstrip(".")
     return s
 
 
-def math_equal(a: str, b: str, timeout_s: float = 2.0) -> bool:
-    """String-equal after normalisation, else numerically/symbolically equal via sympy (bounded by a timeout)."""
+def _to_sympy_text(s: str) -> str:
+    s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+    s = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", s)
+    return s.replace("^", "**").replace("\\cdot", "*").replace("\\times", "*").replace("\\pi", "pi")
+
+
+def _sympy_check(a: str, b: str) -> bool:
+    import sympy
+    from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
+                                            standard_transformations)
+
+    tr = standard_transformations + (implicit_multiplication_application,)  # "2x", "2sqrt(2)"
+    return bool(sympy.simplify(parse_expr(_to_sympy_text(a), transformations=tr)
+                               - parse_expr(_to_sympy_text(b), transformations=tr)) == 0)
+
+
+def _sympy_serve(conn) -> None:  # runs in the worker process
+    while True:
+        try:
+            a, b = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(_sympy_check(a, b))
+        except Exception:
+            conn.send(False)
+
+
+class _SympyWorker:
+    """One long-lived `spawn` process answering (a, b) → equal?; killed and restarted when a check overruns."""
+
+    def __init__(self) -> None:
+        self.proc = None
+        self.conn = None
+        self.lock = threading.Lock()
+        self.timeouts = 0
+
+    def equal(self, a: str, b: str, timeout_s: float) -> bool:
+        import multiprocessing as mp
+
+        with self.lock:
+            grace = 0.0
+            if self.proc is None or not self.proc.is_alive():
+                ctx = mp.get_context("spawn")
+                self.conn, child = ctx.Pipe()
+                self.proc = ctx.Process(target=_sympy_serve, args=(child,), daemon=True, name="rollflow-sympy")
+                self.proc.start()
+                grace = SYMPY_START_GRACE_S  # a fresh worker first imports sympy
+            self.conn.send((a, b))
+            if self.conn.poll(timeout_s + grace):
+                return bool(self.conn.recv())
+            self.timeouts += 1
+            self.proc.kill()
+            self.proc.join()
+            self.proc = None
+            return False
+
+
+_SYMPY = _SympyWorker()
+
+
+def math_equal(a: str, b: str, timeout_s: float = SYMPY_TIMEOUT_S) -> bool:
+    """String-equal after normalisation, else numerically equal, else sympy-equal within `timeout_s`."""
     na, nb = _math_normalize(a), _math_normalize(b)
     if na == nb:
         return True
     try:
-        return float(na) == float(nb)
+        return math.isclose(float(na), float(nb), rel_tol=1e-9, abs_tol=1e-12)
     except ValueError:
         pass
-    return _sympy_equal(na, nb, timeout_s)
-
-
-def _sympy_equal(a: str, b: str, timeout_s: float) -> bool:
-    import concurrent.futures as cf
-
-    def check() -> bool:
-        import sympy
-        from sympy.parsing.sympy_parser import parse_expr
-
-        def parse(s: str):
-            s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s).replace("^", "**")
-            return parse_expr(s, evaluate=True)
-
-        return bool(sympy.simplify(parse(a) - parse(b)) == 0)
-
-    pool = cf.ThreadPoolExecutor(max_workers=1)
-    try:
-        return pool.submit(check).result(timeout=timeout_s)
-    except Exception:  # unparsable or timed out: not equal
+    if not na or not nb:
         return False
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    return _SYMPY.equal(na, nb, timeout_s)
 
 
 def math_reward(response: str, label: Any) -> float:
@@ -108,13 +164,13 @@ def f1_reward(response: str, label: Any) -> float:
 BUILTIN = {"exact_match": exact_match, "math": math_reward, "f1": f1_reward}
 
 
-def load_custom(path: str) -> Callable:
-    """`pkg.module:function` or `path/to/file.py:function`."""
+# ---- custom functions ------------------------------------------------------------------------------------------
+def load_function(path: str, flag: str) -> Callable:
+    """`pkg.module:function` or `path/to/file.py:function`; a bad path is a ConfigError naming `flag`."""
     mod_name, sep, fn_name = path.rpartition(":")
     if not sep or not mod_name or not fn_name:
-        raise ConfigError(Diagnosis(code="CONFIG", severity="error",
-                                    what=f"--custom-rm-path {path!r} is not module:function",
-                                    fix="--custom-rm-path my_pkg.rewards:score (or path/to/file.py:score)"))
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{flag} {path!r} is not module:function",
+                                    fix=f"{flag} my_pkg.module:function (or path/to/file.py:function)"))
     try:
         if mod_name.endswith(".py"):
             spec = importlib.util.spec_from_file_location(Path(mod_name).stem, mod_name)
@@ -124,33 +180,46 @@ def load_custom(path: str) -> Callable:
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(mod_name)
-        return getattr(module, fn_name)
+        fn = getattr(module, fn_name)
     except (ImportError, FileNotFoundError, AttributeError) as e:
         raise ConfigError(Diagnosis(code="CONFIG", severity="error",
-                                    what=f"--custom-rm-path {path!r} cannot be loaded: {type(e).__name__}: {e}",
+                                    what=f"{flag} {path!r} cannot be loaded: {type(e).__name__}: {e}",
                                     fix="check the module path (on PYTHONPATH) and the function name")) from None
+    if not callable(fn):
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{flag} {path!r} is not callable",
+                                    fix="point it at a function"))
+    return fn
 
 
-def _call(fn: Callable, arg: Any) -> Any:
-    out = fn(arg)
-    if inspect.isawaitable(out):
-        out = asyncio.run(out) if not _in_loop() else _run_in_thread(out)
-    return out
+def load_custom(path: str) -> Callable:
+    return load_function(path, "--custom-rm-path")
 
 
-def _in_loop() -> bool:
+def _run_coro(coro) -> Any:
+    """Run a coroutine to completion from sync code, also when this thread already runs an event loop."""
     try:
         asyncio.get_running_loop()
-        return True
     except RuntimeError:
-        return False
-
-
-def _run_in_thread(coro) -> Any:
+        return asyncio.run(coro)
     import concurrent.futures as cf
 
     with cf.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def call_maybe_async(fn: Callable, arg: Any) -> Any:
+    out = fn(arg)
+    return _run_coro(out) if inspect.isawaitable(out) else out
+
+
+def _check_reward(r: Any) -> float | dict[str, float]:
+    """A number, or a dict of numbers; anything else is an error naming what came back. NaN / Inf pass through on
+    purpose: the train step stops on them with the sample ids (RF13), or skips the step with the flag."""
+    if isinstance(r, (bool, int, float)):
+        return float(r)
+    if isinstance(r, dict) and r and all(isinstance(v, (bool, int, float)) for v in r.values()):
+        return {str(k): float(v) for k, v in r.items()}
+    raise ValueError(f"returned {type(r).__name__} {str(r)[:80]!r}; expected a float or a dict of floats")
 
 
 class RewardModel:
@@ -160,30 +229,53 @@ class RewardModel:
         if custom_rm_path is None and rm_type is None:
             raise ConfigError(Diagnosis(code="CONFIG", severity="error", what="no reward: --rm-type and "
                                         "--custom-rm-path are both unset", fix="--rm-type exact_match"))
+        if group_rm and custom_rm_path is None:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                        what="--group-rm needs --custom-rm-path (the built-in rewards are per sample)",
+                                        fix="drop --group-rm, or --custom-rm-path my_rm:score_group"))
         self.custom = load_custom(custom_rm_path) if custom_rm_path else None
         self.builtin = BUILTIN[rm_type] if rm_type and not custom_rm_path else None
         self.group_rm = group_rm
 
     def score_group(self, group: list[Sample]) -> None:
         live = [s for s in group if s.status not in (Status.FAILED, Status.ABORTED)]
+        if not live:
+            return
         if self.custom is not None and self.group_rm:
             try:
-                rewards = _call(self.custom, live)
-                if len(rewards) != len(live):
-                    raise ValueError(f"returned {len(rewards)} rewards for {len(live)} samples")
-                for s, r in zip(live, rewards):
-                    s.reward = r
+                rewards = call_maybe_async(self.custom, live)
+                if not isinstance(rewards, (list, tuple)) or len(rewards) != len(live):
+                    raise ValueError(f"returned {type(rewards).__name__} of length "
+                                     f"{len(rewards) if hasattr(rewards, '__len__') else '?'} for {len(live)} samples")
+                checked = [_check_reward(r) for r in rewards]
             except Exception as e:  # one bad group must not crash the run
                 for s in live:
                     self._fail(s, e)
+                return
+            for s, r in zip(live, checked):
+                s.reward = r
             return
-        for s in live:
+        if self.custom is not None and inspect.iscoroutinefunction(self.custom):
+            async def all_of_group():
+                return await asyncio.gather(*[self.custom(s) for s in live], return_exceptions=True)
+
+            outs = _run_coro(all_of_group())
+        else:
+            outs = []
+            for s in live:
+                try:
+                    outs.append(self.custom(s) if self.custom else self.builtin(s.response, s.label))
+                except Exception as e:
+                    outs.append(e)
+        for s, out in zip(live, outs):
             try:
-                s.reward = _call(self.custom, s) if self.custom else self.builtin(s.response, s.label)
+                if isinstance(out, BaseException):
+                    raise out
+                s.reward = _check_reward(out)
             except Exception as e:
                 self._fail(s, e)
 
     @staticmethod
-    def _fail(s: Sample, e: Exception) -> None:
+    def _fail(s: Sample, e: BaseException) -> None:
         s.status, s.reward = Status.FAILED, 0.0
         s.metadata["failure"] = f"reward: {type(e).__name__}: {e}"

@@ -24,7 +24,10 @@ class Run:
         self.dataset = None
         self.eval_rows: list = []
         self.reward_model = None
-        self.engines = None
+        self.engines = None  # engine.rollout.engines.EngineGroup
+        self.placement = None  # engine.cluster.placement.Placement
+        self.ports = None  # the cluster's port registry (a Ray actor)
+        self.sample_filter = None  # --dynamic-sampling-filter-path, loaded
         self.train_group = None
         self.tracker = None
         self.resume: dict[str, Any] | None = None  # {"dir", "iteration", "manifest"} when resuming
@@ -67,11 +70,12 @@ class Run:
         shutil.rmtree(self.work_dir / "weights", ignore_errors=True)
 
     def _stop_engines(self) -> None:
-        import ray
-
         if self.engines:
-            for a in self.engines.actors:
-                ray.kill(a)
+            self.engines.stop()
+        if self.placement is not None and self.cfg.ray_address:  # a local cluster goes away with shutdown()
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement.pg)
 
     def _stop_train(self) -> None:
         if self.train_group:

@@ -80,12 +80,41 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
-    run.engines = cluster.start_builtin_engines(cfg.hf_checkpoint, cfg.rollout_num_engines,
-                                                threads=run.threads_per_process,
-                                                max_new_tokens=cfg.rollout_max_response_len)
-    run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters, timeout_s=cfg.train_step_timeout,
-                                         threads=run.train_threads)
+    try:
+        start_rollout_engines(run)
+        run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
+                                             timeout_s=cfg.train_step_timeout, threads=run.train_threads,
+                                             placement=run.placement, registry=run.ports)
+    except BaseException:
+        run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
+        raise
     return run
+
+
+def start_rollout_engines(run: Run) -> None:
+    """The placement group, the engines on their bundles, and (with --use-fault-tolerance) their health monitor."""
+    from engine import cluster
+    from engine.cluster.placement import place as place_group, rollout_layout
+    from engine.rollout.engines import EngineGroup, engine_spec
+    from engine.rollout.filters import load_filter
+    from engine.rollout.health import HealthMonitor
+
+    cfg = run.cfg
+    run.sample_filter = load_filter(cfg.dynamic_sampling_filter_path) if cfg.dynamic_sampling_filter_path else None
+    run.ports = cluster.port_registry()
+    layout = rollout_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.train_world_size,
+                            colocate=cfg.colocate, rollout_num_gpus=cfg.rollout_num_gpus,
+                            gpus_per_engine=cfg.rollout_num_gpus_per_engine, num_engines=cfg.rollout_num_engines)
+    run.placement = place_group(layout)
+    spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
+    run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
+                              runtime_env=cluster._threads_env(run.threads_per_process)).start()
+    # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
+    run.engines.resync = lambda slots: push_weights(run, slots, run.weight_version) if run.weight_version else None
+    if cfg.use_fault_tolerance:
+        HealthMonitor(run.engines, interval_s=cfg.rollout_health_check_interval,
+                      timeout_s=cfg.rollout_health_check_timeout,
+                      first_wait_s=cfg.rollout_health_check_first_wait).start()
 
 
 # ---- convert ---------------------------------------------------------------------------------------------------
@@ -116,34 +145,56 @@ class RolloutBatch:
 
 
 def sampling_params(run: Run, *, greedy: bool = False):
+    """The engines stop on the model's EOS and on --rollout-stop-token-ids / --rollout-stop (RF10), sent
+    explicitly so that SGLang and the built-in engine stop on exactly the same ids."""
     from engine.rollout.loop import SamplingParams
 
     cfg = run.cfg
     return SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
                           temperature=0.0 if greedy else cfg.rollout_temperature, top_p=cfg.rollout_top_p,
                           top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop),
-                          stop_token_ids=list(cfg.rollout_stop_token_ids))
+                          stop_token_ids=sorted(set(run.eos_ids) | set(cfg.rollout_stop_token_ids)))
+
+
+def _prompts(run: Run, rows: list):
+    from engine.modeling import render_prompt
+    from engine.rollout.loop import Prompt
+
+    return [Prompt(r, render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template)) for r in rows]
 
 
 def rollout(run: Run, rollout_id: int) -> RolloutBatch:
-    from engine.modeling import render_prompt
+    """B groups of n samples (over-sampled and filtered when asked); a high truncation share is RF10."""
+    from engine.doctor.diagnosis import DiagnosisError
+    from engine.rollout.diagnose import truncation_diagnosis
     from engine.rollout.loop import generate_rollout, rollout_metrics
+    from engine.samples import Status
 
     cfg = run.cfg
     t0 = time.perf_counter()
     position = run.dataset.state()
-    rows = run.dataset.next_batch(cfg.rollout_batch_size)
-    prompt_ids = [render_prompt(run.tokenizer, r.prompt, cfg.apply_chat_template) for r in rows]
+    params = sampling_params(run)
+    keep = run.sample_filter
     try:
-        groups = generate_rollout(rows, rollout_id=rollout_id, prompt_ids=prompt_ids, urls=run.engines.urls,
-                                  n=cfg.n_samples_per_prompt, params=sampling_params(run),
-                                  reward_model=run.reward_model, seed=cfg.seed,
-                                  concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout)
+        result = generate_rollout(lambda k: _prompts(run, run.dataset.next_batch(k)), rollout_id=rollout_id,
+                                  batch_size=cfg.rollout_batch_size, n=cfg.n_samples_per_prompt, params=params,
+                                  reward_model=run.reward_model, seed=cfg.seed, engines=run.engines,
+                                  round_size=cfg.over_sampling_batch_size if keep else None, keep=keep,
+                                  concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout,
+                                  max_prompts=len(run.dataset.rows) if keep else None)
+        samples = [s for g in result.groups for s in g]
+        diag = truncation_diagnosis(sum(s.status == Status.TRUNCATED for s in samples), len(samples),
+                                    max_response_len=cfg.rollout_max_response_len,
+                                    stop_token_ids=params.stop_token_ids, stop=params.stop,
+                                    threshold=cfg.rollout_max_truncated_share)
+        if diag is not None:
+            raise DiagnosisError(diag)
     except BaseException:
         run.dataset.load_state(position)  # a retried rollout takes the same prompts
         raise
-    return RolloutBatch(rollout_id, groups, rollout_metrics(groups, time.perf_counter() - t0,
-                                                            cfg.rollout_max_response_len))
+    if cfg.colocate:
+        run.engines.release_memory()  # the trainer needs the GPUs now; sync() resumes
+    return RolloutBatch(rollout_id, result.groups, rollout_metrics(result, time.perf_counter() - t0))
 
 
 # ---- pack ------------------------------------------------------------------------------------------------------
@@ -252,41 +303,53 @@ def save(run: Run, rollout_id: int) -> str:
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------
-def sync(run: Run, rollout_id: int) -> dict[str, float]:
-    """Trainer → engines from disk: write weights v<id+1>, every engine loads them, delete the directory."""
+def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
+    """The trainer's weights to these engines as `version` (--weight-sync-method), checked on every engine."""
     import shutil
 
-    from engine.rollout.client import EngineClient
+    from engine.weights.sync import push_disk, push_object_store
 
-    t0 = time.perf_counter()
-    version = rollout_id + 1
+    cfg = run.cfg
+    if cfg.weight_sync_method == "tensor":
+        ref, mb = run.train_group.weights_ref()
+        push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
+        return {"sync/mb": mb}
     path = run.work_dir / "weights" / f"v{version:06d}"
     run.train_group.save_weights(str(path))
     size = sum(f.stat().st_size for f in path.glob("*"))
-    for url in run.engines.urls:
-        EngineClient(url, timeout_s=run.cfg.train_step_timeout).update_weights_from_disk(str(path), version)
-    shutil.rmtree(path, ignore_errors=True)
-    run.weight_version = version
-    secs = time.perf_counter() - t0
-    return {"sync/seconds": secs, "sync/mb": size / 2**20, "sync/weight_version": float(version)}
+    try:
+        push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # versioned and deleted after use
+    return {"sync/mb": size / 2**20}
+
+
+def sync(run: Run, rollout_id: int) -> dict[str, float]:
+    """Trainer → every serving engine: weights of version rollout_id + 1 (a restarting engine waits for the lock
+    and then gets them from its resync)."""
+    t0 = time.perf_counter()
+    version = rollout_id + 1
+    with run.engines.lock:
+        if run.engines.released:
+            run.engines.resume_memory()
+        out = push_weights(run, run.engines.serving_slots(), version)
+        run.weight_version = version
+    return {**out, "sync/seconds": time.perf_counter() - t0, "sync/weight_version": float(version)}
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------------
 def evaluate(run: Run) -> float | None:
     """Greedy accuracy (mean reward, one sample per prompt) on the eval prompts, on the engines."""
-    from engine.data import PromptRow
-    from engine.modeling import render_prompt
     from engine.rollout.loop import generate_rollout
 
     if not run.eval_rows:
         return None
-    rows: list[PromptRow] = run.eval_rows
-    prompt_ids = [render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template) for r in rows]
-    groups = generate_rollout(rows, rollout_id=-1, prompt_ids=prompt_ids, urls=run.engines.urls, n=1,
-                              params=sampling_params(run, greedy=True), reward_model=run.reward_model,
-                              seed=run.cfg.seed, concurrency=run.cfg.rollout_concurrency,
-                              timeout_s=run.cfg.rollout_timeout)
-    return sum(g[0].scalar_reward for g in groups) / len(groups)
+    rows = iter(run.eval_rows)
+    result = generate_rollout(lambda k: _prompts(run, [r for _, r in zip(range(k), rows)]), rollout_id=-1,
+                              batch_size=len(run.eval_rows), n=1, params=sampling_params(run, greedy=True),
+                              reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
+                              concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout)
+    return sum(g[0].scalar_reward for g in result.groups) / len(result.groups)
 
 
 # ---- summary ---------------------------------------------------------------------------------------------------

@@ -130,19 +130,9 @@ def cmd_doctor(argv: list[str]) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    from engine.config.data import BUNDLED_MODEL
-    from engine.rollout.server import serve
+    from engine.rollout.server import main as serve_main
 
-    p = argparse.ArgumentParser(prog="rollflow serve", description="The built-in engine: SGLang's HTTP API over "
-                                "a transformers model (CPU or GPU).")
-    p.add_argument("--hf-checkpoint", default=BUNDLED_MODEL, help="model directory (default: the bundled model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="default max_new_tokens (default: 128)")
-    a = p.parse_args(argv)
-    serve(a.hf_checkpoint, a.host, a.port, threads=a.threads, max_new_tokens=a.max_new_tokens)
-    return 0
+    return serve_main(argv)
 
 
 def cmd_compare(argv: list[str]) -> int:

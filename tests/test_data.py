@@ -80,3 +80,103 @@ def test_custom_reward_path_errors():
         RewardModel(None, "no_colon_here")
     with pytest.raises(ConfigError, match="cannot be loaded"):
         RewardModel(None, "does.not.exist:fn")
+
+
+def test_parquet_with_metadata_and_row_numbers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"q": "1+1=", "a": "2", "meta": {"source": "s1"}},
+        {"q": "2+2=", "a": "4", "meta": {"source": "s2"}}]), p)
+    rows = load_prompts(str(p) + "@[1:]", input_key="q", label_key="a", metadata_key="meta")
+    assert [(r.row, r.prompt, r.label, r.metadata) for r in rows] == [(2, "2+2=", "4", {"source": "s2"})]
+    pq.write_table(pa.Table.from_pylist([{"q": "1+1=", "a": "2"}, {"q": None, "a": "4"}]), p)
+    with pytest.raises(ConfigError, match="line 2 has 'q' = 'None'"):
+        load_prompts(str(p), input_key="q", label_key="a")
+
+
+def test_metadata_that_is_not_an_object_names_the_line(tmp_path):
+    p = _write(tmp_path / "d.jsonl", [{"prompt": "a", "label": "b", "m": {"k": 1}}, {"prompt": "a", "label": "b",
+                                                                                     "m": "oops"}])
+    with pytest.raises(ConfigError, match="line 2 has 'm' = 'oops', a str, not an object"):
+        load_prompts(p, input_key="prompt", label_key="label", metadata_key="m")
+
+
+def test_chat_message_prompts_are_accepted_and_bad_ones_named(tmp_path):
+    msgs = [{"role": "user", "content": "1+1="}]
+    p = _write(tmp_path / "d.jsonl", [{"prompt": msgs, "label": "2"}, {"prompt": [{"text": "x"}], "label": "2"}])
+    with pytest.raises(ConfigError, match="line 2 .* neither text nor a list of chat messages"):
+        load_prompts(p, input_key="prompt", label_key="label")
+    rows = load_prompts(p + "@[:1]", input_key="prompt", label_key="label")
+    assert rows[0].prompt == msgs
+
+
+def test_shuffle_is_seeded_per_epoch(tmp_path):
+    p = _write(tmp_path / "d.jsonl", [{"prompt": str(i), "label": str(i)} for i in range(20)])
+    rows = load_prompts(p, input_key="prompt", label_key="label")
+    a = [r.prompt for r in PromptDataset(rows, shuffle=True, seed=7).next_batch(40)]
+    b = [r.prompt for r in PromptDataset(rows, shuffle=True, seed=7).next_batch(40)]
+    assert a == b and sorted(a[:20]) == sorted(a[20:]) and a[:20] != a[20:]  # each epoch a new permutation
+    assert a[:20] != [str(i) for i in range(20)]
+
+
+def test_math_reward_normalisation_and_sympy_equivalence():
+    from engine.rewards import math_equal
+
+    assert math_reward("\\boxed{\\dfrac{3}{6}}", "1/2") == 1.0  # sympy: 3/6 = 1/2
+    assert math_reward("x = \\boxed{2\\sqrt{2}}", "sqrt(8)") == 1.0
+    assert math_reward("\\boxed{1,000}", "1000") == 1.0
+    assert math_reward("\\boxed{x^2+2x+1}", "(x+1)^2") == 1.0
+    assert math_reward("\\boxed{x^2+1}", "(x+1)^2") == 0.0
+    assert not math_equal("not math ((", "2")
+
+
+def test_sympy_is_stopped_at_its_time_limit():
+    import time
+
+    from engine import rewards
+
+    assert rewards.math_equal("(x+1)^2", "x^2+2x+1")  # starts (and warms) the sympy process
+    t0 = time.monotonic()
+    # factorial(10**7) is evaluated eagerly: minutes of CPU; the worker is killed at the limit
+    assert not rewards.math_equal("factorial(10^7)", "3", timeout_s=0.5)
+    assert time.monotonic() - t0 < 5 and rewards._SYMPY.proc is None and rewards._SYMPY.timeouts >= 1
+    assert rewards.math_equal("2/4", "1/2")  # a fresh worker takes over
+
+
+def test_f1_reward():
+    from engine.rewards import f1_reward
+
+    # pred "the cat sat", gold "the cat": P = 2/3, R = 1 → F1 = 2·(2/3)/(5/3) = 0.8
+    assert f1_reward("The cat sat", "the cat") == pytest.approx(0.8)
+    assert f1_reward("dog", "the cat") == 0.0
+
+
+def test_async_group_and_dict_rewards(tmp_path):
+    mod = tmp_path / "rms.py"
+    mod.write_text(
+        "import asyncio\n"
+        "async def judge(s):\n    await asyncio.sleep(0.01)\n    return {'score': float(s.response == 'a'), 'len': 1.0}\n"
+        "def by_group(samples):\n    return [i / 2 for i in range(len(samples))]\n"
+        "def bad(s):\n    return 'high'\n"
+        "def nan(s):\n    return float('nan')\n")
+    group = lambda: [Sample(index=i, group_index=0, rollout_id=0, prompt="p", response=r, status=Status.COMPLETED)  # noqa
+                     for i, r in enumerate(["a", "b", "a"])]
+    g = group()
+    RewardModel(None, f"{mod}:judge").score_group(g)
+    assert [s.reward for s in g] == [{"score": 1.0, "len": 1.0}, {"score": 0.0, "len": 1.0},
+                                     {"score": 1.0, "len": 1.0}]
+    assert [s.scalar_reward for s in g] == [1.0, 0.0, 1.0]
+    g = group()
+    RewardModel(None, f"{mod}:by_group", group_rm=True).score_group(g)
+    assert [s.reward for s in g] == [0.0, 0.5, 1.0]
+    g = group()
+    RewardModel(None, f"{mod}:bad").score_group(g)
+    assert all(s.status == Status.FAILED and "returned str 'high'" in s.metadata["failure"] for s in g)
+    g = group()
+    RewardModel(None, f"{mod}:nan").score_group(g)  # kept: the train step reports it as RF13 with the sample ids
+    assert all(s.status == Status.COMPLETED and s.reward != s.reward for s in g)
+    with pytest.raises(ConfigError, match="--group-rm needs --custom-rm-path"):
+        RewardModel("math", None, group_rm=True)

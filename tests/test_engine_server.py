@@ -119,3 +119,92 @@ def test_control_endpoints(engine):
     assert httpx.post(url + "/generate", json={"text": "1", "sampling_params": {}}).status_code == 503
     assert httpx.post(url + "/resume_memory_occupation").json()["success"] is True
     assert httpx.post(url + "/generate", json={"sampling_params": {}}).status_code == 400
+
+
+def test_prompt_scoring_returns_input_logprobs_of_the_served_weights(engine):
+    # max_new_tokens = 0 + logprob_start_len = 0: SGLang's way to score a fixed sequence
+    state, url = engine
+    seq = _prompt_ids(state, "12+34=46")
+    r = httpx.post(url + "/generate", json={"input_ids": seq, "return_logprob": True, "logprob_start_len": 0,
+                                            "sampling_params": {"max_new_tokens": 0}}, timeout=60).json()
+    assert r["output_ids"] == [] and r["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    got = r["meta_info"]["input_token_logprobs"]
+    assert [t[1] for t in got] == seq and got[0][0] is None  # the first token has no prediction
+    with torch.no_grad():
+        logits = state.generator.model(torch.tensor([seq])).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor([t[0] for t in got[1:]]), ref, atol=1e-5)
+
+
+def test_abort_stops_an_inflight_request_by_rid_prefix(engine):
+    import threading
+    import time
+
+    state, url = engine
+    before = len(state.scheduler.batch_sizes)
+    out = {}
+
+    def long_request():
+        out["r"] = httpx.post(url + "/generate", json={
+            "input_ids": [_prompt_ids(state)] * 4, "rid": [f"grp7-{j}" for j in range(4)],
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}}, timeout=120).json()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while len(state.scheduler.batch_sizes) == before and time.monotonic() < deadline:  # wait until it runs
+        time.sleep(0.005)
+    assert httpx.post(url + "/abort_request", json={"rid": "grp7-"}).json()["aborted"] == 4
+    t.join(60)
+    for r in out["r"]:
+        assert r["meta_info"]["finish_reason"]["type"] == "abort"
+        assert r["meta_info"]["completion_tokens"] < 200  # stopped early, keeping what it had
+    # nothing is left marked: the same rids can run again to completion
+    again = httpx.post(url + "/generate", json={"input_ids": _prompt_ids(state), "rid": "grp7-0", "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}}, timeout=60).json()
+    assert again["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_unsupported_sampling_param_is_refused_not_ignored(engine):
+    _, url = engine
+    r = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}})
+    assert r.status_code == 400 and "frequency_penalty" in r.json()["message"]
+
+
+def test_model_info_and_weight_version_endpoints(engine):
+    state, url = engine
+    for path in ("/get_model_info", "/model_info"):
+        assert httpx.get(url + path).json()["weight_version"] == state.weight_version
+    assert httpx.get(url + "/weight_version").json() == {"weight_version": state.weight_version}
+
+
+def test_port_in_use_is_rf08_naming_the_holder(tiny_model, engine):
+    import os
+
+    from engine.doctor.diagnosis import DiagnosisError
+
+    state, url = engine
+    port = int(url.rsplit(":", 1)[1])
+    with pytest.raises(DiagnosisError) as e:
+        ServerThread(state, "127.0.0.1", port).start()
+    assert e.value.codes == ["RF08"] and f"pid {os.getpid()}" in str(e.value)
+
+
+def test_deterministic_mode_runs_each_request_as_its_own_batch(tiny_model):
+    import asyncio
+
+    state = EngineState(tiny_model, threads=1, max_new_tokens=4, deterministic=True)
+    server = ServerThread(state, "127.0.0.1", _free_port())
+    url = server.start()
+    try:
+        ids = _prompt_ids(state)
+
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"input_ids": [ids] * 3, "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}}
+                return await asyncio.gather(*[c.post(url + "/generate", json=body) for _ in range(5)])
+
+        assert all(r.status_code == 200 for r in asyncio.run(go()))
+        assert state.scheduler.batch_sizes == [3] * 5  # never merged across requests
+    finally:
+        server.stop()

@@ -1,4 +1,4 @@
-"""Ray: connect or start the cluster, start rollout engines and train workers, stop them.
+"""Ray: connect or start the cluster, the port registry, the train workers (engines: engine/rollout/engines.py).
 
 Every worker gets `TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` in its runtime env by default (RF12: processes sharing
 one inductor cache corrupt it and fail with JSONDecodeError).
@@ -6,7 +6,6 @@ one inductor cache corrupt it and fail with JSONDecodeError).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 WORKER_ENV_DEFAULTS = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -45,35 +44,30 @@ def shutdown() -> None:
         ray.shutdown()
 
 
-@dataclass
-class Engines:
-    actors: list[Any]
-    urls: list[str]
-    pids: list[int] = field(default_factory=list)
-
-
-def start_builtin_engines(model_path: str, n: int, *, threads: int, max_new_tokens: int,
-                          timeout_s: float = 300.0) -> Engines:
+def port_registry():
+    """The cluster's one port registry (RF08): a detached named actor shared by every run on this Ray cluster."""
     import ray
 
-    from engine.rollout.actor import BuiltinEngineActor
+    from engine.rollout.ports import PortRegistry
 
-    cls = ray.remote(num_cpus=0, max_restarts=0)(BuiltinEngineActor)
-    actors = [cls.options(runtime_env=_threads_env(threads)).remote(model_path, threads=threads,
-                                                                    max_new_tokens=max_new_tokens)
-              for _ in range(n)]
-    urls = ray.get([a.get_url.remote() for a in actors], timeout=timeout_s)
-    pids = ray.get([a.pid.remote() for a in actors], timeout=timeout_s)
-    return Engines(actors, urls, pids)
+    return ray.remote(num_cpus=0)(PortRegistry).options(name="rollflow-ports", namespace="rollflow",
+                                                         lifetime="detached", get_if_exists=True).remote()
+
+
+def reserve_fn(registry):
+    """`reserve(node, k)` of the registry actor, for engine.rollout.ports.allocate_ports."""
+    import ray
+
+    return lambda node, k: ray.get(registry.reserve.remote(node, k))
 
 
 class TrainGroup:
     """The DP train workers; every call waits at most `timeout_s`."""
 
-    def __init__(self, cfg, *, train_iters: int, timeout_s: float, threads: int):
+    def __init__(self, cfg, *, train_iters: int, timeout_s: float, threads: int, placement=None, registry=None):
         import ray
 
-        from engine.rollout.ports import PortAllocator
+        from engine.rollout.ports import allocate_ports
         from engine.train.worker import TrainWorker
 
         self.timeout_s = timeout_s
@@ -81,11 +75,21 @@ class TrainGroup:
         # Megatron's rank order is tp-cp-ep-dp-pp: rank r belongs to DP replica (r // TP) mod DP.
         tp, dp = cfg.tensor_model_parallel_size, cfg.dp_size
         self.dp_rank_of = [(r // tp) % dp for r in range(world)]
-        master = f"127.0.0.1:{PortAllocator(start=29500).allocate()}" if world > 1 else None
+        master = None
+        if world > 1:  # gloo's rendezvous port comes from the cluster's one allocator too (RF08)
+            node = ray.util.get_node_ip_address()
+            master = f"127.0.0.1:{allocate_ports(reserve_fn(registry or port_registry()), node, 1)[0]}"
         gpus = 1 if cfg.train_backend == "megatron" else 0
         cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(TrainWorker)
         cfg_dict = cfg.model_dump()
-        self.workers = [cls.options(runtime_env=_threads_env(threads)).remote(
+        lay = placement.layout if placement is not None else None
+
+        def where(r: int) -> dict:  # a GPU layout puts rank r on bundle r (colocated: 0.8 of it, see placement.py)
+            if lay is None or not lay.train_bundles:
+                return {}
+            return {"num_gpus": lay.train_gpu_fraction, "scheduling_strategy": placement.strategy(lay.train_bundles[r])}
+
+        self.workers = [cls.options(runtime_env=_threads_env(threads), **where(r)).remote(
             cfg_dict, rank=r, world_size=world, master=master, train_iters=train_iters, threads=threads)
             for r in range(world)]
         ray.get([w.__ray_ready__.remote() for w in self.workers], timeout=timeout_s)
@@ -115,6 +119,13 @@ class TrainGroup:
     def save_weights(self, path: str) -> str:
         self._all("save_weights", path)
         return path
+
+    def weights_ref(self) -> tuple[Any, float]:
+        """(a reference to rank 0's weights in Ray's object store, their MB); the driver never holds the weights."""
+        import ray
+
+        ref, mb = self.workers[0].numpy_state.options(num_returns=2).remote()
+        return ref, ray.get(mb, timeout=self.timeout_s)
 
     def export_hf(self, path: str) -> None:
         self._all("export_hf", path)

@@ -85,21 +85,20 @@ def suggest(bad: str, choices: list[str]) -> str:
     return f"did you mean {close[0]}?" if close else "see `rollflow train --help` for every flag"
 
 
-def split_sglang(argv: list[str]) -> tuple[list[str], dict[str, str | bool]]:
-    """Take `--sglang-x [value]` tokens out of argv; a flag followed by another flag (or nothing) is a switch."""
+def split_sglang(argv: list[str]) -> tuple[list[str], dict[str, str | bool | list[str]]]:
+    """Take `--sglang-x [value …]` tokens out of argv: no value is a switch, one value a string, several a list
+    (`--sglang-cuda-graph-bs 1 2 4 8`)."""
     rest, sglang = [], {}
     i = 0
     while i < len(argv):
         tok = argv[i]
         if tok.startswith(SGLANG_PREFIX):
             key, eq, val = tok[len(SGLANG_PREFIX):].partition("=")
-            if eq:
-                sglang[key] = val
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                sglang[key] = argv[i + 1]
+            vals = [val] if eq else []
+            while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                vals.append(argv[i + 1])
                 i += 1
-            else:
-                sglang[key] = True
+            sglang[key] = True if not vals else vals[0] if len(vals) == 1 else vals
         else:
             rest.append(tok)
         i += 1

@@ -1,9 +1,10 @@
 """Rollout flags: how many samples, how they are generated, by which engine."""
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.config.base import Section
+from engine.doctor.diagnosis import ConfigError, Diagnosis
 
 
 class RolloutArgs(Section):
@@ -41,7 +42,7 @@ class RolloutArgs(Section):
     """GPUs per rollout engine (its tensor-parallel size)."""
 
     rollout_num_engines: int = Field(1, ge=1)
-    """Rollout engines started on this run when no GPUs are used (CPU / built-in engine)."""
+    """Rollout engines on a cluster without GPUs (or with --rollout-num-gpus 0); decoupled on GPUs without --rollout-num-gpus, they take engines × GPUs-per-engine GPUs."""
 
     rollout_concurrency: int = Field(64, ge=1)
     """Most generate requests in flight across all engines."""
@@ -49,5 +50,58 @@ class RolloutArgs(Section):
     rollout_timeout: float = Field(600.0, gt=0)
     """Seconds a whole rollout may take before it fails (and may be retried)."""
 
-    sglang_args: dict[str, str | bool] = {}
+    over_sampling_batch_size: Optional[int] = Field(None, ge=1)
+    """Prompts drawn per sampling round when a dynamic filter is set (≥ --rollout-batch-size); rounds repeat until B groups pass."""
+
+    dynamic_sampling_filter_path: Optional[str] = None
+    """Group filter `module:function` (fn(samples) -> bool), e.g. engine.rollout.filters:check_reward_nonzero_std (drop groups whose rewards all agree)."""
+
+    rollout_max_truncated_share: float = Field(0.9, ge=0.0, le=1.0)
+    """A rollout where more than this share of samples hit --rollout-max-response-len fails with RF10 (1 = never)."""
+
+    rollout_engine_python: Optional[str] = None
+    """Python executable that runs `-m sglang.launch_server` (default: this interpreter), so SGLang can live in its own environment."""
+
+    rollout_engine_start_timeout: float = Field(600.0, gt=0)
+    """Seconds an engine may take to answer /health_generate after it is started (RF08 when it does not)."""
+
+    use_fault_tolerance: bool = False
+    """Health-check the engines; restart a dead one on its bundle, re-sync its weights, and resend its requests."""
+
+    rollout_health_check_interval: float = Field(30.0, gt=0)
+    """Seconds between /health_generate checks of every engine (with --use-fault-tolerance)."""
+
+    rollout_health_check_timeout: float = Field(30.0, gt=0)
+    """Seconds an engine may take to answer /health_generate before it is restarted."""
+
+    rollout_health_check_first_wait: float = Field(0.0, ge=0)
+    """Seconds before the first health check (time for compilation and warm-up)."""
+
+    weight_sync_method: Literal["tensor", "disk"] = "tensor"
+    """Trainer → engines: tensor (rank 0's weights through Ray's object store to the engine actors; built-in engine) or disk (versioned safetensors dir, /update_weights_from_disk)."""
+
+    weight_sync_timeout: float = Field(600.0, gt=0)
+    """Seconds one weight sync (all engines) may take before it fails."""
+
+    sglang_args: dict[str, str | bool | list[str]] = {}
     """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix)."""
+
+    @model_validator(mode="after")
+    def _rollout_consistent(self) -> "RolloutArgs":
+        errors = []
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--over-sampling-batch-size {self.over_sampling_batch_size} is below --rollout-batch-size "
+                     f"{self.rollout_batch_size}: a sampling round must draw at least B prompts",
+                fix=f"--over-sampling-batch-size {2 * self.rollout_batch_size} (or drop it)"))
+        if self.weight_sync_method == "tensor" and self.rollout_engine == "sglang":
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what="--weight-sync-method tensor hands the weights to the built-in engine's actor through Ray's object "
+                     "store; a SGLang server cannot take them that way (its /update_weights_from_tensor takes CUDA IPC "
+                     "handles of the same host)",
+                fix="--weight-sync-method disk with --rollout-engine sglang"))
+        if errors:
+            raise ConfigError(errors)
+        return self

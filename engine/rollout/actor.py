@@ -1,33 +1,123 @@
-"""The built-in engine inside a Ray actor: an HTTP server thread on a port checked free on its node."""
+"""One rollout engine inside a Ray actor on its placement-group bundle.
+
+The actor asks the run's port registry for its ports (checked free on its own node), then either serves the
+built-in engine from a thread of its own process, or launches `python -m sglang.launch_server` as a child process
+(engine/rollout/sglang.py) on GPUs base_gpu_id.. of its node. Either way it answers with the engine's URL.
+"""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
 
-class BuiltinEngineActor:
-    """Wrapped with `ray.remote` by the cluster module; one per rollout engine."""
+@dataclass
+class EngineSpec:
+    kind: Literal["builtin", "sglang"]
+    model_path: str
+    log_dir: str
+    tp_size: int = 1
+    threads: int | None = None
+    max_new_tokens: int = 128
+    deterministic: bool = False  # --sglang-enable-deterministic-inference (both engine kinds honour it)
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+    python: str | None = None  # interpreter that runs `-m sglang.launch_server`
+    colocate: bool = False
+    start_timeout_s: float = 600.0
 
-    def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
-                 threads: int | None = None, max_new_tokens: int = 128, device: str = "cpu"):
-        from engine.rollout.ports import PortAllocator, is_port_free
+
+class EngineActor:
+    """Wrapped with `ray.remote` by engine/rollout/engines.py; `start` is called once, then `stop`."""
+
+    def __init__(self, spec: EngineSpec, index: int, registry: Any):
+        self.spec, self.index, self.registry = spec, index, registry
+        self.server: Any = None  # ServerThread (builtin) or LaunchedEngine (sglang)
+        self.state: Any = None  # the built-in engine's EngineState
+        self.info: dict[str, Any] = {}
+
+    def _ports(self, node: str, k: int) -> list[int]:
+        import ray
+
+        from engine.rollout.ports import allocate_ports
+
+        return allocate_ports(lambda n, m: ray.get(self.registry.reserve.remote(n, m)), node, k)
+
+    def start(self) -> dict[str, Any]:
+        import ray
+
+        node = ray.util.get_node_ip_address()
+        gpu_ids = [int(float(g)) for g in ray.get_gpu_ids()]
+        base_gpu = gpu_ids[0] if gpu_ids else 0
+        log = str(Path(self.spec.log_dir) / f"engine-{self.index}.log")
+        if self.spec.kind == "builtin":
+            url, ports, child = self._start_builtin(node, gpu_ids)
+        else:
+            url, ports, child = self._start_sglang(node, base_gpu, log)
+        self.info = {"url": url, "node": node, "node_id": ray.get_runtime_context().get_node_id(),
+                     "pid": os.getpid(), "child_pid": child, "gpu_ids": gpu_ids,
+                     "base_gpu_id": base_gpu, "ports": ports, "log": log if self.spec.kind == "sglang" else None}
+        return self.info
+
+    def _start_builtin(self, node: str, gpu_ids: list[int]) -> tuple[str, list[int], None]:
+        import torch
+
         from engine.rollout.server import EngineState, ServerThread
 
-        if port is None:
-            port = PortAllocator(host, start=30000 + (os.getpid() % 1000) * 20).allocate()
-        elif not is_port_free(port, host):
-            raise OSError(f"[RF08] port {port} on {host} is already in use")
-        self.state = EngineState(model_path, device=device, threads=threads, max_new_tokens=max_new_tokens)
-        self.server = ServerThread(self.state, host, port)
-        self.url = self.server.start()
+        (port,) = self._ports(node, 1)
+        device = f"cuda:{gpu_ids[0]}" if gpu_ids and torch.cuda.is_available() else "cpu"
+        state = EngineState(self.spec.model_path, device=device, threads=self.spec.threads,
+                            max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic)
+        self.state = state
+        self.server = ServerThread(state, node, port)
+        return self.server.start(timeout_s=self.spec.start_timeout_s), [port], None
 
-    def get_url(self) -> str:
-        return self.url
+    def _start_sglang(self, node: str, base_gpu: int, log: str) -> tuple[str, list[int], int]:
+        import sys
 
-    def pid(self) -> int:
-        return os.getpid()
+        from engine.rollout.sglang import LaunchedEngine, mem_fraction_of, sglang_command
 
-    def weight_version(self) -> int:
-        return self.state.weight_version
+        port, nccl_port, dist_port = self._ports(node, 3)
+        cmd = sglang_command(python=self.spec.python or sys.executable, model_path=self.spec.model_path, host=node,
+                             port=port, tp_size=self.spec.tp_size, base_gpu_id=base_gpu, nccl_port=nccl_port,
+                             dist_init_addr=f"{node}:{dist_port}", sglang_args=self.spec.sglang_args,
+                             colocate=self.spec.colocate)
+        self.server = LaunchedEngine(cmd, url=f"http://{node}:{port}", log_path=log,
+                                     ports=[port, nccl_port, dist_port],
+                                     mem_fraction_static=mem_fraction_of(self.spec.sglang_args))
+        url = self.server.start(self.spec.start_timeout_s)
+        return url, [port, nccl_port, dist_port], self.server.proc.pid
+
+    def update_weights(self, named: dict, version: str) -> int:
+        """In-cluster weight sync: `named` arrives from Ray's object store (the caller passes a reference)."""
+        if self.state is None:
+            raise RuntimeError("weights by object store reach only the built-in engine; SGLang loads them from disk")
+        return self.state.update_from_named(named, version)
+
+    def alive(self) -> bool:
+        if self.spec.kind == "builtin":
+            return self.server is not None and self.server.thread.is_alive()
+        return self.server is not None and self.server.alive()
+
+    def diagnose(self) -> list[dict]:
+        if self.spec.kind != "sglang" or self.server is None:
+            return []
+        return [d.model_dump() for d in self.server.diagnose()]
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.server.log_tail(lines) if self.spec.kind == "sglang" and self.server else ""
 
     def stop(self) -> None:
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
+
+
+def kill_process_group(pgid: int) -> bool:
+    """Kill a launched server's process group (it runs in its own session, so it outlives a SIGKILLed actor)."""
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False

@@ -1,4 +1,7 @@
-"""HTTP client for SGLang-API engines (built-in or SGLang); every call has its own deadline."""
+"""HTTP client for SGLang-API engines (built-in or SGLang); every call has its own deadline.
+
+SGLang answers some control endpoints with plain text ("Cache flushed...") and others with JSON; both are read.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -6,20 +9,34 @@ from typing import Any
 import httpx
 
 
+class EngineError(RuntimeError):
+    """An engine answered with an error, or its answer broke the protocol."""
+
+
 class EngineClient:
     def __init__(self, url: str, timeout_s: float = 60.0):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
 
-    def _get(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+    @staticmethod
+    def _read(r: httpx.Response) -> Any:
+        if not r.content:
+            return {}
+        try:
+            return r.json()
+        except ValueError:
+            return {"message": r.text}
+
+    def _get(self, path: str, timeout_s: float | None = None) -> Any:
         r = httpx.get(self.url + path, timeout=timeout_s or self.timeout_s)
-        r.raise_for_status()
-        return r.json() if r.content else {}
+        if r.status_code >= 400:
+            raise EngineError(f"{self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
+        return self._read(r)
 
     def _post(self, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
         r = httpx.post(self.url + path, json=body or {}, timeout=timeout_s or self.timeout_s)
         if r.status_code >= 400:
-            raise RuntimeError(f"{self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
-        return r.json() if r.content else {}
+            raise EngineError(f"{self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
+        return self._read(r)
 
     def health(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -33,27 +50,55 @@ class EngineClient:
         except httpx.HTTPError:
             return False
 
-    def model_info(self) -> dict[str, Any]:
-        return self._get("/get_model_info")
+    def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._get("/get_model_info", timeout_s)
+
+    def weight_version(self, timeout_s: float | None = None) -> str:
+        return str(self.model_info(timeout_s).get("weight_version"))
 
     def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> Any:
         return self._post("/generate", body, timeout_s)
 
-    def update_weights_from_disk(self, path: str, version: int, timeout_s: float | None = None) -> dict:
-        out = self._post("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)},
-                         timeout_s)
+    def _weights(self, path: str, body: dict, timeout_s: float | None) -> dict:
+        out = self._post(path, body, timeout_s)
         if not out.get("success", False):
-            raise RuntimeError(f"{self.url} refused the weights in {path}: {out.get('message')}")
+            raise EngineError(f"{self.url}{path} refused the weights: {out.get('message')}")
+        return out
+
+    def update_weights_from_disk(self, path: str, version: int, timeout_s: float | None = None) -> dict:
+        body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+        return self._weights("/update_weights_from_disk", body, timeout_s)
+
+    def update_weights_from_tensor(self, serialized: list[str], *, load_format: str, version: int | None,
+                                   flush_cache: bool, timeout_s: float | None = None) -> dict:
+        body = {"serialized_named_tensors": serialized, "load_format": load_format, "flush_cache": flush_cache,
+                "weight_version": None if version is None else str(version)}
+        return self._weights("/update_weights_from_tensor", body, timeout_s)
+
+    def update_weights_from_tensor_raw(self, blob: bytes, *, version: int | None, flush_cache: bool,
+                                       timeout_s: float | None = None) -> dict:
+        """One safetensors blob as the raw body (the built-in engine's fast path, no base64 / JSON)."""
+        params = {"load_format": "safetensors", "flush_cache": str(flush_cache).lower()}
+        if version is not None:
+            params["weight_version"] = str(version)
+        r = httpx.post(self.url + "/update_weights_from_tensor", content=blob, params=params,
+                       headers={"Content-Type": "application/octet-stream"}, timeout=timeout_s or self.timeout_s)
+        if r.status_code >= 400:
+            raise EngineError(f"{self.url}/update_weights_from_tensor → HTTP {r.status_code}: {r.text[:500]}")
+        out = self._read(r)
+        if not out.get("success", False):
+            raise EngineError(f"{self.url}/update_weights_from_tensor refused the weights: {out.get('message')}")
         return out
 
     def flush_cache(self) -> dict:
         return self._post("/flush_cache")
 
     def abort(self, rid: str | None = None) -> dict:
+        """Abort one request, or every request whose rid starts with `rid` (SGLang matches by prefix); all if None."""
         return self._post("/abort_request", {"rid": rid} if rid else {"abort_all": True})
 
     def release_memory(self) -> dict:
-        return self._post("/release_memory_occupation")
+        return self._post("/release_memory_occupation", {})
 
     def resume_memory(self) -> dict:
-        return self._post("/resume_memory_occupation")
+        return self._post("/resume_memory_occupation", {})

@@ -3,7 +3,18 @@
 One call generates a whole batch with a KV cache: prompts are left-padded, positions come from the attention
 mask, and each row has its own temperature / top-p / top-k / stop set / max_new_tokens / seed. The log-prob
 returned for a token is log softmax(logits / T) of the full vocabulary (T = 1 when greedy), i.e. the
-quantity the trainer recomputes, so the train–inference mismatch is only numerical.
+quantity the trainer recomputes, so the train–inference mismatch is only numerical. That is also what SGLang
+returns by default (post-temperature, before top-k / top-p filtering).
+
+Invariants (tests/test_engine_server.py):
+- a row stops at the first token in its stop set (EOS ∪ stop_token_ids, EOS left out with ignore_eos) or at the
+  first token whose decoded output contains a stop string; the stopping token stays in `output_ids`;
+- `max_new_tokens = 0` runs the prefill only (scoring: `input_logprobs` from `logprob_start_len`);
+- an aborted rid (exact or by prefix, as SGLang's `/abort_request`) stops at the next step with what it has.
+
+Batch composition changes the floating-point reductions of a row (padding, matmul blocking): measured on the
+bundled model, a row's log-probs move by up to ~1.4e-5 between "alone" and "in a batch of 38", which can flip a
+sampled token with probability ~1e-5 per token. Per-row seeds make a row reproducible only for a fixed batch.
 """
 from __future__ import annotations
 
@@ -29,20 +40,53 @@ class GenRequest:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    logprob_start_len: int = -1  # ≥ 0: also return log-probs of the prompt tokens from this position
 
 
 @dataclass
 class GenResult:
     rid: str
     output_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # [R] log π(output_ids[t] | prefix) at the request's temperature
     finish_reason: dict[str, Any]
     text: str
     prompt_tokens: int
+    input_logprobs: list[float | None] | None = None  # [P - start] (None for the first prompt token)
+    input_start: int = 0
+    input_ids: list[int] = field(default_factory=list)  # [P] the prompt
 
 
 def _cache_of(out) -> Any:
     return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+class AbortBook:
+    """Which rids are live (queued or running) and which of them were aborted; shared by the HTTP thread and the
+    generation thread. An abort only affects rids live at that moment, like SGLang's scheduler (prefix match)."""
+
+    def __init__(self) -> None:
+        self._live: set[str] = set()
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, rids: list[str]) -> None:
+        with self._lock:
+            self._live.update(rids)
+
+    def done(self, rids: list[str]) -> None:
+        with self._lock:
+            self._live.difference_update(rids)
+            self._aborted.difference_update(rids)
+
+    def abort(self, prefix: str | None) -> int:
+        """Abort every live rid starting with `prefix` (all of them when None or ""); returns how many."""
+        with self._lock:
+            hit = {r for r in self._live if not prefix or r.startswith(prefix)}
+            self._aborted |= hit
+            return len(hit)
+
+    def is_aborted(self, rid: str) -> bool:
+        return rid in self._aborted
 
 
 class Generator:
@@ -51,18 +95,11 @@ class Generator:
     def __init__(self, model, tokenizer, eos_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.eos_ids, self.device = model, tokenizer, list(eos_ids), device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-        self.aborted: set[str] = set()
-        self.abort_all = False
+        self.aborts = AbortBook()
         self.lock = threading.Lock()  # weight updates vs generation
         # transformers ≥ 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    def abort(self, rid: str | None) -> None:
-        if rid:
-            self.aborted.add(rid)
-        else:
-            self.abort_all = True
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
@@ -70,7 +107,6 @@ class Generator:
     @torch.no_grad()
     def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
         with self.lock:
-            self.abort_all = False
             return self._generate(reqs)
 
     def _generate(self, reqs: list[GenRequest]) -> list[GenResult]:
@@ -83,26 +119,31 @@ class Generator:
             mask[i, plen - len(r.input_ids):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
-        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=self.device)
+        temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs], dtype=torch.float32,
+                             device=self.device)  # [b] the T of the returned log-probs (1 when greedy)
         gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in reqs]
         stop_ids = [set(r.stop_token_ids) | (set() if r.ignore_eos else set(self.eos_ids)) for r in reqs]
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_lp: list[list[float]] = [[] for _ in reqs]
         finish: list[dict[str, Any] | None] = [None] * b
-        max_new = max(r.max_new_tokens for r in reqs)
+        for i, r in enumerate(reqs):
+            if self.aborts.is_aborted(r.rid):
+                finish[i] = {"type": "abort", "message": "aborted by /abort_request"}
+            elif r.max_new_tokens <= 0:
+                finish[i] = {"type": "length", "length": 0}
 
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        past, logits = _cache_of(out), out.logits[:, -1, :].float()  # [b, V]
+        all_logits = out.logits.float()  # [b, P, V]
+        input_lps = [self._input_logprobs(all_logits[i], r, plen, float(temps[i])) for i, r in enumerate(reqs)]
+        past, logits = _cache_of(out), all_logits[:, -1, :]  # [b, V]
         last_pos = pos[:, -1]
-        for step in range(max_new):
-            toks = self._sample(logits, temps, reqs, gens)  # [b]
-            greedy = temps == 0
-            scaled = torch.where(greedy[:, None], logits, logits / temps.clamp(min=1e-6)[:, None])
-            lps = torch.log_softmax(scaled, dim=-1).gather(-1, toks[:, None]).squeeze(-1)  # [b]
+        while not all(f is not None for f in finish):
+            toks = self._sample(logits, reqs, gens)  # [b]
+            lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)  # [b]
             for i, r in enumerate(reqs):
                 if finish[i] is not None:
                     continue
-                if self.abort_all or r.rid in self.aborted:
+                if self.aborts.is_aborted(r.rid):
                     finish[i] = {"type": "abort", "message": "aborted by /abort_request"}
                     continue
                 t = int(toks[i])
@@ -121,12 +162,20 @@ class Generator:
             out = self.model(input_ids=toks[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                              use_cache=True, **{self._cache_kw: past})
             past, logits = _cache_of(out), out.logits[:, -1, :].float()
-        for rid in [r.rid for r in reqs]:
-            self.aborted.discard(rid)
-        return [self._result(r, out_ids[i], out_lp[i], finish[i] or {"type": "abort"}) for i, r in enumerate(reqs)]
+        return [self._result(r, out_ids[i], out_lp[i], finish[i], input_lps[i]) for i, r in enumerate(reqs)]
 
-    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, reqs: list[GenRequest],
-                gens: list[torch.Generator | None]) -> torch.Tensor:
+    @staticmethod
+    def _input_logprobs(logits: torch.Tensor, r: GenRequest, plen: int, temp: float) -> list[float | None] | None:
+        """log π(prompt[k] | prompt[:k]) for k ≥ logprob_start_len; prompt[0] has no prediction (None)."""
+        if r.logprob_start_len < 0:
+            return None
+        P = len(r.input_ids)
+        cols = logits[plen - P:]  # [P, V]: column k predicts prompt[k + 1]
+        lp = torch.log_softmax(cols[:-1] / temp, dim=-1).gather(-1, torch.tensor(r.input_ids[1:])[:, None])
+        full = [None] + [float(x) for x in lp.squeeze(-1)]  # [P]
+        return full[r.logprob_start_len:]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[GenRequest], gens: list[torch.Generator | None]) -> torch.Tensor:
         toks = logits.argmax(-1)
         for i, r in enumerate(reqs):
             if r.temperature == 0:
@@ -148,9 +197,11 @@ class Generator:
         text = self._decode(ids, r.skip_special_tokens)
         return next((s for s in r.stop if s in text), None)
 
-    def _result(self, r: GenRequest, ids: list[int], lps: list[float], finish: dict[str, Any]) -> GenResult:
+    def _result(self, r: GenRequest, ids: list[int], lps: list[float], finish: dict[str, Any],
+                input_lps: list[float | None] | None) -> GenResult:
         text = self._decode(ids, r.skip_special_tokens)
         matched = finish.get("matched")
         if isinstance(matched, str) and not r.no_stop_trim:
             text = text[: text.find(matched)]
-        return GenResult(r.rid, ids, lps, finish, text, len(r.input_ids))
+        return GenResult(r.rid, ids, lps, finish, text, len(r.input_ids), input_lps,
+                         max(r.logprob_start_len, 0), list(r.input_ids))

@@ -1,20 +1,33 @@
-"""One rollout: B prompts × n samples on the engines, rewards, and the rollout's metrics.
+"""One rollout: B groups of n samples (over-sampled and filtered when asked), scored, in prompt order.
 
-Each group (one prompt, n samples) is one batched `/generate` request; groups are spread over the engines by
-least outstanding requests, at most `concurrency` samples in flight. Every sample carries its own sampling seed
-(seed, rollout_id, index), so a redone rollout samples the same tokens given the same weights and batch.
+A rollout runs in rounds. A round draws `round_size` prompts (`--over-sampling-batch-size`; B without a filter);
+each prompt's group of n samples is one batched `/generate` (n inputs, one sampling seed each) sent to the serving
+engine with the fewest outstanding samples, at most `concurrency` samples in flight. As a group finishes it is
+scored and the filter decides whether to keep it. The round ends as soon as the first k groups *in draw order*
+are all finished and hold the groups still needed; groups after k are cancelled and aborted on their engine
+(`/abort_request` by rid prefix). Rounds repeat until B groups are kept.
+
+Determinism: sample seeds are sha256(seed, rollout_id, draw index, j), and what is kept depends only on groups
+0..k in draw order, never on which finished first — so given the same weights, prompts and engine batches, a
+redone rollout returns the same samples. (Engine batching across requests is the remaining source of variation:
+see engine/rollout/server.py, `--sglang-enable-deterministic-inference`.)
+
+Fault tolerance: when a request fails at the connection level (engine died or was killed), a fault-tolerant engine
+pool is told, and the group is sent again — same seeds — to another serving engine (or the restarted one).
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import httpx
 
 from engine.data import PromptRow
+from engine.doctor.diagnosis import Diagnosis, DiagnosisError
 from engine.rewards import RewardModel
 from engine.samples import Sample, Status
 
@@ -40,6 +53,35 @@ class SamplingParams:
         return d
 
 
+@dataclass
+class Prompt:
+    row: PromptRow
+    ids: list[int]  # [P] rendered prompt token ids
+
+
+class EnginePool(Protocol):
+    fault_tolerant: bool
+
+    def serving(self) -> list[str]: ...
+
+    def report_failure(self, url: str) -> None: ...
+
+
+class StaticEngines:
+    """Fixed URLs, no restarts: a failed engine fails the rollout."""
+
+    fault_tolerant = False
+
+    def __init__(self, urls: list[str]):
+        self.urls = list(urls)
+
+    def serving(self) -> list[str]:
+        return self.urls
+
+    def report_failure(self, url: str) -> None:
+        pass
+
+
 def sample_seed(seed: int, rollout_id: int, index: int) -> int:
     h = hashlib.sha256(f"{seed}:{rollout_id}:{index}".encode()).digest()
     return int.from_bytes(h[:4], "little")
@@ -52,64 +94,202 @@ class RolloutTimeout(TimeoutError):
     """The rollout did not finish within --rollout-timeout (retryable)."""
 
 
-async def _generate_groups(urls: list[str], prompts: list[list[int]], n: int, params: SamplingParams,
-                           seeds: list[list[int | None]], concurrency: int, timeout_s: float) -> list[list[dict]]:
-    outstanding = {u: 0 for u in urls}
-    sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
+class NothingToTrain(RuntimeError):
+    """Every sample of the rollout FAILED or was ABORTED (retryable: e.g. a reward service that was down)."""
 
-    async def one(client: httpx.AsyncClient, gi: int) -> list[dict]:
-        async with sem:
-            url = min(outstanding, key=outstanding.get)  # least outstanding requests
-            outstanding[url] += n
+
+class EngineFailure(RuntimeError):
+    """An engine stopped answering and the pool cannot replace it (retryable: the next attempt may find it back)."""
+
+
+@dataclass
+class RolloutResult:
+    groups: list[list[Sample]]  # [B][n], in draw order
+    stats: dict[str, float]  # drawn / kept / filtered / aborted groups, rounds, retried requests
+
+
+class _Round:
+    """One round of groups on the engines (see the module docstring)."""
+
+    def __init__(self, prompts: list[Prompt], *, first_draw: int, needed: int, rollout_id: int, nonce: str, n: int,
+                 params: SamplingParams, seed: int, engines: EnginePool, reward_model: RewardModel,
+                 keep: Callable[[list[Sample]], bool] | None, concurrency: int):
+        self.prompts, self.first_draw, self.needed, self.n = prompts, first_draw, needed, n
+        self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
+        self.engines, self.reward_model, self.keep = engines, reward_model, keep
+        self.sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
+        self.done: list[list[Sample] | None] = [None] * len(prompts)
+        self.kept = [False] * len(prompts)
+        self.cutoff = len(prompts)  # groups at or after it are not needed
+        self.outstanding: dict[str, int] = {}
+        self.inflight: dict[int, str] = {}  # group → engine url
+        self.retries = 0
+        self.tasks: list[asyncio.Task] = []
+
+    def rid(self, gi: int) -> str:
+        return f"rf{self.rollout_id}-{self.nonce}-d{self.first_draw + gi}-"
+
+    def _pick(self) -> str | None:
+        urls = self.engines.serving()
+        for u in urls:
+            self.outstanding.setdefault(u, 0)
+        return min(urls, key=lambda u: self.outstanding[u]) if urls else None  # ties: first in order
+
+    async def _post(self, client: httpx.AsyncClient, gi: int) -> list[dict]:
+        draw = self.first_draw + gi
+        seeds = [sample_seed(self.seed, self.rollout_id, draw * self.n + j) if self.params.temperature > 0 else None
+                 for j in range(self.n)]
+        body = {"input_ids": [self.prompts[gi].ids] * self.n, "return_logprob": True,
+                "rid": [f"{self.rid(gi)}{j}" for j in range(self.n)],
+                "sampling_params": [self.params.to_sglang(s) for s in seeds]}
+        while True:
+            url = self._pick()
+            if url is None:
+                if not self.engines.fault_tolerant:
+                    raise EngineFailure("no rollout engine is serving")
+                await asyncio.sleep(0.2)  # the health monitor is restarting them; the rollout deadline bounds this
+                continue
+            self.outstanding[url] += self.n
+            self.inflight[gi] = url
             try:
-                body = {"input_ids": [prompts[gi]] * n, "return_logprob": True,
-                        "sampling_params": [params.to_sglang(s) for s in seeds[gi]]}
                 r = await client.post(url + "/generate", json=body)
-                if r.status_code >= 400:
-                    raise RuntimeError(f"{url}/generate → HTTP {r.status_code}: {r.text[:300]}")
-                return r.json()
+            except httpx.TransportError as e:
+                if not self.engines.fault_tolerant:
+                    raise EngineFailure(f"engine {url} failed during /generate ({type(e).__name__}: {e}); "
+                                        "--use-fault-tolerance restarts dead engines and resends their requests") from e
+                self.engines.report_failure(url)
+                self.retries += 1
+                continue
             finally:
-                outstanding[url] -= n
+                self.outstanding[url] -= self.n
+                self.inflight.pop(gi, None)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{url}/generate → HTTP {r.status_code}: {r.text[:300]}")
+            out = r.json()
+            return out if isinstance(out, list) else [out]
 
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        tasks = [one(client, gi) for gi in range(len(prompts))]
-        try:
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
-        except asyncio.TimeoutError:
-            raise RolloutTimeout(f"rollout did not finish within {timeout_s:.0f}s (--rollout-timeout) on "
-                                 f"engines {urls}") from None
-
-
-def generate_rollout(rows: list[PromptRow], *, rollout_id: int, prompt_ids: list[list[int]], urls: list[str],
-                     n: int, params: SamplingParams, reward_model: RewardModel, seed: int,
-                     concurrency: int = 64, timeout_s: float = 600.0) -> list[list[Sample]]:
-    """Generate and score `len(rows)` groups of n samples; groups come back in prompt order."""
-    seeds = [[sample_seed(seed, rollout_id, gi * n + j) if params.temperature > 0 else None for j in range(n)]
-             for gi in range(len(rows))]
-    outs = asyncio.run(_generate_groups(urls, prompt_ids, n, params, seeds, concurrency, timeout_s))
-    groups = []
-    for gi, (row, pids, out) in enumerate(zip(rows, prompt_ids, outs)):
-        group = []
-        for j, o in enumerate(out if isinstance(out, list) else [out]):
-            meta = o["meta_info"]
+    def _samples(self, gi: int, outs: list[dict]) -> list[Sample]:
+        p, group = self.prompts[gi], []
+        for j, o in enumerate(outs):
+            meta = o.get("meta_info", {})
             triples = meta.get("output_token_logprobs") or []
-            resp_ids = [int(t[1]) for t in triples] if triples else list(o.get("output_ids", []))
+            resp = [int(t[1]) for t in triples] if triples else [int(t) for t in o.get("output_ids", [])]
+            fr = meta.get("finish_reason") or {}
             group.append(Sample(
-                index=gi * n + j, group_index=gi, rollout_id=rollout_id, prompt=row.prompt,
-                tokens=list(pids) + resp_ids, response_length=len(resp_ids), response=o.get("text", ""),
-                label=row.label, loss_mask=[1] * len(resp_ids),
-                rollout_log_probs=[float(t[0]) for t in triples],
-                status=_STATUS.get(meta["finish_reason"]["type"], Status.FAILED) if meta.get("finish_reason")
-                else Status.FAILED,
-                metadata={**row.metadata, "row": row.row, "finish_reason": meta.get("finish_reason"),
-                          "weight_version": meta.get("weight_version")}))
-        reward_model.score_group(group)
-        groups.append(group)
-    return groups
+                index=gi * self.n + j, group_index=gi, rollout_id=self.rollout_id, prompt=p.row.prompt,
+                tokens=list(p.ids) + resp, response_length=len(resp), response=o.get("text", ""),
+                label=p.row.label, loss_mask=[1] * len(resp), rollout_log_probs=[float(t[0]) for t in triples],
+                status=_STATUS.get(fr.get("type"), Status.FAILED),
+                metadata={**p.row.metadata, "row": p.row.row, "draw_index": self.first_draw + gi,
+                          "finish_reason": fr, "weight_version": meta.get("weight_version")}))
+        return group
+
+    async def _one(self, client: httpx.AsyncClient, gi: int) -> None:
+        async with self.sem:
+            if gi >= self.cutoff:
+                return
+            outs = await self._post(client, gi)
+            if gi >= self.cutoff:  # the round was cut while this group ran
+                return
+            group = self._samples(gi, outs)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.reward_model.score_group, group)
+            keep = True if self.keep is None else await loop.run_in_executor(None, self.keep, group)
+            self.done[gi], self.kept[gi] = group, bool(keep)
+            await self._maybe_cut()
+
+    async def _maybe_cut(self) -> None:
+        """Cut the round after the shortest all-finished prefix that holds `needed` kept groups."""
+        count = 0
+        for gi in range(self.cutoff):
+            if self.done[gi] is None:
+                return
+            count += self.kept[gi]
+            if count >= self.needed:
+                break
+        else:
+            return
+        cut, self.cutoff = gi + 1, gi + 1
+        late = [g for g in range(cut, len(self.prompts)) if not self.tasks[g].done()]
+        for g in late:
+            if g in self.inflight:  # tell its engine: SGLang (and the built-in engine) match rids by prefix
+                await self._abort(self.inflight[g], self.rid(g))
+            self.tasks[g].cancel()
+
+    async def _abort(self, url: str, rid: str) -> None:
+        try:
+            async with httpx.AsyncClient(timeout=10) as c:
+                await c.post(url + "/abort_request", json={"rid": rid})
+        except httpx.HTTPError:
+            pass  # the engine is gone: nothing left to abort there
+
+    async def run(self, timeout_s: float) -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+            self.tasks = [asyncio.create_task(self._one(client, gi)) for gi in range(len(self.prompts))]
+            pending = set(self.tasks)
+            deadline = time.monotonic() + timeout_s
+            try:
+                while pending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RolloutTimeout(f"rollout {self.rollout_id} did not finish within its deadline "
+                                             f"(--rollout-timeout) on engines {self.engines.serving()}")
+                    done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_EXCEPTION)
+                    for t in done:
+                        if not t.cancelled() and t.exception() is not None:
+                            raise t.exception()
+            finally:
+                left_over = dict(self.inflight)  # requests still on an engine (error or deadline)
+                for t in self.tasks:
+                    t.cancel()
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+                for gi, url in left_over.items():
+                    await self._abort(url, self.rid(gi))
 
 
-def rollout_metrics(groups: list[list[Sample]], seconds: float, max_response_len: int) -> dict[str, float]:
-    samples = [s for g in groups for s in g]
+def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, batch_size: int, n: int,
+                     params: SamplingParams, reward_model: RewardModel, seed: int, engines: EnginePool,
+                     round_size: int | None = None, keep: Callable[[list[Sample]], bool] | None = None,
+                     concurrency: int = 64, timeout_s: float = 600.0, max_prompts: int | None = None) -> RolloutResult:
+    """`batch_size` kept groups of n samples, in draw order. `draw(k)` returns the next k prompts of the data."""
+    round_size = round_size or batch_size
+    nonce = uuid.uuid4().hex[:6]  # rids of a redone rollout never collide with a previous attempt's
+    deadline = time.monotonic() + timeout_s
+    kept: list[list[Sample]] = []
+    stats = {"drawn": 0, "filtered": 0, "aborted": 0, "rounds": 0, "retried_requests": 0}
+    while len(kept) < batch_size:
+        if max_prompts is not None and stats["drawn"] >= max_prompts:
+            raise DiagnosisError(Diagnosis(
+                code="DATA", severity="error",
+                what=f"rollout {rollout_id}: the dynamic filter kept {len(kept)} of {batch_size} groups after "
+                     f"drawing {stats['drawn']} prompts (the whole dataset)",
+                fix="relax --dynamic-sampling-filter-path, or lower --rollout-batch-size",
+                facts={"kept": len(kept), "drawn": stats["drawn"]}))
+        prompts = draw(round_size)
+        rnd = _Round(prompts, first_draw=stats["drawn"], needed=batch_size - len(kept), rollout_id=rollout_id,
+                     nonce=nonce, n=n, params=params, seed=seed, engines=engines, reward_model=reward_model,
+                     keep=keep, concurrency=concurrency)
+        asyncio.run(rnd.run(deadline - time.monotonic()))
+        finished = [g for g in range(rnd.cutoff) if rnd.done[g] is not None]
+        kept += [rnd.done[g] for g in finished if rnd.kept[g]]
+        stats["drawn"] += len(prompts)
+        stats["filtered"] += sum(not rnd.kept[g] for g in finished)
+        stats["aborted"] += len(prompts) - rnd.cutoff
+        stats["rounds"] += 1
+        stats["retried_requests"] += rnd.retries
+    for gi, group in enumerate(kept):  # positions in the returned rollout
+        for j, s in enumerate(group):
+            s.group_index, s.index = gi, gi * n + j
+    samples = [s for g in kept for s in g]
+    if samples and all(s.status in (Status.FAILED, Status.ABORTED) for s in samples):
+        reasons = sorted({str(s.metadata.get("failure") or s.metadata.get("finish_reason")) for s in samples})
+        raise NothingToTrain(f"rollout {rollout_id}: all {len(samples)} samples failed or were aborted, nothing to "
+                             f"train on; reasons: {reasons[:3]}")
+    return RolloutResult(kept, {k: float(v) for k, v in stats.items()})
+
+
+def rollout_metrics(result: RolloutResult, seconds: float) -> dict[str, float]:
+    samples = [s for g in result.groups for s in g]
     rewards = [s.scalar_reward for s in samples]
     lens = [s.response_length for s in samples]
     n = max(len(samples), 1)
@@ -123,15 +303,13 @@ def rollout_metrics(groups: list[list[Sample]], seconds: float, max_response_len
         "rollout/failed_share": sum(s.status in (Status.FAILED, Status.ABORTED) for s in samples) / n,
         "rollout/seconds": seconds,
         "rollout/tokens_per_s": sum(lens) / max(seconds, 1e-9),
+        "rollout/groups_drawn": result.stats["drawn"],
+        "rollout/groups_filtered": result.stats["filtered"],
+        "rollout/groups_aborted": result.stats["aborted"],
+        "rollout/retried_requests": result.stats["retried_requests"],
     }
     keys = {k for s in samples if isinstance(s.reward, dict) for k in s.reward}
     for k in sorted(keys):
         vals = [float(s.reward[k]) for s in samples if isinstance(s.reward, dict) and k in s.reward]
         out[f"rollout/reward_{k}_mean"] = sum(vals) / max(len(vals), 1)
     return out
-
-
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

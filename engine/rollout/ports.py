@@ -1,11 +1,28 @@
-"""One port allocator for every server, router and NCCL port on a host (RF08): never guessed, checked free."""
+"""One port allocator for every server, router and NCCL port of a run (RF08): never guessed, checked free.
+
+`PortRegistry` remembers every port it handed out, per node; the cluster runs exactly one of it (a detached named
+Ray actor, shared by every run on the cluster), so two engines on one host can never be given the same port. It
+hands ports out in order and wraps around only after 30000 of them; the caller checks each port free *on its own
+node* before use (`allocate_ports`), so a port some other process holds is skipped.
+
+When a port is taken anyway (a race with another program, or a port the user chose), `port_in_use` names the
+process that holds it, read from /proc (Linux; the owner is found for processes of the same user).
+"""
 from __future__ import annotations
 
+import os
 import socket
 import threading
+from pathlib import Path
+from typing import Callable
+
+from engine.doctor.diagnosis import Diagnosis
+
+PORT_RANGE = (30000, 60000)
 
 
-def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
+def is_port_free(port: int, host: str = "0.0.0.0") -> bool:
+    """True when `port` can be bound on `host` (0.0.0.0 — the strictest check — by default)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
@@ -14,33 +31,93 @@ def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-class PortAllocator:
-    """Hands out distinct free ports from [start, end) on one host; a port is never handed out twice."""
+class PortRegistry:
+    """Hands out distinct ports per node from [start, end); a port is never handed out twice in a run."""
 
-    def __init__(self, host: str = "127.0.0.1", start: int = 30000, end: int = 60000):
-        self.host, self.next, self.end = host, start, end
-        self.taken: set[int] = set()
+    def __init__(self, start: int = PORT_RANGE[0], end: int = PORT_RANGE[1]):
+        self.start, self.end = start, end
+        self.next: dict[str, int] = {}
+        self.handed: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 
-    def allocate(self) -> int:
+    def reserve(self, node: str, k: int) -> list[int]:
+        """k ports never handed out before on `node` (after the range is used up it wraps around: the caller's
+        free check still keeps a port in use from being given again)."""
         with self._lock:
-            while self.next < self.end:
-                port, self.next = self.next, self.next + 1
-                if port not in self.taken and is_port_free(port, self.host):
-                    self.taken.add(port)
-                    return port
-        raise RuntimeError(f"no free port in [{self.next}, {self.end}) on {self.host}")
+            first = self.next.get(node, self.start)
+            if first + k > self.end:
+                first = self.start
+            ports = list(range(first, first + k))
+            self.next[node] = first + k
+            self.handed.setdefault(node, []).extend(ports)
+            return ports
+
+    def handed_out(self) -> dict[str, list[int]]:
+        with self._lock:
+            return {n: list(p) for n, p in self.handed.items()}
+
+
+def allocate_ports(reserve: Callable[[str, int], list[int]], node: str, k: int, *, host: str = "0.0.0.0",
+                   max_tries: int = 1000) -> list[int]:
+    """k ports from the registry that are free on this node right now (call it on the node that binds them)."""
+    out: list[int] = []
+    for _ in range(max_tries):
+        out += [p for p in reserve(node, k - len(out)) if is_port_free(p, host)]
+        if len(out) == k:
+            return out
+    raise RuntimeError(f"[RF08] found only {len(out)} of {k} free ports on {node} after {max_tries} tries")
+
+
+# ---- who holds a port (Linux /proc) ----------------------------------------------------------------------------
+def socket_inodes(proc_net_tcp: str, port: int) -> set[str]:
+    """Inodes of the sockets bound to local `port` in a /proc/net/tcp{,6} table (any local address)."""
+    out = set()
+    for line in proc_net_tcp.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) < 10:
+            continue
+        local, inode = cols[1], cols[9]
+        if int(local.rsplit(":", 1)[1], 16) == port and inode != "0":
+            out.add(inode)
+    return out
+
+
+def port_holder_pid(port: int, proc: Path = Path("/proc")) -> tuple[int, str] | None:
+    """(pid, command line) of a process holding a socket on `port`, or None when it cannot be found."""
+    inodes: set[str] = set()
+    for table in ("net/tcp", "net/tcp6"):
+        try:
+            inodes |= socket_inodes((proc / table).read_text(), port)
+        except OSError:
+            continue
+    if not inodes:
+        return None
+    targets = {f"socket:[{i}]" for i in inodes}
+    for pid_dir in proc.iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            for fd in (pid_dir / "fd").iterdir():
+                if os.readlink(fd) in targets:
+                    cmd = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return int(pid_dir.name), cmd
+        except OSError:  # other users' processes, or gone meanwhile
+            continue
+    return None
 
 
 def port_holder(port: int) -> str | None:
-    """'pid 123 (python …)' of the process listening on `port`, when the OS lets us see it."""
-    try:
-        import psutil
+    """'pid 123 (python …)' of the process holding `port`, when it can be seen (the doctor's RF08 check)."""
+    holder = port_holder_pid(port)
+    return f"pid {holder[0]} ({holder[1][:120]})" if holder else None
 
-        for c in psutil.net_connections(kind="inet"):
-            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
-                p = psutil.Process(c.pid)
-                return f"pid {c.pid} ({' '.join(p.cmdline()[:4])[:120]})"
-    except Exception:  # no permission or no psutil: the port number alone is still reported
-        return None
-    return None
+
+def port_in_use(port: int, host: str, what: str) -> Diagnosis:
+    """RF08: `port` on `host` is taken; name the holder when /proc tells it."""
+    holder = port_holder_pid(port)
+    held = f"held by pid {holder[0]} ({holder[1][:160]})" if holder else "held by a process this user cannot see"
+    return Diagnosis(code="RF08", severity="error", what=f"{what}: port {port} on {host} is already in use, {held}",
+                     fix="let rollflow pick the ports (its allocator checks them free), stop the process holding "
+                         f"port {port}, or run fewer engines per node (larger --rollout-num-gpus-per-engine)",
+                     facts={"port": port, "host": host, "holder_pid": holder[0] if holder else None,
+                            "holder_cmd": holder[1] if holder else None})

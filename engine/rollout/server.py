@@ -1,27 +1,29 @@
-"""The built-in rollout engine: SGLang's HTTP API over `Generator`.
+"""The built-in rollout engine: SGLang's HTTP API (engine/rollout/protocol.py) over `Generator`.
 
-Requests that arrive within `batch_window_s` of each other are generated as one batch (one forward per token
-for all of them), not one at a time. Endpoints and fields follow SGLang's server (`/generate` with `text` or
-`input_ids`, single or batched, `sampling_params`, `return_logprob`; `meta_info.output_token_logprobs` as
-`[logprob, token_id, None]` triples, `finish_reason`, `prompt_tokens`, `completion_tokens`).
+Requests that arrive together (a burst: no gap over 10 ms, at most 50 ms) are generated as one batch (one forward
+per token for all of them), not one at a time. With `deterministic` (SGLang's `--enable-deterministic-inference`,
+which the launcher passes through) every HTTP request is generated as its own batch, so a request's tokens depend
+only on the request and the weights, never on what else arrived at the same time (see generation.py for why).
+
+Run it standalone with SGLang's launcher flags, so the SGLang launcher can start it as its process:
+    python -m engine.rollout.server --model-path DIR --host 127.0.0.1 --port 30000 [--tp-size 1] [...]
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-from contextlib import asynccontextmanager
 import os
 import threading
 import time
-import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine.rollout.generation import GenRequest, GenResult, Generator
+from engine.rollout.protocol import ProtocolError, to_requests, to_response
 
 
 @dataclass
@@ -31,41 +33,59 @@ class _Pending:
 
 
 class BatchingScheduler:
-    """Collects requests for a short window, then runs them as one batch on a single generation thread."""
+    """Collects a burst of requests, then runs them as one batch on a single generation thread.
 
-    def __init__(self, generator: Generator, window_s: float = 0.01, max_batch: int = 256):
-        self.generator, self.window_s, self.max_batch = generator, window_s, max_batch
+    A batch closes when no request arrived for `gap_s`, or `window_s` after its first request, or at `max_batch`
+    rows: a burst of concurrent requests (a rollout's groups) lands in one batch even when the client's sends
+    spread over tens of milliseconds on a busy machine, while a lone request waits only `gap_s`.
+    """
+
+    def __init__(self, generator: Generator, window_s: float = 0.05, max_batch: int = 256,
+                 isolate: bool = False, gap_s: float = 0.01):
+        self.generator, self.window_s, self.max_batch, self.isolate = generator, window_s, max_batch, isolate
+        self.gap_s = min(gap_s, window_s)
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self.batches = 0  # batches run (exposed for tests and the benchmark)
-        self.batch_sizes: list[int] = []
+        self.batch_sizes: list[int] = []  # rows per batch run (exposed for tests and the benchmark)
         self._task: asyncio.Task | None = None
+
+    @property
+    def batches(self) -> int:
+        return len(self.batch_sizes)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def submit(self, reqs: list[GenRequest]) -> list[GenResult]:
-        fut = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Pending(reqs, fut))
-        return await fut
+        rids = [r.rid for r in reqs]
+        self.generator.aborts.add(rids)
+        try:
+            fut = asyncio.get_running_loop().create_future()
+            await self.queue.put(_Pending(reqs, fut))
+            return await fut
+        finally:
+            self.generator.aborts.done(rids)
+
+    async def _collect(self, first: _Pending) -> list[_Pending]:
+        loop = asyncio.get_running_loop()
+        group, n = [first], len(first.reqs)
+        close = loop.time() + self.window_s
+        while not self.isolate and n < self.max_batch:
+            timeout = min(close - loop.time(), self.gap_s)
+            if timeout <= 0:
+                break
+            try:
+                nxt = await asyncio.wait_for(self.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                break  # a gap: the burst is over
+            group.append(nxt)
+            n += len(nxt.reqs)
+        return group
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            first = await self.queue.get()
-            group, n = [first], len(first.reqs)
-            deadline = loop.time() + self.window_s
-            while n < self.max_batch:
-                timeout = deadline - loop.time()
-                if timeout <= 0:
-                    break
-                try:
-                    nxt = await asyncio.wait_for(self.queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    break
-                group.append(nxt)
-                n += len(nxt.reqs)
+            group = await self._collect(await self.queue.get())
             flat = [r for p in group for r in p.reqs]
-            self.batches += 1
             self.batch_sizes.append(len(flat))
             try:
                 results = await loop.run_in_executor(None, self.generator.generate, flat)
@@ -80,53 +100,12 @@ class BatchingScheduler:
                     p.future.set_result(list(itertools.islice(it, len(p.reqs))))
 
 
-def _to_requests(body: dict[str, Any], tokenizer, default_max_new: int) -> tuple[list[GenRequest], bool]:
-    """SGLang GenerateReqInput → GenRequests; returns (requests, batched)."""
-    if body.get("input_ids") is not None:
-        ids = body["input_ids"]
-        batched = bool(ids) and isinstance(ids[0], list)
-        inputs = ids if batched else [ids]
-    elif body.get("text") is not None:
-        text = body["text"]
-        batched = isinstance(text, list)
-        inputs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (text if batched else [text])]
-    else:
-        raise ValueError("either `text` or `input_ids` is required")
-    sp = body.get("sampling_params") or {}
-    sps = sp if isinstance(sp, list) else [sp] * len(inputs)
-    rids = body.get("rid")
-    rids = [None] * len(inputs) if rids is None else rids if isinstance(rids, list) else [rids]
-    if len(sps) != len(inputs) or len(rids) != len(inputs):
-        raise ValueError("sampling_params / rid lists must match the number of inputs")
-    reqs = []
-    for x, p, rid in zip(inputs, sps, rids):
-        stop = p.get("stop") or []
-        reqs.append(GenRequest(
-            rid=rid or uuid.uuid4().hex, input_ids=[int(t) for t in x],
-            max_new_tokens=int(p.get("max_new_tokens") or default_max_new),
-            temperature=float(p.get("temperature", 1.0)), top_p=float(p.get("top_p", 1.0)),
-            top_k=int(p.get("top_k", -1)), stop=[stop] if isinstance(stop, str) else list(stop),
-            stop_token_ids=[int(t) for t in (p.get("stop_token_ids") or [])],
-            ignore_eos=bool(p.get("ignore_eos", False)), no_stop_trim=bool(p.get("no_stop_trim", False)),
-            skip_special_tokens=bool(p.get("skip_special_tokens", True)),
-            seed=p.get("sampling_seed")))
-    return reqs, batched
-
-
-def _to_response(res: GenResult, return_logprob: bool, weight_version: int) -> dict[str, Any]:
-    meta: dict[str, Any] = {"id": res.rid, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
-                            "completion_tokens": len(res.output_ids), "cached_tokens": 0,
-                            "weight_version": str(weight_version)}
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)]
-    return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
-
-
 class EngineState:
     """The served model and its version; shared by the HTTP handlers."""
 
     def __init__(self, model_path: str, *, device: str = "cpu", threads: int | None = None,
-                 max_new_tokens: int = 128, batch_window_s: float = 0.01, max_batch: int = 256):
+                 max_new_tokens: int = 128, batch_window_s: float = 0.05, max_batch: int = 256,
+                 deterministic: bool = False, batch_gap_s: float = 0.01):
         import torch
 
         from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
@@ -137,105 +116,190 @@ class EngineState:
         self.tokenizer = load_tokenizer(model_path)
         model = load_causal_lm(model_path, device=device).eval()
         self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device)
-        self.weight_version = 0
+        self.weight_version = "default"  # SGLang's initial weight_version
         self.released = False
-        self.batch_window_s, self.max_batch = batch_window_s, max_batch
+        self.batch_window_s, self.max_batch, self.deterministic = batch_window_s, max_batch, deterministic
+        self.batch_gap_s = batch_gap_s
         self.scheduler: BatchingScheduler | None = None
 
-    def update_weights_from_disk(self, path: str, version: int | None) -> None:
-        from engine.weights import load_weights_dir
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def update_from_disk(self, path: str, version: str | None) -> int:
+        from engine.weights import check_and_copy, load_weights_dir
 
         state = load_weights_dir(path)
         with self.generator.lock:
-            missing, unexpected = self.generator.model.load_state_dict(state, strict=False)
-            real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
-            if real_missing or unexpected:
-                raise ValueError(f"weights in {path} do not match the served model: missing {real_missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
-            self.weight_version = version if version is not None else self.weight_version + 1
+            n = check_and_copy(self.generator.model, state, full=True)
             self.model_path = path
+            if version is not None:
+                self.weight_version = version
+        return n
+
+    def update_from_tensors(self, blobs: list[str | bytes], version: str | None) -> int:
+        from engine.weights import check_and_copy, decode_tensors
+
+        if len(blobs) != 1:
+            raise ValueError(f"serialized_named_tensors has {len(blobs)} entries; the built-in engine has one "
+                             "tensor-parallel rank, so send exactly one")
+        named = decode_tensors(blobs[0])
+        with self.generator.lock:
+            n = check_and_copy(self.generator.model, named, full=False)
+            if version is not None:
+                self.weight_version = version
+        return n
+
+    def update_from_named(self, named: dict, version: str | None) -> int:
+        """A full state dict (tensors or numpy arrays, e.g. from Ray's object store) — the in-cluster path."""
+        from engine.weights import check_and_copy
+
+        with self.generator.lock:
+            n = check_and_copy(self.generator.model, named, full=True)
+            if version is not None:
+                self.weight_version = version
+        return n
+
+    def set_released(self, released: bool) -> None:
+        """On a GPU the weights leave the device while released (colocated training needs the memory)."""
+        with self.generator.lock:
+            if self.device != "cpu":
+                self.generator.model.to("cpu" if released else self.device)
+            self.released = released
+
+
+def _err(status: int, msg: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": msg}, "success": False, "message": msg}, status_code=status)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    return await request.json() if await request.body() else {}
 
 
 def create_app(state: EngineState):
     @asynccontextmanager
     async def lifespan(_app):
-        state.scheduler = BatchingScheduler(state.generator, state.batch_window_s, state.max_batch)
+        state.scheduler = BatchingScheduler(state.generator, state.batch_window_s, state.max_batch,
+                                            isolate=state.deterministic, gap_s=state.batch_gap_s)
         state.scheduler.start()
         yield
 
     app = FastAPI(title="rollflow built-in engine", lifespan=lifespan)
 
-    def err(status: int, msg: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": msg}, "success": False, "message": msg}, status_code=status)
+    def info() -> dict[str, Any]:
+        return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
+                "weight_version": state.weight_version, "engine": "rollflow-builtin"}
 
     @app.get("/health")
     async def health():
-        return JSONResponse({}) if not state.released else err(503, "memory released")
+        return JSONResponse({}) if not state.released else _err(503, "memory released")
 
     @app.get("/health_generate")
     async def health_generate():
         if state.released:
-            return err(503, "memory released")
-        ids = state.tokenizer("1", add_special_tokens=False)["input_ids"]
-        await state.scheduler.submit([GenRequest(rid=uuid.uuid4().hex, input_ids=ids, max_new_tokens=1,
-                                                 temperature=0.0)])
+            return _err(503, "memory released")
+        req = GenRequest(rid=f"HEALTH_CHECK_{time.monotonic_ns()}", input_ids=state.tokenize("1"),
+                         max_new_tokens=1, temperature=0.0)
+        await state.scheduler.submit([req])
         return JSONResponse({})
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info():
-        return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
-                "weight_version": str(state.weight_version), "engine": "rollflow-builtin",
-                "batches": state.scheduler.batches if state.scheduler else 0}
+        return info()
+
+    @app.get("/weight_version")
+    @app.get("/get_weight_version")
+    async def weight_version():
+        return {"weight_version": state.weight_version}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
-        return {"engine": "rollflow-builtin", "device": state.device, "weight_version": str(state.weight_version),
-                "pid": os.getpid(), "batch_sizes": state.scheduler.batch_sizes[-100:] if state.scheduler else []}
+        sched = state.scheduler
+        return {**info(), "device": state.device, "pid": os.getpid(), "deterministic": state.deterministic,
+                "batch_window_s": state.batch_window_s, "batch_sizes": sched.batch_sizes[-100:] if sched else []}
 
     @app.post("/generate")
     async def generate(request: Request):
         if state.released:
-            return err(503, "memory released: call /resume_memory_occupation first")
-        body = await request.json()
+            return _err(503, "memory released: call /resume_memory_occupation first")
+        t0 = time.perf_counter()
+        body = await _body(request)
         try:
-            reqs, batched = _to_requests(body, state.tokenizer, state.default_max_new)
-        except (ValueError, TypeError, KeyError) as e:
-            return err(400, str(e))
-        results = await state.scheduler.submit(reqs)
-        out = [_to_response(r, bool(body.get("return_logprob")), state.weight_version) for r in results]
+            reqs, batched = to_requests(body, state.tokenize, state.default_max_new)
+        except (ProtocolError, TypeError, ValueError) as e:
+            return _err(400, f"{type(e).__name__}: {e}")
+        try:
+            results = await state.scheduler.submit(reqs)
+        except Exception as e:
+            return _err(500, f"generation failed: {type(e).__name__}: {e}")
+        want = body.get("return_logprob")
+        wants = want if isinstance(want, list) else [bool(want)] * len(results)
+        dt = time.perf_counter() - t0
+        out = [to_response(r, bool(w), state.weight_version, dt) for r, w in zip(results, wants)]
         return out if batched else out[0]
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await request.json() if await request.body() else {}
-        state.generator.abort(body.get("rid") or None)
-        return {"success": True}
+        body = await _body(request)
+        n = state.generator.aborts.abort(None if body.get("abort_all") else (body.get("rid") or None))
+        return {"success": True, "aborted": n}
 
     @app.post("/flush_cache")
+    @app.get("/flush_cache")
     async def flush_cache():
-        return {"success": True, "message": "no prefix cache in the built-in engine"}
+        return {"success": True, "message": "Cache flushed (the built-in engine keeps no prefix cache)"}
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body = await request.json()
+    async def _update(fn, body: dict[str, Any], *args) -> JSONResponse | dict:
+        if body.get("abort_all_requests"):
+            state.generator.aborts.abort(None)
         version = body.get("weight_version")
         t0 = time.perf_counter()
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, state.update_weights_from_disk, body["model_path"], int(version) if version else None)
+            n = await asyncio.get_running_loop().run_in_executor(
+                None, fn, *args, None if version is None else str(version))
         except Exception as e:
-            return err(400, f"{type(e).__name__}: {e}")
-        return {"success": True, "message": f"loaded {body['model_path']} in {time.perf_counter() - t0:.3f}s",
-                "weight_version": str(state.weight_version)}
+            return _err(400, f"{type(e).__name__}: {e}")
+        return {"success": True, "message": f"loaded {n / 2**20:.2f} MB in {time.perf_counter() - t0:.3f}s",
+                "num_paused_requests": 0, "weight_version": state.weight_version}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _body(request)
+        if not body.get("model_path"):
+            return _err(400, "`model_path` is required")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return _err(400, f"load_format {body['load_format']!r}: the built-in engine reads safetensors only")
+        return await _update(state.update_from_disk, body, body["model_path"])
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        """SGLang's JSON body (base64 safetensors entries), or one raw safetensors blob with the options in the
+        query string (`application/octet-stream`: no base64, no JSON; what rollflow's sync sends)."""
+        from engine.weights import TENSOR_LOAD_FORMAT
+
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            q = request.query_params
+            body = {"load_format": q.get("load_format", TENSOR_LOAD_FORMAT), "weight_version": q.get("weight_version"),
+                    "abort_all_requests": q.get("abort_all_requests") == "true"}
+            blobs: list = [await request.body()]
+        else:
+            body = await _body(request)
+            blobs = list(body.get("serialized_named_tensors") or [])
+        if body.get("load_format") != TENSOR_LOAD_FORMAT:
+            return _err(400, f"load_format {body.get('load_format')!r}: the built-in engine takes "
+                             f"load_format={TENSOR_LOAD_FORMAT!r} (safetensors blobs); SGLang's default format is "
+                             "pickled CUDA IPC handles, usable only on the same host")
+        return await _update(state.update_from_tensors, body, blobs)
 
     @app.post("/release_memory_occupation")
     async def release():
-        state.released = True
+        await asyncio.get_running_loop().run_in_executor(None, state.set_released, True)
         return {"success": True}
 
     @app.post("/resume_memory_occupation")
     async def resume():
-        state.released = False
+        await asyncio.get_running_loop().run_in_executor(None, state.set_released, False)
         return {"success": True}
 
     return app
@@ -247,6 +311,7 @@ class ServerThread:
     def __init__(self, state: EngineState, host: str, port: int):
         import uvicorn
 
+        self.host, self.port = host, port
         self.config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
                                      access_log=False)
         self.server = uvicorn.Server(self.config)
@@ -254,6 +319,11 @@ class ServerThread:
         self.url = f"http://{host}:{port}"
 
     def start(self, timeout_s: float = 60.0) -> str:
+        from engine.doctor.diagnosis import DiagnosisError
+        from engine.rollout.ports import is_port_free, port_in_use
+
+        if not is_port_free(self.port, self.host):
+            raise DiagnosisError(port_in_use(self.port, self.host, "built-in engine"))
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
@@ -269,10 +339,53 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
-def serve(model_path: str, host: str, port: int, *, threads: int | None = None, max_new_tokens: int = 128) -> None:
-    """`rollflow serve`: run the built-in engine in the foreground."""
+def main(argv: list[str] | None = None) -> int:
+    """`rollflow serve` / `python -m engine.rollout.server`: the built-in engine in the foreground.
+
+    Takes SGLang's `launch_server` flags (`--model-path`, `--host`, `--port`, `--tp-size`, …) so the SGLang
+    launcher can run it; flags it has no use for are listed on stderr, not silently dropped.
+    """
+    import argparse
+    import sys
+
     import uvicorn
 
-    state = EngineState(model_path, threads=threads, max_new_tokens=max_new_tokens)
-    print(f"rollflow built-in engine serving {Path(model_path).resolve()} on http://{host}:{port}", flush=True)
-    uvicorn.run(create_app(state), host=host, port=port, log_level="warning")
+    from engine.config.data import BUNDLED_MODEL
+    from engine.doctor.diagnosis import DiagnosisError
+    from engine.rollout.ports import is_port_free, port_in_use
+
+    p = argparse.ArgumentParser(prog="rollflow serve", description="The built-in engine: SGLang's HTTP API over a "
+                                "transformers model (CPU or GPU). Accepts SGLang's launch_server flags.")
+    p.add_argument("--model-path", "--hf-checkpoint", dest="model_path", default=BUNDLED_MODEL,
+                   help="model directory (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel size (the built-in engine: 1)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default max_new_tokens (SGLang's: 128)")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="generate every request as its own batch (batch-invariant results)")
+    a, unknown = p.parse_known_args(argv)
+    if a.tp_size != 1:
+        print(f"rollflow serve: --tp-size {a.tp_size} is not supported by the built-in engine (1 only)",
+              file=sys.stderr)
+        return 2
+    if unknown:
+        print(f"rollflow serve: SGLang flags with no effect on the built-in engine: {' '.join(unknown)}",
+              file=sys.stderr, flush=True)
+    if not is_port_free(a.port, a.host):
+        print(DiagnosisError(port_in_use(a.port, a.host, "rollflow serve")), file=sys.stderr)
+        return 1
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    state = EngineState(a.model_path, device=device, threads=a.threads, max_new_tokens=a.max_new_tokens,
+                        deterministic=a.enable_deterministic_inference)
+    print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device})", flush=True)
+    uvicorn.run(create_app(state), host=a.host, port=a.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -29,6 +29,12 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/failed_share", "min", "share of samples that failed (reward error, engine abort)"),
     MetricDoc("rollout/seconds", "min", "rollout stage wall time"),
     MetricDoc("rollout/tokens_per_s", "max", "generated tokens per second in the rollout stage"),
+    MetricDoc("rollout/groups_drawn", None, "prompts drawn for the rollout (> B when over-sampling with a dynamic "
+                                            "filter)"),
+    MetricDoc("rollout/groups_filtered", None, "groups the dynamic filter (`--dynamic-sampling-filter-path`) dropped"),
+    MetricDoc("rollout/groups_aborted", None, "groups cut off (aborted) once enough groups had passed the filter"),
+    MetricDoc("rollout/retried_requests", "min", "group requests resent after an engine failed "
+                                                 "(`--use-fault-tolerance`)"),
     MetricDoc("pack/seconds", "min", "pack stage wall time (advantages, DP schedule, micro-batches)"),
     MetricDoc("pack/micro_batches", None, "micro-batches in the rollout, all ranks"),
     MetricDoc("pack/micro_batches_per_rank", None, "micro-batches per DP rank"),

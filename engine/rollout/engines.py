@@ -1,0 +1,172 @@
+"""The run's rollout engines: one Ray actor per engine on its placement-group bundle, who is serving, restarts.
+
+An engine serves once its server answered `/health_generate` and — after a restart — once it has been given the
+current weights (`resync`). The rollout loop asks `serving()` for URLs and `report_failure(url)` when a request
+dies at the connection level; with `--use-fault-tolerance` the health monitor (engine/rollout/health.py) then
+restarts that engine on the same bundle. `lock` is held by a restart and by every weight sync, so an engine never
+joins halfway through a sync and never misses one.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engine.rollout.actor import EngineActor, EngineSpec
+from engine.rollout.client import EngineClient
+
+log = logging.getLogger("rollflow.rollout")
+
+
+@dataclass
+class Slot:
+    index: int
+    bundle: int
+    actor: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    serving: bool = False
+    restarts: int = 0
+
+    @property
+    def url(self) -> str | None:
+        return self.info.get("url")
+
+
+class EngineGroup:
+    def __init__(self, spec: EngineSpec, placement, registry, *, fault_tolerant: bool = False,
+                 runtime_env: dict | None = None):
+        self.spec, self.placement, self.registry = spec, placement, registry
+        self.fault_tolerant = fault_tolerant
+        self.runtime_env = runtime_env or {}
+        self.slots = [Slot(i, b) for i, b in enumerate(placement.layout.engine_bundles)]
+        self.lock = threading.RLock()
+        self.released = False  # colocated: memory handed to the trainer; health checks pause meanwhile
+        self.resync: Callable[[list[Slot]], None] | None = None  # gives these engines the current weights
+        self.failures = threading.Event()  # set by report_failure: wakes the health monitor
+        self.monitor = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def _new_actor(self, slot: Slot):
+        import ray
+
+        lay = self.placement.layout
+        cls = ray.remote(max_restarts=0, max_concurrency=4)(EngineActor)
+        env = dict(self.runtime_env.get("env_vars", {}))
+        if lay.gpus_per_engine:  # SGLang addresses GPUs base_gpu_id.. itself: Ray must not hide the others
+            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        return cls.options(num_cpus=0, num_gpus=lay.engine_gpu_fraction,
+                           scheduling_strategy=self.placement.strategy(slot.bundle),
+                           runtime_env={**self.runtime_env, "env_vars": env}).remote(self.spec, slot.index,
+                                                                                    self.registry)
+
+    def start(self) -> "EngineGroup":
+        """Start every engine in parallel; wait at most the start timeout (a failure names the engine)."""
+        import ray
+
+        for s in self.slots:
+            s.actor = self._new_actor(s)
+        refs = [s.actor.start.remote() for s in self.slots]
+        infos = ray.get(refs, timeout=self.spec.start_timeout_s + 30)
+        for s, info in zip(self.slots, infos):
+            s.info, s.serving = info, True
+        return self
+
+    def _kill(self, slot: Slot) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from engine.rollout.actor import kill_process_group
+
+        if slot.actor is None:
+            return
+        try:
+            ray.get(slot.actor.stop.remote(), timeout=15)
+        except Exception:  # the actor is dead or hung: a server it launched may still hold its GPUs
+            pgid = slot.info.get("child_pid")
+            if pgid:
+                on_node = NodeAffinitySchedulingStrategy(slot.info["node_id"], soft=False)
+                try:
+                    ray.get(ray.remote(num_cpus=0)(kill_process_group).options(
+                        scheduling_strategy=on_node).remote(pgid), timeout=30)
+                except Exception as e:
+                    log.error("could not kill engine %d's server process group %s: %s", slot.index, pgid, e)
+        ray.kill(slot.actor, no_restart=True)
+        slot.actor = None
+
+    def restart(self, slot: Slot) -> None:
+        """Replace the engine of `slot` on the same bundle; it serves again only with the current weights."""
+        import ray
+
+        with self.lock:
+            slot.serving = False
+            old = slot.url
+            self._kill(slot)
+            slot.actor = self._new_actor(slot)
+            slot.info = ray.get(slot.actor.start.remote(), timeout=self.spec.start_timeout_s + 30)
+            if self.resync is not None:
+                self.resync([slot])
+            slot.restarts += 1
+            slot.serving = True
+        log.warning("rollout engine %d restarted: %s → %s (restart %d)", slot.index, old, slot.url, slot.restarts)
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        for s in self.slots:
+            s.serving = False
+            self._kill(s)
+
+    # ---- what the rollout loop sees --------------------------------------------------------------------------
+    def serving(self) -> list[str]:
+        return [s.url for s in self.slots if s.serving and s.url]
+
+    def serving_slots(self) -> list[Slot]:
+        return [s for s in self.slots if s.serving and s.url]
+
+    @property
+    def urls(self) -> list[str]:
+        return self.serving()
+
+    def report_failure(self, url: str) -> None:
+        for s in self.slots:
+            if s.url == url and s.serving:
+                s.serving = False
+                log.warning("rollout engine %d at %s failed a request; taken out of service", s.index, url)
+        self.failures.set()
+
+    def healthy(self, slot: Slot, timeout_s: float) -> bool:
+        return slot.url is not None and EngineClient(slot.url).health_generate(timeout_s)
+
+    def wait_serving(self, count: int, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.serving()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.serving())} of {count} rollout engines serving after "
+                                   f"{timeout_s:.0f}s")
+            time.sleep(0.1)
+        return self.serving()
+
+    # ---- memory (colocated runs) -----------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        with self.lock:
+            for url in self.serving():
+                EngineClient(url).release_memory()
+            self.released = True
+
+    def resume_memory(self) -> None:
+        with self.lock:
+            for url in self.serving():
+                EngineClient(url).resume_memory()
+            self.released = False
+
+
+def engine_spec(cfg, *, threads: int | None, log_dir: str) -> EngineSpec:
+    """The RunConfig's engine settings (one place for the mapping)."""
+    return EngineSpec(kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, log_dir=log_dir,
+                      tp_size=cfg.rollout_num_gpus_per_engine if cfg.rollout_engine == "sglang" else 1,
+                      threads=threads, max_new_tokens=cfg.rollout_max_response_len,
+                      deterministic=bool(cfg.sglang_args.get("enable-deterministic-inference")),
+                      sglang_args=dict(cfg.sglang_args), python=cfg.rollout_engine_python, colocate=cfg.colocate,
+                      start_timeout_s=cfg.rollout_engine_start_timeout)

@@ -1,0 +1,120 @@
+"""SGLang's `/generate` protocol for the built-in engine: request JSON → GenRequests, GenResult → response JSON.
+
+Checked against SGLang's source (python/sglang/srt/managers/io_struct.py `GenerateReqInput`,
+sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
+- request: `text` or `input_ids` (one prompt or a list), `sampling_params` (one dict or one per prompt), `rid`
+  (str or list), `return_logprob`, `logprob_start_len` (-1 = output tokens only), `stream`;
+- sampling params: `max_new_tokens` (SGLang's default 128), `temperature`, `top_p`, `top_k`, `stop`,
+  `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `sampling_seed`; other SGLang params are
+  accepted at their neutral value and refused (HTTP 400, naming the param) otherwise — never silently ignored;
+- response: `text`, `output_ids`, `meta_info` with `id`, `finish_reason` ({"type": "stop", "matched": id | str},
+  {"type": "length", "length": n}, {"type": "abort", "message": …}), `prompt_tokens`, `completion_tokens`,
+  `cached_tokens`, `weight_version`, `e2e_latency`, and with `return_logprob` `output_token_logprobs` /
+  `input_token_logprobs` as `[logprob, token_id, None]` triples (SGLang puts the token text third only with
+  `return_text_in_logprobs`).
+A batched request (a list of inputs) gets a list of responses in the same order.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from engine.rollout.generation import GenRequest, GenResult
+
+SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+             "skip_special_tokens", "no_stop_trim", "sampling_seed", "spaces_between_special_tokens"}
+#: SGLang sampling params the built-in engine does not implement: accepted only at these neutral values.
+NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+           "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+           "stop_regex": None, "logit_bias": None, "custom_params": None, "stream_interval": None}
+
+
+class ProtocolError(ValueError):
+    """The request breaks the protocol (HTTP 400): the message names the field and the fix."""
+
+
+def _per_item(value: Any, n: int, name: str) -> list[Any]:
+    items = value if isinstance(value, list) else [value] * n
+    if len(items) != n:
+        raise ProtocolError(f"`{name}` has {len(items)} entries for {n} inputs")
+    return items
+
+
+def _sampling(p: dict[str, Any], default_max_new: int) -> dict[str, Any]:
+    if not isinstance(p, dict):
+        raise ProtocolError(f"`sampling_params` must be an object, got {type(p).__name__}")
+    for k, v in p.items():
+        if k in SUPPORTED:
+            continue
+        if k not in NEUTRAL:
+            raise ProtocolError(f"unknown sampling param {k!r}")
+        if v != NEUTRAL[k]:
+            raise ProtocolError(f"sampling param {k}={v!r} is not supported by the built-in engine "
+                                f"(only {NEUTRAL[k]!r}); use --rollout-engine sglang")
+    temperature = float(p.get("temperature", 1.0))
+    top_p, top_k = float(p.get("top_p", 1.0)), int(p.get("top_k", -1))
+    max_new = p.get("max_new_tokens")
+    max_new = default_max_new if max_new is None else int(max_new)
+    if temperature < 0 or not 0 < top_p <= 1 or (top_k == 0 or top_k < -1) or max_new < 0:
+        raise ProtocolError(f"bad sampling params: temperature={temperature} (≥ 0), top_p={top_p} (0, 1], "
+                            f"top_k={top_k} (-1 or ≥ 1), max_new_tokens={max_new} (≥ 0)")
+    stop = p.get("stop") or []
+    return dict(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
+                stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
+                stop_token_ids=[int(t) for t in (p.get("stop_token_ids") or [])],
+                ignore_eos=bool(p.get("ignore_eos", False)), no_stop_trim=bool(p.get("no_stop_trim", False)),
+                skip_special_tokens=bool(p.get("skip_special_tokens", True)),
+                seed=None if p.get("sampling_seed") is None else int(p["sampling_seed"]))
+
+
+def to_requests(body: dict[str, Any], tokenize, default_max_new: int) -> tuple[list[GenRequest], bool]:
+    """GenerateReqInput JSON → GenRequests; returns (requests, batched). `tokenize(text) -> ids`."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the body must be a JSON object")
+    if body.get("stream"):
+        raise ProtocolError("`stream` is not supported by the built-in engine; send stream=false")
+    if body.get("top_logprobs_num") or body.get("token_ids_logprob"):
+        raise ProtocolError("`top_logprobs_num` / `token_ids_logprob` are not supported by the built-in engine")
+    if body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        batched = bool(ids) and isinstance(ids[0], list)
+        inputs = ids if batched else [ids]
+    elif body.get("text") is not None:
+        text = body["text"]
+        batched = isinstance(text, list)
+        inputs = [tokenize(t) for t in (text if batched else [text])]
+    else:
+        raise ProtocolError("either `text` or `input_ids` is required")
+    if not inputs or any(len(x) == 0 for x in inputs):
+        raise ProtocolError("every input needs at least one token")
+    n = len(inputs)
+    sps = _per_item(body.get("sampling_params") or {}, n, "sampling_params")
+    rid = body.get("rid")
+    rids = rid if isinstance(rid, list) else [rid] * n if not batched or rid is None else \
+        [f"{rid}_{i}" for i in range(n)]
+    rids = _per_item(rids, n, "rid")
+    rids = [r or uuid.uuid4().hex for r in rids]
+    if len(set(rids)) != n:
+        raise ProtocolError("`rid` values must be unique within a request")
+    starts = _per_item(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1, n,
+                       "logprob_start_len")
+    reqs = []
+    for x, p, r, start in zip(inputs, sps, rids, starts):
+        reqs.append(GenRequest(rid=str(r), input_ids=[int(t) for t in x], logprob_start_len=int(start),
+                               **_sampling(p, default_max_new)))
+    return reqs, batched
+
+
+def _triples(lps: list[float | None], ids: list[int]) -> list[list[Any]]:
+    return [[lp, int(t), None] for lp, t in zip(lps, ids)]
+
+
+def to_response(res: GenResult, return_logprob: bool, weight_version: str, latency_s: float) -> dict[str, Any]:
+    meta: dict[str, Any] = {"id": res.rid, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
+                            "completion_tokens": len(res.output_ids), "cached_tokens": 0,
+                            "weight_version": weight_version, "e2e_latency": latency_s}
+    if return_logprob:
+        meta["output_token_logprobs"] = _triples(res.logprobs, res.output_ids)
+        meta["input_token_logprobs"] = [] if res.input_logprobs is None else \
+            _triples(res.input_logprobs, res.input_ids[res.input_start:])
+    return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}

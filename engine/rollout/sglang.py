@@ -1,0 +1,133 @@
+"""The SGLang engine: build `python -m sglang.launch_server …`, run it with its log captured, wait, scan, stop.
+
+rollflow owns the flags that come from placement and the port allocator (model path, host, port, TP size, base
+GPU id, NCCL port, dist-init address); every `--sglang-<flag> [value]` of the run passes through as `--<flag>`
+(a value list as several arguments). Colocated runs add `--enable-memory-saver` so that
+`/release_memory_occupation` frees the GPU for training. The Python executable is configurable
+(`--rollout-engine-python`), so SGLang can live in its own environment.
+
+`LaunchedEngine` waits for `/health_generate` with a deadline; if the process exits first or the deadline passes,
+the failure carries what the log says (RF11 illegal memory access / OOM, RF08 port taken) and its last lines.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.doctor.diagnosis import ConfigError, Diagnosis, DiagnosisError
+from engine.rollout.diagnose import health_timeout, scan_engine_log
+
+#: Flags rollflow sets itself; passing them as --sglang-* would contradict the placement or the port allocator.
+OWNED = {"model-path": "--hf-checkpoint", "host": None, "port": None, "tp-size": "--rollout-num-gpus-per-engine",
+         "tp": "--rollout-num-gpus-per-engine", "tensor-parallel-size": "--rollout-num-gpus-per-engine",
+         "base-gpu-id": None, "nccl-port": None, "dist-init-addr": None, "nnodes": None, "node-rank": None}
+
+
+def sglang_command(*, python: str, model_path: str, host: str, port: int, tp_size: int, base_gpu_id: int,
+                   nccl_port: int, dist_init_addr: str, sglang_args: dict[str, Any],
+                   colocate: bool = False) -> list[str]:
+    """argv of one SGLang server."""
+    for k in sglang_args:
+        if k in OWNED:
+            via = f"; set it with {OWNED[k]}" if OWNED[k] else ""
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--sglang-{k} is set by rollflow itself (placement and the port allocator){via}",
+                fix=f"drop --sglang-{k}"))
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
+           "--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id), "--nccl-port", str(nccl_port),
+           "--dist-init-addr", dist_init_addr]
+    if colocate and "enable-memory-saver" not in sglang_args:
+        cmd.append("--enable-memory-saver")
+    for k, v in sglang_args.items():
+        if v is True:
+            cmd.append(f"--{k}")
+        elif v is False or v is None:
+            continue  # a YAML `false` means: leave SGLang's default
+        elif isinstance(v, (list, tuple)):
+            cmd += [f"--{k}", *map(str, v)]
+        else:
+            cmd += [f"--{k}", str(v)]
+    return cmd
+
+
+def mem_fraction_of(sglang_args: dict[str, Any]) -> float | None:
+    v = sglang_args.get("mem-fraction-static")
+    try:
+        return None if v in (None, True, False) else float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+class LaunchedEngine:
+    """One engine process: started with its output in `log_path`, killed with its whole process group."""
+
+    def __init__(self, cmd: list[str], *, url: str, log_path: str, ports: list[int],
+                 mem_fraction_static: float | None, env: dict[str, str] | None = None):
+        self.cmd, self.url, self.log_path, self.ports = cmd, url, Path(log_path), ports
+        self.mem_fraction_static, self.env = mem_fraction_static, env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> str:
+        from engine.rollout.client import EngineClient
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"$ {' '.join(self.cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(self.env or {})}, start_new_session=True)
+        client = EngineClient(self.url)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self._failure(f"the engine process exited with code {self.proc.returncode} during start-up")
+            if client.health_generate(timeout_s=min(10.0, max(0.5, deadline - time.monotonic()))):
+                return self.url
+            time.sleep(0.25)
+        self.stop()
+        found = self.diagnose()
+        raise DiagnosisError(found + [health_timeout(self.url, self.ports[0], timeout_s, self.log_tail())])
+
+    def _failure(self, what: str) -> DiagnosisError:
+        found = self.diagnose()
+        if found:
+            return DiagnosisError(found)
+        return DiagnosisError(Diagnosis(code="ENGINE", severity="error",
+                                        what=f"{what}; command: {' '.join(self.cmd)}; last log lines "
+                                             f"({self.log_path}):\n{self.log_tail()}",
+                                        fix="read the log; check --rollout-engine-python and the --sglang-* flags",
+                                        facts={"returncode": self.proc.returncode if self.proc else None}))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def diagnose(self) -> list[Diagnosis]:
+        return scan_engine_log(self.log_text(), mem_fraction_static=self.mem_fraction_static, ports=self.ports,
+                               log_path=str(self.log_path))
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and its scheduler / detokenizer children
+            self.proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=grace_s)

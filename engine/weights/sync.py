@@ -1,0 +1,68 @@
+"""Sending weights to engines: through Ray's object store to the engine actors, over HTTP in tensor buckets, or from
+a versioned directory on disk.
+
+Every engine is updated in parallel (one thread per engine) and must report the new version afterwards; an
+engine that refuses or reports another version fails the sync, naming it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from typing import Callable
+
+import torch
+
+from engine.rollout.client import EngineClient, EngineError
+from engine.weights import buckets, pack_tensors
+
+
+def _each(urls: list[str], fn: Callable[[str], None]) -> None:
+    with cf.ThreadPoolExecutor(max(1, len(urls))) as pool:
+        for f in [pool.submit(fn, u) for u in urls]:
+            f.result()
+
+
+def _check_version(client: EngineClient, version: int, timeout_s: float) -> None:
+    got = client.weight_version(timeout_s)
+    if got != str(version):
+        raise EngineError(f"{client.url} reports weight_version {got!r} after the sync, expected {version}")
+
+
+def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: int, *, bucket_bytes: int,
+                 timeout_s: float) -> dict[str, float]:
+    """Buckets of ≤ bucket_bytes to `/update_weights_from_tensor` (raw safetensors bodies); the last one sets
+    `weight_version`."""
+    t0 = time.perf_counter()
+    parts = buckets(state_dict, bucket_bytes)
+    blobs = [pack_tensors(b) for b in parts]  # packed once, sent to every engine
+    mb = sum(t.numel() * t.element_size() for b in parts for t in b.values()) / 2**20
+    t_encode = time.perf_counter() - t0
+
+    def one(url: str) -> None:
+        c = EngineClient(url, timeout_s=timeout_s)
+        for k, blob in enumerate(blobs):
+            last = k == len(blobs) - 1
+            c.update_weights_from_tensor_raw(blob, version=version if last else None, flush_cache=last)
+        _check_version(c, version, timeout_s)
+
+    _each(urls, one)
+    return {"mb": mb, "buckets": float(len(blobs)), "encode_s": t_encode, "seconds": time.perf_counter() - t0}
+
+
+def push_object_store(slots: list, ref, version: int, *, timeout_s: float) -> None:
+    """Every engine actor copies the state behind `ref` (Ray's object store) into its model as `version`."""
+    import ray
+
+    ray.get([s.actor.update_weights.remote(ref, str(version)) for s in slots], timeout=timeout_s)
+    for s in slots:
+        _check_version(EngineClient(s.url, timeout_s=timeout_s), version, timeout_s)
+
+
+def push_disk(urls: list[str], path: str, version: int, *, timeout_s: float) -> None:
+    """Every engine loads the safetensors directory `path` (`/update_weights_from_disk`)."""
+    def one(url: str) -> None:
+        c = EngineClient(url, timeout_s=timeout_s)
+        c.update_weights_from_disk(path, version)
+        _check_version(c, version, timeout_s)
+
+    _each(urls, one)

@@ -1,0 +1,180 @@
+"""The rollout loop over real HTTP against the built-in engine: order, statuses, seeds, over-sampling and the
+dynamic filter, a failing engine with and without fault tolerance, the deadline."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from engine.rollout.loop import EngineFailure, Prompt, RolloutTimeout, SamplingParams, StaticEngines, \
+    generate_rollout, rollout_metrics
+from engine.rollout.server import EngineState, ServerThread
+from engine.samples import Status
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8, deterministic=True)
+    server = ServerThread(state, "127.0.0.1", _free_port())
+    url = server.start()
+    yield state, url
+    server.stop()
+
+
+@pytest.fixture
+def draw(engine):
+    from engine.config.data import BUNDLED_TRAIN
+    from engine.data import PromptDataset, load_prompts
+    from engine.modeling import render_prompt
+
+    state, _ = engine
+    ds = PromptDataset(load_prompts(BUNDLED_TRAIN, input_key="prompt", label_key="label"), shuffle=False, seed=0)
+
+    def next_prompts(k: int) -> list[Prompt]:
+        return [Prompt(r, render_prompt(state.tokenizer, r.prompt, True)) for r in ds.next_batch(k)]
+
+    next_prompts.dataset = ds
+    return next_prompts
+
+
+def _params(state, max_new: int = 6) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=state.generator.eos_ids)
+
+
+def _rm():
+    from engine.rewards import RewardModel
+
+    return RewardModel("exact_match", None)
+
+
+def _run(engine, draw, **kw):
+    state, url = engine
+    args = dict(rollout_id=3, batch_size=4, n=3, params=_params(state), reward_model=_rm(), seed=1,
+                engines=StaticEngines([url]), timeout_s=120)
+    args.update(kw)
+    return generate_rollout(draw, **args)
+
+
+def test_groups_come_back_in_prompt_order_with_statuses_rewards_and_logprobs(engine, draw):
+    res = _run(engine, draw)
+    assert [len(g) for g in res.groups] == [3, 3, 3, 3]
+    assert [g[0].metadata["row"] for g in res.groups] == [1, 2, 3, 4]  # the first four lines, in order
+    for gi, g in enumerate(res.groups):
+        for j, s in enumerate(g):
+            assert (s.group_index, s.index, s.rollout_id) == (gi, gi * 3 + j, 3)
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+            assert (s.status == Status.TRUNCATED) == (s.metadata["finish_reason"]["type"] == "length")
+            assert len(s.rollout_log_probs) == s.response_length == len(s.tokens) - s.prompt_length
+            assert all(lp <= 0 for lp in s.rollout_log_probs)
+            assert s.reward == float(s.response.strip() == s.label)
+    m = rollout_metrics(res, 1.0)
+    assert m["rollout/groups_drawn"] == 4 and m["rollout/groups_filtered"] == 0
+    assert 0.0 <= m["rollout/truncated_share"] <= 1.0
+
+
+def test_same_rollout_id_same_samples_other_id_other_samples(engine, draw):
+    def tokens(rollout_id):
+        draw.dataset.load_state({"epoch": 0, "offset": 0})
+        res = _run(engine, draw, rollout_id=rollout_id)
+        return [(s.tokens, s.rollout_log_probs) for g in res.groups for s in g]
+
+    a, b, c = tokens(5), tokens(5), tokens(6)
+    assert a == b  # bit-identical: per-sample seeds, one batch per request (deterministic engine)
+    assert a != c
+
+
+def test_over_sampling_keeps_the_first_passing_groups_in_draw_order(engine, draw):
+    # keep odd draws only: B = 2 from a round of 4 → draws 1 and 3 kept, 0 and 2 filtered
+    odd = lambda group: group[0].metadata["draw_index"] % 2 == 1  # noqa: E731
+    res = _run(engine, draw, batch_size=2, round_size=4, keep=odd)
+    assert [g[0].metadata["draw_index"] for g in res.groups] == [1, 3]
+    assert [g[0].group_index for g in res.groups] == [0, 1]  # re-indexed to their place in the rollout
+    assert res.stats["filtered"] == 2 and res.stats["drawn"] == 4 and res.stats["aborted"] == 0
+
+
+def test_round_is_cut_and_later_groups_aborted_once_enough_pass(engine, draw):
+    state, _ = engine
+    res = _run(engine, draw, batch_size=2, round_size=8, keep=lambda g: True, concurrency=3 * 8)
+    assert [g[0].metadata["draw_index"] for g in res.groups] == [0, 1]
+    assert res.stats["aborted"] >= 1 and res.stats["drawn"] == 8
+    assert not state.generator.aborts._live  # nothing left running on the engine
+
+
+def test_filter_that_keeps_nothing_stops_after_the_dataset(engine, draw):
+    from engine.doctor.diagnosis import DiagnosisError
+
+    with pytest.raises(DiagnosisError, match="kept 0 of 2 groups after drawing 4 prompts"):
+        _run(engine, draw, batch_size=2, round_size=2, keep=lambda g: False, max_prompts=4)
+
+
+def test_builtin_filter_drops_groups_with_equal_rewards(engine, draw):
+    from engine.rollout.filters import check_reward_nonzero_std
+
+    res = _run(engine, draw, batch_size=2, round_size=6, keep=check_reward_nonzero_std, n=4, max_prompts=200)
+    for g in res.groups:
+        rewards = [s.reward for s in g]
+        assert max(rewards) > min(rewards)
+    assert res.stats["drawn"] >= 6
+
+
+def test_raising_reward_marks_failed_and_the_rollout_completes(engine, draw, tmp_path):
+    from engine.rewards import RewardModel
+
+    mod = tmp_path / "rm.py"
+    mod.write_text("def score(s):\n    if s.index % 2:\n        raise RuntimeError('judge down')\n    return 1.0\n")
+    res = _run(engine, draw, reward_model=RewardModel(None, f"{mod}:score"))
+    samples = [s for g in res.groups for s in g]
+    failed = [s for s in samples if s.status == Status.FAILED]
+    assert len(failed) == 6 and all("judge down" in s.metadata["failure"] for s in failed)
+    assert rollout_metrics(res, 1.0)["rollout/failed_share"] == 0.5
+
+
+def test_a_rollout_where_every_sample_failed_says_why(engine, draw, tmp_path):
+    from engine.rewards import RewardModel
+    from engine.rollout.loop import NothingToTrain
+
+    mod = tmp_path / "rm_down.py"
+    mod.write_text("def score(s):\n    raise ConnectionError('reward service down')\n")
+    with pytest.raises(NothingToTrain, match="all 12 samples failed.*reward service down"):
+        _run(engine, draw, reward_model=RewardModel(None, f"{mod}:score"))
+
+
+class _Pool:
+    """Two engines, the first dead (nothing listens on its port)."""
+
+    def __init__(self, url: str, fault_tolerant: bool):
+        self.urls = [f"http://127.0.0.1:{_free_port()}", url]
+        self.fault_tolerant = fault_tolerant
+        self.failed: list[str] = []
+
+    def serving(self) -> list[str]:
+        return [u for u in self.urls if u not in self.failed]
+
+    def report_failure(self, url: str) -> None:
+        self.failed.append(url)
+
+
+def test_a_dead_engine_is_reported_and_its_groups_resent(engine, draw):
+    _, url = engine
+    pool = _Pool(url, fault_tolerant=True)
+    res = _run(engine, draw, engines=pool)
+    assert set(pool.failed) == {pool.urls[0]} and res.stats["retried_requests"] == len(pool.failed) >= 1
+    assert all(len(g) == 3 for g in res.groups)
+
+
+def test_without_fault_tolerance_a_dead_engine_fails_the_rollout(engine, draw):
+    _, url = engine
+    pool = _Pool(url, fault_tolerant=False)
+    with pytest.raises(EngineFailure, match="--use-fault-tolerance"):
+        _run(engine, draw, engines=pool)
+
+
+def test_rollout_deadline(engine, draw):
+    with pytest.raises(RolloutTimeout, match="--rollout-timeout"):
+        _run(engine, draw, timeout_s=0.05, params=SamplingParams(max_new_tokens=200, temperature=1.0))

@@ -1,0 +1,250 @@
+"""Pure pieces of the rollout stage: protocol mapping, SGLang command, log scanning, ports, placement, buckets."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from engine.doctor import ConfigError
+from engine.rollout.protocol import ProtocolError, to_requests, to_response
+
+
+def _tok(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+# ---- protocol ----------------------------------------------------------------------------------------------------
+def test_single_and_batched_requests_map_sglang_fields():
+    reqs, batched = to_requests({"input_ids": [1, 2, 3], "sampling_params": {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 4, "stop": "\n", "stop_token_ids": [9],
+        "no_stop_trim": True, "sampling_seed": 11}, "rid": "a"}, _tok, 128)
+    assert not batched and len(reqs) == 1
+    r = reqs[0]
+    assert (r.rid, r.input_ids, r.temperature, r.top_p, r.top_k, r.max_new_tokens) == ("a", [1, 2, 3], 0.7, 0.9, 5, 4)
+    assert (r.stop, r.stop_token_ids, r.no_stop_trim, r.seed) == (["\n"], [9], True, 11)
+
+    reqs, batched = to_requests({"text": ["ab", "c"], "sampling_params": [{"temperature": 0}, {}],
+                                 "rid": ["x", "y"], "logprob_start_len": 0}, _tok, 16)
+    assert batched and [r.input_ids for r in reqs] == [[97, 98], [99]]
+    assert [r.temperature for r in reqs] == [0.0, 1.0] and [r.max_new_tokens for r in reqs] == [16, 16]
+    assert [r.logprob_start_len for r in reqs] == [0, 0]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"sampling_params": {}}, "either `text` or `input_ids`"),
+    ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "unknown sampling param 'temprature'"),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty=1.2 is not supported"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p=0.0"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "`sampling_params` has 1 entries for 2 inputs"),
+    ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "must be unique"),
+    ({"input_ids": [1], "stream": True}, "`stream` is not supported"),
+])
+def test_bad_requests_name_the_field(body, words):
+    with pytest.raises(ProtocolError, match=words.replace("(", r"\(").replace(")", r"\)").replace("`", ".")):
+        to_requests(body, _tok, 8)
+
+
+def test_neutral_values_of_unimplemented_params_are_accepted():
+    (r,), _ = to_requests({"input_ids": [1], "sampling_params": {"min_p": 0.0, "n": 1, "repetition_penalty": 1.0}},
+                          _tok, 8)
+    assert r.max_new_tokens == 8
+
+
+def test_response_has_sglang_meta_info():
+    from engine.rollout.generation import GenResult
+
+    res = GenResult("r1", [5, 6], [-0.5, -1.5], {"type": "length", "length": 2}, "xy", 3, [None, -2.0], 1, [7, 8, 9])
+    out = to_response(res, True, "4", 0.25)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [5, 6] and out["text"] == "xy"
+    assert meta["output_token_logprobs"] == [[-0.5, 5, None], [-1.5, 6, None]]
+    assert meta["input_token_logprobs"] == [[None, 8, None], [-2.0, 9, None]]  # from logprob_start_len = 1
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (3, 2, "4")
+    assert "output_token_logprobs" not in to_response(res, False, "4", 0.25)["meta_info"]
+
+
+# ---- the SGLang command and its log ----------------------------------------------------------------------------
+def test_sglang_command_passes_every_flag_through():
+    from engine.config.cli import parse_args
+    from engine.rollout.sglang import sglang_command
+
+    cfg = parse_args(["--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs", "1", "2", "4",
+                      "--sglang-enable-deterministic-inference", "--sglang-context-length=4096",
+                      "--rollout-engine", "sglang", "--weight-sync-method", "disk"])
+    assert cfg.sglang_args["cuda-graph-bs"] == ["1", "2", "4"]
+    cmd = sglang_command(python="/envs/sglang/bin/python", model_path="/m", host="10.0.0.2", port=30001, tp_size=2,
+                         base_gpu_id=4, nccl_port=30002, dist_init_addr="10.0.0.2:30003",
+                         sglang_args=cfg.sglang_args, colocate=True)
+    assert cmd[:3] == ["/envs/sglang/bin/python", "-m", "sglang.launch_server"]
+    pairs = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert pairs["--model-path"] == "/m" and pairs["--port"] == "30001" and pairs["--tp-size"] == "2"
+    assert pairs["--base-gpu-id"] == "4" and pairs["--nccl-port"] == "30002"
+    assert pairs["--dist-init-addr"] == "10.0.0.2:30003" and pairs["--mem-fraction-static"] == "0.7"
+    assert pairs["--context-length"] == "4096"
+    i = cmd.index("--cuda-graph-bs")
+    assert cmd[i + 1:i + 4] == ["1", "2", "4"]
+    assert "--enable-deterministic-inference" in cmd and "--enable-memory-saver" in cmd  # colocated
+
+
+def test_sglang_flags_owned_by_rollflow_are_refused():
+    from engine.rollout.sglang import sglang_command
+
+    with pytest.raises(ConfigError, match="--sglang-tp-size is set by rollflow.*--rollout-num-gpus-per-engine"):
+        sglang_command(python="p", model_path="m", host="h", port=1, tp_size=1, base_gpu_id=0, nccl_port=2,
+                       dist_init_addr="h:3", sglang_args={"tp-size": "2"})
+
+
+def test_tensor_sync_with_sglang_is_a_config_error():
+    from engine.config import RunConfig
+
+    with pytest.raises(ConfigError, match="--weight-sync-method disk"):
+        RunConfig(rollout_engine="sglang")
+
+
+def test_illegal_memory_access_is_rf11_with_the_current_fraction():
+    from engine.rollout.diagnose import scan_engine_log
+
+    log = "loading...\n[2026] RuntimeError: CUDA error: an illegal memory access was encountered\n  at ..."
+    (d,) = scan_engine_log(log, mem_fraction_static=0.85)
+    assert d.code == "RF11" and "0.85" in d.what and "--sglang-mem-fraction-static 0.75" in d.fix
+    (d,) = scan_engine_log("torch.OutOfMemoryError: CUDA out of memory.", mem_fraction_static=None)
+    assert d.code == "RF11" and "SGLang's default" in d.what
+    (d,) = scan_engine_log("OSError: [Errno 98] Address already in use", mem_fraction_static=None, ports=[30001])
+    assert d.code == "RF08" and "30001" in d.what
+    assert scan_engine_log("all good\nserver started", mem_fraction_static=0.8) == []
+
+
+def test_truncation_share_above_threshold_is_rf10():
+    from engine.rollout.diagnose import truncation_diagnosis
+
+    # 60 of 64 truncated = 94% > 90%
+    d = truncation_diagnosis(60, 64, max_response_len=8, stop_token_ids=[258], stop=[], threshold=0.9)
+    assert d.code == "RF10" and "60 of 64" in d.what and "[258]" in d.what and "--rollout-stop-token-ids" in d.fix
+    assert truncation_diagnosis(57, 64, max_response_len=8, stop_token_ids=[], stop=[], threshold=0.9) is None
+    assert truncation_diagnosis(64, 64, max_response_len=8, stop_token_ids=[], stop=[], threshold=1.0) is None
+
+
+# ---- ports -------------------------------------------------------------------------------------------------------
+def test_registry_never_hands_a_port_twice_per_node():
+    from engine.rollout.ports import PortRegistry, allocate_ports
+
+    reg = PortRegistry(start=41000, end=41100)
+    a = allocate_ports(reg.reserve, "n1", 3)
+    b = allocate_ports(reg.reserve, "n1", 3)
+    c = allocate_ports(reg.reserve, "n2", 3)
+    assert len(set(a + b)) == 6  # one node: all distinct
+    assert set(c) & set(a)  # another node may reuse numbers
+
+
+def test_taken_port_is_skipped_and_its_holder_named():
+    from engine.rollout.ports import PortRegistry, allocate_ports, port_holder, port_holder_pid, port_in_use
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        reg = PortRegistry(start=taken, end=taken + 50)
+        got = allocate_ports(reg.reserve, "n", 2)
+        assert taken not in got and len(got) == 2
+        import os
+
+        holder = port_holder_pid(taken)
+        assert holder is not None and holder[0] == os.getpid()
+        assert port_holder(taken).startswith(f"pid {os.getpid()} (")
+        d = port_in_use(taken, "0.0.0.0", "test engine")
+        assert d.code == "RF08" and f"pid {os.getpid()}" in d.what and d.facts["holder_pid"] == os.getpid()
+
+
+def test_proc_net_tcp_parsing():
+    from engine.rollout.ports import socket_inodes
+
+    table = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+             "   0: 0100007F:7531 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1\n"
+             "   1: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 777 1\n")
+    assert socket_inodes(table, 0x7531) == {"4242"} and socket_inodes(table, 8080) == {"777"}
+    assert socket_inodes(table, 9) == set()
+
+
+# ---- placement ---------------------------------------------------------------------------------------------------
+def test_colocated_engines_share_the_train_bundles():
+    from engine.cluster.placement import rollout_layout
+
+    # T = 8 train GPUs, g = 2 → 4 engines on bundles 0, 2, 4, 6; trainer keeps 1 - 0.2 = 0.8 of each GPU
+    lay = rollout_layout(cluster_gpus=8, train_gpus=8, colocate=True, rollout_num_gpus=None, gpus_per_engine=2,
+                         num_engines=1)
+    assert len(lay.bundles) == 8 and lay.engine_bundles == [0, 2, 4, 6] and lay.train_bundles == list(range(8))
+    assert (lay.engine_gpu_fraction, lay.train_gpu_fraction) == (0.2, 0.8)
+
+
+def test_decoupled_engines_follow_the_train_bundles():
+    from engine.cluster.placement import rollout_layout
+
+    # T = 4, R = 4, g = 1 → bundles 0..7, engines on 4..7
+    lay = rollout_layout(cluster_gpus=8, train_gpus=4, colocate=False, rollout_num_gpus=4, gpus_per_engine=1,
+                         num_engines=1)
+    assert len(lay.bundles) == 8 and lay.engine_bundles == [4, 5, 6, 7] and lay.train_gpu_fraction == 1.0
+    with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine one of \\[1, 2, 4\\]"):
+        rollout_layout(cluster_gpus=8, train_gpus=4, colocate=False, rollout_num_gpus=4, gpus_per_engine=3,
+                       num_engines=1)
+
+
+def test_decoupled_without_rollout_gpus_counts_engines_times_tp():
+    from engine.cluster.placement import rollout_layout
+
+    # R = --rollout-num-engines × g = 2 × 2 = 4 (the doctor's RF02 arithmetic) → bundles 0..5, engines on 2 and 4
+    lay = rollout_layout(cluster_gpus=8, train_gpus=2, colocate=False, rollout_num_gpus=None, gpus_per_engine=2,
+                         num_engines=2)
+    assert len(lay.bundles) == 6 and lay.engine_bundles == [2, 4]
+    cpu = rollout_layout(cluster_gpus=8, train_gpus=2, colocate=False, rollout_num_gpus=0, gpus_per_engine=1,
+                         num_engines=2)
+    assert cpu.gpus_per_engine == 0 and all("GPU" not in b for b in cpu.bundles)
+
+
+def test_cpu_cluster_gets_cpu_engines():
+    from engine.cluster.placement import rollout_layout
+
+    lay = rollout_layout(cluster_gpus=0, train_gpus=1, colocate=True, rollout_num_gpus=None, gpus_per_engine=1,
+                         num_engines=3)
+    assert lay.engine_bundles == [0, 1, 2] and all("GPU" not in b for b in lay.bundles) and not lay.train_bundles
+
+
+# ---- weights -----------------------------------------------------------------------------------------------------
+def test_buckets_respect_the_size_and_send_tied_tensors_once():
+    from engine.weights import buckets, decode_tensors, encode_tensors
+
+    emb = torch.randn(4, 256)  # 4 KiB
+    sd = {"embed.weight": emb, "a": torch.randn(256), "b": torch.randn(256), "lm_head.weight": emb}
+    parts = buckets(sd, max_bytes=4096)
+    # [emb 4096] [a 1024 + b 1024]; the tied lm_head is the same tensor → left out
+    assert [list(p) for p in parts] == [["embed.weight"], ["a", "b"]]
+    back = decode_tensors(encode_tensors(parts[1]))
+    assert torch.equal(back["a"], sd["a"]) and torch.equal(back["b"], sd["b"])
+
+
+def test_a_bad_bucket_changes_nothing():
+    from engine.weights import check_and_copy
+
+    model = torch.nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match="shape mismatch"):
+        check_and_copy(model, {"weight": torch.ones(2, 3), "bias": torch.ones(5)}, full=False)
+    assert torch.equal(model.weight, before)  # checked before copying
+    with pytest.raises(ValueError, match="missing \\['bias'\\]"):
+        check_and_copy(model, {"weight": torch.ones(2, 3)}, full=True)
+    assert check_and_copy(model, {"weight": torch.ones(2, 3)}, full=False) == 6 * 4
+    assert torch.equal(model.weight, torch.ones(2, 3))
+
+
+# ---- filters -----------------------------------------------------------------------------------------------------
+def test_builtin_filter_drops_groups_whose_rewards_agree():
+    from engine.rollout.filters import BUILTIN_NONZERO_STD, load_filter
+    from engine.samples import Sample, Status
+
+    def group(rewards, failed=()):
+        return [Sample(index=i, group_index=0, rollout_id=0, prompt="p", reward=r,
+                       status=Status.FAILED if i in failed else Status.COMPLETED) for i, r in enumerate(rewards)]
+
+    keep = load_filter(BUILTIN_NONZERO_STD)
+    assert keep(group([0.0, 1.0, 0.0])) and not keep(group([1.0, 1.0])) and not keep(group([0.0, 0.0]))
+    assert not keep(group([1.0, 0.0], failed=(1,)))  # one live sample: nothing to compare

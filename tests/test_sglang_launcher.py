@@ -1,0 +1,89 @@
+"""The SGLang launcher with the built-in server as the launched process (SGLang cannot be installed here).
+
+A fake `python` stands in for SGLang's environment (`--rollout-engine-python`): for `-m sglang.launch_server ARGS`
+it runs `python -m engine.rollout.server ARGS` (which takes launch_server's flags), or, on request, prints what a
+crashing SGLang prints, or never becomes healthy.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+
+import httpx
+import pytest
+
+from engine.doctor.diagnosis import DiagnosisError
+from engine.rollout.sglang import LaunchedEngine, sglang_command
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    path = tmp_path / "sglang-env" / "bin" / "python"
+    path.parent.mkdir(parents=True)
+    path.write_text(f"""#!/bin/sh
+[ "$1" = "-m" ] && [ "$2" = "sglang.launch_server" ] || {{ echo "unexpected: $*" >&2; exit 3; }}
+shift 2
+case "$FAKE_SGLANG_MODE" in
+  crash) echo "Loading weights..."; echo "RuntimeError: CUDA error: an illegal memory access was encountered" >&2
+         exit 1 ;;
+  hang)  exec sleep 600 ;;
+esac
+exec {sys.executable} -m engine.rollout.server --threads 1 "$@"
+""")
+    path.chmod(0o755)
+    return str(path)
+
+
+def _engine(fake_python, tiny_model, tmp_path, sglang_args, env=None):
+    port, nccl, dist = _free_port(), _free_port(), _free_port()
+    cmd = sglang_command(python=fake_python, model_path=tiny_model, host="127.0.0.1", port=port, tp_size=1,
+                         base_gpu_id=0, nccl_port=nccl, dist_init_addr=f"127.0.0.1:{dist}", sglang_args=sglang_args)
+    return LaunchedEngine(cmd, url=f"http://127.0.0.1:{port}", log_path=str(tmp_path / "logs" / "engine-0.log"),
+                          ports=[port, nccl, dist], mem_fraction_static=0.7, env=env)
+
+
+def test_launched_server_serves_with_passed_flags_and_its_log_captured(fake_python, tiny_model, tmp_path):
+    eng = _engine(fake_python, tiny_model, tmp_path, {"mem-fraction-static": "0.7",
+                                                        "enable-deterministic-inference": True})
+    url = eng.start(timeout_s=180)
+    try:
+        r = httpx.post(url + "/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 2}},
+                       timeout=60).json()
+        assert r["meta_info"]["completion_tokens"] >= 1
+        assert httpx.get(url + "/get_server_info").json()["deterministic"] is True  # the --sglang-* flag arrived
+        log = eng.log_text()
+        assert log.startswith(f"$ {fake_python} -m sglang.launch_server --model-path {tiny_model}")
+        assert "--nccl-port" in log and "--mem-fraction-static 0.7" in log  # flags it does not use are listed
+    finally:
+        eng.stop()
+    assert not eng.alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)
+
+
+def test_crash_with_illegal_memory_access_is_rf11(fake_python, tiny_model, tmp_path):
+    eng = _engine(fake_python, tiny_model, tmp_path, {"mem-fraction-static": "0.7"}, env={"FAKE_SGLANG_MODE": "crash"})
+    with pytest.raises(DiagnosisError) as e:
+        eng.start(timeout_s=60)
+    assert e.value.codes == ["RF11"]
+    assert "--sglang-mem-fraction-static = 0.7" in str(e.value) and "--sglang-mem-fraction-static 0.6" in str(e.value)
+
+
+def test_engine_that_never_answers_fails_at_its_deadline_as_rf08(fake_python, tiny_model, tmp_path):
+    import time
+
+    eng = _engine(fake_python, tiny_model, tmp_path, {}, env={"FAKE_SGLANG_MODE": "hang"})
+    t0 = time.monotonic()
+    with pytest.raises(DiagnosisError) as e:
+        eng.start(timeout_s=2)
+    assert time.monotonic() - t0 < 20
+    assert e.value.codes == ["RF08"] and "did not answer /health_generate within 2s" in str(e.value)
+    assert not eng.alive()  # killed, with its process group

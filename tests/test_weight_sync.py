@@ -1,0 +1,147 @@
+"""Weight sync trainer → engine over real HTTP: after a sync the engine's log-probs equal the trainer's (1e-4)."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engine.rollout.server import EngineState, ServerThread
+
+SEQ_TEXT = "<|im_start|>user\n57+38=<|im_end|>\n<|im_start|>assistant\n95<|im_end|>"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model):
+    from engine.config import RunConfig
+    from engine.train.torch_backend import TorchBackend
+
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8)
+    server = ServerThread(state, "127.0.0.1", _free_port())
+    url = server.start()
+    trainer = TorchBackend(RunConfig(hf_checkpoint=tiny_model, rollout_temperature=1.0))
+    yield state, url, trainer
+    server.stop()
+
+
+def _trainer_logprobs(trainer, seq: list[int]) -> torch.Tensor:
+    from engine.packing.microbatch import make_micro_batch
+    from engine.samples import Sample, Status
+
+    s = Sample(index=0, group_index=0, rollout_id=0, prompt="", tokens=seq, response_length=len(seq) - 1,
+               loss_mask=[1] * (len(seq) - 1), rollout_log_probs=[0.0] * (len(seq) - 1), status=Status.COMPLETED)
+    (lp,) = trainer.compute_log_probs([make_micro_batch([s], [0.0])])
+    return lp[1:]  # [L-1] log π(seq[k] | seq[:k]), k ≥ 1
+
+
+def _engine_logprobs(url: str, seq: list[int]) -> tuple[torch.Tensor, str]:
+    r = httpx.post(url + "/generate", json={"input_ids": seq, "return_logprob": True, "logprob_start_len": 0,
+                                            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}},
+                   timeout=60).json()
+    return torch.tensor([t[0] for t in r["meta_info"]["input_token_logprobs"][1:]]), r["meta_info"]["weight_version"]
+
+
+def _train_a_little(trainer, seed: int) -> None:
+    """Stand-in for an optimizer step: move every weight (the sync must carry all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def test_tensor_sync_in_buckets_makes_engine_logprobs_equal_the_trainers(setup):
+    from engine.weights.sync import push_tensors
+
+    state, url, trainer = setup
+    seq = state.tokenize(SEQ_TEXT)
+    _train_a_little(trainer, 1)
+    before, _ = _engine_logprobs(url, seq)
+    assert (before - _trainer_logprobs(trainer, seq)).abs().max() > 1e-2  # the weights did differ
+
+    # 3.2 MB of weights in 256 KiB buckets → many requests; the version moves only with the last
+    stats = push_tensors([url], trainer.model_state(), 7, bucket_bytes=256 * 1024, timeout_s=60)
+    assert stats["buckets"] > 5
+    after, version = _engine_logprobs(url, seq)
+    assert version == "7" and httpx.get(url + "/get_model_info").json()["weight_version"] == "7"
+    assert (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
+
+
+def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, tmp_path):
+    from engine import stages
+    from engine.config import RunConfig
+    from engine.weights import save_weights_dir
+
+    state, url, trainer = setup
+    seq = state.tokenize(SEQ_TEXT)
+    _train_a_little(trainer, 2)
+    written = []
+
+    class FakeTrainGroup:  # the one train worker, in-process
+        def save_weights(self, path: str) -> str:
+            written.append(Path(path))
+            save_weights_dir(trainer.model_state(), path)
+            return path
+
+    class FakeRun:
+        cfg = RunConfig(weight_sync_method="disk")
+        work_dir = tmp_path
+        train_group = FakeTrainGroup()
+
+    from types import SimpleNamespace
+
+    out = stages.push_weights(FakeRun(), [SimpleNamespace(url=url)], 8)
+    assert written == [tmp_path / "weights" / "v000008"] and not written[0].exists()  # deleted after use
+    assert out["sync/mb"] > 3.0
+    after, version = _engine_logprobs(url, seq)
+    assert version == "8" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
+
+
+def test_sampled_rollout_logprobs_match_the_trainer_after_sync(setup):
+    from engine.weights.sync import push_tensors
+
+    state, url, trainer = setup
+    _train_a_little(trainer, 3)
+    push_tensors([url], trainer.model_state(), 9, bucket_bytes=2**30, timeout_s=60)
+    prompt = state.tokenize("<|im_start|>user\n12+30=<|im_end|>\n<|im_start|>assistant\n")
+    r = httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 5}}, timeout=60).json()
+    resp = r["output_ids"]
+    engine_lp = torch.tensor([t[0] for t in r["meta_info"]["output_token_logprobs"]])
+    trainer_lp = _trainer_logprobs(trainer, prompt + resp)[len(prompt) - 1:]
+    assert len(resp) > 0 and (engine_lp - trainer_lp).abs().max() < 1e-4  # the train-inference mismatch
+
+
+def test_wrong_weights_are_refused_and_change_nothing(setup):
+    from engine.weights import encode_tensors
+
+    state, url, _ = setup
+    version = state.weight_version
+    bad = encode_tensors({"model.embed_tokens.weight": torch.zeros(3, 3)})
+    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad],
+                                                              "load_format": "safetensors", "weight_version": "99"})
+    assert r.status_code == 400 and "shape mismatch" in r.json()["message"]
+    assert httpx.get(url + "/weight_version").json()["weight_version"] == version
+    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad], "load_format": None})
+    assert r.status_code == 400 and "load_format" in r.json()["message"]
+
+
+def test_sglang_shaped_json_body_also_updates(setup):
+    from engine.rollout.client import EngineClient
+    from engine.weights import encode_tensors, unique_tensors
+
+    state, url, trainer = setup
+    seq = state.tokenize(SEQ_TEXT)
+    _train_a_little(trainer, 4)
+    # SGLang's UpdateWeightsFromTensorReqInput shape: one serialized entry per TP rank, version as a string
+    EngineClient(url).update_weights_from_tensor([encode_tensors(unique_tensors(trainer.model_state()))],
+                                                 load_format="safetensors", version=11, flush_cache=True)
+    after, version = _engine_logprobs(url, seq)
+    assert version == "11" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
