@@ -15,7 +15,6 @@ _OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: ca
 _ILLEGAL = re.compile(r"an illegal memory access was encountered", re.I)
 _INDUCTOR = re.compile(r"JSONDecodeError", re.I)
 _NAN = re.compile(r"\b(nan|inf)\b[^\n]{0,60}\b(loss|grad)|\b(loss|grad)[\w ]{0,40}(is|=|:)\s*(nan|inf)\b", re.I)
-_PORTS = re.compile(r"Max retries exceeded with url: /get_model_info|address already in use", re.I)
 
 
 def _next(e: BaseException) -> BaseException | None:
@@ -36,25 +35,25 @@ def _text(exc: BaseException) -> str:
 
 
 def classify_text(text: str, cfg=None) -> list[Diagnosis]:
-    """Diagnoses for a log or traceback text; `cfg` (a RunConfig) adds the current values to the advice."""
-    out: list[Diagnosis] = []
-    if _ILLEGAL.search(text):
-        mem = (cfg.sglang_args.get("mem-fraction-static") if cfg is not None else None)
-        current = f"currently {mem}" if mem is not None else "currently SGLang's default"
-        out.append(Diagnosis(
-            code="RF11", severity="error",
-            what=f"the rollout engine reported 'an illegal memory access was encountered' ({current} for "
-                 "--sglang-mem-fraction-static): this is usually an out-of-memory inside the engine",
-            fix="lower --sglang-mem-fraction-static (e.g. by 0.1) so memory beyond the KV cache is left free",
-            facts={"mem_fraction_static": mem}))
-    elif _OOM.search(text):
+    """Diagnoses for a log or traceback text; `cfg` (a RunConfig) adds the current values to the advice.
+
+    An illegal memory access (the engine's OOM symptom) and bind failures are read as an engine log
+    (engine.rollout.diagnose.scan_engine_log: RF11, RF08); any other out-of-memory is the trainer's (RF03).
+    """
+    from engine.rollout.diagnose import scan_engine_log
+
+    mem = cfg.sglang_args.get("mem-fraction-static") if cfg is not None else None
+    engine = scan_engine_log(text, mem_fraction_static=float(mem) if mem is not None else None)
+    illegal = bool(_ILLEGAL.search(text))
+    out: list[Diagnosis] = [d for d in engine if illegal or d.code == "RF08"]  # a plain OOM is the trainer's
+    if _OOM.search(text) and not illegal:
         facts = {}
         if cfg is not None:
             facts = {"max_tokens_per_gpu": cfg.max_tokens_per_gpu, "micro_batch_size": cfg.micro_batch_size,
                      "use_dynamic_batch_size": cfg.use_dynamic_batch_size,
                      "rollout_max_response_len": cfg.rollout_max_response_len}
         if cfg is not None and cfg.use_dynamic_batch_size:
-            safe = max(1, cfg.rollout_max_response_len // getattr(cfg, "context_parallel_size", 1))
+            safe = max(1, cfg.rollout_max_response_len // cfg.context_parallel_size)
             what = (f"out of memory while training with --max-tokens-per-gpu {cfg.max_tokens_per_gpu} "
                     f"(dynamic batch size)")
             fix = f"--max-tokens-per-gpu {safe} (rollout_max_response_len / cp_size) and raise it while memory allows"
@@ -70,7 +69,7 @@ def classify_text(text: str, cfg=None) -> list[Diagnosis]:
             what="a JSONDecodeError inside torch.compile / inductor: processes are sharing one inductor cache",
             fix="keep TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 in the Ray workers' env (rollflow's default; check "
                 "that your environment does not override it with 0)"))
-    if _PORTS.search(text):
+    if re.search(r"Max retries exceeded with url: /get_model_info", text, re.I):
         out.append(Diagnosis(
             code="RF08", severity="error",
             what="a rollout engine could not be reached or could not bind its port (port collision between "
