@@ -49,5 +49,8 @@ class RolloutArgs(Section):
     rollout_timeout: float = Field(600.0, gt=0)
     """Seconds a whole rollout may take before it fails (and may be retried)."""
 
+    deterministic_rollout: bool = False
+    """Send each engine one batched /generate request per rollout (prompt groups split in order across engines), so a redone rollout is batched, and therefore sampled, exactly as the first time (bitwise-reproducible resume on CPU); gives up batching across in-flight requests."""
+
     sglang_args: dict[str, str | bool] = {}
     """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix)."""

@@ -3,6 +3,11 @@
 Each group (one prompt, n samples) is one batched `/generate` request; groups are spread over the engines by
 least outstanding requests, at most `concurrency` samples in flight. Every sample carries its own sampling seed
 (seed, rollout_id, index), so a redone rollout samples the same tokens given the same weights and batch.
+
+The batch is the catch: the built-in engine merges requests that arrive within a few ms, and which ones meet
+depends on timing, so padding and batched matmuls (and from there sampled tokens) can differ between two runs.
+`deterministic=True` sends each engine ONE request holding its contiguous share of the groups (groups 0..k-1 to
+engine 0, …), so a redone rollout meets exactly the same batch: what bitwise-equal resume needs.
 """
 from __future__ import annotations
 
@@ -52,6 +57,38 @@ class RolloutTimeout(TimeoutError):
     """The rollout did not finish within --rollout-timeout (retryable)."""
 
 
+def split_in_order(num_groups: int, num_engines: int) -> list[range]:
+    """Contiguous group ranges per engine, sizes differing by at most one: 10 groups, 3 engines → 4, 3, 3."""
+    q, r = divmod(num_groups, num_engines)
+    starts = [e * q + min(e, r) for e in range(num_engines + 1)]
+    return [range(starts[e], starts[e + 1]) for e in range(num_engines)]
+
+
+async def _generate_per_engine(urls: list[str], prompts: list[list[int]], n: int, params: SamplingParams,
+                               seeds: list[list[int | None]], timeout_s: float) -> list[list[dict]]:
+    """One batched request per engine with its contiguous share of the groups (deterministic batches)."""
+    async def one(client: httpx.AsyncClient, url: str, groups: range) -> list[dict]:
+        if not groups:
+            return []
+        body = {"input_ids": [prompts[gi] for gi in groups for _ in range(n)], "return_logprob": True,
+                "sampling_params": [params.to_sglang(s) for gi in groups for s in seeds[gi]]}
+        r = await client.post(url + "/generate", json=body)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{url}/generate → HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    shares = split_in_order(len(prompts), len(urls))
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            flat = await asyncio.wait_for(asyncio.gather(*[one(client, u, g) for u, g in zip(urls, shares)]),
+                                          timeout_s)
+        except asyncio.TimeoutError:
+            raise RolloutTimeout(f"rollout did not finish within {timeout_s:.0f}s (--rollout-timeout) on "
+                                 f"engines {urls}") from None
+    outs = [o for part in flat for o in part]  # [groups·n] in group order
+    return [outs[gi * n:(gi + 1) * n] for gi in range(len(prompts))]
+
+
 async def _generate_groups(urls: list[str], prompts: list[list[int]], n: int, params: SamplingParams,
                            seeds: list[list[int | None]], concurrency: int, timeout_s: float) -> list[list[dict]]:
     outstanding = {u: 0 for u in urls}
@@ -82,11 +119,15 @@ async def _generate_groups(urls: list[str], prompts: list[list[int]], n: int, pa
 
 def generate_rollout(rows: list[PromptRow], *, rollout_id: int, prompt_ids: list[list[int]], urls: list[str],
                      n: int, params: SamplingParams, reward_model: RewardModel, seed: int,
-                     concurrency: int = 64, timeout_s: float = 600.0) -> list[list[Sample]]:
+                     concurrency: int = 64, timeout_s: float = 600.0,
+                     deterministic: bool = False) -> list[list[Sample]]:
     """Generate and score `len(rows)` groups of n samples; groups come back in prompt order."""
     seeds = [[sample_seed(seed, rollout_id, gi * n + j) if params.temperature > 0 else None for j in range(n)]
              for gi in range(len(rows))]
-    outs = asyncio.run(_generate_groups(urls, prompt_ids, n, params, seeds, concurrency, timeout_s))
+    if deterministic:
+        outs = asyncio.run(_generate_per_engine(urls, prompt_ids, n, params, seeds, timeout_s))
+    else:
+        outs = asyncio.run(_generate_groups(urls, prompt_ids, n, params, seeds, concurrency, timeout_s))
     groups = []
     for gi, (row, pids, out) in enumerate(zip(rows, prompt_ids, outs)):
         group = []
