@@ -41,7 +41,9 @@ class Store:
 
         self.url = normalize(url)
         self.remote = is_remote(self.url)
-        opts: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True} if self.remote else {}
+        # one s3fs client per process and options (fsspec's instance cache; creating one costs ~0.3 s), with no
+        # listing cache: another process's marker must be visible on the next read
+        opts: dict[str, Any] = {"use_listings_cache": False} if self.remote else {}
         self.fs, self.root = url_to_fs(self.url, **opts)
 
     def __repr__(self) -> str:

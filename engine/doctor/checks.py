@@ -101,12 +101,16 @@ def load_dir_has_marker(cfg, env: Environment) -> list[Diagnosis]:
             continue
         try:
             out += _load_dir(flag, url, step, step_flag)
-        except OSError as e:  # unreachable endpoint, denied access: the message names the URL, never a credential
-            out.append(Diagnosis(code="RF01", severity="error",
-                                 what=f"{flag} {url} cannot be read: {type(e).__name__}: {e}",
-                                 fix="check the path; for s3:// the bucket, AWS_ENDPOINT_URL_S3 and the AWS "
-                                     "credentials (environment or ~/.aws)"))
+        except Exception as e:  # noqa: BLE001 — no credentials, unreachable endpoint, denied access (botocore
+            out.append(_unreadable("RF01", flag, url, e))  # errors are not OSErrors)
     return out
+
+
+def _unreadable(code: str, flag: str, url: str, e: Exception) -> Diagnosis:
+    """A storage error as a diagnosis: the URL and botocore's message (which never holds the secret key)."""
+    return Diagnosis(code=code, severity="error", what=f"{flag} {url} cannot be read: {type(e).__name__}: {e}",
+                     fix="check the path; for s3:// the bucket, AWS_ENDPOINT_URL_S3 and the AWS credentials "
+                         "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws)")
 
 
 @check("RF03")
@@ -122,6 +126,13 @@ def dynamic_batch_needs_cap(cfg, env: Environment) -> list[Diagnosis]:
 @check("RF05")
 def resume_hint(cfg, env: Environment) -> list[Diagnosis]:
     """Automatic resume is reported; a weights-only (--no-save-optim) iteration needs --no-load-optim."""
+    try:
+        return _resume_hint(cfg)
+    except Exception as e:  # noqa: BLE001 — storage errors, as in RF01
+        return [_unreadable("RF05", "--save", cfg.save, e)]
+
+
+def _resume_hint(cfg) -> list[Diagnosis]:
     from engine import checkpoint
 
     if cfg.load and cfg.ckpt_step is not None:
