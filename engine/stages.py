@@ -5,18 +5,23 @@ place → convert → [rollout → pack → train → save → sync] per rollout
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine import checkpoint
+from engine import checkpoint, faults
 from engine.config import RunConfig
 from engine.doctor.checks import Environment, run_preflight
 from engine.doctor.diagnosis import ConfigError, Diagnosis
 from engine.packing.microbatch import MicroBatch
 from engine.run import Run
 from engine.samples import Sample
+
+log = logging.getLogger("rollflow")
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
@@ -30,12 +35,35 @@ def preflight(cfg: RunConfig, env: Environment | None = None) -> list[Diagnosis]
 
 
 # ---- place -----------------------------------------------------------------------------------------------------
-def resolve_resume(cfg: RunConfig) -> dict[str, Any] | None:
-    """--load with a marker, else --save with a marker (automatic resume), else None (fresh start)."""
-    for src in (cfg.load, cfg.save):
-        if src and (it := checkpoint.read_marker(src)) is not None:
-            return {"dir": str(checkpoint.iter_dir(src, it)), "iteration": it,
-                    "manifest": checkpoint.load_manifest(src, it), "automatic": src != cfg.load}
+def resolve_start(run: Run) -> checkpoint.StartPoint:
+    """Where the run starts (engine/checkpoint/resolve.py has the rules), verified; then clean --save's leftovers.
+
+    Fills run.start, run.ref_dir and run.store; the notes (fallbacks, clean-ups) go to the log and an artifact.
+    """
+    cfg = run.cfg
+    shutil.rmtree(run.staging, ignore_errors=True)  # downloads of an earlier (killed) attempt
+    start = checkpoint.resolve_start(load=cfg.load, save=cfg.save, ckpt_step=cfg.ckpt_step,
+                                     load_optim=cfg.load_optim, staging=run.staging / "load")
+    run.ref_dir = checkpoint.resolve_ref(ref_load=cfg.ref_load, ref_ckpt_step=cfg.ref_ckpt_step, load=cfg.load,
+                                         start=start, staging=run.staging / "load")
+    if cfg.save:
+        run.store = checkpoint.Store(cfg.save)
+        for gone in checkpoint.clean_leftovers(run.store, checkpoint.read_marker(run.store)):
+            start.notes.append(f"deleted {gone}, left by a save that was killed before its marker")
+    for note in start.notes:  # the convert task reports them as warnings and an artifact
+        log.info(note)
+    log.info("rollflow: %s", start.describe())
+    run.start = start
+    return start
+
+
+def _mlflow_run_id(run: Run) -> str | None:
+    """The MLflow run to continue: the checkpoint's, else the one a killed fresh attempt recorded in --save."""
+    if run.start.kind == "checkpoint":
+        return run.start.manifest.get("mlflow_run_id")
+    ident = checkpoint.read_run_file(run.store) if run.store else None
+    if ident and ident.get("config_hash") == run.cfg.config_hash() and ident.get("origin") == run.origin:
+        return ident.get("mlflow_run_id")
     return None
 
 
@@ -50,7 +78,7 @@ def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
     run = Run(cfg)
     run.flow_run_id, run.flow_run_url = flow_run_id, flow_run_url
     run.work_dir.mkdir(parents=True, exist_ok=True)
-    run.resume = resolve_resume(cfg)
+    resolve_start(run)
     run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
     run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
@@ -63,18 +91,22 @@ def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
 
     run.tracker = Tracker(default_tracking_uri(str(run.work_dir), cfg.mlflow_tracking_uri), cfg.experiment_name)
-    manifest = run.resume["manifest"] if run.resume else {}
     tags = {"rollflow.config_hash": cfg.config_hash(), "rollflow.model": cfg.hf_checkpoint,
-            "rollflow.dataset": cfg.prompt_data, "rollflow.save": cfg.save or ""}
+            "rollflow.dataset": cfg.prompt_data, "rollflow.save": run.store.url if run.store else ""}
     if flow_run_id:
         tags["prefect.flow_run_id"] = flow_run_id
     if flow_run_url:
         tags["prefect.flow_run_url"] = flow_run_url
-    if run.resume:
-        tags[f"rollflow.resumed_from.{run.resume['iteration']}"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    previous = _mlflow_run_id(run)
+    if previous:  # one tag per restart (a unique key), e.g. rollflow.resume.20260101-120000-123456
+        tags[f"rollflow.resume.{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"] = (
+            run.start.describe() + "".join(f"; {n}" for n in run.start.notes))[:5000]
     run_name = cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run.tracker.start(run_name, manifest.get("mlflow_run_id"), tags)
+    run.tracker.start(run_name, previous, tags)
     run.tracker.log_params(cfg.flat_params())
+    if run.store and run.start.kind != "checkpoint" and run.tracker.run_id and run.tracker.run_id != previous:
+        checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "config_hash": cfg.config_hash(),
+                                              "origin": run.origin, "created_at": time.time()})
 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
     run.engines = cluster.start_builtin_engines(cfg.hf_checkpoint, cfg.rollout_num_engines,
@@ -87,20 +119,24 @@ def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
 
 # ---- convert ---------------------------------------------------------------------------------------------------
 def convert(run: Run) -> int:
-    """Load the starting weights (HF checkpoint, or the resumed iteration) into trainers and engines.
+    """Load the starting weights (HF weights, or the resumed iteration) into trainers and engines.
 
-    Returns the first rollout id to run (marker + 1 when resuming).
+    Returns the first rollout id to run (marker + 1 when resuming, 0 for starting weights).
     """
-    if run.resume is None:
-        run.start_rollout_id = 0
-        return 0
-    r = run.resume
-    run.train_group.load(r["dir"])
-    m = r["manifest"]
-    run.dataset.load_state(m["data_state"])
-    run.history = {k: {int(i): v for i, v in d.items()} for k, d in m.get("history", {}).items()}
-    run.start_rollout_id = r["iteration"] + 1
-    sync(run, r["iteration"])
+    s = run.start
+    if s.kind == "checkpoint":
+        run.train_group.load(s.local_dir, load_optim=run.cfg.load_optim)
+        if s.manifest.get("data_state"):
+            run.dataset.load_state(s.manifest["data_state"])
+        run.history = {k: {int(i): v for i, v in d.items()} for k, d in s.manifest.get("history", {}).items()}
+    elif s.kind == "hf":
+        run.train_group.load_weights(s.local_dir)
+    if run.ref_dir:
+        run.train_group.load_weights(run.ref_dir, ref=True)
+    run.start_rollout_id = s.next_rollout_id
+    if s.kind != "fresh":
+        sync(run, s.next_rollout_id - 1)
+    shutil.rmtree(run.staging / "load", ignore_errors=True)  # loaded everywhere; S3 downloads are not needed
     return run.start_rollout_id
 
 
@@ -135,10 +171,12 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
         groups = generate_rollout(rows, rollout_id=rollout_id, prompt_ids=prompt_ids, urls=run.engines.urls,
                                   n=cfg.n_samples_per_prompt, params=sampling_params(run),
                                   reward_model=run.reward_model, seed=cfg.seed,
-                                  concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout)
+                                  concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout,
+                                  deterministic=cfg.deterministic_rollout)
     except BaseException:
         run.dataset.load_state(position)  # a retried rollout takes the same prompts
         raise
+    faults.at("after_rollout", rollout_id)
     return RolloutBatch(rollout_id, groups, rollout_metrics(groups, time.perf_counter() - t0,
                                                             cfg.rollout_max_response_len))
 
@@ -187,6 +225,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
+        faults.at("during_train", packed.rollout_id)
         m = reduce_metrics(parts)
         m["loss"] = sum(p["loss_total"] for p in parts)
         per_step.append(m)
@@ -208,14 +247,26 @@ def should_save(cfg: RunConfig, rollout_id: int) -> bool:
     return last or (cfg.save_interval is not None and (rollout_id + 1) % cfg.save_interval == 0)
 
 
-def save(run: Run, rollout_id: int) -> str:
+def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
+    """iter_%07d (backend state + hf_config/ [+ hf/]) with its manifest, then the marker, then retention."""
+    from engine.convert import copy_hf_config
+
     cfg = run.cfg
     manifest = {"data_state": run.dataset.state(), "mlflow_run_id": run.tracker.run_id if run.tracker else None,
-                "prefect_flow_run_id": run.flow_run_id, "config_hash": cfg.config_hash(),
+                "prefect_flow_run_id": run.flow_run_id, "config_hash": cfg.config_hash(), "origin": run.origin,
                 "history": {k: {str(i): v for i, v in d.items()} for k, d in run.history.items()},
-                "train_backend": cfg.train_backend}
-    path = checkpoint.save_checkpoint(cfg.save, rollout_id, run.train_group.save, manifest)
-    return str(path)
+                "train_backend": cfg.train_backend, "resumable": cfg.save_optim, "seed": cfg.seed,
+                "rng": "per-rank python/numpy/torch RNG states in optim/state.pt; rollout sampling seeds are "
+                       "sha256(seed:rollout_id:index)", "hf_checkpoint": cfg.hf_checkpoint}
+
+    def write_state(path: str) -> None:
+        run.train_group.save(path, save_optim=cfg.save_optim)
+        copy_hf_config(cfg.hf_checkpoint, Path(path) / "hf_config")
+        if cfg.save_hf:
+            run.train_group.export_hf(str(Path(path) / "hf"))
+
+    return checkpoint.save_iteration(run.store, rollout_id, write_state, manifest, staging=run.staging / "save",
+                                     keep_last_n=cfg.keep_last_n)
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------
@@ -273,6 +324,7 @@ def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> d
         "mlflow_tracking_uri": run.tracker.uri if run.tracker else None,
         "flow_run_id": run.flow_run_id,
         "flow_run_url": run.flow_run_url,
-        "save_dir": str(Path(run.cfg.save).resolve()) if run.cfg.save else None,
-        "last_checkpoint": checkpoint.read_marker(run.cfg.save) if run.cfg.save else None,
+        "save_dir": run.store.url if run.store else None,
+        "last_checkpoint": checkpoint.read_marker(run.store) if run.store else None,
+        "started_from": run.start.describe() if run.start else None,
     }

@@ -39,11 +39,14 @@ class TrainWorker:
         return self.backend.train_step(self.steps[k], self.old[k], self.ref[k] if self.ref else None,
                                        global_batch_size)
 
-    def save(self, path: str) -> list[str]:
-        return self.backend.save(path) if self.rank == 0 else []
+    def save(self, path: str, save_optim: bool = True) -> list[str]:
+        return self.backend.save(path, save_optim=save_optim) if self.rank == 0 else []
 
     def load(self, path: str, load_optim: bool = True) -> None:
         self.backend.load(path, load_optim=load_optim)
+
+    def load_weights(self, path: str, ref: bool = False) -> None:
+        self.backend.load_weights(path, ref=ref)
 
     def save_weights(self, path: str) -> str:
         from engine.weights import save_weights_dir
