@@ -27,7 +27,7 @@ log = logging.getLogger("rollflow")
 # ---- preflight -------------------------------------------------------------------------------------------------
 def preflight(cfg: RunConfig, env: Environment | None = None) -> list[Diagnosis]:
     """Every check; raises ConfigError when any is an error (nothing has started yet)."""
-    diags = run_preflight(cfg, env or Environment.local())
+    diags = run_preflight(cfg, env or Environment.for_config(cfg))
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise ConfigError(diags)

@@ -67,7 +67,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_doctor(argv: list[str]) -> int:
-    from engine import stages
+    """Every preflight check that needs no GPU; exit 1 when any finds an error."""
     from engine.config.cli import parse_args
     from engine.doctor.checks import Environment, run_preflight
     from engine.doctor.diagnosis import ConfigError, render_report
@@ -76,13 +76,16 @@ def cmd_doctor(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--json"]
     try:
         cfg = parse_args(argv, prog="rollflow doctor")
-        diags = run_preflight(cfg, Environment.local())
+        diags = run_preflight(cfg, Environment.for_config(cfg))
     except ConfigError as e:
         diags = e.diagnoses
     if as_json:
         print(json.dumps([d.model_dump() for d in diags], indent=2))
     else:
+        errors = sum(d.severity == "error" for d in diags)
         print(render_report(diags) if diags else "rollflow doctor: no problems found")
+        if diags:
+            print(f"\nrollflow doctor: {errors} error(s), {len(diags) - errors} other finding(s)")
     return 1 if any(d.severity == "error" for d in diags) else 0
 
 

@@ -1,7 +1,13 @@
-"""What every task shares: the retry condition and metric publishing."""
+"""What every task shares: the retry condition, runtime diagnosis and metric publishing."""
 from __future__ import annotations
 
-from engine.doctor.diagnosis import DiagnosisError
+from contextlib import contextmanager
+from typing import Iterator
+
+from prefect.artifacts import create_markdown_artifact
+
+from engine.doctor.classify import classify_exception
+from engine.doctor.diagnosis import DiagnosisError, render_report
 from engine.run import Run
 
 
@@ -21,3 +27,22 @@ def publish(run: Run, rollout_id: int, metrics: dict[str, float]) -> dict[str, f
     run.record(metrics, rollout_id)
     run.tracker.log_metrics(metrics, step=rollout_id)
     return metrics
+
+
+@contextmanager
+def diagnosed(run: Run) -> Iterator[None]:
+    """Turn a failure the doctor recognises into a DiagnosisError (the task's state message is the report),
+    published as the `doctor-report` artifact and logged to MLflow. Unrecognised failures pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        diags = classify_exception(e, run.cfg)
+        if not diags:
+            raise
+        report = render_report(diags)
+        create_markdown_artifact(key="doctor-report", markdown=f"# Doctor report\n\n```\n{report}\n```",
+                                 description="runtime diagnosis")
+        run.tracker.log_text(report, "doctor/report.txt")
+        if isinstance(e, DiagnosisError):
+            raise
+        raise DiagnosisError(diags) from e

@@ -4,6 +4,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
+from tasks.common import diagnosed
 
 
 @task(name="convert", task_run_name="convert", cache_policy=NO_CACHE)
@@ -11,7 +12,8 @@ def convert(run: Run) -> int:
     """Load the starting weights (HF or the resumed checkpoint) everywhere; return the first rollout id.
 
     Fallbacks from damaged iterations and clean-ups of killed saves are logged and published as `resume`."""
-    start = stages.convert(run)
+    with diagnosed(run):
+        start = stages.convert(run)
     logger = get_run_logger()
     for note in run.start.notes:
         logger.warning(note)

@@ -4,14 +4,15 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from tasks.common import publish, retry_unless_config_error
+from tasks.common import diagnosed, publish, retry_unless_config_error
 
 
 @task(name="rollout", task_run_name="rollout-{rollout_id}", retries=1, retry_delay_seconds=2,
       retry_condition_fn=retry_unless_config_error, cache_policy=NO_CACHE)
 def rollout(run: Run, rollout_id: int) -> stages.RolloutBatch:
     """Generate B prompts × n samples on the engines and score them; publish a sample table."""
-    batch = stages.rollout(run, rollout_id)
+    with diagnosed(run):
+        batch = stages.rollout(run, rollout_id)
     publish(run, rollout_id, batch.metrics)
     preview = [{"prompt": str(s.prompt)[:200], "response": s.response[:200], "label": str(s.label),
                 "reward": round(s.scalar_reward, 4), "status": s.status.value}

@@ -52,3 +52,36 @@ def test_two_rollouts_end_to_end(prefect_harness, small_cfg, tmp_path):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == [0, 1], key
     assert run.info.status == "FINISHED"
+
+
+def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, small_cfg, tmp_path):
+    """A NaN reward makes the loss NaN: train-0 fails with RF13 in its state message and a doctor-report artifact."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    from engine.doctor import DiagnosisError
+    from flows.train import rl_train
+
+    rm = tmp_path / "nan_reward.py"
+    rm.write_text("def score(sample):\n    return float('nan')\n")
+    cfg = small_cfg(custom_rm_path=f"{rm}:score", num_rollout=1, eval_prompt_data=None,
+                    run_name="nan-run")
+    with pytest.raises(DiagnosisError) as e:
+        rl_train(cfg)
+    assert e.value.codes == ["RF13"]
+
+    async def read():
+        async with get_client() as client:
+            frs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["tests/nan-run"])))
+            fr = frs[-1]
+            trs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            arts = await client.read_artifacts()
+            return fr, trs, arts
+
+    fr, trs, arts = asyncio.run(read())
+    assert fr.state.is_failed()
+    train = next(t for t in trs if t.name == "train-0")
+    assert train.state.is_failed() and "RF13" in train.state.message
+    assert any(a.key == "doctor-report" and "RF13" in (a.data or "") for a in arts)

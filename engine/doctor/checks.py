@@ -25,17 +25,54 @@ def check(code: str) -> Callable[[Check], Check]:
 
 @dataclass
 class Environment:
-    """What the checks may look at besides the config."""
+    """What the checks may look at besides the config: the cluster's resources and the worker env."""
 
-    gpus: float = 0.0  # GPUs in the Ray cluster (or that the run will start)
+    gpus: float = 0.0  # GPUs in the Ray cluster (or on this machine, for the local cluster a run starts)
     cpus: float = 0.0
     gpus_per_node: list[float] = field(default_factory=list)
+    source: str = "this machine"
+    worker_env: dict[str, str] = field(default_factory=dict)  # env every Ray worker gets
 
     @staticmethod
     def local() -> "Environment":
+        """The resources of the local cluster a run would start here."""
         import os
 
-        return Environment(gpus=0.0, cpus=float(os.cpu_count() or 1), gpus_per_node=[0.0])
+        from engine.cluster import worker_env
+
+        gpus = 0
+        try:
+            import torch
+
+            gpus = torch.cuda.device_count()
+        except Exception:
+            pass
+        return Environment(gpus=float(gpus), cpus=float(os.cpu_count() or 1), gpus_per_node=[float(gpus)],
+                           source="this machine", worker_env=worker_env())
+
+    @staticmethod
+    def for_config(cfg) -> "Environment":
+        return Environment.from_ray(cfg.ray_address) if cfg.ray_address else Environment.local()
+
+    @staticmethod
+    def from_ray(address: str) -> "Environment":
+        """Read a running Ray cluster's resources (joins it briefly as a driver)."""
+        import ray
+
+        from engine.cluster import worker_env
+
+        ctx = ray.is_initialized()
+        if not ctx:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            per_node = [float(n["Resources"].get("GPU", 0.0)) for n in nodes]
+            cpus = sum(float(n["Resources"].get("CPU", 0.0)) for n in nodes)
+        finally:
+            if not ctx:
+                ray.shutdown()
+        return Environment(gpus=sum(per_node), cpus=cpus, gpus_per_node=per_node,
+                           source=f"Ray cluster {address}", worker_env=worker_env())
 
 
 def run_preflight(cfg, env: Environment) -> list[Diagnosis]:
@@ -192,4 +229,153 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
     if cfg.eval_prompt_data:
         load_prompts(cfg.eval_prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
                      metadata_key=cfg.metadata_key, flag="--eval-prompt-data")
+    return []
+
+
+@check("RF02")
+def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
+    """Colocated: GPUs ≥ nodes × gpus_per_node; decoupled: ≥ that + rollout GPUs; each train node fits on a node."""
+    out = []
+    if cfg.update_weight_mode == "delta" and cfg.colocate:
+        out.append(Diagnosis(code="RF02", severity="error",
+                             what="--update-weight-mode delta cannot be used with --colocate (colocated engines "
+                                  "receive full weights through shared GPU memory)",
+                             fix="--update-weight-mode full, or drop --colocate"))
+    if env.gpus <= 0:
+        return out  # CPU mode: train workers and engines are CPU processes, nothing waits for GPUs
+    n, g = cfg.actor_num_nodes, cfg.actor_num_gpus_per_node
+    train = n * g
+    rollout = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else \
+        cfg.rollout_num_engines * cfg.rollout_num_gpus_per_engine
+    if cfg.colocate:
+        need, formula = train, f"colocated: GPUs ≥ actor_num_nodes × actor_num_gpus_per_node = {n} × {g} = {train}"
+    else:
+        need = train + rollout
+        formula = (f"decoupled: GPUs ≥ actor_num_nodes × actor_num_gpus_per_node + rollout_num_gpus = "
+                   f"{n} × {g} + {rollout} = {need}")
+    facts = {"need": need, "have": env.gpus, "train_gpus": train, "rollout_gpus": 0 if cfg.colocate else rollout,
+             "gpus_per_node": env.gpus_per_node}
+    if need > env.gpus:
+        fixes = []
+        if not cfg.colocate and train <= env.gpus:
+            fixes.append("--colocate (training and rollout share the GPUs)")
+            if env.gpus - train >= cfg.rollout_num_gpus_per_engine:
+                fixes.append(f"--rollout-num-gpus {int(env.gpus - train)}")
+        if train > env.gpus:
+            fixes.append(f"--actor-num-nodes × --actor-num-gpus-per-node ≤ {int(env.gpus)}")
+        out.append(Diagnosis(code="RF02", severity="error",
+                             what=f"the run asks for {need} GPUs ({formula}) but {env.source} has "
+                                  f"{env.gpus:g}: Ray would wait forever",
+                             fix=", or ".join(fixes) or "a larger cluster", facts=facts))
+    elif sum(1 for x in env.gpus_per_node if x >= g) < n:
+        out.append(Diagnosis(code="RF02", severity="error",
+                             what=f"each of the {n} training node(s) needs {g} GPUs on one node, but the nodes have "
+                                  f"{env.gpus_per_node} GPUs",
+                             fix=f"--actor-num-gpus-per-node {int(max(env.gpus_per_node, default=0))} "
+                                 f"--actor-num-nodes {max(1, -(-train // max(1, int(max(env.gpus_per_node)))))}",
+                             facts=facts))
+    return out
+
+
+@check("RF04")
+def model_name_consistent(cfg, env: Environment) -> list[Diagnosis]:
+    path = Path(cfg.hf_checkpoint) / "config.json"
+    if not path.is_file():
+        return []
+    model_type = json.loads(path.read_text()).get("model_type")
+    if cfg.model_name and model_type and cfg.model_name.lower() != model_type.lower():
+        return [Diagnosis(code="RF04", severity="error",
+                          what=f"--model-name {cfg.model_name} but {path} says model_type {model_type!r}",
+                          fix=f"--model-name {model_type}")]
+    if cfg.actor_num_nodes > 1 and not cfg.model_name:
+        return [Diagnosis(code="RF04", severity="warning",
+                          what=f"{cfg.actor_num_nodes} training nodes will read {cfg.hf_checkpoint} and none is "
+                               "told the architecture",
+                          fix=f"--model-name {model_type} (files are also read behind a per-node lock)")]
+    return []
+
+
+_SGLANG_PORT_KEYS = ("port", "router-port", "nccl-port", "dist-init-addr")
+
+
+@check("RF08")
+def fixed_ports_free(cfg, env: Environment) -> list[Diagnosis]:
+    from engine.rollout.ports import is_port_free, port_holder
+
+    out = []
+    for key in _SGLANG_PORT_KEYS:
+        val = cfg.sglang_args.get(key)
+        if val is None or isinstance(val, bool):
+            continue
+        port = int(str(val).rsplit(":", 1)[-1]) if str(val).rsplit(":", 1)[-1].isdigit() else None
+        if port is None:
+            continue
+        holder = None if is_port_free(port) else (port_holder(port) or "another process")
+        if holder:
+            out.append(Diagnosis(code="RF08", severity="error",
+                                 what=f"--sglang-{key} {val}: port {port} is already in use by {holder}",
+                                 fix=f"drop --sglang-{key} so rollflow's port allocator picks free ports, or stop "
+                                     f"{holder}", facts={"port": port, "holder": holder}))
+        elif cfg.rollout_num_engines > 1 and key == "port":
+            out.append(Diagnosis(code="RF08", severity="error",
+                                 what=f"--sglang-port {port} is fixed but {cfg.rollout_num_engines} engines are "
+                                      "started: they would collide on one machine",
+                                 fix="drop --sglang-port: every engine gets its own port from the allocator"))
+    return out
+
+
+# Chat-template markers of the common families; a pre-templated prompt carries some of them.
+TEMPLATE_MARKERS = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|eot_id|>", "[INST]", "[/INST]",
+                    "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<｜User｜>",
+                    "<｜Assistant｜>", "<|begin_of_text|>", "<s>")
+
+
+@check("RF09")
+def pretemplated_data_matches_model(cfg, env: Environment) -> list[Diagnosis]:
+    """Render a probe with the tokenizer's template; compare pre-templated rows' markers and generation suffix."""
+    from engine.data import load_prompts
+
+    rows = [r for r in load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)[:16]
+            if isinstance(r.prompt, str)]
+    templated = [r for r in rows if any(m in r.prompt for m in TEMPLATE_MARKERS)]
+    if not templated:
+        return []
+    if cfg.apply_chat_template:
+        r = templated[0]
+        return [Diagnosis(code="RF09", severity="error",
+                          what=f"--prompt-data rows are already chat-templated (line {r.row}: {r.prompt[:80]!r}) and "
+                               "--apply-chat-template would template them a second time",
+                          fix="--no-apply-chat-template, or store plain prompts / chat messages in the data")]
+    from engine.modeling import load_tokenizer
+
+    tok = load_tokenizer(cfg.hf_checkpoint)
+    if not tok.chat_template:
+        return []
+    probe = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
+                                    add_generation_prompt=True)
+    model_markers = {m for m in TEMPLATE_MARKERS if m in probe}
+    gen_suffix = probe.split("\x00", 1)[1].strip()
+    for r in templated:
+        data_markers = {m for m in TEMPLATE_MARKERS if m in r.prompt}
+        foreign = sorted(data_markers - model_markers)
+        if foreign or (gen_suffix and not r.prompt.rstrip().endswith(gen_suffix)):
+            rendered = tok.apply_chat_template([{"role": "user", "content": "…"}], tokenize=False,
+                                               add_generation_prompt=True)
+            return [Diagnosis(code="RF09", severity="error",
+                              what=(f"--prompt-data line {r.row} is pre-templated with a template that differs from "
+                                    f"the model's: data {r.prompt[:80]!r} vs model {rendered!r}"
+                                    + (f" (markers {foreign} are not the model's)" if foreign else "")),
+                              fix="store plain prompts and pass --apply-chat-template, or re-template the data with "
+                                  "this model's tokenizer", facts={"line": r.row, "foreign_markers": foreign})]
+    return []
+
+
+@check("RF12")
+def inductor_cache_disabled(cfg, env: Environment) -> list[Diagnosis]:
+    if env.worker_env.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1") != "1":
+        return [Diagnosis(code="RF12", severity="warning",
+                          what="TORCHINDUCTOR_FORCE_DISABLE_CACHES is set to "
+                               f"{env.worker_env['TORCHINDUCTOR_FORCE_DISABLE_CACHES']!r} in the environment, so Ray "
+                               "workers share inductor's cache (JSONDecodeError under torch.compile)",
+                          fix="unset TORCHINDUCTOR_FORCE_DISABLE_CACHES (rollflow sets it to 1 in every worker)")]
     return []

@@ -37,6 +37,9 @@ class DiagnosisError(Exception):
         self.diagnoses = [diagnoses] if isinstance(diagnoses, Diagnosis) else list(diagnoses)
         super().__init__(render_report(self.diagnoses))
 
+    def __reduce__(self):  # picklable across Ray / processes: rebuild from the diagnoses, not the message
+        return (type(self), (self.diagnoses,))
+
     @property
     def codes(self) -> list[str]:
         return [d.code for d in self.diagnoses]

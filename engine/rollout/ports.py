@@ -30,3 +30,17 @@ class PortAllocator:
                     self.taken.add(port)
                     return port
         raise RuntimeError(f"no free port in [{self.next}, {self.end}) on {self.host}")
+
+
+def port_holder(port: int) -> str | None:
+    """'pid 123 (python …)' of the process listening on `port`, when the OS lets us see it."""
+    try:
+        import psutil
+
+        for c in psutil.net_connections(kind="inet"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                p = psutil.Process(c.pid)
+                return f"pid {c.pid} ({' '.join(p.cmdline()[:4])[:120]})"
+    except Exception:  # no permission or no psutil: the port number alone is still reported
+        return None
+    return None

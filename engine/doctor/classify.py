@@ -1,0 +1,91 @@
+"""Runtime classifiers: an exception (or an engine's log text) → the catalog diagnosis that explains it.
+
+`classify_exception` is applied by the flow to whatever a stage raised; it walks the exception chain and the
+rendered traceback, so a RayTaskError wrapping a CUDA OOM is still recognised. Unrecognised failures give [].
+"""
+from __future__ import annotations
+
+import re
+import traceback
+
+from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+
+_OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: can't allocate memory|"
+                  r"out of memory)", re.I)
+_ILLEGAL = re.compile(r"an illegal memory access was encountered", re.I)
+_INDUCTOR = re.compile(r"JSONDecodeError", re.I)
+_PORTS = re.compile(r"Max retries exceeded with url: /get_model_info|address already in use", re.I)
+
+
+def _next(e: BaseException) -> BaseException | None:
+    """The exception behind `e`: Ray's RayTaskError keeps the remote one in `.cause`."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
+
+
+def _text(exc: BaseException) -> str:
+    parts, seen = [], set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append("".join(traceback.format_exception_only(type(e), e)))
+        parts.append(str(getattr(e, "traceback_str", "") or ""))  # Ray's RayTaskError carries the remote traceback
+        e = _next(e)
+    return "\n".join(parts)
+
+
+def classify_text(text: str, cfg=None) -> list[Diagnosis]:
+    """Diagnoses for a log or traceback text; `cfg` (a RunConfig) adds the current values to the advice."""
+    out: list[Diagnosis] = []
+    if _ILLEGAL.search(text):
+        mem = (cfg.sglang_args.get("mem-fraction-static") if cfg is not None else None)
+        current = f"currently {mem}" if mem is not None else "currently SGLang's default"
+        out.append(Diagnosis(
+            code="RF11", severity="error",
+            what=f"the rollout engine reported 'an illegal memory access was encountered' ({current} for "
+                 "--sglang-mem-fraction-static): this is usually an out-of-memory inside the engine",
+            fix="lower --sglang-mem-fraction-static (e.g. by 0.1) so memory beyond the KV cache is left free",
+            facts={"mem_fraction_static": mem}))
+    elif _OOM.search(text):
+        facts = {}
+        if cfg is not None:
+            facts = {"max_tokens_per_gpu": cfg.max_tokens_per_gpu, "micro_batch_size": cfg.micro_batch_size,
+                     "use_dynamic_batch_size": cfg.use_dynamic_batch_size,
+                     "rollout_max_response_len": cfg.rollout_max_response_len}
+        if cfg is not None and cfg.use_dynamic_batch_size:
+            safe = max(1, cfg.rollout_max_response_len // getattr(cfg, "context_parallel_size", 1))
+            what = (f"out of memory while training with --max-tokens-per-gpu {cfg.max_tokens_per_gpu} "
+                    f"(dynamic batch size)")
+            fix = f"--max-tokens-per-gpu {safe} (rollout_max_response_len / cp_size) and raise it while memory allows"
+        else:
+            mbs = cfg.micro_batch_size if cfg is not None else "?"
+            what = f"out of memory with --micro-batch-size {mbs} (static batches)"
+            fix = "--use-dynamic-batch-size --max-tokens-per-gpu <rollout_max_response_len>, or a smaller " \
+                  "--micro-batch-size"
+        out.append(Diagnosis(code="RF03", severity="error", what=what, fix=fix, facts=facts))
+    if _INDUCTOR.search(text) and re.search(r"inductor|torch[._]compile|_inductor|codecache", text, re.I):
+        out.append(Diagnosis(
+            code="RF12", severity="error",
+            what="a JSONDecodeError inside torch.compile / inductor: processes are sharing one inductor cache",
+            fix="keep TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 in the Ray workers' env (rollflow's default; check "
+                "that your environment does not override it with 0)"))
+    if _PORTS.search(text):
+        out.append(Diagnosis(
+            code="RF08", severity="error",
+            what="a rollout engine could not be reached or could not bind its port (port collision between "
+                 "servers on one machine)",
+            fix="let rollflow allocate the ports (do not pass fixed --sglang-port values), or run fewer engines per "
+                "node (e.g. a larger --rollout-num-gpus-per-engine)"))
+    return out
+
+
+def classify_exception(exc: BaseException, cfg=None) -> list[Diagnosis]:
+    """The diagnoses an exception carries (DiagnosisError) or that its text matches."""
+    e: BaseException | None = exc
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiagnosisError):
+            return list(e.diagnoses)
+        e = _next(e)
+    return classify_text(_text(exc), cfg)

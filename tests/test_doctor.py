@@ -1,0 +1,288 @@
+"""The doctor: each catalog failure reproduced, with its code and the key facts in `what` and `fix`."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from engine.config import RunConfig
+from engine.config.cli import parse_args
+from engine.doctor import ConfigError, Diagnosis, DiagnosisError
+from engine.doctor.catalog import CATALOG
+from engine.doctor.checks import CHECKS, Environment, run_preflight
+from engine.doctor.classify import classify_exception, classify_text
+
+GPU8 = Environment(gpus=8, cpus=64, gpus_per_node=[8], source="fake cluster")
+
+
+def codes(diags: list[Diagnosis], severity: str | None = None) -> list[str]:
+    return [d.code for d in diags if severity is None or d.severity == severity]
+
+
+def one(diags: list[Diagnosis], code: str) -> Diagnosis:
+    found = [d for d in diags if d.code == code]
+    assert len(found) == 1, diags
+    return found[0]
+
+
+def test_catalog_has_all_thirteen_codes_and_readme_matches():
+    from engine.doctor.catalog import END, START, catalog_markdown
+
+    assert list(CATALOG) == [f"RF{i:02d}" for i in range(1, 14)]
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split(START, 1)[1].split(END, 1)[0]
+    assert block.strip() == catalog_markdown().strip(), "run: python -m engine.doctor.catalog --write README.md"
+
+
+def test_the_default_config_has_no_error(tiny_model):
+    assert codes(run_preflight(RunConfig(), Environment.local()), "error") == []
+
+
+# ---- RF01 -----------------------------------------------------------------------------------------------------
+def test_rf01_load_dir_without_marker_lists_what_is_there(tmp_path, tiny_model):
+    (tmp_path / "iter_0000004").mkdir()
+    d = one(run_preflight(RunConfig(load=str(tmp_path)), Environment()), "RF01")
+    assert d.severity == "error" and "latest_checkpointed_iteration.txt" in d.what and "iter_0000004" in d.what
+    assert "--load" in d.fix
+    # an HF model as --load is starting weights, converted at the start (issue 6), not an RF01
+    assert codes(run_preflight(RunConfig(load=tiny_model), Environment()), "error") == []
+    (tmp_path / "model.safetensors").write_bytes(b"")  # weights without config.json: not loadable
+    shutil.rmtree(tmp_path / "iter_0000004")
+    hf = one(run_preflight(RunConfig(load=str(tmp_path)), Environment()), "RF01")
+    assert "Hugging Face files without config.json: ['model.safetensors']" in hf.what
+
+
+# ---- RF02 -----------------------------------------------------------------------------------------------------
+def test_rf02_decoupled_topology_larger_than_cluster():
+    # decoupled: 1 × 8 train + 8 rollout = 16 > 8
+    d = one(run_preflight(RunConfig(actor_num_gpus_per_node=8, rollout_num_gpus=8), GPU8), "RF02")
+    assert "1 × 8 + 8 = 16" in d.what and "has 8" in d.what and "--colocate" in d.fix
+
+
+def test_rf02_colocated_topology_larger_than_cluster():
+    # colocated: 2 × 8 = 16 > 8
+    d = one(run_preflight(RunConfig(actor_num_nodes=2, actor_num_gpus_per_node=8, colocate=True), GPU8), "RF02")
+    assert "colocated" in d.what and "2 × 8 = 16" in d.what and "≤ 8" in d.fix
+
+
+def test_rf02_fits_colocated_and_per_node_fit():
+    assert "RF02" not in codes(run_preflight(RunConfig(actor_num_gpus_per_node=8, colocate=True), GPU8))
+    two_nodes = Environment(gpus=8, gpus_per_node=[4, 4])
+    d = one(run_preflight(RunConfig(actor_num_gpus_per_node=8, colocate=True), two_nodes), "RF02")
+    assert "[4, 4]" in d.what and "--actor-num-gpus-per-node 4 --actor-num-nodes 2" in d.fix
+
+
+def test_rf02_delta_with_colocate_is_rejected():
+    d = one(run_preflight(RunConfig(colocate=True, update_weight_mode="delta"), Environment()), "RF02")
+    assert "delta" in d.what and "--update-weight-mode full" in d.fix
+
+
+# ---- RF03 -----------------------------------------------------------------------------------------------------
+def test_rf03_dynamic_batch_without_cap():
+    d = one(run_preflight(RunConfig(use_dynamic_batch_size=True, rollout_max_response_len=4096), Environment()),
+            "RF03")
+    assert "--max-tokens-per-gpu" in d.what and "--max-tokens-per-gpu 4096" in d.fix
+
+
+def test_rf03_oom_is_classified_with_the_numbers():
+    cfg = RunConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=32768, rollout_max_response_len=8192)
+    err = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    d = one(classify_exception(err, cfg), "RF03")
+    assert "32768" in d.what and "--max-tokens-per-gpu 8192" in d.fix
+
+
+# ---- RF04 -----------------------------------------------------------------------------------------------------
+def test_rf04_model_name_mismatch_and_multinode_hint(tiny_model):
+    d = one(run_preflight(RunConfig(model_name="llama"), Environment()), "RF04")
+    assert "qwen2" in d.what and "--model-name qwen2" in d.fix
+    w = one(run_preflight(RunConfig(actor_num_nodes=2), Environment()), "RF04")
+    assert w.severity == "warning" and "--model-name qwen2" in w.fix
+
+
+def test_rf04_model_dir_lock_serialises_processes(tmp_path):
+    """Processes loading the same model directory on a node hold its lock one at a time."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_hold_lock, args=(str(tmp_path), out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    spans = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        assert a1 <= b0, f"two processes held the model lock at once: {spans}"
+
+
+def _hold_lock(path, out):
+    import time
+
+    from engine.modeling import model_dir_lock
+
+    with model_dir_lock(path):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        t1 = time.monotonic()
+    out.put((t0, t1))
+
+
+def test_rf04_every_model_load_takes_the_lock(tiny_model, monkeypatch):
+    from contextlib import contextmanager
+
+    from engine import modeling
+
+    taken = []
+
+    @contextmanager
+    def recording_lock(path):
+        taken.append(path)
+        yield
+
+    monkeypatch.setattr(modeling, "model_dir_lock", recording_lock)
+    modeling.load_tokenizer(tiny_model)
+    modeling.load_causal_lm(tiny_model)
+    assert taken == [tiny_model, tiny_model]
+
+
+# ---- RF05 -----------------------------------------------------------------------------------------------------
+def test_rf05_save_with_marker_and_no_load_resumes(tmp_path):
+    from engine.checkpoint import write_marker
+
+    write_marker(tmp_path, 6)
+    d = one(run_preflight(RunConfig(save=str(tmp_path)), Environment()), "RF05")
+    assert "iteration 6" in d.what and "rollout 7" in d.what and d.severity == "info"
+
+
+# ---- RF06 -----------------------------------------------------------------------------------------------------
+def test_rf06_inconsistent_batch_sizes_with_working_values():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--global-batch-size", "32",
+                    "--num-steps-per-rollout", "4"])
+    d = one(e.value.diagnoses, "RF06")
+    assert "32·8" in d.what or "256/4" in d.what
+    assert "--global-batch-size 64" in d.fix  # G = B·n/k = 256/4
+
+
+# ---- RF08 -----------------------------------------------------------------------------------------------------
+def test_rf08_fixed_port_in_use_names_the_holder():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        d = one(run_preflight(RunConfig(sglang_args={"port": str(port)}), Environment()), "RF08")
+    assert str(port) in d.what and "in use" in d.what and "allocator" in d.fix
+
+
+def test_rf08_connection_errors_are_classified():
+    d = one(classify_text("requests.exceptions.ConnectionError: HTTPConnectionPool(host='10.0.0.3', port=30001): "
+                          "Max retries exceeded with url: /get_model_info (Caused by NewConnectionError)"), "RF08")
+    assert "fewer engines per node" in d.fix
+
+
+# ---- RF09 -----------------------------------------------------------------------------------------------------
+def _data(tmp_path, prompts):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": x, "label": "1"}) + "\n" for x in prompts))
+    return str(p)
+
+
+def test_rf09_pretemplated_with_another_template(tmp_path, tiny_model):
+    llama3 = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n1+1=<|eot_id|>" \
+             "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    d = one(run_preflight(RunConfig(prompt_data=_data(tmp_path, [llama3])), Environment()), "RF09")
+    assert "line 1" in d.what and "<|start_header_id|>" in d.what and "<|im_start|>" in d.what
+    assert "--apply-chat-template" in d.fix
+
+
+def test_rf09_templating_twice(tmp_path, tiny_model):
+    chatml = "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    cfg = RunConfig(prompt_data=_data(tmp_path, [chatml]), apply_chat_template=True)
+    d = one(run_preflight(cfg, Environment()), "RF09")
+    assert "second time" in d.what and "--no-apply-chat-template" in d.fix
+    # the same data without --apply-chat-template matches the model's own template: no RF09
+    assert "RF09" not in codes(run_preflight(RunConfig(prompt_data=cfg.prompt_data), Environment()))
+
+
+# ---- RF10 -----------------------------------------------------------------------------------------------------
+def test_rf10_model_without_any_stop_token(tmp_path, tiny_model):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        f = model / name
+        data = json.loads(f.read_text())
+        data.pop("eos_token_id", None)
+        data.pop("eos_token", None)
+        f.write_text(json.dumps(data))
+    d = one(run_preflight(RunConfig(hf_checkpoint=str(model)), Environment()), "RF10")
+    assert "no EOS" in d.what and "--rollout-stop-token-ids" in d.fix
+    ok = RunConfig(hf_checkpoint=str(model), rollout_stop_token_ids=[258])
+    assert "RF10" not in codes(run_preflight(ok, Environment()))
+
+
+# ---- RF11 -----------------------------------------------------------------------------------------------------
+def test_rf11_illegal_memory_access_in_an_engine_log():
+    log = "[2026-11-29 10:00:01] Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access " \
+          "was encountered\nCUDA kernel errors might be asynchronously reported"
+    cfg = RunConfig(sglang_args={"mem-fraction-static": "0.85"})
+    d = one(classify_text(log, cfg), "RF11")
+    assert "0.85" in d.what and "--sglang-mem-fraction-static" in d.fix
+
+
+# ---- RF12 -----------------------------------------------------------------------------------------------------
+def test_rf12_inductor_json_decode_error_is_classified():
+    tb = ('File "torch/_inductor/codecache.py", line 1234, in load\n'
+          "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)")
+    d = one(classify_text(tb), "RF12")
+    assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in d.fix
+
+
+def test_rf12_every_worker_gets_the_cache_switch(monkeypatch):
+    from engine.cluster import worker_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", raising=False)
+    assert worker_env()["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] == "1"
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0")
+    d = one(run_preflight(RunConfig(), Environment(worker_env=worker_env())), "RF12")
+    assert d.severity == "warning" and "'0'" in d.what
+
+
+# ---- RF13 -----------------------------------------------------------------------------------------------------
+def test_rf13_diagnosis_error_is_kept_by_the_classifier():
+    err = DiagnosisError(Diagnosis(code="RF13", severity="error", what="NaN at step 3 (samples [4, 5])",
+                                   fix="--no-check-for-nan-in-loss-and-grad skips such steps"))
+    wrapped = RuntimeError("ray task failed")
+    wrapped.__cause__ = err
+    assert codes(classify_exception(wrapped)) == ["RF13"]
+
+
+# ---- the CLI --------------------------------------------------------------------------------------------------
+def test_doctor_cli_exit_codes_and_json(tmp_path, capsys, tiny_model):
+    from flows.cli import main
+
+    demo = Path(__file__).parent.parent / "examples" / "demo.yaml"
+    assert main(["doctor", "--config", str(demo)]) == 0
+    capsys.readouterr()
+    (tmp_path / "iter_0000001").mkdir()
+    assert main(["doctor", "--load", str(tmp_path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [d["code"] for d in report if d["severity"] == "error"] == ["RF01"]
+    assert main(["doctor", "--rollout-batch-size", "0"]) == 1
+    assert "--rollout-batch-size" in capsys.readouterr().out
+
+
+def test_every_registered_check_code_is_in_the_catalog():
+    assert set(CHECKS) - set(CATALOG) <= {"DATA", "MODEL", "CONFIG"}
+
+
+def test_diagnosis_errors_survive_pickling():
+    import pickle
+
+    from engine.doctor.diagnosis import ConfigError
+
+    e = pickle.loads(pickle.dumps(ConfigError(Diagnosis(code="RF13", severity="error", what="w", fix="f"))))
+    assert type(e) is ConfigError and e.codes == ["RF13"] and "fix: f" in str(e)
