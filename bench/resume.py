@@ -1,7 +1,6 @@
 """The resume proof for longer runs: SIGKILL the training process at every boundary, restart the same command.
 
-    PYTHONPATH=. python bench/resume.py --num-rollout 6 --out bench/results/resume.json
-    PYTHONPATH=. python bench/resume.py --num-rollout 6 --s3 --boundaries during_save   # against a local moto S3
+    PYTHONPATH=. python bench/resume.py --num-rollout 6 --s3-boundaries during_save --out bench/results/resume.json
 
 1. Train --num-rollout rollouts uninterrupted (fixed seed, --deterministic-rollout, a save after every rollout).
 2. For each boundary (after_rollout, during_train, during_save, before_marker, after_marker), a fresh run of the
@@ -139,49 +138,57 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def start_moto() -> tuple[object, dict[str, str]]:
+    """A moto S3 server on 127.0.0.1 in this process, a bucket `rollflow-bench`, and the env pointing at it."""
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench",
+           "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+    os.environ.update(env)
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("rollflow-bench")
+    return server, env
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-rollout", type=int, default=6)
     p.add_argument("--boundaries", nargs="*", default=list(faults.BOUNDARIES), choices=faults.BOUNDARIES)
+    p.add_argument("--s3-boundaries", nargs="*", default=[], choices=faults.BOUNDARIES,
+                   help="also run these with --save on a local moto S3 server (compared with the same baseline)")
     p.add_argument("--at", type=int, default=None, help="rollout id to kill at (default: the middle one)")
     p.add_argument("--chained", action="store_true", help="every fault in one run, at successive rollouts")
-    p.add_argument("--s3", action="store_true", help="save to a local moto S3 server instead of local disk")
     p.add_argument("--dir", default="/tmp/rollflow-resume-bench")
     p.add_argument("--out", default=None, help="write the results JSON here")
     a = p.parse_args()
 
     base_dir = Path(a.dir) / time.strftime("%Y%m%d-%H%M%S")
     env, server = child_env(), None
-    if a.s3:
-        from moto.server import ThreadedMotoServer
-        import fsspec
-
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        s3env = {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                 "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
-        os.environ.update(s3env)
-        env.update(s3env)
-        fsspec.filesystem("s3", skip_instance_cache=True).mkdir("rollflow-bench")
-    where = (lambda name: f"s3://rollflow-bench/{name}") if a.s3 else (lambda name: str(base_dir / name / "ckpt"))
     n, k = a.num_rollout, a.at if a.at is not None else a.num_rollout // 2
-
     t0 = time.time()
-    base_launches = run_until_done(train_command(n, base_dir / "baseline" / "work", where("baseline")), env,
-                                   base_dir / "baseline" / "log.txt")
-    base = fingerprint(where("baseline"), base_dir / "baseline" / "verify")
-    results = {"command": " ".join(sys.argv), "machine": f"{platform.node()} {platform.machine()} "
-               f"{os.cpu_count()} cores", "num_rollout": n, "storage": "s3 (moto)" if a.s3 else "local disk",
+    base_launches = run_until_done(train_command(n, base_dir / "baseline" / "work", str(base_dir / "baseline" /
+                                                 "ckpt")), env, base_dir / "baseline" / "log.txt")
+    base = fingerprint(str(base_dir / "baseline" / "ckpt"), base_dir / "baseline" / "verify")
+    results = {"command": "PYTHONPATH=. python " + " ".join(sys.argv), "machine": f"{platform.node()}, "
+               f"{platform.machine()}, {os.cpu_count()} cores (shared), load average {os.getloadavg()[0]:.1f} at "
+               "start", "num_rollout": n, "kill_at_rollout": k,
                "baseline": {"seconds": round(time.time() - t0, 1), "launches": base_launches,
                             "model_sha256": {i: v["model"] for i, v in base["iterations"].items()}},
                "runs": []}
+    plan = [(b, f"{b}@{k}", "local") for b in a.boundaries] + [(f"s3-{b}", f"{b}@{k}", "s3")
+                                                               for b in a.s3_boundaries]
     if a.chained:
-        specs = {"chained": ",".join(f"{b}@{min(i, n - 1)}" for i, b in enumerate(a.boundaries))}
-    else:
-        specs = {b: f"{b}@{k}" for b in a.boundaries}
-    for name, spec in specs.items():
-        r = faulted_run(name, spec, n, base_dir, where(name), env)
+        plan = [("chained", ",".join(f"{b}@{min(i, n - 1)}" for i, b in enumerate(a.boundaries)), "local")]
+    for name, spec, kind in plan:
+        if kind == "s3" and server is None:
+            server, s3env = start_moto()
+            env = {**env, **s3env}
+        save = f"s3://rollflow-bench/{base_dir.name}/{name}" if kind == "s3" else str(base_dir / name / "ckpt")
+        r = faulted_run(name, spec, n, base_dir, save, env)
+        r["storage"] = kind
         r["checks"] = compare(base, r.pop("fingerprint"), n)
         r["checks"]["every_fault_fired"] = sorted(r["fired"]) == sorted(spec.split(","))
         r["checks"]["one_mlflow_run_in_store"] = len(r["mlflow"]) == 1
@@ -189,8 +196,9 @@ def main() -> int:
         print(json.dumps({name: r["checks"], "launches": r["launches"]}), flush=True)
     if server:
         server.stop()
-    ok = all(v for r in results["runs"] for k_, v in r["checks"].items() if isinstance(v, bool))
+    ok = all(v for r in results["runs"] for v in r["checks"].values() if isinstance(v, bool))
     results["all_ok"] = ok
+    results["load_average_at_end"] = round(os.getloadavg()[0], 1)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(results, indent=1, default=str))

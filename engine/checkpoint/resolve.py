@@ -168,10 +168,10 @@ def _newest_loadable(store: Store, marker: int | None, staging: str | Path) -> t
             return it, local, m, notes
         notes.append(f"{'the marker names ' if it == marker else 'skipped '}{store.uri(iter_name(it))}: "
                      f"{problem}; not loaded")
+    head = (f"{MARKER} names iteration {marker} but no iteration at or below it is complete"
+            if marker is not None else "no complete iteration")
     raise DiagnosisError(Diagnosis(
-        code="RF01", severity="error",
-        what=f"{store.url}: {MARKER} names iteration {marker} but no iteration at or below it is complete: "
-             + "; ".join(notes) if marker is not None else f"{store.url}: no complete iteration; " + "; ".join(notes),
+        code="RF01", severity="error", what=f"{store.url}: {head}: " + "; ".join(notes),
         fix=f"restore the checkpoint files, or start over with a new --save (or delete {store.uri(MARKER)})",
         facts={"path": store.url, "marker": marker, "problems": notes}))
 

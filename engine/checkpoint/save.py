@@ -32,18 +32,21 @@ class SaveReport:
     iteration: int
     uri: str
     bytes: int
-    seconds: float
+    seconds: float  # the whole save: state + hashing + fsync/upload + manifest + marker + retention
+    state_seconds: float = 0.0  # of which the backend writing its files (write_state)
     deleted: list[int] = field(default_factory=list)  # iterations removed by retention after the marker moved
 
     @property
     def metrics(self) -> dict[str, float]:
         mb = self.bytes / 2**20
-        return {"save/seconds": self.seconds, "save/mb": mb, "save/mb_per_s": mb / max(self.seconds, 1e-9)}
+        return {"save/seconds": self.seconds, "save/state_seconds": self.state_seconds, "save/mb": mb,
+                "save/mb_per_s": mb / max(self.seconds, 1e-9)}
 
     def markdown(self) -> str:
         gone = ", ".join(iter_name(i) for i in self.deleted) or "none"
         return (f"### checkpoint {iter_name(self.iteration)}\n\n| | |\n|---|---|\n| where | `{self.uri}` |\n"
-                f"| size | {self.bytes / 2**20:.1f} MiB |\n| seconds | {self.seconds:.2f} |\n"
+                f"| size | {self.bytes / 2**20:.1f} MiB |\n| seconds | {self.seconds:.2f} (backend state "
+                f"{self.state_seconds:.2f}) |\n"
                 f"| marker | {self.iteration} |\n| deleted by --keep-last-n | {gone} |\n")
 
 
@@ -65,7 +68,9 @@ def save_iteration(store: Store, iteration: int, write_state: Callable[[str], An
         tmp = Path(store.path(name + ".tmp"))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    t_state = time.perf_counter()
     write_state(str(tmp))
+    t_state = time.perf_counter() - t_state
     files = file_table(tmp, fsync=not store.remote)
     body = {**manifest, "format": FORMAT, "rollout_id": iteration, "files": files, "saved_at": time.time()}
     body.setdefault("next_rollout_id", iteration + 1)
@@ -86,7 +91,7 @@ def save_iteration(store: Store, iteration: int, write_state: Callable[[str], An
     faults.at("after_marker", iteration)
     deleted = apply_retention(store, iteration, keep_last_n)
     size = sum(f["size"] for f in files.values())
-    return SaveReport(iteration, store.uri(name), size, time.perf_counter() - t0, deleted)
+    return SaveReport(iteration, store.uri(name), size, time.perf_counter() - t0, t_state, deleted)
 
 
 def _upload(store: Store, tmp: Path, name: str, rels: list[str], iteration: int) -> None:
