@@ -99,8 +99,9 @@ def checkpoint_to_hf(load: str, output_hf: str, *, ckpt_step: int | None = None,
         bad = [k for k in missing if not k.endswith("lm_head.weight")]
         if bad or unexpected:
             raise ConfigError(Diagnosis(code="RF01", severity="error",
-                                        what=f"{store.uri(iter_name(it))}/model does not match {config_dir}/config.json:"
-                                             f" missing {bad[:5]}, unexpected {unexpected[:5]}",
+                                        what=f"{store.uri(iter_name(it))}/model does not match "
+                                             f"{config_dir}/config.json: missing {bad[:5]}, unexpected "
+                                             f"{unexpected[:5]}",
                                         fix="--hf-checkpoint the model this checkpoint was trained from"))
         dtype = getattr(config, "dtype", None) or torch.float32
         model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)

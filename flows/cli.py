@@ -25,6 +25,9 @@ def _quiet_console() -> None:
     the progress bar) while the Prefect API / UI still receives every INFO log. Both are overridable."""
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect waits 20 s for its ephemeral API server; on a loaded 2-core machine that start took longer and a
+    # restarted run died before its first task (seen in bench/resume.py). Overridable like the others.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.resume import child_env, compare, faulted_run, fingerprint, mlflow_runs, run_until_done, train_command
+from bench.resume import child_env, compare, faulted_run, fingerprint, run_until_done, train_command
 from engine import checkpoint
 
 pytestmark = pytest.mark.slow

@@ -46,8 +46,8 @@ def test_each_engine_gets_one_batch_and_a_redo_is_identical(two_engines):
     def once():
         before = [len(s.scheduler.batch_sizes) for s in states]
         groups = generate_rollout(rows, rollout_id=7, prompt_ids=ids, urls=urls, n=2,
-                                  params=SamplingParams(max_new_tokens=6), reward_model=RewardModel("exact_match", None),
-                                  seed=1, deterministic=True)
+                                  params=SamplingParams(max_new_tokens=6),
+                                  reward_model=RewardModel("exact_match", None), seed=1, deterministic=True)
         return groups, [s.scheduler.batch_sizes[b:] for s, b in zip(states, before)]
 
     g1, batches1 = once()

@@ -34,7 +34,7 @@ def load_manifest(save, iteration: int) -> dict:
 
 __all__ = ["MANIFEST", "MARKER", "RUN_FILE", "SaveReport", "StartPoint", "Store", "apply_retention",
            "clean_leftovers", "complete_iterations", "describe_dir", "file_table", "hf_files", "is_hf_dir",
-           "is_remote", "iter_dir", "iter_name", "list_iterations", "marker_text", "load_manifest", "materialize", "normalize",
-           "origin_of", "problem_with", "read_manifest", "read_marker", "read_run_file", "resolve_ref",
-           "resolve_start", "retention_plan", "rf01", "save_iteration", "sha256_file", "write_marker",
-           "write_run_file"]
+           "is_remote", "iter_dir", "iter_name", "list_iterations", "load_manifest", "marker_text", "materialize",
+           "normalize", "origin_of", "problem_with", "read_manifest", "read_marker", "read_run_file",
+           "resolve_ref", "resolve_start", "retention_plan", "rf01", "save_iteration", "sha256_file",
+           "write_marker", "write_run_file"]
