@@ -41,6 +41,7 @@ def test_save_and_resume_on_s3_with_a_trailing_slash_url(s3_bucket, tmp_path):
 
 def test_marker_is_one_put_after_every_other_object(s3_bucket, tmp_path):
     store = Store(s3_bucket + "/order")
+    store.fs = s3fs()  # its own client: the patch below must not leak into the process-wide cached instance
     calls = []
     put_file, pipe_file = store.fs.put_file, store.fs.pipe_file
     store.fs.put_file = lambda lpath, rpath, **kw: (calls.append(("put", rpath.rsplit("/order/", 1)[1])),
