@@ -140,9 +140,12 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def start_moto() -> tuple[object, dict[str, str]]:
     """A moto S3 server on 127.0.0.1 in this process, a bucket `rollflow-bench`, and the env pointing at it."""
+    import logging
+
     import fsspec
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
