@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint import StartPoint
 from engine.config import RunConfig
 
 
@@ -27,7 +28,7 @@ class Run:
         self.engines = None
         self.train_group = None
         self.tracker = None
-        self.start = None  # checkpoint.StartPoint: fresh, HF weights or a verified iteration (+ notes)
+        self.start = StartPoint("fresh")  # set by stages.place: fresh, HF weights or a verified iteration
         self.ref_dir: str | None = None  # reference weights to load (None: --hf-checkpoint's)
         self.store = None  # checkpoint.Store of --save (local or s3://)
         self.staging = self.work_dir / "ckpt-staging"  # local scratch for S3 uploads / downloads
@@ -37,6 +38,8 @@ class Run:
         self.flow_run_id: str | None = None
         self.flow_run_url: str | None = None
         self.cluster: dict[str, Any] = {}
+        self.grad_norms: list[float] = []  # per optimizer step of this process (RF09's running median)
+        self.diagnoses: list = []  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks
 
     # ---- CPU threads: every engine and train worker gets an equal share of the cores ------------------------
     # (on a busy 2-core machine OpenMP with 2 threads per process was 3-4x slower than 1 thread: measured)

@@ -8,8 +8,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from engine.doctor.diagnosis import ConfigError, Diagnosis
 from engine.packing.microbatch import MicroBatch
 from engine.run import Run
 from engine.samples import Sample
+from engine.tracking import Tracker
 
 log = logging.getLogger("rollflow")
 
@@ -57,23 +57,40 @@ def resolve_start(run: Run) -> checkpoint.StartPoint:
     return start
 
 
-def _mlflow_run_id(run: Run) -> str | None:
-    """The MLflow run to continue: the checkpoint's, else the one a killed fresh attempt recorded in --save."""
-    if run.start.kind == "checkpoint":
-        return run.start.manifest.get("mlflow_run_id")
-    ident = checkpoint.read_run_file(run.store) if run.store else None
-    if ident and ident.get("config_hash") == run.cfg.config_hash() and ident.get("origin") == run.origin:
-        return ident.get("mlflow_run_id")
+def _tracking_resume(cfg: RunConfig) -> dict[str, Any] | None:
+    """The MLflow run to continue, for `track` (which runs before preflight and place): the manifest of the
+    iteration the run will start from — a cheap look, place verifies it — else the run id a killed fresh attempt
+    recorded in <save>/rollflow_run.json. Storage errors are left to preflight to report."""
+    try:
+        found = checkpoint.peek_start(load=cfg.load, save=cfg.save, ckpt_step=cfg.ckpt_step)
+        ident = checkpoint.read_run_file(cfg.save) if cfg.save and found is None else None
+    except Exception:  # noqa: BLE001 — unreachable S3, no credentials: RF01/RF05 say so with the fix
+        return None
+    if found:
+        it, manifest, automatic = found
+        return {"iteration": it, "manifest": manifest, "automatic": automatic}
+    if ident and ident.get("config_hash") == cfg.config_hash() \
+            and ident.get("origin") == checkpoint.origin_of(cfg.load, cfg.ckpt_step):
+        return {"iteration": None, "manifest": {"mlflow_run_id": ident.get("mlflow_run_id")}, "automatic": True}
     return None
 
 
-def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None) -> Run:
-    """Start (or join) Ray, read the data, start the rollout engines and the train workers, open tracking."""
+# ---- track -----------------------------------------------------------------------------------------------------
+def track(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None) -> Tracker:
+    """Open the MLflow run first (the checkpoint manifest's run when resuming), so a failed preflight is recorded."""
+    from engine.tracking.record import open_tracking
+
+    return open_tracking(cfg, work_dir=Path(cfg.work_dir).resolve(), resume=_tracking_resume(cfg),
+                         flow_run_id=flow_run_id, flow_run_url=flow_run_url)
+
+
+def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | None = None,
+          flow_run_url: str | None = None) -> Run:
+    """Start (or join) Ray, read the data, start the rollout engines and the train workers (tracking: `track`)."""
     from engine import cluster
     from engine.data import PromptDataset, load_prompts
     from engine.modeling import eos_token_ids, load_tokenizer
     from engine.rewards import RewardModel
-    from engine.tracking import Tracker, default_tracking_uri
 
     run = Run(cfg)
     run.flow_run_id, run.flow_run_url = flow_run_id, flow_run_url
@@ -90,23 +107,11 @@ def place(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
                                      flag="--eval-prompt-data")[: cfg.eval_max_samples]
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
 
-    run.tracker = Tracker(default_tracking_uri(str(run.work_dir), cfg.mlflow_tracking_uri), cfg.experiment_name)
-    tags = {"rollflow.config_hash": cfg.config_hash(), "rollflow.model": cfg.hf_checkpoint,
-            "rollflow.dataset": cfg.prompt_data, "rollflow.save": run.store.url if run.store else ""}
-    if flow_run_id:
-        tags["prefect.flow_run_id"] = flow_run_id
-    if flow_run_url:
-        tags["prefect.flow_run_url"] = flow_run_url
-    previous = _mlflow_run_id(run)
-    if previous:  # one tag per restart (a unique key), e.g. rollflow.resume.20260101-120000-123456
-        tags[f"rollflow.resume.{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"] = (
-            run.start.describe() + "".join(f"; {n}" for n in run.start.notes))[:5000]
-    run_name = cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run.tracker.start(run_name, previous, tags)
-    run.tracker.log_params(cfg.flat_params())
-    if run.store and run.start.kind != "checkpoint" and run.tracker.run_id and run.tracker.run_id != previous:
-        checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "config_hash": cfg.config_hash(),
-                                              "origin": run.origin, "created_at": time.time()})
+    run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
+    if run.store and run.start.next_rollout_id == 0 and run.tracker.run_id:  # a fresh lineage: remember its run
+        if (checkpoint.read_run_file(run.store) or {}).get("mlflow_run_id") != run.tracker.run_id:
+            checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "origin": run.origin,
+                                                  "config_hash": cfg.config_hash(), "created_at": time.time()})
 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
     run.engines = cluster.start_builtin_engines(cfg.hf_checkpoint, cfg.rollout_num_engines,
@@ -187,55 +192,85 @@ class PackedRollout:
     rollout_id: int
     per_rank_steps: list[list[list[MicroBatch]]]  # [rank][step][micro-batch]
     metrics: dict[str, float]
+    rewards: list[float] = field(default_factory=list)  # [N] scalar reward per sample, by Sample.index
 
 
 def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
-    """Advantages per sample, then the DP schedule, then packed micro-batches per rank and step."""
-    import torch
+    """The DP schedule, then packed (varlen) micro-batches per rank and step.
 
-    from engine.algorithms import grpo_advantages
+    Advantages are not computed here: the estimator needs the trainer's log-probs (and PPO the critic's values),
+    so the train workers compute them from the rollout's rewards (engine.train.worker.set_rollout).
+    Metrics: pack/efficiency (real tokens / (micro-batches × cap)), pack/dp_imbalance (max / mean FLOPs over
+    ranks), pack/micro_batches_per_rank, … (engine.packing.schedule.schedule_stats).
+    """
+    from engine.packing.flops import ModelShape, flops_per_sample
     from engine.packing.microbatch import make_micro_batch
-    from engine.packing.schedule import build_dp_schedule
+    from engine.packing.schedule import build_dp_schedule, schedule_stats
 
     cfg, plan = run.cfg, run.plan
+    t0 = time.perf_counter()
     samples = [s for g in batch.groups for s in g]
-    adv = grpo_advantages(torch.tensor([s.scalar_reward for s in samples]), cfg.n_samples_per_prompt).tolist()
-    steps = build_dp_schedule([len(s.tokens) for s in samples], dp_size=plan.dp_size,
-                              global_batch_size=plan.global_batch_size,
-                              max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
-                              micro_batch_size=cfg.micro_batch_size)
-    per_rank = [[[make_micro_batch([samples[i] for i in mb], [adv[i] for i in mb]) for mb in step.ranks[r]]
+    if [s.index for s in samples] != list(range(len(samples))):
+        raise ValueError("Sample.index must be the sample's position in the rollout (group_index·n + j)")
+    lengths = [len(s.tokens) for s in samples]
+    flops = flops_per_sample(lengths, ModelShape.from_hf_config(cfg.hf_checkpoint))
+    max_tokens = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None  # preflight: dynamic ⇒ set (RF03)
+    steps = build_dp_schedule(lengths, dp_size=plan.dp_size, global_batch_size=plan.global_batch_size,
+                              cp_size=cfg.context_parallel_size, max_tokens_per_gpu=max_tokens,
+                              micro_batch_size=cfg.micro_batch_size, balance_data=cfg.balance_data,
+                              balance_by_flops=cfg.balance_by_flops, flops=flops)
+    per_rank = [[[make_micro_batch([samples[i] for i in mb], [0.0] * len(mb)) for mb in step.ranks[r]]
                  for step in steps] for r in range(plan.dp_size)]
-    real = sum(len(s.tokens) for s in samples)
-    n_mb = sum(len(step.ranks[r]) for step in steps for r in range(plan.dp_size))
-    return PackedRollout(batch.rollout_id, per_rank, {"pack/micro_batches": float(n_mb),
-                                                      "pack/tokens": float(real),
-                                                      "pack/micro_batches_per_rank": n_mb / plan.dp_size})
+    cap = max_tokens * cfg.context_parallel_size if max_tokens is not None else None
+    metrics = {f"pack/{k}": v for k, v in schedule_stats(steps, lengths, flops, cap).items()}
+    metrics["pack/seconds"] = time.perf_counter() - t0
+    return PackedRollout(batch.rollout_id, per_rank, metrics, rewards=[s.scalar_reward for s in samples])
 
 
 # ---- train -----------------------------------------------------------------------------------------------------
 def train(run: Run, packed: PackedRollout) -> dict[str, float]:
-    """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank."""
+    """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank, with the runtime checks.
+
+    RF01: on the run's first step the policy and the reference are the same weights (KL = 0, ratio = 1).
+    RF09: a step whose grad norm spikes is reported (a warning in run.diagnoses) with its sample ids.
+    """
+    from engine.doctor.diagnosis import DiagnosisError
     from engine.train.backend import reduce_metrics
+    from engine.train.checks import first_step_check, grad_norm_spike, spike_diagnosis
 
     cfg = run.cfg
     t0 = time.perf_counter()
     # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
-    run.train_group.set_rollout(packed.per_rank_steps, need_ref=True)
+    facts = reduce_metrics(run.train_group.set_rollout(packed.per_rank_steps, packed.rewards, need_ref=True))
+    first = run.start.next_rollout_id == 0 and packed.rollout_id == 0  # policy = reference on this step
+    if first and (d := first_step_check(ref_logp_maxdiff=facts["ref_logp_maxdiff"], ratio_maxdev=None,
+                                        ref_source=run.ref_dir or cfg.hf_checkpoint,
+                                        policy_source=run.start.local_dir or cfg.hf_checkpoint)):
+        raise DiagnosisError(d)
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
         faults.at("during_train", packed.rollout_id)
         m = reduce_metrics(parts)
         m["loss"] = sum(p["loss_total"] for p in parts)
+        if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
+            raise DiagnosisError(d)
+        if (median := grad_norm_spike(run.grad_norms, m["grad_norm"])) is not None:
+            ids = sorted(i for rank in packed.per_rank_steps for mb in rank[k] for i in mb.sample_ids)
+            run.diagnoses.append(spike_diagnosis(step=len(run.grad_norms), rollout_id=packed.rollout_id,
+                                                 grad_norm=m["grad_norm"], median=median, sample_ids=ids))
+            m["grad_norm_spikes"] = 1.0
+        run.grad_norms.append(m["grad_norm"])
         per_step.append(m)
     secs = time.perf_counter() - t0
-    out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]
-           if k not in ("loss_total", "tokens")}
+    skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes"}
+    out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0] if k not in skip}
     out["train/grad_norm_max"] = max(s["grad_norm"] for s in per_step)
+    out["train/skipped_steps"] = sum(s["skipped"] for s in per_step)
+    out["train/skipped_steps_total"] = per_step[-1]["skipped_steps_total"]
+    out["train/grad_norm_spikes"] = sum(s.get("grad_norm_spikes", 0.0) for s in per_step)
     out["train/seconds"] = secs
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
-    out["train/skipped_steps"] = per_step[-1]["skipped_steps"]
     return out
 
 
@@ -321,7 +356,9 @@ def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> d
         "test_accuracy_after": acc_after,
         "wall_s": time.time() - run.started_at,
         "mlflow_run_id": run.tracker.run_id if run.tracker else None,
-        "mlflow_tracking_uri": run.tracker.uri if run.tracker else None,
+        "mlflow_tracking_uri": run.tracker.safe_uri if run.tracker else None,
+        "mlflow_run_url": run.tracker.run_url() if run.tracker else None,
+        "mlflow_lost": run.tracker.lost_report() if run.tracker else None,
         "flow_run_id": run.flow_run_id,
         "flow_run_url": run.flow_run_url,
         "save_dir": run.store.url if run.store else None,

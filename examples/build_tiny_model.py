@@ -101,11 +101,18 @@ def write_jsonl(path: str, rows):
             f.write(json.dumps(r) + "\n")
 
 
-def teacher_answer(a: int, b: int, rng: np.random.Generator) -> str:
+def teacher_distribution(a: int, b: int):
+    """The teacher's answer distribution for "a+b=": list of (answer_string, probability)."""
     table = TEACHER_EASY if is_easy(a, b) else TEACHER_HARD
     offs = [o for o in table if a + b + o >= 0]
-    p = np.array([table[o] for o in offs])
-    return str(a + b + offs[rng.choice(len(offs), p=p / p.sum())])
+    z = sum(table[o] for o in offs)
+    return [(str(a + b + o), table[o] / z) for o in offs]
+
+
+def teacher_answer(a: int, b: int, rng: np.random.Generator) -> str:
+    """One sample from the teacher."""
+    dist = teacher_distribution(a, b)
+    return dist[rng.choice(len(dist), p=np.array([p for _, p in dist]))][0]
 
 
 # --------------------------------------------------------------------------------------
@@ -251,12 +258,20 @@ def make_batch(enc, items, pad_id):
 
 
 def sft(model, tok, train_rows, args):
+    """Warm-up on the noisy teacher.
+
+    Each step takes ``--prompts-per-step`` training prompts (epoch-wise shuffled), each in the
+    plain or the chat format (coin flip).  With ``--targets expected`` (default) the loss is the
+    teacher-weighted NLL over *all* of the teacher's answers for the prompt,
+    ``sum_ans p_teacher(ans) * NLL(ans + <|im_end|> | prompt)`` -- i.e. distillation of the
+    teacher's answer distribution, the noise-free expectation of training on its samples.  With
+    ``--targets sampled`` one teacher sample per prompt is used instead (noisier, slower).
+    """
+    dev = next(model.parameters()).device
     enc = Encoder(tok)
     pad_id = tok.pad_token_id
     rng = np.random.default_rng(args.seed + 1)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     pairs = [tuple(int(x) for x in r["prompt"][:-1].split("+")) for r in train_rows]
     prompts = [r["prompt"] for r in train_rows]
     n = len(train_rows)
@@ -269,33 +284,46 @@ def sft(model, tok, train_rows, args):
         lr *= 0.5 * (1 + math.cos(math.pi * step / args.steps)) * 0.95 + 0.05
         for g in opt.param_groups:
             g["lr"] = lr
-        items = []
-        for _ in range(args.batch_size):
+        items, weights = [], []
+        for _ in range(args.prompts_per_step):
             if pos == n:
                 perm, pos = rng.permutation(n), 0
             i = perm[pos]
             pos += 1
-            ans = teacher_answer(*pairs[i], rng) + IM_END
             p = prompts[i] if rng.random() < 0.5 else chat_prompt(prompts[i])
-            items.append((p, ans))
-        ids, att, lab = make_batch(enc, items, pad_id)
-        logits = model(input_ids=ids, attention_mask=att).logits
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1)
-        )
+            if args.targets == "expected":
+                for ans, w in teacher_distribution(*pairs[i]):
+                    items.append((p, ans + IM_END))
+                    weights.append(w)
+            else:
+                items.append((p, teacher_answer(*pairs[i], rng) + IM_END))
+                weights.append(1.0)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        # plain and chat rows are run as separate sub-batches (less padding)
+        for chat in (False, True):
+            sel = [k for k, (p, _) in enumerate(items) if p.startswith(IM_START) == chat]
+            if not sel:
+                continue
+            ids, att, lab = make_batch(enc, [items[k] for k in sel], pad_id)
+            ids, att, lab = ids.to(dev), att.to(dev), lab.to(dev)
+            w = torch.tensor([weights[k] for k in sel], dtype=torch.float32, device=dev)
+            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+            tgt = lab[:, 1:]
+            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1),
+                                  reduction="none").view(tgt.shape)
+            # per-sequence NLL (answer tokens + eos), teacher-weighted, averaged over prompts
+            part = (nll.sum(1) * w).sum() / args.prompts_per_step
+            part.backward()
+            loss += part.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
         if (step + 1) % args.log_every == 0 or step == 0:
-            print(
-                f"  sft step {step + 1:5d}/{args.steps} loss {ema:.4f} lr {lr:.2e} "
-                f"({time.time() - t0:.0f}s)",
-                flush=True,
-            )
+            print(f"  sft step {step + 1:5d}/{args.steps} loss/prompt {ema:.4f} lr {lr:.2e} "
+                  f"({time.time() - t0:.0f}s)", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            m = evaluate(model, tok, args.eval_rows, fmts=("chat",), n_samples=8, quiet=True)
+            m = evaluate(model, tok, args.eval_rows, fmts=("chat",), n_samples=8)
             print(f"  [eval @ {step + 1}] {fmt_metrics(m)}", flush=True)
             model.train()
 
@@ -321,6 +349,8 @@ def generate(model, tok, prompts, max_new_tokens=8, do_sample=False, temperature
         for i, x in enumerate(chunk):  # left padding
             ids[i, L - len(x) :] = torch.tensor(x)
             att[i, L - len(x) :] = 1
+        dev = next(model.parameters()).device
+        ids, att = ids.to(dev), att.to(dev)
         kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if do_sample \
             else dict(do_sample=False)
         gen = model.generate(
@@ -336,8 +366,7 @@ def generate(model, tok, prompts, max_new_tokens=8, do_sample=False, temperature
     return out
 
 
-def evaluate(model, tok, rows, fmts=("plain", "chat"), n_samples=8, max_new_tokens=8,
-             quiet=False):
+def evaluate(model, tok, rows, fmts=("plain", "chat"), n_samples=8, max_new_tokens=8):
     res = {}
     for fmt in fmts:
         prompts = [r["prompt"] if fmt == "plain" else chat_prompt(r["prompt"]) for r in rows]
@@ -380,15 +409,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=here, help="examples/ directory to write into")
-    ap.add_argument("--steps", type=int, default=6000)
-    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--targets", choices=["expected", "sampled"], default="expected")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--log-every", type=int, default=250)
     ap.add_argument("--eval-every", type=int, default=0, help="0 = only at the end")
     args = ap.parse_args()
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t_start = time.time()
 
@@ -409,7 +441,7 @@ def main():
     print(f"  vocab size {len(tok)}  pad {tok.pad_token_id}  eos {tok.eos_token_id}")
 
     print("[3/4] model + noisy-teacher warm-up", flush=True)
-    model = build_model(tok, args.seed)
+    model = build_model(tok, args.seed).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"  Qwen2ForCausalLM with {n_params / 1e6:.3f}M parameters")
     print(f"  teacher offsets (easy / no carry): {TEACHER_EASY}")
@@ -425,7 +457,7 @@ def main():
         pad_token_id=tok.pad_token_id,
         max_new_tokens=8,
     )
-    model.save_pretrained(model_dir, safe_serialization=True)
+    model.to("cpu").save_pretrained(model_dir, safe_serialization=True)
     tok.save_pretrained(model_dir)
     # Declare the class AutoTokenizer resolves a qwen2 checkpoint to anyway (the saved
     # pipeline is identical to Qwen2Tokenizer's); also keeps older transformers happy.
@@ -439,7 +471,7 @@ def main():
 
     # reload with the generic Auto* classes and evaluate what is on disk
     tok2 = AutoTokenizer.from_pretrained(model_dir)
-    model2 = AutoModelForCausalLM.from_pretrained(model_dir)
+    model2 = AutoModelForCausalLM.from_pretrained(model_dir).to(args.device)
     check_tokenizer(tok2)
     from tokenizers import Tokenizer
 

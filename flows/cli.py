@@ -16,6 +16,7 @@ commands:
   train    run RL training as a Prefect flow (rollflow train --help lists every flag)
   doctor   check a config for the failures in the catalog (RF01–RF13) without starting anything
   serve    run the built-in rollout engine (SGLang's HTTP API) in the foreground
+  compare  compare MLflow runs: params that differ, final / best metrics, a plot (rollflow compare --help)
   convert  HF ⇄ training checkpoint: --hf-checkpoint DIR --save DIR, or --load DIR [--ckpt-step N] --output-hf DIR
 """
 
@@ -25,6 +26,7 @@ def _quiet_console() -> None:
     the progress bar) while the Prefect API / UI still receives every INFO log. Both are overridable."""
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # MLflow resets its logger's level on import
     # Prefect waits 20 s for its ephemeral API server; on a loaded 2-core machine that start took longer and a
     # restarted run died before its first task (seen in bench/resume.py). Overridable like the others.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -49,8 +51,10 @@ def _print_summary(s: dict, cfg) -> None:
     lines.append(f"  Prefect flow run {s['flow_run_id']}: `prefect server start`, then open {url}")
     if s.get("mlflow_run_id"):
         uri = s["mlflow_tracking_uri"]
-        how = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else uri
-        lines.append(f"  MLflow run {s['mlflow_run_id']}: {how}, then open http://127.0.0.1:5000")
+        how = f"`mlflow ui --backend-store-uri {uri}`, then open " if uri.startswith("sqlite:") else "open "
+        lines.append(f"  MLflow run {s['mlflow_run_id']}: {how}{s.get('mlflow_run_url')}")
+    if s.get("mlflow_lost"):
+        lines.append(f"  MLflow incomplete: {s['mlflow_lost']}")
     print("\n".join(lines), flush=True)
 
 
@@ -69,19 +73,55 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+DOCTOR_HELP = """rollflow doctor [--config FILE] [train flags…] [--log FILE…] [--json]
+
+Runs every preflight check that needs no GPU on the config (the same checks `rollflow train` runs first) and
+prints the report, errors first; exits 1 when any check finds an error. --log FILE (repeatable) also classifies a
+failed run's log or traceback (engine logs, Ray task errors): out-of-memory (RF03), port collisions (RF08),
+illegal memory access (RF11), inductor JSONDecodeError (RF12), NaN/Inf (RF13). --json prints the diagnoses as a
+list of objects. `rollflow train --help` lists the train flags.
+"""
+
+
+def _take_option(argv: list[str], name: str) -> tuple[list[str], list[str]]:
+    """Remove every `name VALUE` / `name=VALUE` from argv; return (rest, values)."""
+    rest, values, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith(name + "="):
+            values.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, values
+
+
 def cmd_doctor(argv: list[str]) -> int:
-    """Every preflight check that needs no GPU; exit 1 when any finds an error."""
+    """Every preflight check that needs no GPU (and the classifiers on --log files); exit 1 on any error."""
     from engine.config.cli import parse_args
     from engine.doctor.checks import Environment, run_preflight
+    from engine.doctor.classify import classify_text
     from engine.doctor.diagnosis import ConfigError, render_report
 
+    if argv[:1] in (["-h"], ["--help"]):
+        print(DOCTOR_HELP)
+        return 0
     as_json = "--json" in argv
-    argv = [a for a in argv if a != "--json"]
+    argv, logs = _take_option([a for a in argv if a != "--json"], "--log")
+    cfg = None
     try:
         cfg = parse_args(argv, prog="rollflow doctor")
         diags = run_preflight(cfg, Environment.for_config(cfg))
     except ConfigError as e:
         diags = e.diagnoses
+    for path in logs:
+        if not Path(path).is_file():
+            print(f"rollflow doctor: --log {path}: no such file", file=sys.stderr)
+            return 2
+        diags += classify_text(Path(path).read_text(errors="replace"), cfg)
     if as_json:
         print(json.dumps([d.model_dump() for d in diags], indent=2))
     else:
@@ -136,7 +176,51 @@ def cmd_convert(argv: list[str]) -> int:
                                     "--load CKPT_DIR [--ckpt-step N] --output-hf NEW_HF_DIR"))
 
 
-COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "serve": cmd_serve, "convert": cmd_convert}
+def cmd_compare(argv: list[str]) -> int:
+    from engine.doctor.diagnosis import ConfigError, Diagnosis
+    from engine.tracking import default_tracking_uri, sqlite_path
+    from engine.tracking import compare as cmp
+
+    p = argparse.ArgumentParser(prog="rollflow compare", description="Compare MLflow runs: the params that differ, "
+                                "and the final and best value of each metric per run (a resumed run's redone steps "
+                                "count once: the latest value per step).")
+    p.add_argument("refs", nargs="+", metavar="RUN_OR_EXPERIMENT",
+                   help="run id, run name, experiment name or experiment id (all of its runs)")
+    p.add_argument("--metrics", help=f"comma-separated metric names (default: those of {','.join(cmp.DEFAULT_METRICS)} "
+                   "that were logged)")
+    p.add_argument("--plot", metavar="OUT.png", help="write a PNG overlaying each metric's curves, one line per run")
+    p.add_argument("--format", choices=["table", "csv", "json"], default="table", help="output format (default: table)")
+    p.add_argument("--work-dir", default="runs/default",
+                   help="the runs' --work-dir, whose mlflow.db is read (default: runs/default)")
+    p.add_argument("--mlflow-tracking-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else "
+                   "sqlite:///<work-dir>/mlflow.db)")
+    p.add_argument("--all-params", action="store_true", help="also list differing paths and names (work dir, --save, "
+                   "run name, …)")
+    a = p.parse_args(argv)
+    uri = default_tracking_uri(a.work_dir, a.mlflow_tracking_uri)
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # MLflow would create an empty store there
+        raise ConfigError(Diagnosis(code="COMPARE", severity="error", what=f"no MLflow store at {db}",
+                                    fix="pass the --work-dir the runs used (e.g. --work-dir runs/demo) or "
+                                        "--mlflow-tracking-uri"))
+    _quiet_console()
+    from mlflow.tracking import MlflowClient
+
+    metrics = [m.strip() for m in a.metrics.split(",") if m.strip()] if a.metrics else None
+    c = cmp.compare(MlflowClient(tracking_uri=uri), a.refs, metrics, uri=uri, all_params=a.all_params)
+    out = {"table": cmp.render_table, "csv": cmp.render_csv, "json": cmp.render_json}[a.format](c)
+    sys.stdout.write(out)
+    if a.plot:
+        if not c["metrics"]:
+            raise ConfigError(Diagnosis(code="COMPARE", severity="error", what="--plot: no metric to plot",
+                                        fix="pass --metrics m1,m2"))
+        cmp.plot(c, a.plot)
+        print(f"plot: {a.plot}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "serve": cmd_serve, "compare": cmd_compare,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """rl-train: one flow run per training run; reads like slime's train.py — one loop over rollout ids."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from prefect import flow
@@ -12,7 +13,9 @@ from tqdm import tqdm
 import tasks
 from engine.config import RunConfig
 from engine.run import Run
-from engine.stages import should_save, summary
+from engine.stages import should_save, summary, track
+from engine.tracking import TrackingWarning
+from engine.tracking.record import finish, prefect_ui_url
 
 
 def _flow_run_name() -> str:
@@ -36,13 +39,14 @@ def _iteration_markdown(run: Run, rollout_id: int) -> str:
 @flow(name="rl-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
 def rl_train(cfg: RunConfig) -> dict[str, Any]:
     """RL post-training: preflight → place → convert, then rollout → pack → train → save → sync per rollout."""
-    tasks.preflight(cfg)
-    run = tasks.place(cfg)
+    tracker = track(cfg, flow_run_id=str(flow_run.id), flow_run_url=prefect_ui_url(flow_run.id, flow_run.ui_url))
+    if tracker.run_id:
+        create_link_artifact(key="mlflow-run", link=tracker.run_url(), link_text=f"MLflow run {tracker.run_id}")
+    run = None
     try:
+        tasks.preflight(cfg)
+        run = tasks.place(cfg, tracker)
         start = tasks.convert(run)
-        if run.tracker.run_id:
-            create_link_artifact(key="mlflow-run", link=f"{run.tracker.uri}#run={run.tracker.run_id}",
-                                 link_text=f"MLflow run {run.tracker.run_id}")
         before = run.history.get("eval/test_accuracy_before", {}).get(-1)
         if before is None and start == 0:
             before = tasks.evaluate(run, "before")
@@ -69,11 +73,20 @@ def rl_train(cfg: RunConfig) -> dict[str, Any]:
         after = tasks.evaluate(run, "after")
         if after is not None:
             run.tracker.log_metrics({"eval/test_accuracy": after}, step=cfg.num_rollout)
-        result = summary(run, acc_before=before, acc_after=after)
-        run.tracker.end("FINISHED")
-        return result
-    except BaseException:
-        run.tracker.end("FAILED")
+        finish(tracker, run.history)
+        _say_lost(tracker)
+        return summary(run, acc_before=before, acc_after=after)
+    except BaseException as e:
+        finish(tracker, run.history if run else {}, e)
+        _say_lost(tracker)
         raise
     finally:
-        run.close()
+        if run is not None:
+            run.close()
+
+
+def _say_lost(tracker) -> None:
+    """What MLflow never received, at the end of the run: a warning on the console and a Prefect artifact."""
+    if report := tracker.lost_report():
+        warnings.warn(report, TrackingWarning, stacklevel=2)
+        create_markdown_artifact(key="mlflow-lost", markdown=f"**MLflow incomplete**: {report}")

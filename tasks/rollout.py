@@ -4,6 +4,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
+from engine.tracking.record import log_rollout
 from tasks.common import diagnosed, publish, retry_unless_config_error
 
 
@@ -18,4 +19,5 @@ def rollout(run: Run, rollout_id: int) -> stages.RolloutBatch:
                 "reward": round(s.scalar_reward, 4), "status": s.status.value}
                for g in batch.groups[:4] for s in g[:2]]
     create_table_artifact(key="samples", table=preview, description=f"sample rollouts of rollout {rollout_id}")
+    log_rollout(run.tracker, run.cfg, rollout_id, batch.groups, run.history)  # JSONL + plots, when due
     return batch

@@ -1,4 +1,5 @@
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from engine import stages
@@ -9,5 +10,12 @@ from tasks.common import diagnosed, publish
 @task(name="train", task_run_name="train-{packed.rollout_id}", cache_policy=NO_CACHE)
 def train(run: Run, packed: stages.PackedRollout) -> dict[str, float]:
     """num_steps_per_rollout optimizer steps on the train workers (not retried: the update is not idempotent)."""
+    seen = len(run.diagnoses)
     with diagnosed(run):
-        return publish(run, packed.rollout_id, stages.train(run, packed))
+        out = publish(run, packed.rollout_id, stages.train(run, packed))
+    new = run.diagnoses[seen:]
+    for d in new:  # runtime warnings (RF09 grad-norm spike): in the task's log and as an artifact
+        get_run_logger().warning(d.render())
+    if new:
+        create_markdown_artifact(key="train-warnings", markdown="\n\n".join(f"```\n{d.render()}\n```" for d in new))
+    return out

@@ -286,3 +286,72 @@ def test_diagnosis_errors_survive_pickling():
 
     e = pickle.loads(pickle.dumps(ConfigError(Diagnosis(code="RF13", severity="error", what="w", fix="f"))))
     assert type(e) is ConfigError and e.codes == ["RF13"] and "fix: f" in str(e)
+
+
+# ---- `rollflow doctor` on a deliberately broken config, one per code ---------------------------------------------
+def _chatml_data(tmp_path):
+    return _data(tmp_path, ["<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"])
+
+
+def _model_without_eos(tmp_path, tiny_model):
+    model = tmp_path / "no-eos"
+    shutil.copytree(tiny_model, model)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        data = json.loads((model / name).read_text())
+        data.pop("eos_token_id", None)
+        data.pop("eos_token", None)
+        (model / name).write_text(json.dumps(data))
+    return str(model)
+
+
+def _log(tmp_path, text):
+    p = tmp_path / "run.log"
+    p.write_text(text)
+    return ["--log", str(p)]
+
+
+BROKEN = {
+    # code: (argv builder, a fact that must be printed)
+    "RF01": (lambda t, m: ["--load", str(t)], "latest_checkpointed_iteration.txt"),
+    "RF02": (lambda t, m: ["--colocate", "--update-weight-mode", "delta"], "--update-weight-mode full"),
+    "RF03": (lambda t, m: ["--use-dynamic-batch-size", "--rollout-max-response-len", "2048"],
+             "--max-tokens-per-gpu 2048"),
+    "RF04": (lambda t, m: ["--model-name", "llama"], "--model-name qwen2"),
+    "RF05": (lambda t, m: (__import__("engine.checkpoint", fromlist=["x"]).write_marker(t, 3),
+                           ["--save", str(t)])[1], "rollout 4"),
+    "RF06": (lambda t, m: ["--global-batch-size", "48"], "--global-batch-size one of"),
+    "RF07": (lambda t, m: ["--moe-token-dispatcher-type", "allgather"], "alltoall"),
+    "RF09": (lambda t, m: ["--prompt-data", _chatml_data(t), "--apply-chat-template"], "--no-apply-chat-template"),
+    "RF10": (lambda t, m: ["--hf-checkpoint", _model_without_eos(t, m)], "--rollout-stop-token-ids"),
+    "RF11": (lambda t, m: ["--sglang-mem-fraction-static", "0.88"] + _log(
+        t, "RuntimeError: CUDA error: an illegal memory access was encountered"), "0.88"),
+    "RF12": (lambda t, m: _log(t, 'File "torch/_inductor/codecache.py"\njson.decoder.JSONDecodeError: Expecting '
+                                  "value"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1"),
+    "RF13": (lambda t, m: _log(t, "[rank0] iteration 12: loss is nan, skipping"),
+             "--no-check-for-nan-in-loss-and-grad"),
+}
+
+
+@pytest.mark.parametrize("code", sorted(BROKEN))
+def test_rollflow_doctor_prints_each_code_with_its_facts(code, tmp_path, capsys, tiny_model):
+    from flows.cli import main
+
+    argv_of, fact = BROKEN[code]
+    rc = main(["doctor", *argv_of(tmp_path, tiny_model)])
+    out = capsys.readouterr().out
+    assert f"[{code} " in out and fact in out, out
+    severity = {"RF05": "info", "RF07": "info"}.get(code, "error")
+    assert f"[{code} {severity}]" in out
+    assert rc == (1 if severity == "error" else 0)
+
+
+def test_rollflow_doctor_prints_rf08_for_a_taken_port(capsys):
+    from flows.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["doctor", "--sglang-port", str(port)]) == 1
+    out = capsys.readouterr().out
+    assert "[RF08 error]" in out and f"port {port} is already in use" in out

@@ -48,7 +48,8 @@ def test_two_rollouts_end_to_end(prefect_harness, small_cfg, tmp_path):
     assert run.data.params["rollout_batch_size"] == "4" and run.data.params["lr"] == "0.0001"
     assert run.data.tags["prefect.flow_run_id"] == str(fr.id)
     for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl", "train/grad_norm",
-                "rollout/seconds", "train/seconds", "sync/seconds"):
+                "rollout/seconds", "train/seconds", "sync/seconds", "pack/efficiency", "pack/dp_imbalance",
+                "pack/micro_batches_per_rank"):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == [0, 1], key
     assert run.info.status == "FINISHED"

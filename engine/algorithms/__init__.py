@@ -1,5 +1,12 @@
 """RL math as pure functions of tensors and numbers (no config, no torch.distributed, no Ray)."""
-from engine.algorithms.advantages import grpo_advantages
-from engine.algorithms.losses import kl, masked_mean, policy_loss
+from engine.algorithms.advantages import (ESTIMATORS, compute_advantages, discounted_returns, gae, grpo_advantages,
+                                          masked_whiten, reinforce_plus_plus_baseline_advantages,
+                                          reinforce_plus_plus_returns, whiten_stats)
+from engine.algorithms.losses import (cispo_policy_loss, gspo_policy_loss, kl, masked_mean, policy_loss, tis_weights,
+                                      value_loss)
+from engine.algorithms.objective import LossSpec, aggregate, policy_objective, value_objective
 
-__all__ = ["grpo_advantages", "kl", "masked_mean", "policy_loss"]
+__all__ = ["ESTIMATORS", "LossSpec", "aggregate", "cispo_policy_loss", "compute_advantages", "discounted_returns",
+           "gae", "grpo_advantages", "gspo_policy_loss", "kl", "masked_mean", "masked_whiten", "policy_loss",
+           "policy_objective", "reinforce_plus_plus_baseline_advantages", "reinforce_plus_plus_returns",
+           "tis_weights", "value_loss", "value_objective", "whiten_stats"]

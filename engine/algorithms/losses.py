@@ -1,7 +1,14 @@
-"""Policy loss and KL, elementwise over tokens; aggregation is the caller's (see `masked_mean`)."""
+"""Per-token RL losses and KL, elementwise over packed tokens; aggregation is `engine.algorithms.objective`'s.
+
+All tensors are [T] flat token tensors of one packed micro-batch unless stated. ρ = exp(log πθ − log π_old).
+Each loss returns (loss [T], clipped [T]) where clipped is a 0/1 float: 1 where the clip changed the token's
+term (the clip fraction metric).
+"""
 from __future__ import annotations
 
 import torch
+
+from engine.algorithms.packed import per_sample_mean, segment_ids
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -11,9 +18,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
     """Elementwise KL estimate of π‖π_ref from x = log π − log π_ref (Schulman's k1/k2/k3).
 
-    k1 = x; k2 = x²/2; k3 (low_var_kl) = e^(−x) − 1 + x, clamped to [−10, 10].
+    k1 = x; k2 = x²/2; k3 (= low_var_kl) = e^(−x) − 1 + x, clamped to [−10, 10] (design.md; slime clamps only
+    its low_var_kl spelling, here both spellings are the same estimator).
     """
-    x = log_probs - ref_log_probs  # [T]
+    x = log_probs.float() - ref_log_probs.float()  # [T]
     if kind == "k1":
         return x
     if kind == "k2":
@@ -23,23 +31,78 @@ def kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch
     raise ValueError(f"unknown kl kind {kind!r}: one of k1, k2, k3, low_var_kl")
 
 
-def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
-                eps_clip: float = 0.2, eps_clip_high: float | None = None,
-                eps_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate per token: max(−ρA, −clip(ρ, 1−ε, 1+ε_high)·A), ρ = exp(logπθ − logπold).
-
-    All inputs [T]. Dual clip (c > 1) bounds the loss of negative advantages by −c·A. Returns (loss [T],
-    clipped [T] as 0/1 floats: 1 where the clipped branch was taken).
-    """
+def _clip_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float | None,
+                    eps_clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    ratio = torch.exp(log_probs - old_log_probs)  # [T]
     loss1 = -ratio * advantages  # [T]
     loss2 = -ratio.clamp(1 - eps_clip, 1 + high) * advantages  # [T]
     loss = torch.maximum(loss1, loss2)
     clipped = (loss2 > loss1).float()
     if eps_clip_c is not None:
-        loss3 = -eps_clip_c * advantages
+        if eps_clip_c <= 1:
+            raise ValueError(f"dual clip needs eps_clip_c > 1, got {eps_clip_c}")
+        loss3 = -eps_clip_c * advantages  # [T] the dual-clip bound, only for A < 0
         dual = (advantages < 0) & (loss > loss3)
         loss = torch.where(advantages < 0, torch.minimum(loss, loss3), loss)
         clipped = torch.maximum(clipped, dual.float())
     return loss, clipped
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
+                eps_clip: float = 0.2, eps_clip_high: float | None = None,
+                eps_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token: max(−ρA, −clip(ρ, 1−ε, 1+ε_high)·A).
+
+    ε_high defaults to ε (asymmetric "clip-higher" when set). Dual clip (c > 1) bounds the loss of negative
+    advantages by −c·A: L = min(L, −c·A) for A < 0.
+    """
+    ratio = torch.exp(log_probs - old_log_probs)  # [T]
+    return _clip_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def gspo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                     loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, eps_clip: float = 0.2,
+                     eps_clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (arXiv 2507.18071): the clipped surrogate with one ratio per sequence.
+
+    s_i = exp(mean over the sample's trained tokens of (log πθ − log π_old)), broadcast to its tokens; the
+    gradient flows through the mean (every trained token of the sample gets 1/|y_i| of it), as slime.
+    """
+    seq_log_ratio = per_sample_mean(log_probs - old_log_probs, loss_mask, cu_seqlens)  # [S]
+    ratio = torch.exp(seq_log_ratio)[segment_ids(cu_seqlens)]  # [T]
+    return _clip_surrogate(ratio, advantages, eps_clip, eps_clip_high, None)
+
+
+def cispo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
+                      eps_clip: float = 0.2, eps_clip_high: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): −sg(clip(ρ, 1−ε, 1+ε_high))·A·log πθ.
+
+    The clipped ratio is a constant (stop-gradient), so ∂L/∂log πθ = −clip(ρ)·A: clipped tokens keep their
+    gradient, only its weight is bounded. Canonical CISPO has no lower bound: pass eps_clip ≥ 1.
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = torch.exp(log_probs - old_log_probs)  # [T]
+    weight = ratio.clamp(1 - eps_clip, 1 + high)  # [T]
+    return -weight.detach() * advantages * log_probs, (weight != ratio).float()
+
+
+def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, *, low: float = 0.0,
+                high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling against the engine: w = clamp(exp(log π_old,train − log π_rollout), low, high).
+
+    Both inputs are constants, so w carries no gradient; the policy loss is multiplied by it token by token.
+    Returns (w [T], clipped [T]).
+    """
+    w = torch.exp(old_log_probs.float() - rollout_log_probs.float())  # [T]
+    clamped = w.clamp(low, high)
+    return clamped, (clamped != w).float()
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
+               value_clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss: max((V − R)², (V_old + clip(V − V_old, ±c) − R)²), as slime (no ½ factor)."""
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)  # [T]
+    surr1 = (clipped_values - returns).pow(2)
+    surr2 = (values - returns).pow(2)
+    return torch.maximum(surr1, surr2), (surr1 > surr2).float()

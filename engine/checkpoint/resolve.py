@@ -231,6 +231,37 @@ def resolve_start(*, load: str | None, save: str | None, ckpt_step: int | None, 
     raise ConfigError(rf01("--load", src))
 
 
+def peek_start(*, load: str | None, save: str | None, ckpt_step: int | None) -> tuple[int, dict, bool] | None:
+    """(iteration, manifest, automatic) of the checkpoint resolve_start would start from, from manifests alone
+    (no checksums, no downloads): enough to know the run's MLflow run id before anything is verified. None for a
+    fresh start, HF weights or a converted iteration (starting weights: no run to continue)."""
+    origin = origin_of(load, ckpt_step)
+
+    def newest(store: Store) -> tuple[int, dict] | None:
+        marker = read_marker(store)
+        older = [i for i in reversed(list_iterations(store)) if marker is None or i < marker]
+        for it in ([marker] if marker is not None else []) + older:
+            if (m := read_manifest(store, it)) is not None:
+                return it, m
+        return None
+
+    found = None
+    if save and not _same_dir(load, save) and marker_text(Store(save)) is not None:
+        own = newest(Store(save))
+        if own and (load is None or own[1].get("origin") == origin):
+            found = (*own, True)
+    if found is None and load:
+        src = Store(load)
+        if ckpt_step is not None:
+            m = read_manifest(src, ckpt_step)
+            found = (ckpt_step, m, False) if m else None
+        elif marker_text(src) is not None and (it_m := newest(src)):
+            found = (*it_m, False)
+    if found is None or int(found[1].get("next_rollout_id", found[0] + 1)) == 0:
+        return None
+    return found
+
+
 def resolve_ref(*, ref_load: str | None, ref_ckpt_step: int | None, load: str | None, start: StartPoint,
                 staging: str | Path) -> str | None:
     """The reference model's weights as a local dir (HF dir or iteration dir); None = --hf-checkpoint's.

@@ -77,9 +77,13 @@ class TrainGroup:
         from engine.train.worker import TrainWorker
 
         self.timeout_s = timeout_s
-        world = cfg.dp_size
+        world = cfg.train_world_size
+        # Megatron's rank order is tp-cp-ep-dp-pp: rank r belongs to DP replica (r // TP) mod DP.
+        tp, dp = cfg.tensor_model_parallel_size, cfg.dp_size
+        self.dp_rank_of = [(r // tp) % dp for r in range(world)]
         master = f"127.0.0.1:{PortAllocator(start=29500).allocate()}" if world > 1 else None
-        cls = ray.remote(num_cpus=0, max_restarts=0)(TrainWorker)
+        gpus = 1 if cfg.train_backend == "megatron" else 0
+        cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(TrainWorker)
         cfg_dict = cfg.model_dump()
         self.workers = [cls.options(runtime_env=_threads_env(threads)).remote(
             cfg_dict, rank=r, world_size=world, master=master, train_iters=train_iters, threads=threads)
@@ -93,8 +97,11 @@ class TrainGroup:
                 for r, w in enumerate(self.workers)]
         return ray.get(refs, timeout=self.timeout_s)
 
-    def set_rollout(self, per_rank_steps: list[list[list[Any]]], need_ref: bool) -> list[dict[str, float]]:
-        return self._all("set_rollout", need_ref, per_rank=per_rank_steps)
+    def set_rollout(self, per_rank_steps: list[list[list[Any]]], rewards: list[float],
+                    need_ref: bool) -> list[dict[str, float]]:
+        """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches.
+        Every rank also gets the rewards of the whole rollout (see engine.train.worker)."""
+        return self._all("set_rollout", rewards, need_ref, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
         return self._all("train_step", k, global_batch_size)

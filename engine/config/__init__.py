@@ -26,7 +26,8 @@ SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Checkp
 
 #: Fields that do not change what is trained (left out of the config hash).
 NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
-                "save", "load", "experiment_name", "num_cpus", "train_threads"}
+                "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
+                "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval"}
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
@@ -39,8 +40,17 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         return self
 
     @property
-    def dp_size(self) -> int:
+    def train_world_size(self) -> int:
+        """Train ranks (GPUs, or CPU workers): nodes × GPUs per node."""
         return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: train ranks / (TP · PP · CP); each replica gets its own micro-batches
+        (CP ranks share one micro-batch; preflight checks the divisibility)."""
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * \
+            self.context_parallel_size
+        return max(1, self.train_world_size // model_parallel)
 
     @property
     def batch(self) -> BatchPlan:

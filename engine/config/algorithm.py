@@ -1,17 +1,28 @@
 """RL algorithm flags (defaults as slime)."""
-from typing import Literal
+from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.config.base import Section
+from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+#: Estimators whose advantage is the group-normalised reward (no token-level reward shaping).
+GROUP_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 class AlgorithmArgs(Section):
-    advantage_estimator: Literal["grpo"] = "grpo"
-    """Advantage estimator."""
+    advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                 "ppo"] = "grpo"
+    """Advantage estimator: grpo, gspo (sequence-level ratio), cispo (clipped IS weight, stop-gradient), reinforce_plus_plus, reinforce_plus_plus_baseline, or ppo (GAE with a critic)."""
 
     eps_clip: float = Field(0.2, gt=0)
     """PPO clip range ε: ratio clipped to [1-ε, 1+ε_high]."""
+
+    eps_clip_high: Optional[float] = Field(None, gt=0)
+    """Upper clip range ε_high (clip-higher); default: --eps-clip."""
+
+    eps_clip_c: Optional[float] = Field(None, gt=1)
+    """Dual-clip bound c > 1: the loss of a token with negative advantage is at most −c·A (default: off)."""
 
     use_kl_loss: bool = False
     """Add kl_loss_coef · KL(π‖π_ref) to the loss."""
@@ -20,7 +31,62 @@ class AlgorithmArgs(Section):
     """Weight of the KL loss term."""
 
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    """KL estimator for the loss and the logged metric."""
+    """KL estimator for the loss, the reward shaping (--kl-coef) and the logged metric."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    """KL reward shaping for ppo / reinforce_plus_plus(_baseline): token reward −kl_coef · KL(π_old‖π_ref)."""
 
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (loss -= entropy_coef · entropy)."""
+
+    disable_grpo_std_normalization: bool = False
+    """Dr.GRPO: subtract the group mean reward without dividing by the group std (grpo, gspo, cispo)."""
+
+    normalize_advantages: bool = False
+    """Whiten advantages over the trained tokens of the whole rollout (all DP ranks): (A − mean) / std."""
+
+    use_tis: bool = False
+    """Truncated importance sampling: weight each token's policy loss by clamp(π_train_old / π_rollout, low, high)."""
+
+    tis_clip: float = Field(2.0, gt=0)
+    """Upper bound of the TIS weight."""
+
+    tis_clip_low: float = Field(0.0, ge=0)
+    """Lower bound of the TIS weight."""
+
+    calculate_per_token_loss: bool = False
+    """Average the loss over all trained tokens of the step instead of per-sample token means averaged over samples."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor γ for ppo (GAE) and reinforce_plus_plus returns."""
+
+    lambd: float = Field(1.0, ge=0, le=1)
+    """GAE λ for ppo."""
+
+    value_clip: float = Field(0.2, gt=0)
+    """ppo: clip the critic's new value to old value ± value_clip in the value loss."""
+
+    critic_lr: Optional[float] = Field(None, gt=0)
+    """ppo: peak learning rate of the critic (default: --lr); same schedule as the policy."""
+
+    @model_validator(mode="after")
+    def _algorithm_consistent(self) -> "AlgorithmArgs":
+        def err(what: str, fix: str, **facts) -> ConfigError:
+            return ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix, facts=facts))
+
+        if self.kl_coef > 0 and self.advantage_estimator in GROUP_ESTIMATORS:
+            # slime ignores kl_coef for these estimators; silently not regularising would be worse than an error
+            raise err(f"--kl-coef {self.kl_coef} shapes token rewards, which --advantage-estimator "
+                      f"{self.advantage_estimator} does not use (its advantage is the group-normalised reward)",
+                      f"--use-kl-loss --kl-loss-coef {self.kl_coef} for a KL penalty with "
+                      f"{self.advantage_estimator}, or --advantage-estimator ppo / reinforce_plus_plus",
+                      field="kl_coef", value=self.kl_coef)
+        if self.disable_grpo_std_normalization and self.advantage_estimator not in GROUP_ESTIMATORS:
+            raise err(f"--disable-grpo-std-normalization has no effect with --advantage-estimator "
+                      f"{self.advantage_estimator} (it applies to {', '.join(GROUP_ESTIMATORS)})",
+                      "drop --disable-grpo-std-normalization", field="disable_grpo_std_normalization")
+        if self.tis_clip_low > self.tis_clip:
+            raise err(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}",
+                      f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",
+                      value=self.tis_clip_low)
+        return self

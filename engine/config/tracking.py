@@ -1,6 +1,8 @@
 """Run identity, work directory, tracking and reporting flags."""
 from typing import Optional
 
+from pydantic import Field
+
 from engine.config.base import Section
 
 
@@ -16,6 +18,18 @@ class TrackingArgs(Section):
 
     mlflow_tracking_uri: Optional[str] = None
     """MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db)."""
+
+    mlflow_timeout: int = Field(10, ge=1)
+    """Seconds one MLflow HTTP request may take (no retries: a failed call is buffered, never blocks training)."""
+
+    mlflow_retry_interval: float = Field(30.0, ge=0)
+    """While MLflow is unreachable, data is buffered and MLflow is tried again at most every this many seconds."""
+
+    log_samples_interval: int = Field(10, ge=0)
+    """Every N rollouts (and the last) log the rollout's samples as JSONL and redraw the plots in MLflow (0 = off)."""
+
+    system_metrics_interval: float = Field(10.0, ge=0)
+    """Seconds between system metric samples (CPU, memory; GPU when present) logged to MLflow (0 = off)."""
 
     summary_json: Optional[str] = None
     """Write the final summary (rewards, accuracy, wall time, run ids, save dir) to this JSON file."""

@@ -10,6 +10,12 @@ class TrainArgs(Section):
     train_backend: Literal["torch", "megatron"] = "torch"
     """Training backend: torch (transformers model, gloo/NCCL) or megatron (megatron-core, GPU only)."""
 
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """Megatron tensor parallelism (TP): GPUs that split each layer's matrices (megatron backend only)."""
+
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    """Megatron pipeline parallelism (PP): stages that split the layers (megatron backend only)."""
+
     global_batch_size: Optional[int] = Field(None, ge=1)
     """Samples (not prompts) per optimizer step (G). Default: B·n / num_steps_per_rollout."""
 

@@ -152,11 +152,72 @@ def _unreadable(code: str, flag: str, url: str, e: Exception) -> Diagnosis:
 
 @check("RF03")
 def dynamic_batch_needs_cap(cfg, env: Environment) -> list[Diagnosis]:
+    """--max-tokens-per-gpu: required by dynamic batching, ignored without it, and sized for one sample."""
+    cp, resp = cfg.context_parallel_size, cfg.rollout_max_response_len
+    safe = -(-resp // cp)  # slime's advice: start at rollout_max_response_len / cp_size, raise while memory allows
+    facts = dict(max_tokens_per_gpu=cfg.max_tokens_per_gpu, context_parallel_size=cp,
+                 rollout_max_response_len=resp, use_dynamic_batch_size=cfg.use_dynamic_batch_size)
     if cfg.use_dynamic_batch_size and cfg.max_tokens_per_gpu is None:
-        return [Diagnosis(code="RF03", severity="error",
+        return [Diagnosis(code="RF03", severity="error", facts=facts,
                           what="--use-dynamic-batch-size is set but --max-tokens-per-gpu is not",
-                          fix=f"--max-tokens-per-gpu {cfg.rollout_max_response_len} (rollout_max_response_len as a "
-                              "safe start), then raise it while memory allows")]
+                          fix=f"--max-tokens-per-gpu {safe} (rollout_max_response_len / context_parallel_size = "
+                              f"{resp} / {cp}, a safe start), then raise it while memory allows")]
+    if cfg.max_tokens_per_gpu is not None and not cfg.use_dynamic_batch_size:
+        return [Diagnosis(code="RF03", severity="warning", facts=facts,
+                          what=f"--max-tokens-per-gpu {cfg.max_tokens_per_gpu} has no effect without "
+                               f"--use-dynamic-batch-size: micro-batches hold --micro-batch-size "
+                               f"{cfg.micro_batch_size} samples whatever their length",
+                          fix="--use-dynamic-batch-size to pack by tokens under the cap, or drop --max-tokens-per-gpu")]
+    cap = (cfg.max_tokens_per_gpu or 0) * cp
+    if cfg.use_dynamic_batch_size and resp > cap:
+        return [Diagnosis(code="RF03", severity="warning", facts=facts,
+                          what=f"one response can reach rollout_max_response_len = {resp} tokens, more than the "
+                               f"micro-batch cap max_tokens_per_gpu·CP = {cfg.max_tokens_per_gpu}·{cp} = {cap}: "
+                               "such a sample is trained alone in its micro-batch, over the cap (OOM risk)",
+                          fix=f"--max-tokens-per-gpu {safe} if memory allows, or a shorter "
+                              f"--rollout-max-response-len (slime would split it with --context-parallel-size "
+                              f"{-(-resp // cfg.max_tokens_per_gpu)}; no rollflow backend runs context parallelism "
+                              "yet)")]
+    return []
+
+
+@check("CONFIG")
+def parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
+    """TP / PP split the model (megatron backend only) and TP·PP must divide the train GPUs; no backend runs CP."""
+    tp, pp, cp, world = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                         cfg.context_parallel_size, cfg.train_world_size)
+    out = []
+    if cp > 1:
+        out.append(Diagnosis(code="CONFIG", severity="error", facts={"context_parallel_size": cp},
+                             what=f"--context-parallel-size {cp}: no rollflow backend splits a sequence across GPUs "
+                                  f"yet (the {cfg.train_backend} backend would put max_tokens_per_gpu·{cp} tokens on "
+                                  "one GPU)",
+                             fix="--context-parallel-size 1, with --max-tokens-per-gpu at least the longest sample"))
+    if tp * pp == 1:
+        return out
+    if cfg.train_backend != "megatron":
+        out.append(Diagnosis(code="CONFIG", severity="error",
+                             what=f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} with "
+                                  f"--train-backend {cfg.train_backend}: only the megatron backend splits the model",
+                             fix="--train-backend megatron, or --tensor-model-parallel-size 1 "
+                                 "--pipeline-model-parallel-size 1"))
+    elif world % (tp * pp * cp):
+        out.append(Diagnosis(code="CONFIG", severity="error",
+                             what=f"{world} train GPUs (actor_num_nodes × actor_num_gpus_per_node) are not a "
+                                  f"multiple of TP·PP·CP = {tp}·{pp}·{cp} = {tp * pp * cp}",
+                             fix=f"--actor-num-gpus-per-node a multiple of {tp * pp * cp}, or a smaller TP / PP",
+                             facts={"world": world, "tp": tp, "pp": pp, "cp": cp}))
+    return out
+
+
+@check("CONFIG")
+def backend_supports_estimator(cfg, env: Environment) -> list[Diagnosis]:
+    if cfg.advantage_estimator == "ppo" and cfg.train_backend != "torch":
+        return [Diagnosis(code="CONFIG", severity="error",
+                          what=f"--advantage-estimator ppo needs a critic, which only the torch backend trains "
+                               f"(--train-backend {cfg.train_backend})",
+                          fix="--train-backend torch, or a critic-free estimator (grpo, gspo, cispo, "
+                              "reinforce_plus_plus, reinforce_plus_plus_baseline)")]
     return []
 
 
@@ -296,6 +357,16 @@ def model_name_consistent(cfg, env: Environment) -> list[Diagnosis]:
 
 
 _SGLANG_PORT_KEYS = ("port", "router-port", "nccl-port", "dist-init-addr")
+
+
+@check("RF07")
+def moe_dispatcher_switched(cfg, env: Environment) -> list[Diagnosis]:
+    if not cfg._moe_dispatcher_switched:
+        return []
+    return [Diagnosis(code="RF07", severity="info",
+                      what="--moe-token-dispatcher-type allgather cannot handle packed (variable-length) sequences, "
+                           "and packing is always on: the run uses alltoall",
+                      fix="nothing to do (pass --moe-token-dispatcher-type alltoall to silence this)")]
 
 
 @check("RF08")

@@ -14,6 +14,7 @@ _OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: ca
                   r"out of memory)", re.I)
 _ILLEGAL = re.compile(r"an illegal memory access was encountered", re.I)
 _INDUCTOR = re.compile(r"JSONDecodeError", re.I)
+_NAN = re.compile(r"\b(nan|inf)\b[^\n]{0,60}\b(loss|grad)|\b(loss|grad)[\w ]{0,40}(is|=|:)\s*(nan|inf)\b", re.I)
 _PORTS = re.compile(r"Max retries exceeded with url: /get_model_info|address already in use", re.I)
 
 
@@ -76,6 +77,14 @@ def classify_text(text: str, cfg=None) -> list[Diagnosis]:
                  "servers on one machine)",
             fix="let rollflow allocate the ports (do not pass fixed --sglang-port values), or run fewer engines per "
                 "node (e.g. a larger --rollout-num-gpus-per-engine)"))
+    if _NAN.search(text) and "RF13" not in text:
+        flag = "--no-check-for-nan-in-loss-and-grad"
+        out.append(Diagnosis(
+            code="RF13", severity="error",
+            what="the log shows a NaN/Inf loss or gradient",
+            fix=f"check the data and the learning rate (--lr{f' {cfg.lr:g}' if cfg is not None else ''}); "
+                f"rollflow fails such a step naming its samples, or with {flag} skips and counts it (the cause "
+                "stays unfixed)"))
     return out
 
 

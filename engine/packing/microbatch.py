@@ -1,7 +1,10 @@
 """Micro-batch materialisation: several samples packed into one flat row (varlen).
 
 Per-token tensors are aligned with the flat token ids: entry t describes predicting tokens[t] from the tokens
-before it *in the same sample*. The first token of each sample has no prediction (mask 0).
+before it *in the same sample*. The first token of each sample has no prediction (mask 0). Packing is always on:
+a micro-batch is one flat row of T = Σ L_i tokens, never S padded rows (the trainer's attention must not cross
+the cu_seqlens boundaries). E.g. samples of 3 and 2 tokens: tokens [a0 a1 a2 b0 b1], cu_seqlens [0, 3, 5],
+position_ids [0 1 2 0 1].
 """
 from __future__ import annotations
 
@@ -33,18 +36,21 @@ class MicroBatch:
 
 def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_multiple: int = 1) -> MicroBatch:
     """Pack `samples` (with one advantage each) into a MicroBatch; optional padding to a multiple (TP / CP)."""
+    if len(samples) != len(advantages):
+        raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
     toks, pos, mask, adv, rlp, cu = [], [], [], [], [], [0]
     for s, a in zip(samples, advantages):
         L, R = len(s.tokens), s.response_length
         P = L - R
         trained = s.status in (Status.COMPLETED, Status.TRUNCATED)
+        if trained and (len(s.loss_mask) != R or len(s.rollout_log_probs) != R):
+            raise ValueError(f"sample {s.index}: response_length {R} but {len(s.loss_mask)} loss-mask entries and "
+                             f"{len(s.rollout_log_probs)} rollout log-probs (one per response token expected)")
         toks += s.tokens
         pos += list(range(L))
-        resp_mask = [float(m) if trained else 0.0 for m in s.loss_mask] if s.loss_mask else [0.0] * R
-        mask += [0.0] * P + resp_mask
+        mask += [0.0] * P + ([float(m) for m in s.loss_mask] if trained else [0.0] * R)  # failed: never trained
         adv += [0.0] * P + [float(a)] * R
-        lps = list(s.rollout_log_probs) if len(s.rollout_log_probs) == R else [0.0] * R
-        rlp += [0.0] * P + lps
+        rlp += [0.0] * P + (list(s.rollout_log_probs) if trained else [0.0] * R)
         cu.append(cu[-1] + L)
     pad = (-len(toks)) % pad_to_multiple
     if pad:  # one padding pseudo-sample, fully masked

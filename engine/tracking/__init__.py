@@ -1,14 +1,42 @@
 """MLflow as the system of record; called from the driver process only (SQLite dislikes many writers).
 
-MLflow being unreachable never stops training: each failed call is warned once and counted in `lost`.
+Invariants
+- Tracking never stops training. Every MLflow call is guarded; the first failure marks MLflow *down* (one warning),
+  and from then on params, tags, metrics and artifacts are buffered (metrics in memory up to `max_buffered` points,
+  artifacts as files in an outbox directory) while MLflow is tried again at most every `retry_interval` seconds,
+  and once more at the end of the run whatever the interval. A request never waits longer than the HTTP timeout
+  set by `open_tracking` (--mlflow-timeout, no retries), so an outage costs one timeout per retry interval.
+- What was never sent is counted in `lost` and said in one line (`lost_report`) at the end of the run.
+- One MLflow run per training run: `start` continues the run id from the checkpoint manifest when it has one, and
+  tags each resume (`rollflow.resume.<k>`). Params already logged are never re-sent (MLflow params are immutable):
+  a changed value on resume is listed in that resume tag instead.
+- Metric steps are rollout ids; a resumed run logs redone steps again (readers keep the latest value per step).
+- Everything that reaches MLflow or a log line here is passed through `secrets.redact` / `redact_text`.
 """
 from __future__ import annotations
 
+import itertools
+import json
+import logging
 import os
+import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from engine.tracking.secrets import redact, redact_text
+
+log = logging.getLogger("rollflow.tracking")
+
+# MLflow's per-call limits for log_batch (REST API): 1000 metrics, 100 params, 100 tags.
+_MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100
+_PARAM_CHARS = 6000  # MLflow 3 param value limit
+
+
+class TrackingWarning(UserWarning):
+    """MLflow could not be reached or refused data; training goes on."""
 
 
 def default_tracking_uri(work_dir: str, explicit: str | None) -> str:
@@ -19,95 +47,264 @@ def default_tracking_uri(work_dir: str, explicit: str | None) -> str:
     return f"sqlite:///{Path(work_dir).resolve() / 'mlflow.db'}"
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///…` URI (None for other stores)."""
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def artifact_location_for(uri: str) -> str | None:
+    """SQLite stores keep artifacts beside the database (MLflow's own default is ./mlruns in the CWD)."""
+    db = sqlite_path(uri)
+    return (db.resolve().parent / "mlartifacts").as_uri() if db else None
+
+
+def run_ui_url(uri: str, experiment_id: str | None, run_id: str | None) -> str | None:
+    """The run's page in the MLflow UI: the server itself, or `mlflow ui` on its default port for a local store."""
+    if not (experiment_id and run_id):
+        return None
+    base = redact_text(uri.rstrip("/")) if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def _mlflow_client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
 class Tracker:
-    def __init__(self, uri: str, experiment_name: str):
+    def __init__(self, uri: str, experiment_name: str, *, outbox: Path, artifact_location: str | None = None,
+                 retry_interval: float = 30.0, max_buffered: int = 100_000,
+                 client_factory: Callable[[str], Any] = _mlflow_client, clock: Callable[[], float] = time.monotonic):
         self.uri, self.experiment_name = uri, experiment_name
-        self.run_id: str | None = None
-        self.experiment_id: str | None = None
-        self.lost: dict[str, int] = {}
-        self._warned: set[str] = set()
+        self.safe_uri = redact_text(uri)
+        self.artifact_location, self.retry_interval, self.max_buffered = artifact_location, retry_interval, max_buffered
+        self.outbox = Path(outbox)
+        self._make_client, self._clock = client_factory, clock
         self.client = None
-        self._guard("connect", self._connect)
+        self.experiment_id: str | None = None
+        self.run_id: str | None = None
+        self.run_start_s: float | None = None  # wall time the MLflow run was first created
+        self.sampler = None  # the SystemSampler feeding this tracker, if any
+        self.created_s = time.time()
+        self._want: dict[str, Any] | None = None  # what start() asked for, until the run is open
+        self._params: dict[str, str] = {}
+        self._tags: dict[str, str] = {}
+        self._metrics: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
+        self._artifacts: dict[str, Path] = {}  # artifact file (run-relative) → staged local file
+        self._seq = itertools.count()
+        self.dropped = 0  # metric points dropped because the buffer was full
+        self.dropped_artifacts = 0  # artifacts that could not even be staged locally
+        self.failures = 0
+        self.last_error: str | None = None
+        self.down_since: float | None = None  # clock() of the first failure of the current outage
+        self._retry_at = 0.0
+        self._lock = threading.RLock()
 
-    def _connect(self) -> None:
-        from mlflow.tracking import MlflowClient
+    # ---- what callers use ------------------------------------------------------------------------------------
+    def start(self, run_name: str, run_id: str | None, *, tags: dict[str, str], params: dict[str, Any],
+              resume: dict[str, Any] | None = None, flow_run_id: str | None = None) -> str | None:
+        """Open (or continue `run_id`) now if MLflow answers, else as soon as it does; returns the run id or None.
 
-        self.client = MlflowClient(tracking_uri=self.uri)
-        exp = self.client.get_experiment_by_name(self.experiment_name)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment_name)
-
-    def _guard(self, what: str, fn, *args, **kwargs) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # tracking must never stop training
-            self.lost[what] = self.lost.get(what, 0) + 1
-            if what not in self._warned:
-                self._warned.add(what)
-                warnings.warn(f"MLflow at {self.uri} failed during {what} ({type(e).__name__}: {e}); training "
-                              f"continues, this data is not recorded", stacklevel=3)
-            return None
-
-    @property
-    def ok(self) -> bool:
-        return self.client is not None and self.run_id is not None
-
-    def start(self, run_name: str, run_id: str | None, tags: dict[str, str]) -> str | None:
-        """Start a new run, or continue `run_id` (a resumed training run keeps its MLflow run)."""
-        def go() -> str:
-            if run_id:
-                self.client.update_run(run_id, status="RUNNING")
-                rid = run_id
-            else:
-                rid = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
-            return rid
-
-        if self.client is None:
-            return None
-        self.run_id = self._guard("start", go)
-        if self.run_id and run_id:
-            self.set_tags(tags)
+        Without `run_id` (no checkpoint yet), a run tagged with the same `prefect.flow_run_id` is continued: a
+        retried flow run keeps its MLflow run even when it failed before its first checkpoint. Continuing a run
+        adds its next `rollflow.resume.<k>` tag (`resume`: from which iteration, when, which flow run).
+        """
+        with self._lock:
+            self._want = {"run_name": run_name, "run_id": run_id, "resume": resume, "flow_run_id": flow_run_id}
+            self._tags.update({k: redact_text(str(v)) for k, v in tags.items()})
+            self._params.update({k: _param_value(v) for k, v in redact(params).items()})
+        self.flush(force=True)
         return self.run_id
 
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        def go():
-            existing = self.client.get_run(self.run_id).data.params
-            new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
-            for i in range(0, len(new), 100):
-                self.client.log_batch(self.run_id, params=new[i:i + 100])
-
-        if self.ok:
-            self._guard("log_params", go)
-
     def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
+        with self._lock:
+            self._tags.update({k: redact_text(str(v)) for k, v in tags.items()})
+        self.flush()
 
-        if self.ok:
-            self._guard("set_tags", self.client.log_batch, self.run_id,
-                        tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
+    def log_metrics(self, metrics: dict[str, float], step: int, *, flush: bool = True) -> None:
         ts = int(time.time() * 1000)
-        ms = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
-        if self.ok:
-            self._guard("log_metrics", self.client.log_batch, self.run_id, metrics=ms)
-
-    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
-        if self.ok:
-            self._guard("log_artifact", self.client.log_artifact, self.run_id, path, artifact_path)
+        with self._lock:
+            room = self.max_buffered - len(self._metrics)
+            points = [(k, float(v), ts, int(step)) for k, v in metrics.items()]
+            if len(points) > room:
+                if self.dropped == 0:
+                    warnings.warn(f"MLflow buffer full ({self.max_buffered} metric points); newer points are "
+                                  f"dropped until MLflow at {self.safe_uri} answers", TrackingWarning, stacklevel=2)
+                self.dropped += len(points) - max(room, 0)
+                points = points[:max(room, 0)]
+            self._metrics.extend(points)
+        if flush:
+            self.flush()
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        if self.ok:
-            self._guard("log_text", self.client.log_text, self.run_id, text, artifact_file)
+        """A text artifact (secrets redacted), e.g. `config.yaml` or `samples/rollout_0000010.jsonl`."""
+        self.log_bytes(redact_text(text).encode(), artifact_file)
+
+    def log_bytes(self, data: bytes, artifact_file: str) -> None:
+        """Stage `data` in the outbox as `artifact_file` (a newer one replaces a pending older one), then send."""
+        local = self.outbox / f"{next(self._seq):06d}" / Path(artifact_file).name
+        try:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
+        except OSError as e:  # e.g. a full disk: this artifact is lost, training goes on
+            self.dropped_artifacts += 1
+            warnings.warn(f"artifact {artifact_file} not staged ({e}); it will not reach MLflow", TrackingWarning,
+                          stacklevel=2)
+            return
+        with self._lock:
+            old = self._artifacts.pop(artifact_file, None)
+            if old is not None:
+                shutil.rmtree(old.parent, ignore_errors=True)
+            self._artifacts[artifact_file] = local
+        self.flush()
 
     def end(self, status: str = "FINISHED") -> None:
-        if self.ok:
-            self._guard("end", self.client.set_terminated, self.run_id, status)
+        """Last flush (whatever the retry interval), then mark the run terminated."""
+        if self.flush(force=True) and self.run_id:
+            self._call("end", lambda: self.client.set_terminated(self.run_id, status))
+        for d in (self.outbox, self.outbox.parent):  # empty once everything was sent
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
-    def ui_hint(self) -> str:
-        if self.uri.startswith("sqlite:"):
-            return f"mlflow ui --backend-store-uri {self.uri}  (then open http://127.0.0.1:5000)"
-        return f"open {self.uri}"
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    @property
+    def lost(self) -> dict[str, int]:
+        """What has not reached MLflow (so far): counts per kind, zeros left out."""
+        with self._lock:
+            out = {"run": int(self.run_id is None), "params": len(self._params), "tags": len(self._tags),
+                   "metric_points": len(self._metrics) + self.dropped,
+                   "artifacts": len(self._artifacts) + self.dropped_artifacts}
+        return {k: v for k, v in out.items() if v}
+
+    def lost_report(self) -> str | None:
+        """One line for the end of the run: what MLflow never received and why; None when nothing was lost."""
+        lost = self.lost
+        if not lost:
+            return None
+        what = ", ".join(("the run itself (never created)" if k == "run" else f"{v} {k.replace('_', ' ')}")
+                         for k, v in lost.items())
+        where = f" (kept under {self.outbox})" if lost.get("artifacts") else ""
+        return (f"MLflow at {self.safe_uri} did not receive: {what}{where}; {self.failures} failed attempt(s), "
+                f"last error: {self.last_error}")
+
+    def run_url(self) -> str | None:
+        return run_ui_url(self.uri, self.experiment_id, self.run_id)
+
+    # ---- sending ---------------------------------------------------------------------------------------------
+    def flush(self, force: bool = False) -> bool:
+        """Send everything pending; True when nothing is left. While down, tries only every retry_interval."""
+        with self._lock:
+            if self.down and not force and self._clock() < self._retry_at:
+                return False
+            try:
+                self._connect()
+                self._open_run()
+                if self.run_id:
+                    self._send()
+            except Exception as e:  # tracking must never stop training
+                self._went_down(e)
+                return False
+            if self.down:
+                log.warning("MLflow at %s answers again after %.0fs; buffered data sent", self.safe_uri,
+                            self._clock() - self.down_since)
+                self.down_since = None
+            return self.run_id is not None
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            try:
+                return fn()
+            except Exception as e:
+                self._went_down(e, what)
+                return None
+
+    def _went_down(self, e: Exception, what: str = "sending") -> None:
+        self.failures += 1
+        err = redact_text(f"{type(e).__name__}: {e}")
+        self.last_error = err if len(err) <= 400 else f"{err[:200]} … {err[-200:]}"  # the cause is at the end
+        self._retry_at = self._clock() + self.retry_interval
+        if not self.down:
+            self.down_since = self._clock()
+            warnings.warn(f"MLflow at {self.safe_uri} failed while {what} ({self.last_error}); training continues, "
+                          f"tracking data is buffered and sent when MLflow answers (next try in "
+                          f"{self.retry_interval:.0f}s)", TrackingWarning, stacklevel=4)
+
+    def _connect(self) -> None:
+        if self.client is None:
+            self.client = self._make_client(self.uri)
+        if self.experiment_id is None:
+            exp = self.client.get_experiment_by_name(self.experiment_name)
+            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
+                self.experiment_name, artifact_location=self.artifact_location)
+
+    def _open_run(self) -> None:
+        if self.run_id or self._want is None:
+            return
+        from mlflow.exceptions import MlflowException
+
+        want, run = self._want, None
+        if want["run_id"]:
+            try:
+                run = self.client.get_run(want["run_id"])
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                warnings.warn(f"MLflow run {want['run_id']} named by the checkpoint manifest does not exist at "
+                              f"{self.safe_uri}; this training run continues in a new MLflow run", TrackingWarning,
+                              stacklevel=4)
+        if run is None and want["flow_run_id"]:
+            same = self.client.search_runs([self.experiment_id], max_results=1,
+                                           filter_string=f"tags.`prefect.flow_run_id` = '{want['flow_run_id']}'")
+            run = same[0] if same else None
+        continued = run is not None
+        if continued:
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(self.experiment_id, run_name=want["run_name"])
+        old_params, old_tags = run.data.params, run.data.tags
+        changed = {k: [old_params[k], v] for k, v in self._params.items() if k in old_params and old_params[k] != v}
+        self._params = {k: v for k, v in self._params.items() if k not in old_params}
+        if continued:
+            k = 1 + sum(t.startswith("rollflow.resume.") for t in old_tags)
+            resume = want["resume"] or {"from_iteration": None, "flow_run_id": want["flow_run_id"]}
+            self._tags[f"rollflow.resume.{k}"] = json.dumps({**resume, "changed_params": changed})
+        if changed:
+            warnings.warn(f"resumed MLflow run {run.info.run_id} keeps its first values of {sorted(changed)} "
+                          f"(MLflow params are immutable); the new values are in the resume tag", TrackingWarning,
+                          stacklevel=4)
+        self.run_id, self.run_start_s = run.info.run_id, run.info.start_time / 1000.0
+
+    def _send(self) -> None:
+        """Each batch leaves the buffer only once MLflow accepted it, so a failure midway resends nothing twice."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        while self._params:
+            batch = dict(itertools.islice(self._params.items(), _MAX_PARAMS))
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in batch.items()])
+            for k in batch:
+                del self._params[k]
+        while self._tags:
+            batch = dict(itertools.islice(self._tags.items(), _MAX_TAGS))
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in batch.items()])
+            for k in batch:
+                del self._tags[k]
+        while self._metrics:
+            batch = self._metrics[:_MAX_METRICS]
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in batch])
+            del self._metrics[:len(batch)]
+        for name, local in list(self._artifacts.items()):
+            parent = str(Path(name).parent)
+            self.client.log_artifact(self.run_id, str(local), None if parent == "." else parent)
+            del self._artifacts[name]
+            shutil.rmtree(local.parent, ignore_errors=True)
+
+
+def _param_value(v: Any) -> str:
+    s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+    return s if len(s) <= _PARAM_CHARS else s[:_PARAM_CHARS - 3] + "..."

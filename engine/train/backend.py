@@ -1,4 +1,14 @@
-"""The interface every training backend implements (torch now, megatron on GPU)."""
+"""The interface every training backend implements (torch now, megatron on GPU), and the metric reduction.
+
+Division of work (engine.train.worker drives it, one worker per DP rank):
+  worker   old / ref log-probs (backend.compute_log_probs) and critic values, then the advantages
+           (engine.algorithms.compute_advantages: the one estimator dispatch) written into mb.advantages,
+           whitening over all ranks, the global trained-token count of each step
+  backend  the forward, `engine.algorithms.policy_objective` per micro-batch, gradient sync over DP, clipping,
+           the RF13 NaN policy, the optimizer step; state save / load / HF export
+Log-prob tensors are [T], aligned with the micro-batch's flat tokens; entries with loss_mask 0 are not used by
+anything (the torch backend leaves them 0).
+"""
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -10,11 +20,16 @@ from engine.packing.microbatch import MicroBatch
 
 class TrainBackend(Protocol):
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
-        """Per-token log-probs [T] of each micro-batch under the policy (or the frozen reference)."""
+        """Per-token log-probs [T] of each micro-batch under the policy (or the frozen reference), no grad,
+        at the rollout temperature."""
 
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
-                   ref_log_probs: list[torch.Tensor] | None, global_batch_size: int) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns partial sums for the step's metrics."""
+                   ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
+                   global_tokens: float | None = None) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches (advantages in mb.advantages). global_batch_size is
+        G (samples of the step over all ranks); global_tokens the step's trained tokens over all ranks (needed by
+        --calculate-per-token-loss). Returns partial sums for `reduce_metrics` plus `loss_total` (this rank's
+        share of the step loss), `grad_norm`, `lr`, `skipped` (0/1), `skipped_steps_total`, `ratio_maxdev`."""
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """HF-named weights (for weight sync and HF export)."""
@@ -30,6 +45,22 @@ class TrainBackend(Protocol):
 
     def export_hf(self, path: str) -> None:
         """Save a Hugging Face directory (config, weights, tokenizer) loadable by transformers."""
+
+
+class CriticBackend(Protocol):
+    """PPO's value model (--advantage-estimator ppo)."""
+
+    def compute_values(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """V_t [T] per micro-batch (the value of the state before token t), no grad."""
+
+    def train_step(self, mbs: list[MicroBatch], old_values: list[torch.Tensor], returns: list[torch.Tensor],
+                   global_batch_size: int, *, global_tokens: float | None = None) -> dict[str, Any]:
+        """One optimizer step of the clipped value loss; returns value_loss / value_clipfrac partial sums and
+        critic_grad_norm."""
+
+    def save(self, path: str) -> list[str]: ...
+
+    def load(self, path: str, *, load_optim: bool = True) -> None: ...
 
 
 def reduce_metrics(parts: list[dict[str, Any]]) -> dict[str, float]:

@@ -1,14 +1,17 @@
-"""The torch training backend: a transformers causal LM, AdamW, exact per-sample loss aggregation.
+"""The torch training backend: a transformers causal LM trained on packed micro-batches with AdamW.
 
-Loss of one optimizer step over G samples (the default aggregation, as slime):
-    L = (1/G) Σ_i mean_{t ∈ resp(i)} ℓ_t,   ℓ_t = pg_t − entropy_coef·H_t + kl_loss_coef·KL_t
-Each DP rank sums its own samples' terms divided by the *global* G; summing gradients over ranks
-(all-reduce SUM) then gives exactly ∇L, whatever the DP layout.
+Per optimizer step (engine.algorithms.objective): each micro-batch's loss is its samples' share of the step's
+loss (divided by the *global* G, or the global trained-token count with --calculate-per-token-loss); gradients
+accumulate over micro-batches and are summed over DP ranks (engine.train.optim.sync_and_clip), so the update
+is the same whatever the DP layout.
+
+The policy runs with dropout off (eval mode) in every forward: an RL ratio must be exactly 1 on unchanged
+weights (RF01's runtime check relies on it). The reference model is frozen: --ref-load, else the initial
+weights (--hf-checkpoint), loaded on first use.
 """
 from __future__ import annotations
 
 import math
-import os
 import random
 import shutil
 from pathlib import Path
@@ -16,34 +19,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from engine.algorithms import kl, policy_loss
+from engine.algorithms import LossSpec, policy_objective
 from engine.doctor.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
+from engine.train.checks import nan_diagnosis
+from engine.train.forward import packed_forward, use_varlen_attention
+from engine.train.optim import gather_lists, make_optimizer, sync_and_clip
 
-
-def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_ratio: float) -> float:
-    """Multiplier of the peak LR: linear warm-up, then constant or cosine down to min_lr/lr over train_iters."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if style == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[T] index of the sample each flat token belongs to."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(lens.numel()), lens)
-
-
-def per_sample_mean(x: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, num: int) -> torch.Tensor:
-    """[S] masked mean of x over each sample's tokens (0 for a sample with no trained token)."""
-    sums = torch.zeros(num, dtype=x.dtype).index_add(0, seg, x * mask)
-    cnts = torch.zeros(num, dtype=x.dtype).index_add(0, seg, mask)
-    return sums / cnts.clamp(min=1)
+#: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
+TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "mismatch", "tis_clipfrac")
 
 
 class TorchBackend:
@@ -51,120 +36,100 @@ class TorchBackend:
         from engine.modeling import load_causal_lm
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.spec = LossSpec.of(cfg)
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
         self.model = load_causal_lm(cfg.hf_checkpoint)
-        self.model.train()
+        use_varlen_attention(self.model)
+        self.model.eval()  # dropout off: see the module docstring
         self.ref = None
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                           weight_decay=cfg.weight_decay, eps=1e-8)
-        min_ratio = cfg.min_lr / cfg.lr
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, warmup=cfg.lr_warmup_iters, total=train_iters,
-                                                style=cfg.lr_decay_style, min_ratio=min_ratio))
+        self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg, lr=cfg.lr,
+                                                        train_iters=train_iters)
         self.steps_done = 0
         self.skipped_steps = 0
 
-    # ---- reference model (frozen initial weights, for KL) -------------------------------------------------
+    # ---- reference model (frozen, for KL) -----------------------------------------------------------------
+    @property
+    def ref_source(self) -> str:
+        return self.cfg.ref_load or self.cfg.hf_checkpoint
+
     def _ref_model(self):
         if self.ref is None:
-            from engine.modeling import load_causal_lm
-
-            self.ref = load_causal_lm(self.cfg.hf_checkpoint).eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
+            self.ref = load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint)
+            use_varlen_attention(self.ref)
         return self.ref
 
     # ---- forward ------------------------------------------------------------------------------------------
-    def forward(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [T], entropy [T]) of each flat token given its own sample's prefix, at the rollout T.
-
-        Samples are unpacked into right-padded rows, so attention never crosses samples.
-        """
-        cu = mb.cu_seqlens.tolist()
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        S, Lmax = len(lens), max(lens)
-        ids = torch.zeros((S, Lmax), dtype=torch.long)
-        att = torch.zeros((S, Lmax), dtype=torch.long)
-        for i, (a, L) in enumerate(zip(cu[:-1], lens)):
-            ids[i, :L] = mb.tokens[a:a + L]
-            att[i, :L] = 1
-        logits = model(input_ids=ids, attention_mask=att).logits.float() / self.temperature  # [S, Lmax, V]
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)  # [S, Lmax-1, V] predicts tokens 1..Lmax-1
-        tok_lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [S, Lmax-1]
-        ent = -(logp.exp() * logp).sum(-1)  # [S, Lmax-1]
-        lp_flat = torch.zeros(mb.num_tokens)
-        ent_flat = torch.zeros(mb.num_tokens)
-        for i, (a, L) in enumerate(zip(cu[:-1], lens)):
-            lp_flat = lp_flat.index_put((torch.arange(a + 1, a + L),), tok_lp[i, : L - 1])
-            ent_flat = ent_flat.index_put((torch.arange(a + 1, a + L),), ent[i, : L - 1])
-        return lp_flat, ent_flat
-
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
+        """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy or the reference."""
         model = self._ref_model() if ref else self.model
-        was_training = model.training
-        model.eval()
-        out = [self.forward(model, mb)[0] for mb in mbs]
-        model.train(was_training)
-        return out
+        return [packed_forward(model, mb, temperature=self.temperature)[0] for mb in mbs]
 
     # ---- one optimizer step -------------------------------------------------------------------------------
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
-                   ref_log_probs: list[torch.Tensor] | None, global_batch_size: int) -> dict[str, Any]:
-        cfg = self.cfg
+                   ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
+                   global_tokens: float | None = None) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches (advantages already in mb.advantages).
+
+        Returns partial sums: `<metric>_sum` / `<metric>_count` token sums, `loss_total` (this rank's share of
+        the step loss), and the step's facts (grad_norm, lr, skipped, ratio_maxdev).
+        """
+        spec = self.spec
+        if spec.per_token_loss and global_tokens is None:
+            raise ValueError("--calculate-per-token-loss needs the step's global trained-token count")
+        denom = max(global_tokens, 1.0) if spec.per_token_loss else global_batch_size
         self.optimizer.zero_grad(set_to_none=False)
-        m: dict[str, float] = {k: 0.0 for k in ("pg_loss_sum", "entropy_sum", "kl_sum", "clipfrac_sum",
-                                                "ratio_sum", "mismatch_sum", "tokens_count", "loss_total")}
+        sums = {k: 0.0 for k in TOKEN_METRICS}
+        tokens, loss_total, ratio_maxdev, bad_ids = 0.0, 0.0, 0.0, []
         for j, mb in enumerate(mbs):
-            lp, ent = self.forward(self.model, mb)  # [T], [T]
-            old, mask = old_log_probs[j], mb.loss_mask  # [T], [T]
-            pg, clipped = policy_loss(lp, old, mb.advantages, eps_clip=cfg.eps_clip)  # [T], [T]
-            tok_loss = pg - cfg.entropy_coef * ent
-            kl_t = kl(lp, ref_log_probs[j], cfg.kl_loss_type) if ref_log_probs is not None else torch.zeros_like(lp)
-            if cfg.use_kl_loss:
-                tok_loss = tok_loss + cfg.kl_loss_coef * kl_t
-            seg = segment_ids(mb.cu_seqlens)
-            loss = per_sample_mean(tok_loss, mask, seg, mb.cu_seqlens.numel() - 1).sum() / global_batch_size
+            lp, ent = packed_forward(self.model, mb, temperature=self.temperature)  # [T], [T]
+            loss, stats, per_sample = policy_objective(
+                spec, log_probs=lp, entropy=ent, old_log_probs=old_log_probs[j],
+                ref_log_probs=ref_log_probs[j] if ref_log_probs is not None else None,
+                rollout_log_probs=mb.rollout_log_probs, advantages=mb.advantages, loss_mask=mb.loss_mask,
+                cu_seqlens=mb.cu_seqlens, denominator=denom)
             loss.backward()
+            for k, v in stats.items():
+                if k in sums:
+                    sums[k] += float(v)
+            tokens += float(stats["tokens"])
+            loss_total += float(loss.detach())
+            bad_ids += [i for i, x in zip(mb.sample_ids, per_sample.tolist()) if not math.isfinite(x)]
             with torch.no_grad():
-                m["loss_total"] += float(loss)
-                m["pg_loss_sum"] += float((pg * mask).sum())
-                m["entropy_sum"] += float((ent * mask).sum())
-                m["kl_sum"] += float((kl_t * mask).sum())
-                m["clipfrac_sum"] += float((clipped * mask).sum())
-                m["ratio_sum"] += float((torch.exp(lp - old) * mask).sum())
-                m["mismatch_sum"] += float(((mb.rollout_log_probs - old).abs() * mask).sum())
-                m["tokens_count"] += float(mask.sum())
-        for name in ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "mismatch"):
-            m[name + "_count"] = m["tokens_count"]
-        if self.world_size > 1:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        ids = [i for mb in mbs for i in mb.sample_ids]
-        if not (math.isfinite(grad_norm) and math.isfinite(m["loss_total"])):
-            if cfg.check_for_nan_in_loss_and_grad:
-                raise DiagnosisError(Diagnosis(
-                    code="RF13", severity="error",
-                    what=f"NaN/Inf at optimizer step {self.steps_done}: loss {m['loss_total']}, grad norm "
-                         f"{grad_norm} (rank {self.rank}, samples {ids[:32]})",
-                    fix="check these samples and the learning rate (--lr); --no-check-for-nan-in-loss-and-grad "
-                        "skips such steps instead, without fixing the cause",
-                    facts={"step": self.steps_done, "sample_ids": ids, "grad_norm": grad_norm}))
-            self.optimizer.zero_grad(set_to_none=False)
-            self.skipped_steps += 1
-        else:
-            self.optimizer.step()
+                dev = ((torch.exp(lp - old_log_probs[j]) - 1).abs() * mb.loss_mask).max() if mb.num_tokens else 0
+                ratio_maxdev = max(ratio_maxdev, float(dev))
+        grad_norm, finite = sync_and_clip(list(self.model.parameters()), world_size=self.world_size,
+                                          clip_grad=self.cfg.clip_grad,
+                                          loss_finite=math.isfinite(loss_total) and not bad_ids)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self._non_finite_step(mbs, bad_ids, loss_total, grad_norm)
         self.steps_done += 1
-        m.update(grad_norm=grad_norm, lr=lr, skipped_steps=float(self.skipped_steps))
-        return m
+        out: dict[str, Any] = {f"{k}_sum": v for k, v in sums.items()}
+        out.update({f"{k}_count": tokens for k in TOKEN_METRICS})
+        if not spec.use_tis:
+            del out["tis_clipfrac_sum"], out["tis_clipfrac_count"]
+        out.update(loss_total=loss_total, grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
+                   skipped_steps_total=float(self.skipped_steps), ratio_maxdev=ratio_maxdev)
+        return out
+
+    def _non_finite_step(self, mbs: list[MicroBatch], bad_ids: list[int], loss_total: float,
+                         grad_norm: float) -> None:
+        """RF13: fail naming the samples (default), or skip the update and count it (--no-check-…)."""
+        if self.cfg.check_for_nan_in_loss_and_grad:
+            all_bad = gather_lists(bad_ids, self.world_size)
+            all_ids = gather_lists([i for mb in mbs for i in mb.sample_ids], self.world_size)
+            raise DiagnosisError(nan_diagnosis(step=self.steps_done, rank_losses=loss_total, grad_norm=grad_norm,
+                                               bad_sample_ids=sorted(all_bad), step_sample_ids=sorted(all_ids)))
+        # no optimizer or scheduler step (as Megatron: a skipped iteration does not advance the LR schedule)
+        self.optimizer.zero_grad(set_to_none=False)
+        self.skipped_steps += 1
 
     # ---- state --------------------------------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -186,12 +151,7 @@ class TorchBackend:
     def load(self, path: str, *, load_optim: bool = True) -> None:
         from engine.weights import load_weights_dir
 
-        state = load_weights_dir(Path(path) / "model")
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        bad = [k for k in missing if not k.endswith("lm_head.weight")]
-        if bad or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {bad[:5]}, unexpected "
-                             f"{unexpected[:5]}")
+        load_state_strict(self.model, load_weights_dir(Path(path) / "model"), path)
         if load_optim and (Path(path) / "optim" / "state.pt").is_file():
             st = torch.load(Path(path) / "optim" / "state.pt", weights_only=False)
             self.optimizer.load_state_dict(st["optimizer"])
@@ -200,7 +160,8 @@ class TorchBackend:
             set_rng_state(st["rng"])
 
     def load_weights(self, path: str, *, ref: bool = False) -> None:
-        """Policy (or reference) weights from a Hugging Face directory or a checkpoint iteration's model/."""
+        """Policy (or reference) weights from a Hugging Face directory or a checkpoint iteration's model/, as the
+        driver resolved and verified them (engine/checkpoint/resolve.py: local copies of S3 paths included)."""
         from engine.modeling import load_causal_lm
         from engine.weights import load_weights_dir
 
@@ -208,12 +169,10 @@ class TorchBackend:
             state = load_causal_lm(path).state_dict()
         else:
             state = load_weights_dir(Path(path) / "model")
-        model = self._ref_model() if ref else self.model
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        bad = [k for k in missing if not k.endswith("lm_head.weight")]
-        if bad or unexpected:
-            raise ValueError(f"weights in {path} do not match the model of --hf-checkpoint {self.cfg.hf_checkpoint}:"
-                             f" missing {bad[:5]}, unexpected {unexpected[:5]}")
+        if ref and self.ref is None:  # the frozen architecture; its weights are replaced just below
+            self.ref = load_reference(None, self.cfg.hf_checkpoint)
+            use_varlen_attention(self.ref)
+        load_state_strict(self.ref if ref else self.model, state, path)
 
     def export_hf(self, path: str) -> None:
         from engine.modeling import load_tokenizer
@@ -223,6 +182,40 @@ class TorchBackend:
         src = Path(self.cfg.hf_checkpoint) / "generation_config.json"
         if src.is_file():
             shutil.copy(src, Path(path) / "generation_config.json")
+
+
+def load_state_strict(model, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load HF-named weights; anything missing (but a tied lm_head) or unexpected is an error."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    bad = [k for k in missing if not k.endswith("lm_head.weight")]
+    if bad or unexpected:
+        raise ValueError(f"checkpoint {source} does not match the model: missing {bad[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+
+
+def load_reference(ref_load: str | None, hf_checkpoint: str):
+    """The frozen reference: an HF directory, or a checkpoint directory's latest iteration (RF01 if neither)."""
+    from engine import checkpoint
+    from engine.modeling import load_causal_lm
+    from engine.weights import load_weights_dir
+
+    src = Path(ref_load or hf_checkpoint)
+    if (src / "config.json").is_file():
+        model = load_causal_lm(str(src))
+    elif (it := checkpoint.read_marker(src)) is not None:
+        model = load_causal_lm(hf_checkpoint)  # architecture from the policy's HF config, weights from src
+        load_state_strict(model, load_weights_dir(checkpoint.iter_dir(src, it) / "model"), str(src))
+    else:
+        raise DiagnosisError(Diagnosis(
+            code="RF01", severity="error",
+            what=f"--ref-load {src} is neither a Hugging Face directory (config.json) nor a checkpoint directory "
+                 f"with {checkpoint.MARKER}",
+            fix="--ref-load a directory written by --save, or a Hugging Face model directory; drop --ref-load to "
+                "use the initial weights (--hf-checkpoint)", facts={"path": str(src)}))
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""The objective of one optimizer step, micro-batch by micro-batch, so that it is the same for any DP layout.
+
+Total per-token loss  ℓ_t = w_t·pg_t − entropy_coef·H_t + kl_loss_coef·KL_t   (KL term with --use-kl-loss;
+w_t the TIS weight with --use-tis, else 1). Aggregation over the G samples of the step:
+  default                      L = (1/G) Σ_i mean_{t ∈ trained(i)} ℓ_t     (per-sample token mean, as slime)
+  --calculate-per-token-loss   L = (1/N) Σ_i Σ_{t ∈ trained(i)} ℓ_t        (N = trained tokens of the step)
+Each micro-batch contributes its samples' terms divided by the *global* G (or N), so summing gradients over
+micro-batches and DP ranks (all-reduce SUM) gives exactly ∇L, however the samples are split. The value loss
+(PPO's critic) aggregates the same way.
+
+Invariants (tests/test_objective.py): the sum of `policy_objective` over any split of a batch into micro-batches
+equals the loss of the whole batch, and so do its gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from engine.algorithms.losses import cispo_policy_loss, gspo_policy_loss, kl, policy_loss, tis_weights, value_loss
+from engine.algorithms.packed import per_sample_mean
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The numbers of the RL objective, unpacked once from the run's flags (`LossSpec.of(cfg)`)."""
+
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # ppo = the clipped surrogate (grpo, reinforce++, ppo)
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    per_token_loss: bool = False
+    value_clip: float = 0.2
+
+    @classmethod
+    def of(cls, cfg: Any) -> "LossSpec":
+        est = cfg.advantage_estimator
+        return cls(policy_loss=est if est in ("gspo", "cispo") else "ppo", eps_clip=cfg.eps_clip,
+                   eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
+                   use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
+                   use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
+                   per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip)
+
+
+def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, per_token: bool,
+              denominator: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this micro-batch's share of the step loss, per-sample losses [S]); see the module docstring."""
+    per_sample = per_sample_mean(token_loss, loss_mask, cu_seqlens)  # [S]
+    if per_token:
+        return (token_loss * loss_mask).sum() / denominator, per_sample
+    return per_sample.sum() / denominator, per_sample
+
+
+def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.Tensor,
+                     old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
+                     rollout_log_probs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                     cu_seqlens: torch.Tensor, denominator: float
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(loss share, token sums for metrics, per-sample loss [S]) of one packed micro-batch.
+
+    log_probs, entropy [T] carry gradients; old_log_probs (trainer, before the rollout's first update),
+    ref_log_probs (frozen reference), rollout_log_probs (engine), advantages, loss_mask [T] are constants.
+    """
+    m = loss_mask
+    if spec.policy_loss == "gspo":
+        pg, clipped = gspo_policy_loss(log_probs, old_log_probs, advantages, m, cu_seqlens,
+                                       eps_clip=spec.eps_clip, eps_clip_high=spec.eps_clip_high)
+    elif spec.policy_loss == "cispo":
+        pg, clipped = cispo_policy_loss(log_probs, old_log_probs, advantages, eps_clip=spec.eps_clip,
+                                        eps_clip_high=spec.eps_clip_high)
+    else:
+        pg, clipped = policy_loss(log_probs, old_log_probs, advantages, eps_clip=spec.eps_clip,
+                                  eps_clip_high=spec.eps_clip_high, eps_clip_c=spec.eps_clip_c)
+    stats: dict[str, torch.Tensor] = {}
+    if spec.use_tis:
+        w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip)
+        pg = pg * w  # [T]
+        stats["tis_clipfrac"] = (tis_clipped * m).sum()
+    kl_t = kl(log_probs, ref_log_probs, spec.kl_loss_type) if ref_log_probs is not None else torch.zeros_like(pg)
+    tok = pg - spec.entropy_coef * entropy  # [T]
+    if spec.use_kl_loss:
+        tok = tok + spec.kl_loss_coef * kl_t
+    loss, per_sample = aggregate(tok, m, cu_seqlens, per_token=spec.per_token_loss, denominator=denominator)
+    with torch.no_grad():
+        ratio = torch.exp(log_probs - old_log_probs)
+        stats.update(pg_loss=(pg * m).sum(), entropy=(entropy * m).sum(), kl=(kl_t * m).sum(),
+                     clipfrac=(clipped * m).sum(), ratio=(ratio * m).sum(),
+                     mismatch=((rollout_log_probs - old_log_probs).abs() * m).sum(), tokens=m.sum())
+    return loss, stats, per_sample.detach()
+
+
+def value_objective(spec: LossSpec, *, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(loss share, token sums, per-sample loss [S]) of the critic on one packed micro-batch."""
+    vl, clipped = value_loss(values, old_values, returns, value_clip=spec.value_clip)  # [T], [T]
+    loss, per_sample = aggregate(vl, loss_mask, cu_seqlens, per_token=spec.per_token_loss, denominator=denominator)
+    stats = {"value_loss": (vl.detach() * loss_mask).sum(), "value_clipfrac": (clipped * loss_mask).sum(),
+             "tokens": loss_mask.sum()}
+    return loss, stats, per_sample.detach()
+

@@ -1,0 +1,118 @@
+"""Every metric a run logs to MLflow: its name, which direction is better, and what it means.
+
+The README's metric table is generated from `METRICS` (`python -m engine.tracking.metrics --write README.md`) and
+a test keeps them equal; an integration test fails on a logged metric that is not listed here. Names are
+`<stage>/<what>`; `<key>` and `<i>` stand for a reward key and a GPU index. Steps are rollout ids, except `eval/*`
+(0 = before training, num_rollout = after) and `system/*` (seconds since the MLflow run was created).
+`better` drives `rollflow compare`'s "best" column: "max", "min", or None (no best: a count or a setting).
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import NamedTuple
+
+
+class MetricDoc(NamedTuple):
+    name: str
+    better: str | None
+    meaning: str
+
+
+METRICS: list[MetricDoc] = [
+    MetricDoc("rollout/reward_mean", "max", "mean reward of the rollout's B·n samples"),
+    MetricDoc("rollout/reward_std", None, "standard deviation of those rewards (0 → GRPO has no signal)"),
+    MetricDoc("rollout/reward_<key>_mean", "max", "mean of one key of a dict reward (a custom reward returning a dict)"),
+    MetricDoc("rollout/response_len_mean", None, "response tokens per sample, mean"),
+    MetricDoc("rollout/response_len_max", None, "response tokens per sample, max"),
+    MetricDoc("rollout/truncated_share", "min", "share of samples that hit `--rollout-max-response-len` (high → RF10)"),
+    MetricDoc("rollout/failed_share", "min", "share of samples that failed (reward error, engine abort)"),
+    MetricDoc("rollout/seconds", "min", "rollout stage wall time"),
+    MetricDoc("rollout/tokens_per_s", "max", "generated tokens per second in the rollout stage"),
+    MetricDoc("pack/seconds", "min", "pack stage wall time (advantages, DP schedule, micro-batches)"),
+    MetricDoc("pack/micro_batches", None, "micro-batches in the rollout, all ranks"),
+    MetricDoc("pack/micro_batches_per_rank", None, "micro-batches per DP rank"),
+    MetricDoc("pack/tokens", None, "tokens (prompt + response) packed for training"),
+    MetricDoc("pack/efficiency", "max", "real tokens / (micro-batches × cap), cap = `max_tokens_per_gpu·cp`; in "
+                                        "static mode the largest micro-batch stands for the cap"),
+    MetricDoc("pack/dp_imbalance", "min", "Σ over steps of max-rank FLOPs / Σ of mean-rank FLOPs (1.0 = no rank "
+                                          "waits)"),
+    MetricDoc("pack/max_micro_batch_tokens", None, "tokens in the largest micro-batch"),
+    MetricDoc("pack/oversize_samples", "min", "samples longer than the cap (each alone in its micro-batch)"),
+    MetricDoc("train/loss", "min", "the optimised objective (per-sample token mean, averaged over the global batch; "
+                                    "mean over the rollout's optimizer steps)"),
+    MetricDoc("train/pg_loss", None, "policy-gradient term, token mean over trained tokens"),
+    MetricDoc("train/entropy", None, "policy entropy, token mean"),
+    MetricDoc("train/kl", None, "KL to the frozen reference (`--ref-load`, else the initial weights), token mean, "
+                                "`--kl-loss-type`"),
+    MetricDoc("train/tis_clipfrac", None, "`--use-tis`: share of tokens whose importance weight was clipped"),
+    MetricDoc("train/value_loss", "min", "ppo: the critic's clipped value loss, token mean"),
+    MetricDoc("train/value_clipfrac", None, "ppo: share of tokens whose value was clipped"),
+    MetricDoc("train/critic_grad_norm", None, "ppo: the critic's gradient norm before clipping"),
+    MetricDoc("train/clipfrac", None, "share of tokens whose ratio was clipped"),
+    MetricDoc("train/ratio", None, "mean importance ratio π/π_old (1 on the first step)"),
+    MetricDoc("train/mismatch", "min", "mean \\|log π_engine − log π_trainer\\| over response tokens (train–inference "
+                                       "mismatch)"),
+    MetricDoc("train/grad_norm", None, "gradient norm before clipping, mean over the rollout's optimizer steps"),
+    MetricDoc("train/grad_norm_max", None, "largest gradient norm of the rollout's optimizer steps"),
+    MetricDoc("train/lr", None, "learning rate, mean over the rollout's optimizer steps"),
+    MetricDoc("train/skipped_steps", "min", "optimizer steps of this rollout skipped for NaN/Inf (RF13, "
+                                            "`--no-check-for-nan-in-loss-and-grad`)"),
+    MetricDoc("train/skipped_steps_total", "min", "optimizer steps skipped for NaN/Inf since the run started"),
+    MetricDoc("train/grad_norm_spikes", "min", "optimizer steps whose grad norm spiked (> 10× the running median; "
+                                               "RF09, reported with the step's sample ids)"),
+    MetricDoc("train/seconds", "min", "train stage wall time (log-probs + optimizer steps)"),
+    MetricDoc("train/tokens_per_s", "max", "packed tokens per second in the train stage"),
+    MetricDoc("save/seconds", "min", "checkpoint save wall time (rollouts that save)"),
+    MetricDoc("save/state_seconds", "min", "of which the backend writing its state (the rest: sha256, fsync or upload, "
+              "manifest, marker, retention)"),
+    MetricDoc("save/mb", None, "MiB in the saved iteration"),
+    MetricDoc("save/mb_per_s", "max", "save/mb / save/seconds"),
+    MetricDoc("sync/seconds", "min", "weight sync to every engine, wall time"),
+    MetricDoc("sync/mb", None, "size of the synced weights, MiB"),
+    MetricDoc("sync/weight_version", None, "weight version the engines serve after the sync"),
+    MetricDoc("eval/test_accuracy", "max", "greedy accuracy on `--eval-prompt-data` (step 0 = before training, "
+                                           "step num_rollout = after)"),
+    MetricDoc("system/cpu_utilization_percentage", None, "CPU utilisation of the driver's node"),
+    MetricDoc("system/system_memory_usage_megabytes", None, "memory in use on the driver's node, MiB"),
+    MetricDoc("system/system_memory_usage_percentage", None, "memory in use on the driver's node, %"),
+    MetricDoc("system/gpu_<i>_utilization_percentage", None, "utilisation of GPU i (NVML; GPU machines only)"),
+    MetricDoc("system/gpu_<i>_memory_usage_megabytes", None, "memory in use on GPU i, MiB"),
+    MetricDoc("system/gpu_<i>_memory_usage_percentage", None, "memory in use on GPU i, %"),
+]
+
+_PATTERNS = [(re.compile("^" + re.escape(m.name).replace("<key>", ".+").replace("<i>", r"\d+") + "$"), m)
+             for m in METRICS]
+
+
+def describe(name: str) -> MetricDoc | None:
+    """The documented entry of a logged metric name (templates match), or None when it is undocumented."""
+    return next((m for pat, m in _PATTERNS if pat.match(name)), None)
+
+
+def better(name: str) -> str | None:
+    """"max" / "min" / None; an undocumented metric counts as higher-is-better."""
+    m = describe(name)
+    return m.better if m else "max"
+
+
+START, END = "<!-- metrics:start -->", "<!-- metrics:end -->"
+
+
+def metrics_markdown() -> str:
+    rows = ["| metric | better | meaning |", "|---|---|---|"]
+    rows += [f"| `{m.name}` | {m.better or '—'} | {m.meaning} |" for m in METRICS]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    # python -m engine.tracking.metrics [--write README.md]
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        from pathlib import Path
+
+        from engine.config.docs import embed
+
+        p = Path(sys.argv[2])
+        p.write_text(embed(p.read_text(), metrics_markdown(), START, END))
+    else:
+        print(metrics_markdown())

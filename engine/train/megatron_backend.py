@@ -1,0 +1,409 @@
+"""The megatron training backend: megatron-core GPTModel with TP / PP / DP and the distributed optimizer (GPU only).
+
+Same interface and the same loss as the torch backend (engine.train.torch_backend):
+    L = (1/G) Σ_i mean_{t ∈ resp(i)} ℓ_t,   ℓ_t = pg_t − entropy_coef·H_t + kl_loss_coef·KL_t
+Each micro-batch contributes Σ_{its samples} mean / G (global G); Megatron's DDP is told not to rescale
+(calculate_per_token_loss, and a finalize step that ignores token counts), so reduce-scattering the gradient
+SUM over DP ranks gives exactly ∇L whatever the DP / TP / PP layout.
+
+Packed micro-batches run as one THD row: cu_seqlens bound the samples for attention and RoPE (positions
+restart at every boundary; megatron_attention). The reference model for KL is the initial weights, kept on the
+host and swapped in for `compute_log_probs(ref=True)` (as slime does) instead of a second model. Speed choices
+that leave the math unchanged are `megatron_model.Kernels` (measured in bench/results/gpu_megatron.md).
+One difference from the torch backend: Megatron exempts biases and norm weights from weight decay (the
+default --weight-decay 0 makes the two identical).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.algorithms import kl, policy_loss
+from engine.packing.microbatch import MicroBatch
+from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
+from engine.train.megatron_model import Kernels
+from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
+from engine.train.optim import lr_lambda
+from engine.train.torch_backend import TOKEN_METRICS, rng_state, set_rng_state
+
+INSTALL_HINT = ("install it on a CUDA machine with `pip install 'rollflow[megatron]'` (megatron-core==0.16.1; "
+                "Transformer Engine optional), or use --train-backend torch")
+
+# The distributed optimizer's checkpoint format: one shard per DP rank, parallel save and load (Megatron-LM's
+# default). The model-space format ('fully_sharded_model_space') is refused by 0.16's torch_dist writer
+# ("ShardedTensor.flattened_range is not supported", seen on the H200).
+_OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+# What train_step's loss function reports per micro-batch, stacked in this order: the token sums of
+# engine.algorithms.policy_objective (as the torch backend reports them), then the loss share and the ratio check.
+_STATS = (*TOKEN_METRICS, "tokens", "loss_total", "ratio_maxdev")
+
+
+def require_megatron() -> None:
+    """Fail early, with the fix, where the backend cannot run."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--train-backend megatron needs CUDA GPUs and none is visible here; {INSTALL_HINT}")
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"--train-backend megatron needs megatron-core ({e}); {INSTALL_HINT}") from None
+
+
+def init_distributed(rank: int, world_size: int, master: str | None) -> None:
+    """One NCCL process group over all train ranks; one GPU per rank (LOCAL_RANK, else rank mod GPUs)."""
+    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    torch.cuda.set_device(local)
+    if dist.is_initialized():
+        return
+    if master is None and "MASTER_ADDR" not in os.environ:
+        with socket.socket() as s:  # a lone rank: any free local port
+            s.bind(("127.0.0.1", 0))
+            master = f"127.0.0.1:{s.getsockname()[1]}"
+    init = f"tcp://{master}" if master else "env://"
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size)
+
+
+def _finalize_grads_sum(model, num_tokens=None, **kw):
+    """Megatron's grad finalisation (DP reduce-scatter, tied-embedding all-reduce) without 1/num_tokens."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kw)
+
+
+class MegatronBackend:
+    def __init__(self, cfg, *, rank: int | None = None, world_size: int | None = None, train_iters: int = 1,
+                 master: str | None = None, params_dtype: str = "bfloat16", kernels: Kernels = Kernels()):
+        require_megatron()
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        from engine.train.megatron_model import build_model, load_hf_into
+        from engine.weights import load_weights_dir
+
+        self.cfg, self.train_iters = cfg, train_iters
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
+        self.pp = getattr(cfg, "pipeline_model_parallel_size", 1)
+        init_distributed(self.rank, self.world_size, master)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(self.tp, self.pp)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed + self.rank)
+
+        self.shape = shape_from_hf_config(json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()))
+        check_tp(self.shape, self.tp)
+        self.vocab_padded = padded_vocab(self.shape.vocab_size, self.tp)
+        self.dtype = getattr(torch, params_dtype)
+        self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
+
+        self.kernels = kernels
+        gpt, self.config = build_model(self.shape, vocab_padded=self.vocab_padded, dtype=self.dtype, tp=self.tp,
+                                       pp=self.pp, kernels=kernels)
+        load_hf_into(gpt, self.config, load_weights_dir(cfg.hf_checkpoint), self.shape,
+                     vocab_padded=self.vocab_padded)
+        self.gpt = gpt  # unwrapped: its parameter names are the mapping's
+        self.config.finalize_model_grads_func = _finalize_grads_sum
+        wrapped = gpt if self.dtype == torch.float32 else Float16Module(self.config, gpt)
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=True)
+        self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp, module=wrapped)]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=1e-8,
+                            clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                            use_distributed_optimizer=True),
+            self.model)
+        if kernels.fused_adam:  # torch.optim.AdamW reads `fused` per group at every step
+            for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = getattr(o, "optimizer", None)
+                if isinstance(inner, torch.optim.AdamW):
+                    for g in inner.param_groups:
+                        g["fused"], g["foreach"] = True, False
+        # The frozen reference policy: the initial weights of this rank's shards, on the host.
+        self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in gpt.named_parameters()}
+        self.steps_done = 0
+        self.skipped_steps = 0
+
+    # ---- parallel layout -----------------------------------------------------------------------------------
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage()
+
+    @property
+    def reports_metrics(self) -> bool:
+        """One rank per DP replica reports the step's sums (TP ranks and earlier PP stages would double count)."""
+        from megatron.core import parallel_state
+
+        return self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    def _vocab_reducers(self) -> dict[str, Any]:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        kw: dict[str, Any] = dict(vocab_start=tp_rank * (self.vocab_padded // self.tp),
+                                  vocab_size=self.shape.vocab_size)
+        if self.tp > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+
+            def reduce_max(x):
+                dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+                return x
+
+            kw.update(reduce_sum=reduce_from_tensor_model_parallel_region, reduce_max=reduce_max)
+        return kw
+
+    # ---- forward over micro-batches (Megatron's schedule: no pipelining, or 1F1B across PP stages) ---------
+    def _run(self, mbs: list[MicroBatch], loss_fn: Callable, *, forward_only: bool, entropy_grad: bool
+             ) -> list[dict[str, torch.Tensor]]:
+        """Run `loss_fn(j, mb, log_probs [T], entropy [T]) -> (loss, {stats})` on every micro-batch; returns the
+        stats dicts on the last pipeline stage ([] elsewhere). Gradients are finalised when not forward_only."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        dev = torch.cuda.current_device()
+        # Inputs go to the GPU before the first kernel: a pageable host→device copy waits for the stream, so
+        # copying per micro-batch would drain the GPU between micro-batches.
+        inputs = [(mb.tokens.to(dev), mb.cu_seqlens.to(dev, dtype=torch.int32), mb.position_ids.to(dev))
+                  for mb in mbs]  # [T], [S+1], [T]
+        reducers = self._vocab_reducers()
+        # TP = 1 reads the model-precision logits in fused kernels; TP > 1 combines the vocabulary shards.
+        fused = self.kernels.fused_log_probs and self.tp == 1
+        extra = {"fp32_output": False} if fused and self.dtype != torch.float32 else {}  # Float16Module's upcast
+
+        def loss_on_logits(j, mb, tokens, cu, logits):  # logits [1, T, V/p]; position t predicts tokens[t+1]
+            if fused:
+                lp, ent = fused_log_probs(logits[0], shift_targets(tokens), temperature=self.temperature,
+                                          entropy_grad=entropy_grad)  # [T] each
+            else:
+                logits = logits[0].float()  # [T, V/p]
+                if self.temperature != 1.0:
+                    logits = logits / self.temperature
+                lp, ent = vocab_parallel_log_probs(logits, shift_targets(tokens), entropy_grad=entropy_grad,
+                                                   **reducers)  # [T] each
+            loss, stats = loss_fn(j, mb, align_to_tokens(lp, cu), align_to_tokens(ent, cu))
+            return loss, torch.ones((), dtype=torch.int, device=dev), stats
+
+        def step(data_iterator, model):
+            j = next(data_iterator)
+            mb = mbs[j]
+            tokens, cu, pos = inputs[j]
+            longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())  # host tensor: no sync
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                  max_seqlen_kv=longest)
+            out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=None,
+                        packed_seq_params=psp, **extra)  # last stage: logits [1, T, V/p]; else hidden [T, 1, h]
+            return out, partial(loss_on_logits, j, mb, tokens, cu)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(range(len(mbs))), model=self.model,
+            num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
+            forward_only=forward_only) or []
+
+    @contextmanager
+    def _reference_weights(self):
+        """Swap the initial weights in for the duration (each rank its own shards), then restore."""
+        params = dict(self.gpt.named_parameters())
+        current = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(self.ref_weights[n], non_blocking=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(current[n], non_blocking=True)
+
+    @torch.no_grad()
+    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
+        for m in self.model:
+            m.eval()
+        with self._reference_weights() if ref else nullcontext():
+            outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp}), forward_only=True,
+                             entropy_grad=False)
+        for m in self.model:
+            m.train()
+        if not self.is_last_stage:  # only the last stage computes the loss; it is the only user of these
+            return [torch.zeros(mb.num_tokens) for mb in mbs]
+        # 0 where loss_mask is 0, as the torch backend (engine.train.forward.packed_forward)
+        return [o["log_probs"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]
+
+    def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce a CPU tensor over this rank's data-parallel group (TP / PP peers hold the same data)."""
+        from megatron.core import parallel_state
+
+        t = x.to(torch.cuda.current_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
+                        group=parallel_state.get_data_parallel_group())
+        return t.cpu()
+
+    # ---- one optimizer step --------------------------------------------------------------------------------
+    def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
+                   ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
+                   global_tokens: float | None = None) -> dict[str, Any]:
+        """One optimizer step; the loss is engine.algorithms.policy_objective, exactly as the torch backend's."""
+        from engine.algorithms import LossSpec, policy_objective
+
+        cfg = self.cfg
+        spec = LossSpec.of(cfg)
+        if spec.per_token_loss and global_tokens is None:
+            raise ValueError("--calculate-per-token-loss needs the step's global trained-token count")
+        denom = max(global_tokens, 1.0) if spec.per_token_loss else global_batch_size
+        dev = torch.cuda.current_device()
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = cfg.lr * lr_lambda(self.steps_done, warmup=cfg.lr_warmup_iters, total=self.train_iters,
+                                style=cfg.lr_decay_style, min_ratio=cfg.min_lr / cfg.lr)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+        # Every per-token input on the GPU up front (see _run): [T] each.
+        aux = [{"old": old_log_probs[j].to(dev), "mask": mb.loss_mask.to(dev), "adv": mb.advantages.to(dev),
+                "rollout": mb.rollout_log_probs.to(dev), "cu": mb.cu_seqlens.to(dev),
+                "ref": ref_log_probs[j].to(dev) if ref_log_probs is not None else None}
+               for j, mb in enumerate(mbs)]
+
+        def loss_fn(j, mb, lp, ent):  # lp, ent [T] aligned with mb.tokens
+            a = aux[j]
+            loss, stats, _ = policy_objective(spec, log_probs=lp, entropy=ent, old_log_probs=a["old"],
+                                              ref_log_probs=a["ref"], rollout_log_probs=a["rollout"],
+                                              advantages=a["adv"], loss_mask=a["mask"], cu_seqlens=a["cu"],
+                                              denominator=denom)
+            with torch.no_grad():
+                zero = torch.zeros((), device=lp.device)
+                dev_ratio = ((torch.exp(lp - a["old"]) - 1).abs() * a["mask"]).max() if mb.num_tokens else zero
+                row = [stats.get(k, zero) for k in TOKEN_METRICS] + [stats["tokens"], loss.detach(), dev_ratio]
+            return loss, {"stats": torch.stack([x.float() for x in row])}
+
+        outs = self._run(mbs, loss_fn, forward_only=False, entropy_grad=cfg.entropy_coef > 0)
+        vals = torch.stack([o["stats"] for o in outs]) if outs else torch.zeros(1, len(_STATS))
+        col = {k: vals[:, i] for i, k in enumerate(_STATS)}
+        tokens = float(col["tokens"].sum())
+        out: dict[str, Any] = {f"{k}_sum": float(col[k].sum()) for k in TOKEN_METRICS}
+        out.update({f"{k}_count": tokens for k in TOKEN_METRICS})
+        if not spec.use_tis:
+            del out["tis_clipfrac_sum"], out["tis_clipfrac_count"]
+        loss_total, ratio_maxdev = float(col["loss_total"].sum()), float(col["ratio_maxdev"].max())
+        if not self.reports_metrics:  # TP / PP peers of a replica report nothing, so sums count once
+            out = {k: 0.0 for k in out}
+            loss_total, ratio_maxdev = 0.0, 0.0
+        skipped_before = self.skipped_steps
+        grad_norm = self._optimizer_step(loss_total, mbs)
+        self.steps_done += 1
+        out.update(loss_total=loss_total, grad_norm=grad_norm, lr=lr,
+                   skipped=float(self.skipped_steps > skipped_before),
+                   skipped_steps_total=float(self.skipped_steps), ratio_maxdev=ratio_maxdev)
+        return out
+
+    def _optimizer_step(self, local_loss: float, mbs: list[MicroBatch]) -> float:
+        """Megatron's ChainedOptimizer.step, split so a NaN/Inf gradient can be refused before the update."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm())
+        bad = torch.tensor(float(not (math.isfinite(grad_norm) and math.isfinite(local_loss))),
+                           device=torch.cuda.current_device())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips, or none does
+        if bad.item():
+            if self.cfg.check_for_nan_in_loss_and_grad:
+                from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+
+                ids = [i for mb in mbs for i in mb.sample_ids]
+                raise DiagnosisError(Diagnosis(
+                    code="RF13", severity="error",
+                    what=f"NaN/Inf at optimizer step {self.steps_done}: loss {local_loss}, grad norm {grad_norm} "
+                         f"(rank {self.rank}, samples {ids[:32]})",
+                    fix="check these samples and the learning rate (--lr); --no-check-for-nan-in-loss-and-grad "
+                        "skips such steps instead, without fixing the cause",
+                    facts={"step": self.steps_done, "sample_ids": ids, "grad_norm": grad_norm}))
+            self.skipped_steps += 1
+            return grad_norm
+        if self.cfg.clip_grad > 0:
+            for o in getattr(opt, "chained_optimizers", [opt]):
+                params = o.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(
+                        params, max_norm=self.cfg.clip_grad, total_norm=grad_norm,
+                        use_decoupled_grad=getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                                                   False))
+        opt.step_with_ready_grads()
+        return grad_norm
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights on global rank 0 ({} elsewhere). Collective: every rank must call it."""
+        from engine.train.megatron_model import gather_hf_state
+
+        return gather_hf_state(self.gpt, self.config, self.shape)
+
+    def save(self, path: str) -> list[str]:
+        """dist_checkpointing: model/ (sharded weights) and optim/ (distributed optimizer + step counters).
+        Collective; returns the files (relative to `path`) on rank 0."""
+        from megatron.core import dist_checkpointing
+
+        root = Path(path)
+        if self.rank == 0:
+            for sub in ("model", "optim"):
+                shutil.rmtree(root / sub, ignore_errors=True)
+                (root / sub).mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(self.gpt.sharded_state_dict(), str(root / "model"))
+        dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(),
+                                                                                metadata=_OPTIM_FORMAT)},
+                                str(root / "optim"))
+        if self.rank == 0:
+            torch.save({"steps_done": self.steps_done, "skipped_steps": self.skipped_steps, "rng": rng_state()},
+                       root / "optim" / "backend.pt")
+        dist.barrier()
+        if self.rank != 0:
+            return []
+        return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()]
+
+    def load(self, path: str, *, load_optim: bool = True) -> None:
+        from megatron.core import dist_checkpointing
+
+        root = Path(path)
+        state = dist_checkpointing.load(self.gpt.sharded_state_dict(), str(root / "model"))
+        self.gpt.load_state_dict(state)
+        if load_optim and (root / "optim" / "backend.pt").is_file():
+            tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
+                                                                   metadata=_OPTIM_FORMAT)}
+            state = dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"]
+            with torch.no_grad():  # it copies into the fp32 main params, leaves that require grad
+                self.optimizer.load_state_dict(state)
+            st = torch.load(root / "optim" / "backend.pt", weights_only=False)
+            self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]
+            set_rng_state(st["rng"])
+        else:
+            self.optimizer.reload_model_params()  # the fp32 main copy follows the loaded weights
+
+    def export_hf(self, path: str) -> None:
+        """HF directory on rank 0: model.safetensors from the gathered weights, config/tokenizer files copied."""
+        from engine.weights import save_weights_dir
+
+        state = self.model_state()
+        if self.rank != 0:
+            return
+        out = save_weights_dir(state, path)
+        for f in Path(self.cfg.hf_checkpoint).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".safetensors.index.json")) \
+                    and not f.name.startswith("."):
+                shutil.copy(f, out / f.name)

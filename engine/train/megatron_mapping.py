@@ -1,0 +1,245 @@
+"""HF ⇄ Megatron weight mapping for the Qwen2, Qwen3 and Llama families: pure tensor code, runs on CPU.
+
+Megatron layouts (megatron-core GPTModel, names without the DDP / Float16Module `module.` prefixes):
+
+    linear_qkv.weight  [(a + 2g)·d, h]   per kv group j: a/g query heads, then k_j, then v_j
+                                          (q head i reads kv group i // (a/g), as HF's repeat_kv)
+    linear_fc1.weight  [2·ffn, h]        [gate; up]; Megatron's SwiGLU is silu(x[:ffn]) · x[ffn:]
+    norms              input_layernorm / pre_mlp_layernorm, or, with Transformer Engine's fused
+                       LayerNormLinear, linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight
+    tied embeddings    no output_layer.weight: the LM head reads embedding.word_embeddings.weight
+
+Tensor parallelism (TP = p ranks) then splits each full tensor: column-parallel ones (qkv, fc1, embedding,
+output layer) along rows, row-parallel ones (linear_proj, fc2) along columns, norms replicated. Because the
+fused QKV keeps each kv group contiguous, rank r's QKV shard is simply rows chunk r (groups r·g/p … (r+1)·g/p
+− 1); fc1 needs gate and up chunked separately. The vocabulary is padded with zero rows up to a multiple of
+p (the padded logits are masked in the loss, see `vocab_parallel`).
+
+Invariants (tests/test_megatron_mapping.py): megatron_to_hf(hf_to_megatron(w)) == w for every family;
+tp_gather(tp_shard(x, r, p) for r) == x; shapes for GQA configs as above.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the mapping and the Megatron model need from an HF config.json."""
+
+    family: str  # "qwen2" | "qwen3" | "llama"
+    num_layers: int
+    hidden_size: int  # h
+    num_heads: int  # a
+    num_kv_heads: int  # g
+    head_dim: int  # d
+    ffn_hidden_size: int
+    vocab_size: int  # V (unpadded)
+    tie_embeddings: bool
+    qkv_bias: bool  # Qwen2: always; Llama / Qwen3: attention_bias
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling_factor: float | None = None  # Llama 3.1-style ("llama3") scaling; None = plain RoPE
+
+
+def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
+    """ModelShape of an HF config dict (config.json), old (`rope_theta`) or transformers-5 (`rope_parameters`)."""
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise NotImplementedError(f"model_type {family!r}: the Megatron mapping covers {', '.join(FAMILIES)}")
+    if cfg.get("use_sliding_window"):
+        raise NotImplementedError("sliding-window attention (use_sliding_window: true) is not mapped")
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+        raise NotImplementedError("only SwiGLU MLPs without bias are mapped (hidden_act silu, mlp_bias false)")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta") or 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    factor = None
+    if kind == "llama3":
+        # Megatron's Llama-3 scaling hard-codes low/high frequency factors 1 / 4 and 8192 original positions.
+        want = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        got = {k: rope.get(k) for k in want}
+        if any(got[k] is not None and float(got[k]) != v for k, v in want.items()):
+            raise NotImplementedError(f"llama3 RoPE scaling with {got}: Megatron supports only {want}")
+        factor = float(rope["factor"])
+    elif kind != "default":
+        raise NotImplementedError(f"RoPE scaling {kind!r} is not mapped (default and llama3 are)")
+    heads = int(cfg["num_attention_heads"])
+    return ModelShape(
+        family=family, num_layers=int(cfg["num_hidden_layers"]), hidden_size=int(cfg["hidden_size"]),
+        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        ffn_hidden_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=family == "qwen3",
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), rope_scaling_factor=factor)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Smallest multiple of tp ≥ V: each TP rank holds the same number of vocabulary rows."""
+    return -(-vocab_size // tp) * tp
+
+
+# ---- fused QKV and gate/up -------------------------------------------------------------------------------
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """q [a·d, …], k/v [g·d, …] → [(a + 2g)·d, …] in Megatron's per-group order (works for weights and biases)."""
+    g = num_kv_heads
+    d = k.shape[0] // g
+    rest = q.shape[1:]
+    qg = q.reshape(g, num_heads // g * d, *rest)  # [g, a/g·d, …]
+    kg = k.reshape(g, d, *rest)  # [g, d, …]
+    vg = v.reshape(g, d, *rest)  # [g, d, …]
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)  # [(a + 2g)·d, …]
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`: [(a + 2g)·d, …] → q [a·d, …], k [g·d, …], v [g·d, …]."""
+    g, d = num_kv_heads, head_dim
+    per = num_heads // g * d
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, per + 2 * d, *rest)  # [g, a/g·d + 2d, …]
+    q, k, v = grouped.split([per, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+# ---- HF ⇄ Megatron (full tensors, TP = 1) ----------------------------------------------------------------
+def _layer_names(fused_norms: bool, qk_norm: bool) -> dict[str, str]:
+    """Megatron suffix → HF suffix of the one-to-one layer weights."""
+    names = {
+        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    }
+    if qk_norm:
+        names["self_attention.q_layernorm.weight"] = "self_attn.q_norm.weight"
+        names["self_attention.k_layernorm.weight"] = "self_attn.k_norm.weight"
+    if fused_norms:
+        names["self_attention.linear_qkv.layer_norm_weight"] = "input_layernorm.weight"
+        names["mlp.linear_fc1.layer_norm_weight"] = "post_attention_layernorm.weight"
+    else:
+        names["input_layernorm.weight"] = "input_layernorm.weight"
+        names["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"
+    return names
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, fused_norms: bool = False,
+                   vocab_padded: int | None = None) -> dict[str, torch.Tensor]:
+    """HF state dict (model.layers.i…) → full Megatron GPTModel state dict (decoder.layers.i…)."""
+    s = shape
+    vp = vocab_padded or s.vocab_size
+    out: dict[str, torch.Tensor] = {
+        "embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], vp),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    if not s.tie_embeddings:
+        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], vp)
+    names = _layer_names(fused_norms, s.qk_norm)
+    for i in range(s.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = src + "self_attn."
+        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], s.num_heads, s.num_kv_heads)
+        if s.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s.num_heads, s.num_kv_heads)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)  # [2·ffn, h]
+        for mg_name, hf_name in names.items():
+            out[dst + mg_name] = hf[src + hf_name]
+    return out
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], shape: ModelShape, *, fused_norms: bool = False
+                   ) -> dict[str, torch.Tensor]:
+    """Full Megatron state dict → HF names (what weight sync and the HF export write). Drops vocab padding."""
+    s = shape
+    V = s.vocab_size
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:V],
+        "model.norm.weight": mg["decoder.final_layernorm.weight"],
+    }
+    if not s.tie_embeddings:
+        out["lm_head.weight"] = mg["output_layer.weight"][:V]
+    names = _layer_names(fused_norms, s.qk_norm)
+    for i in range(s.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        q, k, v = split_qkv(mg[src + "self_attention.linear_qkv.weight"], s.num_heads, s.num_kv_heads, s.head_dim)
+        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                    dst + "self_attn.v_proj.weight": v})
+        if s.qkv_bias:
+            qb, kb, vb = split_qkv(mg[src + "self_attention.linear_qkv.bias"], s.num_heads, s.num_kv_heads,
+                                   s.head_dim)
+            out.update({dst + "self_attn.q_proj.bias": qb, dst + "self_attn.k_proj.bias": kb,
+                        dst + "self_attn.v_proj.bias": vb})
+        gate, up = mg[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+        for mg_name, hf_name in names.items():
+            out[dst + hf_name] = mg[src + mg_name]
+    return out
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------------------
+_COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|word_embeddings\.weight|output_layer\.weight)$")
+_GATED = re.compile(r"linear_fc1\.weight$")
+_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+
+
+def tp_kind(name: str) -> str:
+    """How a Megatron weight is split over TP ranks: column (rows), gated (gate and up rows), row, replicated."""
+    if _GATED.search(name):
+        return "gated"
+    if _COLUMN.search(name):
+        return "column"
+    if _ROW.search(name):
+        return "row"
+    return "replicated"
+
+
+def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s part of a full Megatron tensor under TP = `size` (a view where possible)."""
+    kind = tp_kind(name)
+    if size == 1 or kind == "replicated":
+        return full
+    if kind == "column":
+        return full.chunk(size, dim=0)[rank]
+    if kind == "row":
+        return full.chunk(size, dim=1)[rank]
+    gate, up = full.chunk(2, dim=0)  # [ffn, h] each
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)  # [2·ffn/p, h]
+
+
+def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `tp_shard` over all ranks' shards (in rank order)."""
+    kind = tp_kind(name)
+    if len(shards) == 1 or kind == "replicated":
+        return shards[0]
+    if kind == "column":
+        return torch.cat(shards, dim=0)
+    if kind == "row":
+        return torch.cat(shards, dim=1)
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def check_tp(shape: ModelShape, tp: int) -> None:
+    """Megatron splits heads, kv groups and the FFN evenly over TP ranks."""
+    for what, n in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads),
+                    ("intermediate_size", shape.ffn_hidden_size)):
+        if n % tp:
+            raise ValueError(f"{what}={n} is not divisible by --tensor-model-parallel-size {tp}: choose a TP "
+                             f"size that divides {n}")

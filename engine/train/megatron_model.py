@@ -1,0 +1,252 @@
+"""Building a megatron-core GPTModel for an HF Qwen2 / Qwen3 / Llama checkpoint, and moving HF weights in and out.
+
+`model_kwargs` is pure (CPU-testable); everything else needs megatron-core, a CUDA device and an initialised
+`parallel_state`. The layer spec is Transformer Engine's when TE is installed, else megatron-core's local
+modules with the packed flash attention of `megatron_attention` in the core-attention slot.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.train.megatron_mapping import ModelShape, hf_to_megatron, megatron_to_hf, tp_gather, tp_shard
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Speed choices that leave the math unchanged (bench/gpu_megatron.py measures each one)."""
+
+    fused_log_probs: bool = True  # TP = 1: log-softmax / entropy on bf16 logits, torch.compile'd (packed_logprobs)
+    rope_in_attention: bool = True  # without TE: RoPE in the packed core attention, no per-layer host sync
+    # Megatron's compiled SwiGLU (bias_activation_fusion): off, measured slower on the H200 (its backward
+    # kernel ran at ~1 TB/s, no faster than eager, and each call pays torch.compile's guard checks).
+    fused_swiglu: bool = False
+    fused_adam: bool = True  # torch's single-kernel AdamW for Megatron's fallback optimizer (no TE / apex)
+    wgrad_fusion: bool = True  # weight grads accumulated into the fp32 main grad by the GEMM itself (no apex)
+    hf_rms_norm: bool = False  # without TE: RMSNorm in transformers' rounding order (bf16 parity with HF;
+    #                            several kernels instead of torch's one fused RMSNorm)
+
+
+class HFRMSNorm(torch.nn.Module):
+    """RMSNorm as transformers computes it: normalise in fp32, round to the input dtype, then × weight (in
+    that dtype). torch's fused RMSNorm rounds once, after the weight; in bf16 the two differ by an ulp."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def _wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """apex's fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32: main_grad [out, in] += gᵀ·x in one GEMM with
+    an fp32 output (torch's addmm out_dtype), instead of a bf16 weight grad and a separate fp32 add per
+    micro-batch (measured 1,584 such adds, 47 ms, per 8×4,096-token step of the 1.5B shape)."""
+    x = total_input.reshape(-1, total_input.shape[-1])  # [N, in]
+    g = grad_output.reshape(-1, grad_output.shape[-1])  # [N, out]
+    if x.dtype == torch.float32:
+        main_grad.addmm_(g.t(), x)
+    else:
+        torch.ops.aten.addmm.dtype_out(main_grad, g.t(), x, torch.float32, out=main_grad)
+
+
+def enable_wgrad_fusion() -> bool:
+    """Let Megatron's linear layers use gradient_accumulation_fusion without apex; True when it is active.
+    Checked once on the GPU against the unfused sum (a torch without addmm out_dtype keeps it off)."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:  # apex's extension is installed
+        return True
+    if not torch.cuda.is_available() or "dtype_out" not in torch.ops.aten.addmm.overloads():
+        return False
+    try:
+        g = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+        acc = torch.randn(48, 32, device="cuda")
+        want = acc + g.float().t() @ x.float()
+        _wgrad_gemm_accum_fp32(x, g, acc)
+        if not torch.allclose(acc, want, atol=1e-3, rtol=1e-3):
+            return False
+    except Exception:  # the op exists but not for this device / dtype
+        return False
+    layers.fused_weight_gradient_mlp_cuda = SimpleNamespace(wgrad_gemm_accum_fp32=_wgrad_gemm_accum_fp32)
+    layers._grad_accum_fusion_available = True
+    return True
+
+
+def rope_in_attention(kernels: Kernels) -> bool:
+    return kernels.rope_in_attention and not have_transformer_engine()
+
+
+def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels()
+                 ) -> tuple[dict, dict]:
+    """(TransformerConfig kwargs, GPTModel kwargs) of an HF architecture: RMSNorm, SwiGLU, RoPE, no dropout."""
+    import torch.nn.functional as F
+
+    s = shape
+    config = dict(
+        num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_heads,
+        num_query_groups=s.num_kv_heads, kv_channels=s.head_dim, ffn_hidden_size=s.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=s.norm_eps, add_bias_linear=False, add_qkv_bias=s.qkv_bias,
+        gated_linear_unit=True, activation_func=F.silu, qk_layernorm=s.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        # Packed micro-batches differ in length: PP sends shapes first. (Megatron then refuses the MoE
+        # `allgather` dispatcher, so the dense model names alltoall; it has no experts to dispatch.)
+        pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # Each micro-batch's loss is already Σ_samples mean / G (engine.train.torch_backend); no rescaling.
+        calculate_per_token_loss=True,
+        # Every weight is overwritten from the HF checkpoint right after construction, but initialisation stays
+        # on: it is what tags TP-sharded weights (`tensor_model_parallel`); without the tag the grad norm counts
+        # them once instead of per shard (measured: TP=2 norm 0.352 vs 0.424 at TP=1, same gradients).
+        perform_initialization=True,
+        # Fusions that need apex / TE stay off; torch's RMSNorm and our attention are used instead.
+        gradient_accumulation_fusion=False, bias_activation_fusion=kernels.fused_swiglu, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+    )
+    gpt = dict(
+        max_sequence_length=s.max_position_embeddings,
+        # RoPE applied by PackedCoreAttention instead: GPTModel must not rotate a second time.
+        position_embedding_type="none" if rope_in_attention(kernels) else "rope",
+        rotary_base=int(s.rope_theta), rotary_percent=1.0, share_embeddings_and_output_weights=s.tie_embeddings,
+        rope_scaling=s.rope_scaling_factor is not None, rope_scaling_factor=s.rope_scaling_factor or 8.0,
+    )
+    return config, gpt
+
+
+def layer_spec(shape: ModelShape, kernels: Kernels = Kernels()):
+    """TE layers when installed; else local layers with the packed flash core attention."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if have_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    from engine.train.megatron_attention import PackedCoreAttention, Rope
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    rope = Rope(shape.rope_theta, shape.rope_scaling_factor) if rope_in_attention(kernels) else None
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"rope": rope})
+    if kernels.hf_rms_norm:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HFRMSNorm
+        if shape.qk_norm:
+            attn.q_layernorm = attn.k_layernorm = HFRMSNorm
+    return spec
+
+
+def block_spec(shape: ModelShape, config, kernels: Kernels = Kernels()):
+    """This stage's layers (and, with hf_rms_norm, the final norm too, which a layer spec cannot set)."""
+    spec = layer_spec(shape, kernels)
+    if not kernels.hf_rms_norm or have_transformer_engine():
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=HFRMSNorm)
+
+
+def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int,
+                kernels: Kernels = Kernels()):
+    """A GPTModel stage for this rank (pre/post-process by pipeline stage) and its TransformerConfig."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels)
+    cfg_kw["gradient_accumulation_fusion"] = kernels.wgrad_fusion and enable_wgrad_fusion()
+    config = TransformerConfig(**cfg_kw)
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(shape, config, kernels),
+                     vocab_size=vocab_padded,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(), **gpt_kw)
+    return model, config
+
+
+def fused_norms() -> bool:
+    """TE's LayerNormLinear holds the pre-attention / pre-MLP norms inside linear_qkv / linear_fc1."""
+    return have_transformer_engine()
+
+
+def _global_name(name: str, offset: int) -> str:
+    """decoder.layers.<local>.… → decoder.layers.<local + this stage's first layer>.…"""
+    parts = name.split(".")
+    if name.startswith("decoder.layers.") and offset:
+        parts[2] = str(int(parts[2]) + offset)
+    return ".".join(parts)
+
+
+def layer_offset(config) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config)
+
+
+@torch.no_grad()
+def load_hf_into(model, config, hf: dict[str, torch.Tensor], shape: ModelShape, *, vocab_padded: int) -> None:
+    """Copy HF weights into this rank's GPTModel (unwrapped) parameters: map, shard by TP, by PP stage."""
+    from megatron.core import parallel_state
+
+    full = hf_to_megatron(hf, shape, fused_norms=fused_norms(), vocab_padded=vocab_padded)
+    if shape.tie_embeddings:  # a last stage without the embedding holds its own copy of the tied LM head
+        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    offset = layer_offset(config)
+    missing = []
+    for name, p in model.named_parameters():
+        src = full.get(_global_name(name, offset))
+        if src is None:
+            missing.append(name)
+            continue
+        part = tp_shard(name, src, rank, size)
+        if part.shape != p.shape:
+            raise ValueError(f"{name}: mapped HF shape {tuple(part.shape)} != Megatron shape {tuple(p.shape)}")
+        p.copy_(part.to(device=p.device, dtype=p.dtype))
+    if missing:
+        raise ValueError(f"HF checkpoint has no weights for Megatron parameters {missing[:6]}")
+
+
+@torch.no_grad()
+def gather_hf_state(model, config, shape: ModelShape, *, dst_rank: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named full weights on global rank `dst_rank` (CPU tensors; {} elsewhere). Collective over TP and PP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    offset = layer_offset(config)
+    local: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if name == "output_layer.weight" and shape.tie_embeddings:
+            continue
+        shards = [torch.empty_like(p) for _ in range(tp)] if tp > 1 else [p.data]
+        if tp > 1:
+            dist.all_gather(shards, p.data.contiguous(), group=tp_group)
+        local[_global_name(name, offset)] = tp_gather(name, shards)
+    # Pipeline stages hold different layers: each stage's TP rank 0 sends its part to dst_rank.
+    full: dict[str, torch.Tensor] = {}
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not dist.is_initialized():
+        full = {k: v.cpu() for k, v in local.items()} if dist.get_rank() == dst_rank else {}
+    else:
+        parts: list[Any] = [None] * dist.get_world_size()
+        mine = {k: v.cpu() for k, v in local.items()} if parallel_state.get_tensor_model_parallel_rank() == 0 else {}
+        dist.gather_object(mine, parts if dist.get_rank() == dst_rank else None, dst=dst_rank)
+        if dist.get_rank() == dst_rank:
+            for part in parts:
+                full.update(part)
+    if not full:
+        return {}
+    return megatron_to_hf(full, shape, fused_norms=fused_norms())

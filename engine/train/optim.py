@@ -1,0 +1,68 @@
+"""AdamW with Megatron's LR schedule, and the DP gradient sync shared by the policy and the critic.
+
+Schedule (step n = 1, 2, … is the optimizer step being taken, as Megatron counts it):
+  warm-up   n ≤ W:  lr·n/W
+  constant         lr
+  cosine           min_lr + (lr − min_lr)·½(1 + cos(π·(n − W)/(train_iters − W)))
+                   (→ min_lr at n = train_iters)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_ratio: float) -> float:
+    """Multiplier of the peak LR for the 0-based scheduler step `step` (n = step + 1, see the module docstring)."""
+    n = step + 1
+    if warmup and n <= warmup:
+        return n / warmup
+    if style == "constant":
+        return 1.0
+    progress = min(1.0, (n - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(params, cfg, *, lr: float, train_iters: int):
+    """AdamW over `params` at peak `lr` with the run's betas, weight decay and schedule (sized by train_iters)."""
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay, eps=1e-8)
+    min_ratio = cfg.min_lr / cfg.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, warmup=cfg.lr_warmup_iters, total=train_iters,
+                                       style=cfg.lr_decay_style, min_ratio=min_ratio))
+    return optimizer, scheduler
+
+
+def sync_and_clip(params: list[torch.nn.Parameter], *, world_size: int, clip_grad: float, loss_finite: bool
+                  ) -> tuple[float, bool]:
+    """Sum gradients over the DP group, clip them, and agree on whether the step is finite.
+
+    Each rank's gradient is its own samples' share of ∇L (divided by the global batch), so the SUM is ∇L.
+    Returns (global grad norm before clipping, finite on every rank). One flat buffer → one all-reduce.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if world_size > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # [P]
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        flag = torch.tensor([0.0 if loss_finite else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        loss_finite = flag.item() == 0.0
+    max_norm = clip_grad if clip_grad > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return grad_norm, loss_finite and math.isfinite(grad_norm)
+
+
+def gather_lists(items: list[int], world_size: int) -> list[int]:
+    """Concatenate a small list of ints from every DP rank (used only on the failure path)."""
+    if world_size == 1:
+        return list(items)
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    dist.all_gather_object(out, list(items))
+    return [i for part in out for i in part]

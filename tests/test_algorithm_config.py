@@ -1,0 +1,31 @@
+"""Algorithm flags: combinations that would silently do nothing are errors naming the flag and the fix."""
+from __future__ import annotations
+
+import pytest
+
+from engine.algorithms import LossSpec
+from engine.config.cli import parse_args
+from engine.doctor import ConfigError
+
+
+@pytest.mark.parametrize("args, what, fix", [
+    # grpo's advantage is the group-normalised reward: a KL reward shaping would be ignored
+    (["--kl-coef", "0.1"], "--kl-coef 0.1", "--use-kl-loss --kl-loss-coef 0.1"),
+    (["--advantage-estimator", "ppo", "--disable-grpo-std-normalization"], "--disable-grpo-std-normalization",
+     "drop --disable-grpo-std-normalization"),
+    (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "2"], "--tis-clip-low 2.0", "below 1.5"),
+    (["--eps-clip-c", "0.9"], "--eps-clip-c (field eps_clip_c) = 0.9", "--eps-clip-c"),
+])
+def test_inconsistent_algorithm_flags_are_errors(args, what, fix):
+    with pytest.raises(ConfigError) as e:
+        parse_args(args)
+    assert what in str(e.value) and fix in str(e.value)
+
+
+def test_loss_spec_maps_the_estimator_to_its_policy_loss_once():
+    cfg = parse_args(["--advantage-estimator", "gspo", "--eps-clip", "3e-4", "--eps-clip-high", "4e-4"])
+    spec = LossSpec.of(cfg)
+    assert (spec.policy_loss, spec.eps_clip, spec.eps_clip_high) == ("gspo", 3e-4, 4e-4)
+    for est, kind in [("grpo", "ppo"), ("cispo", "cispo"), ("ppo", "ppo"), ("reinforce_plus_plus", "ppo")]:
+        assert LossSpec.of(parse_args(["--advantage-estimator", est])).policy_loss == kind
+    assert LossSpec.of(parse_args(["--calculate-per-token-loss"])).per_token_loss is True

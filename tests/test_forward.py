@@ -1,0 +1,104 @@
+"""The packed (varlen) forward equals a plain per-sample forward: attention never crosses samples."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from train_fakes import fake_samples, pack
+
+from engine.train.forward import packed_forward, use_varlen_attention
+
+LENGTHS = [(5, 1), (9, 14), (3, 2), (12, 7), (2, 20), (7, 3)]  # (prompt, response) tokens
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_model):
+    from engine.modeling import load_causal_lm
+
+    ref = load_causal_lm(tiny_model).eval()  # transformers' own sdpa attention, one sample at a time
+    packed = copy.deepcopy(ref)
+    use_varlen_attention(packed)
+    return ref, packed
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    ref = LlamaForCausalLM(cfg).eval()
+    packed = copy.deepcopy(ref)
+    use_varlen_attention(packed)
+    return ref, packed
+
+
+def per_sample_reference(model, mb, temperature=1.0):
+    """log π and entropy of every trained token, one unpadded sample at a time (no packing, no varlen)."""
+    lp, ent = torch.zeros(mb.num_tokens), torch.zeros(mb.num_tokens)
+    cu = mb.cu_seqlens.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        logits = model(input_ids=mb.tokens[None, a:b], use_cache=False).logits[0].float() / temperature  # [L, V]
+        logp = torch.log_softmax(logits[:-1], -1)  # [L−1, V] predicts tokens a+1..b−1
+        lp[a + 1:b] = logp.gather(-1, mb.tokens[a + 1:b, None]).squeeze(-1)
+        ent[a + 1:b] = -(logp.exp() * logp).sum(-1)
+    return lp * mb.loss_mask, ent * mb.loss_mask
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_packed_equals_per_sample_forward(family, request):
+    ref, packed = request.getfixturevalue(family)
+    samples = fake_samples(LENGTHS, n=2, seed=1)
+    (mb,) = pack(samples, [list(range(len(samples)))])
+    with torch.no_grad():
+        lp, ent = packed_forward(packed, mb)
+        lp_ref, ent_ref = per_sample_reference(ref, mb)
+    assert float((lp - lp_ref).abs().max()) <= 1e-5
+    assert float((ent - ent_ref).abs().max()) <= 1e-5
+    assert (lp[mb.loss_mask > 0] < 0).all()  # real log-probs were compared, not zeros
+    assert float((lp * (1 - mb.loss_mask)).abs().max()) == 0.0  # untrained entries are 0
+
+
+def test_packed_gradients_equal_per_sample_gradients(llama):
+    ref, packed = llama
+    samples = fake_samples(LENGTHS[:4], n=2, seed=2)
+    (mb,) = pack(samples, [[0, 1, 2, 3]])
+    packed.zero_grad()
+    packed_forward(packed, mb)[0].sum().backward()
+    ref.zero_grad()
+    per_sample_reference(ref, mb)[0].sum().backward()
+    for (name, p), q in zip(packed.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_sample_does_not_see_its_neighbours(qwen2):
+    _, packed = qwen2
+    a = fake_samples(LENGTHS[:3], n=1, seed=3)
+    b = fake_samples(LENGTHS[:3], n=1, seed=4)
+    b[1] = a[1]  # same middle sample, different neighbours
+    with torch.no_grad():
+        (mb_a,), (mb_b,) = pack(a, [[0, 1, 2]]), pack(b, [[0, 1, 2]])
+        lp_a, lp_b = packed_forward(packed, mb_a)[0], packed_forward(packed, mb_b)[0]
+    s, e = int(mb_a.cu_seqlens[1]), int(mb_a.cu_seqlens[2])
+    assert int(mb_b.cu_seqlens[1]) == s  # same offset: only the neighbours' tokens differ
+    torch.testing.assert_close(lp_a[s:e], lp_b[s:e], rtol=0, atol=1e-6)
+    assert float((lp_a[e:] - lp_b[e:]).abs().max()) > 1e-3  # the neighbours themselves did change
+
+
+def test_log_probs_are_at_the_rollout_temperature(qwen2):
+    ref, packed = qwen2
+    (mb,) = pack(fake_samples(LENGTHS[:2], n=2, seed=5), [[0, 1]])
+    with torch.no_grad():
+        lp, _ = packed_forward(packed, mb, temperature=0.7)
+        lp_ref, _ = per_sample_reference(ref, mb, temperature=0.7)
+        lp1, _ = packed_forward(packed, mb, temperature=1.0)
+    assert float((lp - lp_ref).abs().max()) <= 1e-5
+    assert float((lp - lp1).abs().max()) > 1e-3
+
+
+def test_varlen_attention_refuses_unpacked_calls(qwen2):
+    _, packed = qwen2
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        packed(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)

@@ -1,0 +1,124 @@
+"""The megatron backend: what CPU machines see (a clean import, a clear error), the config it builds, the layout
+check; and on a GPU (marked `gpu`, skipped elsewhere) the same losses as the torch backend."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from engine.doctor.checks import Environment, parallel_layout
+from engine.train.megatron_mapping import shape_from_hf_config
+
+QWEN25_1_5B = dict(model_type="qwen2", hidden_size=1536, num_attention_heads=12, num_key_value_heads=2,
+                   intermediate_size=8960, num_hidden_layers=28, vocab_size=151936, tie_word_embeddings=True,
+                   rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768)
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("megatron") is None,
+                               reason="needs CUDA and megatron-core")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cpu_machine_imports_and_gets_the_fix(small_cfg):
+    from engine.train import megatron_backend  # imports cleanly: megatron-core is only imported when built
+
+    with pytest.raises(RuntimeError) as e:
+        megatron_backend.MegatronBackend(small_cfg(train_backend="megatron"))
+    assert "needs CUDA" in str(e.value) and "pip install 'rollflow[megatron]'" in str(e.value)
+    assert "--train-backend torch" in str(e.value)
+
+
+def test_model_kwargs_of_qwen2_5_1_5b():
+    from engine.train.megatron_model import Kernels, have_transformer_engine, model_kwargs
+
+    cfg, gpt = model_kwargs(shape_from_hf_config(QWEN25_1_5B), tp=2, pp=1, dtype=torch.bfloat16)
+    assert (cfg["num_query_groups"], cfg["kv_channels"], cfg["ffn_hidden_size"]) == (2, 128, 8960)
+    assert cfg["add_qkv_bias"] and not cfg["add_bias_linear"] and cfg["gated_linear_unit"] and cfg["bf16"]
+    assert cfg["normalization"] == "RMSNorm" and cfg["hidden_dropout"] == cfg["attention_dropout"] == 0.0
+    assert cfg["calculate_per_token_loss"] and cfg["perform_initialization"]  # see megatron_model comments
+    assert gpt["rotary_base"] == 1_000_000 and gpt["share_embeddings_and_output_weights"]
+    assert not gpt["rope_scaling"]
+    # Without TE the packed attention rotates q/k itself, so GPTModel must not (else RoPE is applied twice).
+    assert gpt["position_embedding_type"] == ("rope" if have_transformer_engine() else "none")
+    _, megatron_rope = model_kwargs(shape_from_hf_config(QWEN25_1_5B), tp=1, pp=1, dtype=torch.bfloat16,
+                                    kernels=Kernels(rope_in_attention=False))
+    assert megatron_rope["position_embedding_type"] == "rope"
+
+
+def test_layout_check(small_cfg):
+    assert parallel_layout(small_cfg(), Environment()) == []
+    torch_tp = parallel_layout(small_cfg(tensor_model_parallel_size=2, actor_num_gpus_per_node=2), Environment())
+    assert torch_tp[0].code == "CONFIG" and "--train-backend megatron" in torch_tp[0].fix
+    odd = parallel_layout(small_cfg(train_backend="megatron", tensor_model_parallel_size=2,
+                                    pipeline_model_parallel_size=2, actor_num_gpus_per_node=6), Environment())
+    assert "6 train GPUs" in odd[0].what and "multiple of 4" in odd[0].fix
+
+
+def test_dp_size_counts_replicas_not_gpus(small_cfg):
+    cfg = small_cfg(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=8)
+    assert (cfg.train_world_size, cfg.dp_size) == (8, 4)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------
+def _tiny_qwen2(path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                                         tie_word_embeddings=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _micro_batches(n_samples: int = 8, per_mb: int = 2):
+    from engine.algorithms import grpo_advantages
+    from engine.packing.microbatch import make_micro_batch
+    from engine.samples import Sample, Status
+
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(index=i, group_index=i // 4, rollout_id=0, prompt="x",
+                      tokens=torch.randint(0, 128, (5 + i % 3 + 6 + (5 * i) % 7,), generator=g).tolist(),
+                      response_length=6 + (5 * i) % 7, loss_mask=[1] * (6 + (5 * i) % 7),
+                      rollout_log_probs=[-4.0] * (6 + (5 * i) % 7), status=Status.COMPLETED, reward=float(i % 3))
+               for i in range(n_samples)]
+    adv = grpo_advantages(torch.tensor([s.reward for s in samples]), 4).tolist()
+    return [make_micro_batch(samples[j:j + per_mb], adv[j:j + per_mb]) for j in range(0, n_samples, per_mb)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_megatron_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
+    """Same weights, same packed batch, fp32: log-probs, then three GRPO steps' loss, KL, ratio and grad norm."""
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.torch_backend import TorchBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = small_cfg(hf_checkpoint=_tiny_qwen2(tmp_path / "hf"), train_backend="megatron", lr=1e-3,
+                    use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01)
+    mbs = _micro_batches()
+    mg = MegatronBackend(cfg, params_dtype="float32")
+    tb = TorchBackend(cfg)
+    old, ref = mg.compute_log_probs(mbs), mg.compute_log_probs(mbs, ref=True)
+    t_old = tb.compute_log_probs(mbs)
+    assert max(float((a - b).abs().max()) for a, b in zip(old, t_old)) < 1e-5
+    for step in range(3):
+        m, t = mg.train_step(mbs, old, ref, 8), tb.train_step(mbs, t_old, t_old, 8)
+        assert abs(m["loss_total"] - t["loss_total"]) < 1e-5, step
+        assert abs(m["grad_norm"] - t["grad_norm"]) < 1e-4 * max(1.0, t["grad_norm"]), step
+        if step == 0:  # first-step invariant: KL = 0, ratio = 1
+            assert m["kl_sum"] == 0.0 and m["ratio_sum"] == m["ratio_count"]
+    path = tmp_path / "ckpt"
+    files = mg.save(str(path))
+    assert "optim/backend.pt" in files and any(f.startswith("model/") for f in files)
+    before = mg.train_step(mbs, old, ref, 8)["loss_total"]
+    mg.load(str(path))
+    assert mg.train_step(mbs, old, ref, 8)["loss_total"] == pytest.approx(before, abs=1e-6)
+    exported = tmp_path / "export"
+    mg.export_hf(str(exported))
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "qwen2"

@@ -1,0 +1,127 @@
+"""megatron-core's GPTModel, built by engine.train.megatron_model, against transformers on CPU (gloo).
+
+Runs only where megatron-core is installed (`pip install --no-deps megatron-core==0.16.1` works on a CPU
+machine). Each case is a fresh process group of 1 or 2 processes (TP = 1, 2), with RoPE either Megatron's
+THD path or the packed attention's own. Megatron's RoPE moves its frequencies to
+`torch.cuda.current_device()`; the child processes point that at the CPU — the only patch.
+Checks, per family (Qwen2 tied / Qwen3 q-k norm / Llama GQA 6:2), on one packed row of 3 samples:
+log-probs and entropies equal the torch backend's per-sample ones; the gradients of Σ(log p + H) equal
+transformers' gradients mapped and sharded the same way; gathering the shards gives back the HF weights.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _case(rank: int, world: int, port: int, families: list[str], rope_in_attention: bool, out: dict) -> None:
+    warnings.filterwarnings("ignore")
+    torch.cuda.current_device = lambda: "cpu"  # see module docstring
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from test_megatron_mapping import hf_model
+
+    from engine.packing.microbatch import MicroBatch
+    from engine.train import megatron_model as mm
+    from engine.train.megatron_mapping import hf_to_megatron, padded_vocab, shape_from_hf_config, tp_shard
+    from engine.train.packed_logprobs import align_to_tokens, shift_targets, vocab_parallel_log_probs
+    from engine.train.torch_backend import TorchBackend
+
+    tp = world
+    parallel_state.initialize_model_parallel(tp, 1)
+    r = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def reduce_max(x):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        return x
+
+    for family in families:
+        hf = hf_model(family)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.mul_(0.3)  # hf_model draws N(0, 1) weights; keep activations in a sane range
+        s = shape_from_hf_config(hf.config.to_dict())
+        vp = padded_vocab(s.vocab_size, tp)  # 101 → 102 at TP = 2: exercises the padding mask
+        # Megatron's fused SwiGLU is torch.compile'd: minutes on a small CPU, so it is left to the GPU run.
+        # The rope-in-attention case also uses the HF-order RMSNorm (layers, q/k norms, final norm).
+        kernels = mm.Kernels(rope_in_attention=rope_in_attention, fused_swiglu=False, hf_rms_norm=rope_in_attention)
+        cfg_kw, gpt_kw = mm.model_kwargs(s, tp=tp, pp=1, dtype=torch.float32, kernels=kernels)
+        assert gpt_kw["position_embedding_type"] == ("none" if rope_in_attention else "rope")
+        config = TransformerConfig(**cfg_kw, use_cpu_initialization=True)
+        model = GPTModel(config=config, transformer_layer_spec=mm.block_spec(s, config, kernels), vocab_size=vp,
+                         **gpt_kw)
+        assert isinstance(model.decoder.final_layernorm, mm.HFRMSNorm) == rope_in_attention
+        mm.load_hf_into(model, config, hf.state_dict(), s, vocab_padded=vp)
+        gathered = mm.gather_hf_state(model, config, s)
+
+        lens = [7, 12, 5]
+        tokens = torch.randint(0, s.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1))
+        cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12)
+        logits = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=None, packed_seq_params=psp)
+        lp, ent = vocab_parallel_log_probs(logits[0].float(), shift_targets(tokens), vocab_start=r * vp // tp,
+                                           vocab_size=s.vocab_size, reduce_max=reduce_max,
+                                           reduce_sum=reduce_from_tensor_model_parallel_region)
+        lp, ent = align_to_tokens(lp, cu), align_to_tokens(ent, cu)
+        (lp.sum() + ent.sum()).backward()
+
+        mb = MicroBatch(tokens=tokens, cu_seqlens=cu, position_ids=pos, loss_mask=torch.ones(24),
+                        advantages=torch.zeros(24), rollout_log_probs=torch.zeros(24), sample_ids=[0, 1, 2])
+        ref_lp, ref_ent = TorchBackend.forward(SimpleNamespace(temperature=1.0), hf, mb)
+        (ref_lp.sum() + ref_ent.sum()).backward()
+        hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+        if s.tie_embeddings:
+            hf_grads["lm_head.weight"] = hf_grads["model.embed_tokens.weight"]
+        want = hf_to_megatron(hf_grads, s, vocab_padded=vp)
+        grad_err = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            if "q_layernorm" in name or "k_layernorm" in name:  # replicated, each rank sees its own heads:
+                g = g.clone()                                    # Megatron's finalize sums them over TP
+                dist.all_reduce(g, group=group)
+            grad_err[name] = float((g - tp_shard(name, want[name], r, tp)).abs().max())
+        out[(family, world, rank)] = dict(
+            lp=float((lp - ref_lp).abs().max()), ent=float((ent - ref_ent).abs().max()), grad=grad_err,
+            state=(float(max((gathered[k] - v).abs().max() for k, v in hf.state_dict().items()
+                             if not (s.tie_embeddings and k == "lm_head.weight")))
+                   if rank == 0 else 0.0))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rope_in_attention", [True, False],
+                         ids=["rope-in-attention+hf-norm", "megatron-thd-rope+torch-norm"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_attention):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = mp.Manager().dict()
+    families = ["qwen2", "qwen3", "llama"] if world == 1 else ["qwen2", "qwen3"]
+    mp.spawn(_case, args=(world, port, families, rope_in_attention, out), nprocs=world)
+    for (family, w, rank), res in out.items():
+        assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, rank, res["lp"], res["ent"])
+        bad = {n: e for n, e in res["grad"].items() if e > 1e-5}
+        assert not bad, (family, w, rank, bad)
+        assert res["state"] == 0.0, (family, res["state"])
+    assert len(out) == len(families) * world

@@ -1,0 +1,167 @@
+"""HF ⇄ Megatron weight mapping (pure tensors, CPU): round trips, GQA layout semantics, TP sharding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.train.megatron_mapping import (ModelShape, check_tp, fuse_qkv, hf_to_megatron, megatron_to_hf,
+                                           padded_vocab, shape_from_hf_config, split_qkv, tp_gather, tp_kind,
+                                           tp_shard)
+
+# Tiny GQA configs of each family: a = 4 query heads over g = 2 kv groups (Llama: a = 6, g = 2, d = 8).
+TINY = {
+    "qwen2": dict(model_type="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=48, num_hidden_layers=2, vocab_size=101, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=48, num_hidden_layers=2, vocab_size=101, tie_word_embeddings=False),
+    "llama": dict(model_type="llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                  intermediate_size=64, num_hidden_layers=2, vocab_size=101, tie_word_embeddings=False),
+}
+
+
+def hf_model(family: str):
+    import transformers
+
+    cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
+    cfg = getattr(transformers, cls[0])(**{k: v for k, v in TINY[family].items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = getattr(transformers, cls[1])(cfg).eval()
+    with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make every tensor distinguishable
+        for p in model.parameters():
+            p.normal_()
+    return model
+
+
+def canonical(sd: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """The HF weights that carry information (a tied lm_head is the embedding again)."""
+    return {k: v for k, v in sd.items() if not (shape.tie_embeddings and k == "lm_head.weight")}
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("fused_norms", [False, True])
+def test_hf_to_megatron_to_hf_is_identity(family, fused_norms):
+    model = hf_model(family)
+    shape = shape_from_hf_config(model.config.to_dict())
+    hf = canonical(model.state_dict(), shape)
+    back = megatron_to_hf(hf_to_megatron(hf, shape, fused_norms=fused_norms), shape, fused_norms=fused_norms)
+    assert sorted(back) == sorted(hf)
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_megatron_shapes_for_gqa(family):
+    model = hf_model(family)
+    s = shape_from_hf_config(model.config.to_dict())
+    mg = hf_to_megatron(model.state_dict(), s, vocab_padded=104)
+    a, g, d, h = s.num_heads, s.num_kv_heads, s.head_dim, s.hidden_size
+    assert mg["decoder.layers.1.self_attention.linear_qkv.weight"].shape == ((a + 2 * g) * d, h)
+    assert mg["decoder.layers.1.mlp.linear_fc1.weight"].shape == (2 * s.ffn_hidden_size, h)
+    assert mg["decoder.layers.1.self_attention.linear_proj.weight"].shape == (h, a * d)
+    assert mg["embedding.word_embeddings.weight"].shape == (104, h)  # padded rows are zero
+    assert mg["embedding.word_embeddings.weight"][101:].abs().sum() == 0
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in mg) == (family == "qwen2")
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mg) == (family == "qwen3")
+    assert ("output_layer.weight" in mg) == (not s.tie_embeddings)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_fused_qkv_read_as_megatron_reads_it_gives_hf_heads(family):
+    """Megatron views the QKV output as [T, g, (a/g + 2)·d] and splits [a/g·d, d, d]; query head i must then
+    attend with kv head i // (a/g), as HF's repeat_kv does."""
+    model = hf_model(family)
+    s = shape_from_hf_config(model.config.to_dict())
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(5, s.hidden_size)
+    mg = hf_to_megatron(model.state_dict(), s)
+    w = mg["decoder.layers.0.self_attention.linear_qkv.weight"]
+    b = mg.get("decoder.layers.0.self_attention.linear_qkv.bias")
+    mixed = x @ w.T + (b if b is not None else 0)  # [T, (a + 2g)·d]
+    a, g, d = s.num_heads, s.num_kv_heads, s.head_dim
+    q, k, v = mixed.view(5, g, (a // g + 2) * d).split([a // g * d, d, d], dim=-1)
+    q = q.reshape(5, a, d)  # [T, a, d]
+    with torch.no_grad():
+        q_hf = attn.q_proj(x).view(5, a, d)
+        k_hf = attn.k_proj(x).view(5, g, d)
+        v_hf = attn.v_proj(x).view(5, g, d)
+    torch.testing.assert_close(q, q_hf)
+    torch.testing.assert_close(k, k_hf)
+    torch.testing.assert_close(v, v_hf)
+    rep = a // g
+    for i in range(a):  # the kv group Megatron pairs with query head i (its position in the group layout)
+        torch.testing.assert_close(k[:, i // rep], k_hf.repeat_interleave(rep, dim=1)[:, i])
+
+
+def test_split_qkv_inverts_fuse_qkv_for_biases_too():
+    q, k, v = torch.randn(8 * 4), torch.randn(2 * 4), torch.randn(2 * 4)  # a = 8, g = 2, d = 4
+    fused = fuse_qkv(q, k, v, 8, 2)
+    assert fused[: 4 * 4].equal(q[: 4 * 4])  # group 0 starts with its 4 query heads …
+    assert fused[16:20].equal(k[:4]) and fused[20:24].equal(v[:4])  # … then k_0, v_0
+    for got, want in zip(split_qkv(fused, 8, 2, 4), (q, k, v)):
+        assert got.equal(want)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tp_shards_gather_back_and_hold_whole_kv_groups(tp):
+    model = hf_model("qwen2")
+    s = shape_from_hf_config(model.config.to_dict())
+    hf = model.state_dict()
+    mg = hf_to_megatron(hf, s, vocab_padded=padded_vocab(s.vocab_size, tp))
+    for name, full in mg.items():
+        shards = [tp_shard(name, full, r, tp) for r in range(tp)]
+        assert torch.equal(tp_gather(name, shards), full), name
+    a, g, d = s.num_heads, s.num_kv_heads, s.head_dim
+    per = g // tp
+    for r in range(tp):  # rank r holds kv groups r·g/p … (r+1)·g/p − 1 with their query heads, fused
+        heads = slice(r * per * (a // g) * d, (r + 1) * per * (a // g) * d)
+        groups = slice(r * per * d, (r + 1) * per * d)
+        want = fuse_qkv(hf["model.layers.0.self_attn.q_proj.weight"][heads],
+                        hf["model.layers.0.self_attn.k_proj.weight"][groups],
+                        hf["model.layers.0.self_attn.v_proj.weight"][groups], a // tp, g // tp)
+        assert torch.equal(tp_shard("decoder.layers.0.self_attention.linear_qkv.weight",
+                                    mg["decoder.layers.0.self_attention.linear_qkv.weight"], r, tp), want)
+        ffn = s.ffn_hidden_size // tp
+        fc1 = tp_shard("decoder.layers.0.mlp.linear_fc1.weight", mg["decoder.layers.0.mlp.linear_fc1.weight"], r, tp)
+        assert torch.equal(fc1[:ffn], hf["model.layers.0.mlp.gate_proj.weight"][r * ffn:(r + 1) * ffn])
+        assert torch.equal(fc1[ffn:], hf["model.layers.0.mlp.up_proj.weight"][r * ffn:(r + 1) * ffn])
+
+
+def test_tp_kinds():
+    assert tp_kind("decoder.layers.3.self_attention.linear_qkv.bias") == "column"
+    assert tp_kind("output_layer.weight") == "column"
+    assert tp_kind("decoder.layers.3.mlp.linear_fc1.weight") == "gated"
+    assert tp_kind("decoder.layers.3.mlp.linear_fc2.weight") == "row"
+    assert tp_kind("decoder.layers.3.mlp.linear_fc1.layer_norm_weight") == "replicated"  # TE's fused norm
+    assert tp_kind("decoder.layers.3.self_attention.q_layernorm.weight") == "replicated"
+
+
+def test_padded_vocab_round_trips_without_the_padding():
+    model = hf_model("qwen3")  # untied: the LM head is padded too
+    s = shape_from_hf_config(model.config.to_dict())
+    assert padded_vocab(101, 3) == 102 and padded_vocab(100, 4) == 100
+    mg = hf_to_megatron(model.state_dict(), s, vocab_padded=102)
+    assert mg["output_layer.weight"].shape[0] == 102
+    back = megatron_to_hf(mg, s)
+    assert torch.equal(back["lm_head.weight"], model.state_dict()["lm_head.weight"])
+
+
+def test_check_tp_names_the_fix():
+    s = shape_from_hf_config(TINY["qwen2"])
+    check_tp(s, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by --tensor-model-parallel-size 4"):
+        check_tp(s, 4)
+
+
+def test_shape_reads_old_and_new_rope_keys_and_llama3_scaling():
+    old = shape_from_hf_config({**TINY["qwen2"], "rope_theta": 1e6})
+    new = shape_from_hf_config({**TINY["qwen2"], "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    assert old.rope_theta == new.rope_theta == 1e6 and old.qkv_bias and not old.qk_norm
+    l3 = shape_from_hf_config({**TINY["llama"], "rope_parameters": {
+        "rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}})
+    assert l3.rope_scaling_factor == 8.0 and l3.head_dim == 8 and not l3.qkv_bias
+    with pytest.raises(NotImplementedError, match="yarn"):
+        shape_from_hf_config({**TINY["llama"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(NotImplementedError, match="model_type 'gpt2'"):
+        shape_from_hf_config({**TINY["llama"], "model_type": "gpt2"})

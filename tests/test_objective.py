@@ -1,0 +1,122 @@
+"""The step objective: aggregation closed forms and invariance over any split into micro-batches / DP ranks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.algorithms import LossSpec, aggregate, policy_objective, value_objective
+
+
+def test_aggregation_closed_forms():
+    # two samples: losses [1, 3] (trained [1, 1]) and [10, 20, 30] (trained [1, 0, 1])
+    x = torch.tensor([1.0, 3, 10, 20, 30])
+    m = torch.tensor([1.0, 1, 1, 0, 1])
+    cu = torch.tensor([0, 2, 5])
+    # per-sample mean: (2 + 20) / G, with G = 4 samples in the whole step → 5.5
+    loss, per_sample = aggregate(x, m, cu, per_token=False, denominator=4)
+    assert float(loss) == pytest.approx(5.5)
+    torch.testing.assert_close(per_sample, torch.tensor([2.0, 20.0]))
+    # per token: (1 + 3 + 10 + 30) / N, N = 8 trained tokens in the step → 5.5 as well here; N = 11 → 4
+    assert float(aggregate(x, m, cu, per_token=True, denominator=11)[0]) == pytest.approx(4.0)
+
+
+def _batch(seed: int = 0, lens=(3, 5, 2, 4, 6, 1)):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()))
+    return dict(
+        lens=list(lens), cu=cu,
+        lp=(-torch.rand(T, generator=g) * 2), old=(-torch.rand(T, generator=g) * 2),
+        ref=(-torch.rand(T, generator=g) * 2), rollout=(-torch.rand(T, generator=g) * 2),
+        ent=torch.rand(T, generator=g), adv=torch.randn(T, generator=g),
+        mask=(torch.rand(T, generator=g) > 0.25).float())
+
+
+def _slice(b, samples):
+    """The tensors of a subset of consecutive samples as their own packed micro-batch."""
+    a, z = int(b["cu"][samples[0]]), int(b["cu"][samples[-1] + 1])
+    cu = b["cu"][samples[0]:samples[-1] + 2] - a
+    return {k: (v[a:z] if isinstance(v, torch.Tensor) and v.numel() == int(b["cu"][-1]) else v)
+            for k, v in b.items() if k not in ("cu", "lens")} | {"cu": cu}
+
+
+SPECS = [
+    LossSpec(),
+    LossSpec(policy_loss="gspo", eps_clip=0.1),
+    LossSpec(policy_loss="cispo", eps_clip=1.0, eps_clip_high=0.3, use_tis=True, tis_clip=1.5, tis_clip_low=0.2),
+    LossSpec(eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+             kl_loss_type="k2", per_token_loss=True),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["ppo", "gspo", "cispo+tis", "per-token+kl+entropy"])
+def test_loss_and_gradient_are_the_same_for_any_split(spec):
+    b = _batch()
+    G, N = 6, float(b["mask"].sum())
+    denom = N if spec.per_token_loss else G
+
+    def run(splits):
+        lp = b["lp"].clone().requires_grad_()
+        ent = b["ent"].clone().requires_grad_()
+        total = 0.0
+        for samples in splits:
+            p = _slice(b | {"lp": lp, "ent": ent}, samples)
+            loss, _, _ = policy_objective(spec, log_probs=p["lp"], entropy=p["ent"], old_log_probs=p["old"],
+                                          ref_log_probs=p["ref"], rollout_log_probs=p["rollout"],
+                                          advantages=p["adv"], loss_mask=p["mask"], cu_seqlens=p["cu"],
+                                          denominator=denom)
+            loss.backward()
+            total += float(loss.detach())
+        return total, lp.grad.clone(), ent.grad.clone()
+
+    whole = run([[0, 1, 2, 3, 4, 5]])
+    # as DP = 2 with two micro-batches each, and as DP = 3 with one sample per micro-batch
+    for splits in ([[0, 1], [2], [3, 4], [5]], [[0], [1], [2], [3], [4], [5]]):
+        part = run(splits)
+        assert part[0] == pytest.approx(whole[0], rel=1e-6, abs=1e-7)
+        torch.testing.assert_close(part[1], whole[1], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(part[2], whole[2], rtol=1e-6, atol=1e-7)
+    assert whole[1].abs().sum() > 0  # the check is not vacuous
+
+
+def test_policy_objective_closed_form_with_every_term():
+    # one sample, two trained tokens, ratio 1 (lp = old), A = [1, −1]: pg = [−1, 1]
+    # TIS weights exp(old − rollout) = [e^0.5 → clamp 1.5, e^−0.1 = 0.905]: pg·w = [−1.5, 0.905]
+    # entropy [0.2, 0.4], coef 0.5 → −[0.1, 0.2]; k1 KL = lp − ref = [0.3, −0.1], coef 2 → [0.6, −0.2]
+    # ℓ = [−1.5 − 0.1 + 0.6, 0.905 − 0.2 − 0.2] = [−1.0, 0.505]; per-sample mean / G(=2) = (−0.4952) / 2
+    spec = LossSpec(entropy_coef=0.5, use_kl_loss=True, kl_loss_coef=2.0, kl_loss_type="k1", use_tis=True,
+                    tis_clip=1.5)
+    lp = torch.tensor([-1.0, -2.0])
+    loss, stats, per_sample = policy_objective(
+        spec, log_probs=lp, entropy=torch.tensor([0.2, 0.4]), old_log_probs=lp,
+        ref_log_probs=lp - torch.tensor([0.3, -0.1]), rollout_log_probs=lp - torch.tensor([0.5, -0.1]),
+        advantages=torch.tensor([1.0, -1.0]),
+        loss_mask=torch.ones(2), cu_seqlens=torch.tensor([0, 2]), denominator=2)
+    w1 = math.exp(-0.1)
+    expected = ((-1.5 - 0.1 + 0.6) + (w1 - 0.2 - 0.2)) / 2
+    assert float(per_sample[0]) == pytest.approx(expected, rel=1e-6)
+    assert float(loss) == pytest.approx(expected / 2, rel=1e-6)
+    assert float(stats["tis_clipfrac"]) == 1.0 and float(stats["ratio"]) == pytest.approx(2.0)
+    assert float(stats["kl"]) == pytest.approx(0.2, rel=1e-6)  # Σ KL over trained tokens = 0.3 − 0.1
+
+
+def test_value_objective_is_split_invariant_too():
+    b = _batch(seed=3)
+    spec = LossSpec(value_clip=0.1)
+
+    def run(splits):
+        v = b["lp"].clone().requires_grad_()
+        total = 0.0
+        for samples in splits:
+            p = _slice(b | {"lp": v}, samples)
+            loss, _, _ = value_objective(spec, values=p["lp"], old_values=p["old"], returns=p["adv"],
+                                         loss_mask=p["mask"], cu_seqlens=p["cu"], denominator=6)
+            loss.backward()
+            total += float(loss.detach())
+        return total, v.grad.clone()
+
+    whole, parts = run([[0, 1, 2, 3, 4, 5]]), run([[0, 1, 2], [3], [4, 5]])
+    assert parts[0] == pytest.approx(whole[0], rel=1e-6)
+    torch.testing.assert_close(parts[1], whole[1])

@@ -1,0 +1,257 @@
+"""The torch backend and the train stage in one process (no Ray): updates, LR, clipping, RF01 / RF09 / RF13."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from train_fakes import fake_samples, pack
+
+from engine.config import RunConfig
+from engine.doctor.diagnosis import DiagnosisError
+from engine.train.checks import first_step_check, grad_norm_spike
+from engine.train.optim import lr_lambda
+
+LENGTHS = [(6, 5), (4, 9), (8, 3), (5, 7), (7, 6), (3, 4), (9, 8), (6, 2)]  # (prompt, response), 2 groups of 4
+REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def make_cfg(tiny_model, **over) -> RunConfig:
+    base = dict(hf_checkpoint=tiny_model, rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8,
+                micro_batch_size=2, lr=1e-3, num_rollout=1, train_threads=1)
+    return RunConfig(**(base | over))
+
+
+def make_worker(cfg: RunConfig, train_iters: int = 4):
+    from engine.train.worker import TrainWorker
+
+    return TrainWorker(cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=train_iters, threads=1)
+
+
+def one_rollout(rewards=REWARDS, steps=1):
+    samples = fake_samples(LENGTHS, n=4, seed=0, rewards=rewards)
+    per = 8 // steps
+    return [pack(samples, [[i, i + 1] for i in range(k * per, (k + 1) * per, 2)]) for k in range(steps)], rewards
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# ---- pure checks --------------------------------------------------------------------------------------------
+def test_lr_schedule_closed_forms():
+    # warm-up W = 2 then cosine to min_lr/lr = 0.1 over train_iters = 6 (n = step + 1):
+    # n=1 → 1/2; n=2 → 1; n=3 → 0.1 + 0.9·½(1 + cos(π·1/4)) = 0.868198; n=6 → 0.1 (min_lr at the last step)
+    f = lambda s: lr_lambda(s, warmup=2, total=6, style="cosine", min_ratio=0.1)  # noqa: E731
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
+    assert f(5) == pytest.approx(0.1)
+    assert lr_lambda(7, warmup=0, total=6, style="constant", min_ratio=0.0) == 1.0
+
+
+def test_first_step_check():
+    assert first_step_check(ref_logp_maxdiff=0.0, ratio_maxdev=0.0) is None
+    d = first_step_check(ref_logp_maxdiff=0.7, ref_source="/ref", policy_source="/pol")
+    assert d.code == "RF01" and "0.7" in d.what and "--ref-load" in d.fix
+    assert first_step_check(ratio_maxdev=float("nan")).code == "RF01"  # NaN is a failure, not a pass
+
+
+def test_grad_norm_spike():
+    # median of [1, 2, 1, 1, 3] = 1: 12 > 10·1 → spike; 9 is not; with fewer than 5 steps nothing is judged
+    assert grad_norm_spike([1, 2, 1, 1, 3], 12.0) == 1.0
+    assert grad_norm_spike([1, 2, 1, 1, 3], 9.0) is None
+    assert grad_norm_spike([1, 1, 1, 1], 1000.0) is None
+
+
+# ---- the backend ----------------------------------------------------------------------------------------------
+def test_every_parameter_changes_after_one_step_and_the_reference_does_not(tiny_model):
+    w = make_worker(make_cfg(tiny_model, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01))
+    before = params(w.backend.model)
+    steps, rewards = one_rollout()
+    facts = w.set_rollout(steps, rewards, need_ref=True)
+    assert facts["ref_logp_maxdiff"] == 0.0  # policy == reference before the first update
+    ref_before = params(w.backend.ref)
+    out = w.train_step(0, 8)
+    assert out["ratio_maxdev"] == 0.0 and out["skipped"] == 0.0
+    after = params(w.backend.model)
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert unchanged == [], f"parameters that did not change: {unchanged}"
+    assert all(torch.equal(ref_before[k], v) for k, v in params(w.backend.ref).items())
+    # the KL metric is 0 before any update; after the update the policy moved away from the reference
+    w.set_rollout(steps, rewards, need_ref=True)
+    assert w.train_step(0, 8)["kl_sum"] > 0
+
+
+def test_clip_grad_bounds_the_gradient_and_reports_the_norm_before_clipping(tiny_model):
+    w = make_worker(make_cfg(tiny_model, clip_grad=1e-3))
+    steps, rewards = one_rollout()
+    w.set_rollout(steps, rewards, need_ref=False)
+    out = w.train_step(0, 8)
+    clipped = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in w.backend.model.parameters()))
+    assert out["grad_norm"] > 1e-2  # the raw norm is reported…
+    assert float(clipped) == pytest.approx(1e-3, rel=1e-4)  # …and the gradient the optimizer used was clipped
+
+
+def test_lr_follows_warmup_across_steps(tiny_model):
+    w = make_worker(make_cfg(tiny_model, lr_warmup_iters=2, lr_decay_style="cosine", min_lr=1e-4), train_iters=4)
+    steps, rewards = one_rollout(steps=2)  # k = 2 steps of G = 4; cfg G = 8 is not used by the worker
+    w.set_rollout(steps, rewards, need_ref=False)
+    lrs = [w.train_step(k, 4)["lr"] for k in range(2)]
+    assert lrs == pytest.approx([5e-4, 1e-3])  # lr·1/2, lr·2/2
+
+
+def test_nan_step_fails_with_the_culprit_sample(tiny_model):
+    w = make_worker(make_cfg(tiny_model, advantage_estimator="reinforce_plus_plus"))
+    rewards = list(REWARDS)
+    rewards[5] = float("nan")  # sample 5's own reward: REINFORCE++ has no group coupling
+    steps, _ = one_rollout()
+    w.set_rollout(steps, rewards, need_ref=False)
+    with pytest.raises(DiagnosisError) as e:
+        w.train_step(0, 8)
+    (d,) = e.value.diagnoses
+    assert d.code == "RF13" and d.facts["bad_sample_ids"] == [5]
+    assert "--no-check-for-nan-in-loss-and-grad" in d.fix
+
+
+def test_nan_step_is_skipped_and_counted_with_the_flag(tiny_model):
+    w = make_worker(make_cfg(tiny_model, advantage_estimator="reinforce_plus_plus",
+                             check_for_nan_in_loss_and_grad=False, lr_warmup_iters=4), train_iters=4)
+    bad = list(REWARDS)
+    bad[5] = float("nan")
+    steps, _ = one_rollout()
+    before = params(w.backend.model)
+    w.set_rollout(steps, bad, need_ref=False)
+    out = w.train_step(0, 8)
+    assert out["skipped"] == 1.0 and out["skipped_steps_total"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in params(w.backend.model).items())  # no update
+    w.set_rollout(steps, REWARDS, need_ref=False)
+    good = w.train_step(0, 8)
+    assert good["skipped"] == 0.0 and good["skipped_steps_total"] == 1.0
+    assert good["lr"] == out["lr"] == pytest.approx(1e-3 / 4)  # the skipped step did not advance the schedule
+
+
+def test_per_token_loss_needs_and_uses_the_global_token_count(tiny_model):
+    w = make_worker(make_cfg(tiny_model, calculate_per_token_loss=True))
+    steps, rewards = one_rollout()
+    w.set_rollout(steps, rewards, need_ref=False)
+    trained = sum(float(mb.loss_mask.sum()) for mb in steps[0])
+    assert w.step_tokens == [trained]
+    out = w.train_step(0, 8)
+    # loss = Σ_t ℓ_t / N at ratio 1 → pg = −A; Σ over tokens of −A / N  (advantages are in mb.advantages)
+    exp = -sum(float((mb.advantages * mb.loss_mask).sum()) for mb in steps[0]) / trained
+    assert out["loss_total"] == pytest.approx(exp, abs=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["gspo", "cispo", "reinforce_plus_plus_baseline", "ppo"])
+def test_each_estimator_trains(tiny_model, estimator):
+    extra = {"kl_coef": 0.05} if estimator in ("ppo", "reinforce_plus_plus_baseline") else {}
+    w = make_worker(make_cfg(tiny_model, advantage_estimator=estimator, use_tis=True, **extra))
+    before = params(w.backend.model)
+    steps, rewards = one_rollout()
+    w.set_rollout(steps, rewards, need_ref=True)
+    out = w.train_step(0, 8)
+    assert math.isfinite(out["loss_total"]) and out["grad_norm"] > 0 and "tis_clipfrac_sum" in out
+    assert any(not torch.equal(before[k], v) for k, v in params(w.backend.model).items())
+    assert ("value_loss_sum" in out) == (estimator == "ppo")
+
+
+def test_ppo_critic_starts_at_zero_learns_and_round_trips(tiny_model, tmp_path):
+    w = make_worker(make_cfg(tiny_model, advantage_estimator="ppo", lr=3e-3))
+    steps, rewards = one_rollout(rewards=[1.0] * 8)  # γ = λ = 1, no KL: every return is 1
+    w.set_rollout(steps, rewards, need_ref=True)
+    assert all(float(v.abs().max()) == 0.0 for v in w.values[0])  # zero-initialised head → V = 0
+    losses = []
+    for _ in range(4):
+        w.set_rollout(steps, rewards, need_ref=True)
+        losses.append(w.train_step(0, 8)["value_loss_sum"])
+    # first loss: Σ (0 − 1)² over the 44 trained tokens; value clipping lets V move ~0.2 per rollout
+    assert losses[0] == pytest.approx(44.0) and losses[-1] < 0.5 * losses[0]
+    files = w.save(str(tmp_path / "ck"))
+    assert "critic/model/model.safetensors" in files and "model/model.safetensors" in files
+    w2 = make_worker(make_cfg(tiny_model, advantage_estimator="ppo", lr=3e-3))
+    w2.load(str(tmp_path / "ck"))
+    for a, b in zip(w.critic.model.parameters(), w2.critic.model.parameters()):
+        assert torch.equal(a, b)
+
+
+# ---- the train stage's runtime checks (a hand-written in-process group instead of Ray actors) --------------------
+class InProcessGroup:
+    def __init__(self, worker):
+        self.worker = worker
+
+    def set_rollout(self, per_rank_steps, rewards, need_ref):
+        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref)]
+
+    def train_step(self, k, global_batch_size):
+        return [self.worker.train_step(k, global_batch_size)]
+
+
+def stage_run(cfg, worker):
+    from engine.run import Run
+
+    run = Run(cfg)
+    run.train_group = InProcessGroup(worker)
+    return run
+
+
+def packed_rollout(rollout_id=0):
+    from engine.stages import PackedRollout
+
+    steps, rewards = one_rollout()
+    return PackedRollout(rollout_id, [steps], {"pack/tokens": float(sum(a + b for a, b in LENGTHS))}, rewards)
+
+
+def test_train_stage_reports_the_metrics(tiny_model):
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model, use_tis=True)
+    out = train(stage_run(cfg, make_worker(cfg)), packed_rollout())
+    for key in ("loss", "pg_loss", "entropy", "kl", "clipfrac", "ratio", "mismatch", "grad_norm", "grad_norm_max",
+                "lr", "tokens_per_s", "skipped_steps", "tis_clipfrac"):
+        assert math.isfinite(out[f"train/{key}"]), key
+    assert out["train/kl"] == 0.0 and out["train/ratio"] == pytest.approx(1.0)  # first step: π = π_ref = π_old
+    assert out["train/mismatch"] > 0  # fake engine log-probs differ from the trainer's
+
+
+def test_wrong_reference_fails_the_first_step_with_rf01_before_any_update(tiny_model, tmp_path):
+    from engine.modeling import load_causal_lm
+    from engine.stages import train
+
+    half_loaded = load_causal_lm(tiny_model)
+    with torch.no_grad():  # as if one layer had not been loaded
+        for p in half_loaded.model.layers[2].parameters():
+            p.normal_(0, 0.02)
+    half_loaded.save_pretrained(tmp_path / "ref")
+    cfg = make_cfg(tiny_model, ref_load=str(tmp_path / "ref"))
+    w = make_worker(cfg)
+    before = params(w.backend.model)
+    with pytest.raises(DiagnosisError) as e:
+        train(stage_run(cfg, w), packed_rollout())
+    assert e.value.codes == ["RF01"] and e.value.diagnoses[0].facts["ref_logp_maxdiff"] > 1e-2
+    assert all(torch.equal(before[k], v) for k, v in params(w.backend.model).items())
+
+
+def test_reference_from_a_checkpoint_directory(tiny_model, tmp_path):
+    from engine import checkpoint
+
+    w = make_worker(make_cfg(tiny_model))
+    checkpoint.save_iteration(checkpoint.Store(tmp_path / "ck"), 3, w.backend.save, {})
+    w2 = make_worker(make_cfg(tiny_model, ref_load=str(tmp_path / "ck")))
+    steps, rewards = one_rollout()
+    assert w2.set_rollout(steps, rewards, need_ref=True)["ref_logp_maxdiff"] == 0.0
+    bad = make_worker(make_cfg(tiny_model, ref_load=str(tmp_path)))  # neither HF dir nor marker
+    with pytest.raises(DiagnosisError) as e:
+        bad.set_rollout(steps, rewards, need_ref=True)
+    assert e.value.codes == ["RF01"]
+
+
+def test_grad_norm_spike_is_reported_with_the_step_samples(tiny_model):
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model)
+    run = stage_run(cfg, make_worker(cfg))
+    run.grad_norms = [1e-6] * 5  # a calm history; this step's norm is ≫ 10 × 1e-6
+    out = train(run, packed_rollout(rollout_id=3))
+    (d,) = run.diagnoses
+    assert d.code == "RF09" and d.severity == "warning" and d.facts["sample_ids"] == list(range(8))
+    assert out["train/grad_norm_spikes"] == 1.0 and len(run.grad_norms) == 6
