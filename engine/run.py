@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint import StartPoint
 from engine.config import RunConfig
 
 
@@ -30,7 +31,10 @@ class Run:
         self.sample_filter = None  # --dynamic-sampling-filter-path, loaded
         self.train_group = None
         self.tracker = None
-        self.resume: dict[str, Any] | None = None  # {"dir", "iteration", "manifest"} when resuming
+        self.start = StartPoint("fresh")  # set by stages.place: fresh, HF weights or a verified iteration
+        self.ref_dir: str | None = None  # reference weights to load (None: --hf-checkpoint's)
+        self.store = None  # checkpoint.Store of --save (local or s3://)
+        self.staging = self.work_dir / "ckpt-staging"  # local scratch for S3 uploads / downloads
         self.start_rollout_id = 0
         self.weight_version = 0
         self.history: dict[str, dict[int, float]] = {}  # metric → {rollout_id: value}, carried in checkpoints
@@ -54,6 +58,13 @@ class Run:
     def train_threads(self) -> int:
         return self.cfg.train_threads or self.threads_per_process
 
+    @property
+    def origin(self) -> dict[str, Any]:
+        """What this run starts from (--load, --ckpt-step), recorded in its checkpoints."""
+        from engine.checkpoint import origin_of
+
+        return origin_of(self.cfg.load, self.cfg.ckpt_step)
+
     def record(self, metrics: dict[str, float], rollout_id: int) -> None:
         for k, v in metrics.items():
             self.history.setdefault(k, {})[rollout_id] = float(v)
@@ -68,6 +79,7 @@ class Run:
                 pass
         shutdown()
         shutil.rmtree(self.work_dir / "weights", ignore_errors=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
 
     def _stop_engines(self) -> None:
         if self.engines:

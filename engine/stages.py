@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine import checkpoint
+from engine import checkpoint, faults
 from engine.config import RunConfig
 from engine.doctor.checks import Environment, run_preflight
 from engine.doctor.diagnosis import ConfigError, Diagnosis
@@ -20,7 +21,7 @@ from engine.run import Run
 from engine.samples import Sample
 from engine.tracking import Tracker
 
-log = logging.getLogger("rollflow.doctor")
+log = logging.getLogger("rollflow")
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
@@ -36,12 +37,43 @@ def preflight(cfg: RunConfig, env: Environment | None = None) -> list[Diagnosis]
 
 
 # ---- place -----------------------------------------------------------------------------------------------------
-def resolve_resume(cfg: RunConfig) -> dict[str, Any] | None:
-    """--load with a marker, else --save with a marker (automatic resume), else None (fresh start)."""
-    for src in (cfg.load, cfg.save):
-        if src and (it := checkpoint.read_marker(src)) is not None:
-            return {"dir": str(checkpoint.iter_dir(src, it)), "iteration": it,
-                    "manifest": checkpoint.load_manifest(src, it), "automatic": src != cfg.load}
+def resolve_start(run: Run) -> checkpoint.StartPoint:
+    """Where the run starts (engine/checkpoint/resolve.py has the rules), verified; then clean --save's leftovers.
+
+    Fills run.start, run.ref_dir and run.store; the notes (fallbacks, clean-ups) go to the log and an artifact.
+    """
+    cfg = run.cfg
+    shutil.rmtree(run.staging, ignore_errors=True)  # downloads of an earlier (killed) attempt
+    start = checkpoint.resolve_start(load=cfg.load, save=cfg.save, ckpt_step=cfg.ckpt_step,
+                                     load_optim=cfg.load_optim, staging=run.staging / "load")
+    run.ref_dir = checkpoint.resolve_ref(ref_load=cfg.ref_load, ref_ckpt_step=cfg.ref_ckpt_step, load=cfg.load,
+                                         start=start, staging=run.staging / "load")
+    if cfg.save:
+        run.store = checkpoint.Store(cfg.save)
+        for gone in checkpoint.clean_leftovers(run.store, checkpoint.read_marker(run.store)):
+            start.notes.append(f"deleted {gone}, left by a save that was killed before its marker")
+    for note in start.notes:  # the convert task reports them as warnings and an artifact
+        log.info(note)
+    log.info("rollflow: %s", start.describe())
+    run.start = start
+    return start
+
+
+def _tracking_resume(cfg: RunConfig) -> dict[str, Any] | None:
+    """The MLflow run to continue, for `track` (which runs before preflight and place): the manifest of the
+    iteration the run will start from — a cheap look, place verifies it — else the run id a killed fresh attempt
+    recorded in <save>/rollflow_run.json. Storage errors are left to preflight to report."""
+    try:
+        found = checkpoint.peek_start(load=cfg.load, save=cfg.save, ckpt_step=cfg.ckpt_step)
+        ident = checkpoint.read_run_file(cfg.save) if cfg.save and found is None else None
+    except Exception:  # noqa: BLE001 — unreachable S3, no credentials: RF01/RF05 say so with the fix
+        return None
+    if found:
+        it, manifest, automatic = found
+        return {"iteration": it, "manifest": manifest, "automatic": automatic}
+    if ident and ident.get("config_hash") == cfg.config_hash() \
+            and ident.get("origin") == checkpoint.origin_of(cfg.load, cfg.ckpt_step):
+        return {"iteration": None, "manifest": {"mlflow_run_id": ident.get("mlflow_run_id")}, "automatic": True}
     return None
 
 
@@ -50,7 +82,7 @@ def track(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
     """Open the MLflow run first (the checkpoint manifest's run when resuming), so a failed preflight is recorded."""
     from engine.tracking.record import open_tracking
 
-    return open_tracking(cfg, work_dir=Path(cfg.work_dir).resolve(), resume=resolve_resume(cfg),
+    return open_tracking(cfg, work_dir=Path(cfg.work_dir).resolve(), resume=_tracking_resume(cfg),
                          flow_run_id=flow_run_id, flow_run_url=flow_run_url)
 
 
@@ -65,7 +97,7 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     run = Run(cfg)
     run.flow_run_id, run.flow_run_url = flow_run_id, flow_run_url
     run.work_dir.mkdir(parents=True, exist_ok=True)
-    run.resume = resolve_resume(cfg)
+    resolve_start(run)
     run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
     run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
@@ -78,6 +110,10 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
 
     run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
+    if run.store and run.start.next_rollout_id == 0 and run.tracker.run_id:  # a fresh lineage: remember its run
+        if (checkpoint.read_run_file(run.store) or {}).get("mlflow_run_id") != run.tracker.run_id:
+            checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "origin": run.origin,
+                                                  "config_hash": cfg.config_hash(), "created_at": time.time()})
 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
     try:
@@ -119,20 +155,24 @@ def start_rollout_engines(run: Run) -> None:
 
 # ---- convert ---------------------------------------------------------------------------------------------------
 def convert(run: Run) -> int:
-    """Load the starting weights (HF checkpoint, or the resumed iteration) into trainers and engines.
+    """Load the starting weights (HF weights, or the resumed iteration) into trainers and engines.
 
-    Returns the first rollout id to run (marker + 1 when resuming).
+    Returns the first rollout id to run (marker + 1 when resuming, 0 for starting weights).
     """
-    if run.resume is None:
-        run.start_rollout_id = 0
-        return 0
-    r = run.resume
-    run.train_group.load(r["dir"])
-    m = r["manifest"]
-    run.dataset.load_state(m["data_state"])
-    run.history = {k: {int(i): v for i, v in d.items()} for k, d in m.get("history", {}).items()}
-    run.start_rollout_id = r["iteration"] + 1
-    sync(run, r["iteration"])
+    s = run.start
+    if s.kind == "checkpoint":
+        run.train_group.load(s.local_dir, load_optim=run.cfg.load_optim)
+        if s.manifest.get("data_state"):
+            run.dataset.load_state(s.manifest["data_state"])
+        run.history = {k: {int(i): v for i, v in d.items()} for k, d in s.manifest.get("history", {}).items()}
+    elif s.kind == "hf":
+        run.train_group.load_weights(s.local_dir)
+    if run.ref_dir:
+        run.train_group.load_weights(run.ref_dir, ref=True)
+    run.start_rollout_id = s.next_rollout_id
+    if s.kind != "fresh":
+        sync(run, s.next_rollout_id - 1)
+    shutil.rmtree(run.staging / "load", ignore_errors=True)  # loaded everywhere; S3 downloads are not needed
     return run.start_rollout_id
 
 
@@ -192,6 +232,7 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     except BaseException:
         run.dataset.load_state(position)  # a retried rollout takes the same prompts
         raise
+    faults.at("after_rollout", rollout_id)
     if cfg.colocate:
         run.engines.release_memory()  # the trainer needs the GPUs now; sync() resumes
     return RolloutBatch(rollout_id, result.groups, rollout_metrics(result, time.perf_counter() - t0))
@@ -253,14 +294,15 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     t0 = time.perf_counter()
     # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
     facts = reduce_metrics(run.train_group.set_rollout(packed.per_rank_steps, packed.rewards, need_ref=True))
-    first = run.resume is None and packed.rollout_id == 0
+    first = run.start.next_rollout_id == 0 and packed.rollout_id == 0  # policy = reference on this step
     if first and (d := first_step_check(ref_logp_maxdiff=facts["ref_logp_maxdiff"], ratio_maxdev=None,
-                                        ref_source=cfg.ref_load or cfg.hf_checkpoint,
-                                        policy_source=cfg.hf_checkpoint)):
+                                        ref_source=run.ref_dir or cfg.hf_checkpoint,
+                                        policy_source=run.start.local_dir or cfg.hf_checkpoint)):
         raise DiagnosisError(d)
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
+        faults.at("during_train", packed.rollout_id)
         m = reduce_metrics(parts)
         m["loss"] = sum(p["loss_total"] for p in parts)
         if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
@@ -292,14 +334,26 @@ def should_save(cfg: RunConfig, rollout_id: int) -> bool:
     return last or (cfg.save_interval is not None and (rollout_id + 1) % cfg.save_interval == 0)
 
 
-def save(run: Run, rollout_id: int) -> str:
+def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
+    """iter_%07d (backend state + hf_config/ [+ hf/]) with its manifest, then the marker, then retention."""
+    from engine.convert import copy_hf_config
+
     cfg = run.cfg
     manifest = {"data_state": run.dataset.state(), "mlflow_run_id": run.tracker.run_id if run.tracker else None,
-                "prefect_flow_run_id": run.flow_run_id, "config_hash": cfg.config_hash(),
+                "prefect_flow_run_id": run.flow_run_id, "config_hash": cfg.config_hash(), "origin": run.origin,
                 "history": {k: {str(i): v for i, v in d.items()} for k, d in run.history.items()},
-                "train_backend": cfg.train_backend}
-    path = checkpoint.save_checkpoint(cfg.save, rollout_id, run.train_group.save, manifest)
-    return str(path)
+                "train_backend": cfg.train_backend, "resumable": cfg.save_optim, "seed": cfg.seed,
+                "rng": "per-rank python/numpy/torch RNG states in optim/state.pt; rollout sampling seeds are "
+                       "sha256(seed:rollout_id:index)", "hf_checkpoint": cfg.hf_checkpoint}
+
+    def write_state(path: str) -> None:
+        run.train_group.save(path, save_optim=cfg.save_optim)
+        copy_hf_config(cfg.hf_checkpoint, Path(path) / "hf_config")
+        if cfg.save_hf:
+            run.train_group.export_hf(str(Path(path) / "hf"))
+
+    return checkpoint.save_iteration(run.store, rollout_id, write_state, manifest, staging=run.staging / "save",
+                                     keep_last_n=cfg.keep_last_n)
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------
@@ -371,6 +425,7 @@ def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> d
         "mlflow_lost": run.tracker.lost_report() if run.tracker else None,
         "flow_run_id": run.flow_run_id,
         "flow_run_url": run.flow_run_url,
-        "save_dir": str(Path(run.cfg.save).resolve()) if run.cfg.save else None,
-        "last_checkpoint": checkpoint.read_marker(run.cfg.save) if run.cfg.save else None,
+        "save_dir": run.store.url if run.store else None,
+        "last_checkpoint": checkpoint.read_marker(run.store) if run.store else None,
+        "started_from": run.start.describe() if run.start else None,
     }

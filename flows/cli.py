@@ -17,6 +17,7 @@ commands:
   doctor   check a config for the failures in the catalog (RF01–RF13) without starting anything
   serve    run the built-in rollout engine (SGLang's HTTP API) in the foreground
   compare  compare MLflow runs: params that differ, final / best metrics, a plot (rollflow compare --help)
+  convert  HF ⇄ training checkpoint: --hf-checkpoint DIR --save DIR, or --load DIR [--ckpt-step N] --output-hf DIR
 """
 
 
@@ -27,6 +28,9 @@ def _quiet_console() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollflow")  # engine logs (rollflow.*) reach the UI
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # MLflow resets its logger's level on import
+    # Prefect waits 20 s for its ephemeral API server; on a loaded 2-core machine that start took longer and a
+    # restarted run died before its first task (seen in bench/resume.py). Overridable like the others.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
@@ -135,6 +139,34 @@ def cmd_serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def cmd_convert(argv: list[str]) -> int:
+    from engine.convert import checkpoint_to_hf, hf_to_checkpoint
+    from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+    p = argparse.ArgumentParser(prog="rollflow convert", description="Convert between a Hugging Face model and a "
+                                "training checkpoint (torch backend). Paths may be local or s3://bucket/prefix.")
+    p.add_argument("--hf-checkpoint", help="HF model directory: converted into --save, or (with --load) the model "
+                   "whose config.json/tokenizer to use when the checkpoint has no hf_config/")
+    p.add_argument("--save", help="checkpoint directory to write (iter_0000000 + marker 0: starting weights)")
+    p.add_argument("--load", help="checkpoint directory to read (its marker's iteration, or --ckpt-step)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration of --load to convert (default: the marker's)")
+    p.add_argument("--output-hf", help="new directory for the Hugging Face model (loads with from_pretrained)")
+    a = p.parse_args(argv)
+    if a.save and a.hf_checkpoint and not (a.load or a.output_hf):
+        r = hf_to_checkpoint(a.hf_checkpoint, a.save)
+        print(f"rollflow convert: {a.hf_checkpoint} → {r.uri} ({r.bytes / 2**20:.1f} MiB in {r.seconds:.1f}s); "
+              f"train from it with --load {a.save} (it starts at rollout 0)")
+        return 0
+    if a.load and a.output_hf and not a.save:
+        r = checkpoint_to_hf(a.load, a.output_hf, ckpt_step=a.ckpt_step, hf_checkpoint=a.hf_checkpoint)
+        print(f"rollflow convert: {r['source']} → {r['output_hf']} ({r['tensors']} tensors, {r['dtype']})")
+        return 0
+    raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                what=f"rollflow convert {' '.join(argv)}: not one of the two conversions",
+                                fix="rollflow convert --hf-checkpoint HF_DIR --save CKPT_DIR, or rollflow convert "
+                                    "--load CKPT_DIR [--ckpt-step N] --output-hf NEW_HF_DIR"))
+
+
 def cmd_compare(argv: list[str]) -> int:
     from engine.doctor.diagnosis import ConfigError, Diagnosis
     from engine.tracking import default_tracking_uri, sqlite_path
@@ -178,7 +210,8 @@ def cmd_compare(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "serve": cmd_serve, "compare": cmd_compare}
+COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "serve": cmd_serve, "compare": cmd_compare,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

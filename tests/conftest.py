@@ -42,3 +42,40 @@ def small_cfg(tmp_path, tiny_model):
         return RunConfig(**base)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3-compatible server (moto) on 127.0.0.1 for the session; yields the env that points boto at it.
+
+    The credentials are fake but distinctive, so tests can check that they never reach logs or files."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "rollflowtestkeyid",
+           "AWS_SECRET_ACCESS_KEY": "rollflow-test-secret-d41d8cd9", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket per test: s3://<bucket>."""
+    import re
+    import uuid
+
+    import fsspec
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir(name)
+    return f"s3://{name}"

@@ -47,8 +47,12 @@ def test_rf01_load_dir_without_marker_lists_what_is_there(tmp_path, tiny_model):
     d = one(run_preflight(RunConfig(load=str(tmp_path)), Environment()), "RF01")
     assert d.severity == "error" and "latest_checkpointed_iteration.txt" in d.what and "iter_0000004" in d.what
     assert "--load" in d.fix
-    hf = one(run_preflight(RunConfig(load=tiny_model), Environment()), "RF01")
-    assert "Hugging Face model" in hf.what and f"--hf-checkpoint {tiny_model}" in hf.fix
+    # an HF model as --load is starting weights, converted at the start (issue 6), not an RF01
+    assert codes(run_preflight(RunConfig(load=tiny_model), Environment()), "error") == []
+    (tmp_path / "model.safetensors").write_bytes(b"")  # weights without config.json: not loadable
+    shutil.rmtree(tmp_path / "iter_0000004")
+    hf = one(run_preflight(RunConfig(load=str(tmp_path)), Environment()), "RF01")
+    assert "Hugging Face files without config.json: ['model.safetensors']" in hf.what
 
 
 # ---- RF02 -----------------------------------------------------------------------------------------------------

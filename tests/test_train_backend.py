@@ -235,7 +235,7 @@ def test_reference_from_a_checkpoint_directory(tiny_model, tmp_path):
     from engine import checkpoint
 
     w = make_worker(make_cfg(tiny_model))
-    checkpoint.save_checkpoint(tmp_path / "ck", 3, w.backend.save, {})
+    checkpoint.save_iteration(checkpoint.Store(tmp_path / "ck"), 3, w.backend.save, {})
     w2 = make_worker(make_cfg(tiny_model, ref_load=str(tmp_path / "ck")))
     steps, rewards = one_rollout()
     assert w2.set_rollout(steps, rewards, need_ref=True)["ref_logp_maxdiff"] == 0.0

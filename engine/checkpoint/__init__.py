@@ -1,91 +1,40 @@
-"""Checkpoints in the Megatron-compatible layout (design.md, "Checkpoints").
+"""Checkpoints in the Megatron-compatible layout (design.md, "Checkpoints"), on local disk or S3.
 
-    <save>/iter_%07d/manifest.json   rollout_id, data state, run ids, config hash, every file with size + sha256
-    <save>/iter_%07d/model/ optim/   the backend's state
-    <save>/latest_checkpointed_iteration.txt   "<N>\\n", written LAST and atomically (temp + fsync + rename)
+    <save>/iter_%07d/manifest.json   rollout_id, next_rollout_id, resumable, data state, run ids, config hash,
+                                     origin, history, every file with size + sha256 (written last in the dir)
+    <save>/iter_%07d/model/ optim/   the backend's state (optim/ absent with --no-save-optim)
+    <save>/iter_%07d/hf_config/      the HF config + tokenizer files, so the iteration converts to HF alone
+    <save>/iter_%07d/hf/             --save-hf: a Hugging Face export of the weights
+    <save>/latest_checkpointed_iteration.txt   "<N>\\n", written LAST and atomically
+    <save>/rollflow_run.json         the MLflow run id before the first checkpoint exists
 
-An iteration is first written to `iter_%07d.tmp/`, hashed, then renamed into place; only then the marker moves.
-A crash at any point leaves either the previous marker or the new one, never a marker naming a partial dir.
+Invariants (tests/test_checkpoint.py asserts each):
+- the marker only ever names an iteration whose files were all durable before it moved (save.py);
+- nothing is loaded unless every file's sha256 matches its manifest; a damaged marker iteration falls back to
+  the newest complete older one, and says so (resolve.py);
+- retention runs after the marker moved and never deletes the marker's iteration;
+- the iteration number is the rollout id; a resumed run starts at N + 1.
 """
-from __future__ import annotations
-
-import hashlib
-import json
-import os
-import re
-import shutil
-import time
-from pathlib import Path
-from typing import Any, Callable
-
-MARKER = "latest_checkpointed_iteration.txt"
-_ITER = re.compile(r"^iter_(\d{7})$")
+from engine.checkpoint.layout import MANIFEST, MARKER, RUN_FILE, file_table, hf_files, is_hf_dir, iter_dir, \
+    iter_name, list_iterations, marker_text, read_manifest, read_marker, read_run_file, sha256_file, write_marker, \
+    write_run_file
+from engine.checkpoint.resolve import StartPoint, complete_iterations, describe_dir, materialize, origin_of, \
+    peek_start, problem_with, resolve_ref, resolve_start, rf01
+from engine.checkpoint.save import SaveReport, apply_retention, clean_leftovers, retention_plan, save_iteration
+from engine.checkpoint.storage import Store, is_remote, normalize
 
 
-def iter_dir(save: str | os.PathLike, iteration: int) -> Path:
-    return Path(save) / f"iter_{iteration:07d}"
+def load_manifest(save, iteration: int) -> dict:
+    """The manifest of an iteration (FileNotFoundError when it is missing or unreadable)."""
+    m = read_manifest(save, iteration)
+    if m is None:
+        raise FileNotFoundError(f"{save}/{iter_name(iteration)}/{MANIFEST} is missing or unreadable")
+    return m
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_marker(save: str | os.PathLike) -> int | None:
-    p = Path(save) / MARKER
-    if not p.is_file():
-        return None
-    text = p.read_text().strip()
-    return int(text) if text.isdigit() else None
-
-
-def write_marker(save: str | os.PathLike, iteration: int) -> None:
-    p = Path(save) / MARKER
-    tmp = p.with_name(MARKER + ".tmp")
-    with tmp.open("w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    _fsync_dir(p.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def list_iterations(save: str | os.PathLike) -> list[int]:
-    root = Path(save)
-    if not root.is_dir():
-        return []
-    return sorted(int(m[1]) for p in root.iterdir() if p.is_dir() and (m := _ITER.match(p.name)))
-
-
-def save_checkpoint(save: str | os.PathLike, iteration: int, write_state: Callable[[str], Any],
-                    manifest: dict[str, Any]) -> Path:
-    """Write `iter_%07d/` through a temp dir, hash every file into manifest.json, then move the marker."""
-    final = iter_dir(save, iteration)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_state(str(tmp))
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(tmp.rglob("*")) if p.is_file()}
-    body = {**manifest, "rollout_id": iteration, "files": files, "saved_at": time.time()}
-    (tmp / "manifest.json").write_text(json.dumps(body, indent=1, sort_keys=True))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    write_marker(save, iteration)
-    return final
-
-
-def load_manifest(save: str | os.PathLike, iteration: int) -> dict[str, Any]:
-    return json.loads((iter_dir(save, iteration) / "manifest.json").read_text())
+__all__ = ["MANIFEST", "MARKER", "RUN_FILE", "SaveReport", "StartPoint", "Store", "apply_retention",
+           "clean_leftovers", "complete_iterations", "describe_dir", "file_table", "hf_files", "is_hf_dir",
+           "is_remote", "iter_dir", "iter_name", "list_iterations", "load_manifest", "marker_text", "materialize",
+           "normalize", "origin_of", "peek_start", "problem_with", "read_manifest", "read_marker", "read_run_file",
+           "resolve_ref", "resolve_start", "retention_plan", "rf01", "save_iteration", "sha256_file",
+           "write_marker", "write_run_file"]

@@ -110,11 +110,15 @@ class TrainGroup:
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
         return self._all("train_step", k, global_batch_size)
 
-    def save(self, path: str) -> list[str]:
-        return [f for files in self._all("save", path) for f in files]
+    def save(self, path: str, save_optim: bool = True) -> list[str]:
+        return [f for files in self._all("save", path, save_optim) for f in files]
 
     def load(self, path: str, load_optim: bool = True) -> None:
         self._all("load", path, load_optim)
+
+    def load_weights(self, path: str, ref: bool = False) -> None:
+        """Policy (ref=False) or reference weights from an HF dir or a checkpoint iteration, on every rank."""
+        self._all("load_weights", path, ref)
 
     def save_weights(self, path: str) -> str:
         self._all("save_weights", path)

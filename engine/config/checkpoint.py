@@ -1,4 +1,4 @@
-"""Checkpoint flags."""
+"""Checkpoint flags (local paths or s3://bucket/prefix)."""
 from typing import Optional
 
 from pydantic import Field
@@ -8,13 +8,31 @@ from engine.config.base import Section
 
 class CheckpointArgs(Section):
     save: Optional[str] = None
-    """Checkpoint directory: iter_%07d/ per save plus latest_checkpointed_iteration.txt (written last)."""
+    """Checkpoint directory (local or s3://bucket/prefix): iter_%07d/ per save plus latest_checkpointed_iteration.txt (written last). If it already holds a marker and --load is unset, the run resumes from it automatically."""
 
     save_interval: Optional[int] = Field(None, ge=1)
     """Save every N rollouts (the last rollout is always saved when --save is set)."""
 
     load: Optional[str] = None
-    """Resume from this checkpoint directory (it must hold latest_checkpointed_iteration.txt: RF01)."""
+    """Start from this directory: a checkpoint with latest_checkpointed_iteration.txt (resume; --load = --save is the usual restart) or a Hugging Face model (its weights, converted at the start). Anything else is RF01."""
+
+    ckpt_step: Optional[int] = Field(None, ge=0)
+    """Load iteration N of --load (iter_%07d, verified) instead of the one the marker names."""
 
     ref_load: Optional[str] = None
-    """Reference model for KL: a checkpoint directory (with its marker) or a Hugging Face directory; default: the initial weights (--hf-checkpoint)."""
+    """Reference model for KL: a checkpoint directory (its marker's iteration) or a Hugging Face directory. Default: the starting weights (--load when it names starting weights, else --hf-checkpoint)."""
+
+    ref_ckpt_step: Optional[int] = Field(None, ge=0)
+    """Load iteration N of --ref-load instead of the one its marker names."""
+
+    save_optim: bool = True
+    """Save optimizer, scheduler and RNG state; --no-save-optim saves weights only and marks the checkpoint not resumable."""
+
+    load_optim: bool = True
+    """Restore optimizer, scheduler and RNG state on resume; --no-load-optim continues from the weights (and data position) with a fresh optimizer (needed for --no-save-optim checkpoints)."""
+
+    save_hf: bool = False
+    """Also write a Hugging Face export of the weights into every iteration (iter_%07d/hf/)."""
+
+    keep_last_n: Optional[int] = Field(None, ge=1)
+    """Keep only the N newest complete checkpoints; older ones are deleted after the new marker is written (never the marker's)."""

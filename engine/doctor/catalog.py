@@ -23,9 +23,11 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
     Entry("RF01", "garbled text from the policy",
           "`--load` / `--ref-load` points at a directory without `latest_checkpointed_iteration.txt`, so the "
           "weights were not loaded",
-          "preflight: a checkpoint dir is loadable only with the marker (or `--ckpt-step N` naming a valid "
-          "`iter_%07d`); the error lists what is there (iteration dirs, HF files, nothing). Runtime: on the first "
-          "step policy and reference log-probs must agree (KL = 0, ratio = 1)"),
+          "preflight: a checkpoint dir is loadable only with the marker (or `--ckpt-step N` naming a complete "
+          "`iter_%07d`) or as a Hugging Face model (converted at the start); the error lists what is there "
+          "(iteration dirs and the `--ckpt-step` of the newest complete one, HF files, nothing). At start every "
+          "file's sha256 is checked; a damaged marker iteration falls back to the newest complete one (logged, "
+          "artifact). Runtime: on the first step policy and reference log-probs must agree (KL = 0, ratio = 1)"),
     Entry("RF02", "the job sits forever at Ray submission",
           "more GPUs asked than the cluster has (colocated: actor_num_nodes × actor_num_gpus_per_node; decoupled: "
           "that + rollout_num_gpus)",
@@ -43,7 +45,9 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
           "infers it from files"),
     Entry("RF05", "how do I resume?", "—",
           "`--load` = `--save` resumes; a `--save` holding a marker with `--load` unset resumes automatically "
-          "(reported); `--ckpt-step` picks an older iteration; flow retries resume the same way"),
+          "(reported); `--ckpt-step` picks an older iteration; flow retries resume the same way; a "
+          "`--no-save-optim` checkpoint needs `--no-load-optim`; a `--save` holding another run's checkpoints is "
+          "an error"),
     Entry("RF06", "batch sizes misunderstood", "`--global-batch-size` counts samples, not prompts",
           "preflight prints samples per rollout, steps per rollout and train_iters, and rejects k·G ≠ B·n or G not "
           "divisible by micro-batch × DP with the values that work"),

@@ -70,6 +70,10 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/seconds", "min", "train stage wall time (log-probs + optimizer steps)"),
     MetricDoc("train/tokens_per_s", "max", "packed tokens per second in the train stage"),
     MetricDoc("save/seconds", "min", "checkpoint save wall time (rollouts that save)"),
+    MetricDoc("save/state_seconds", "min", "of which the backend writing its state (the rest: sha256, fsync or upload, "
+              "manifest, marker, retention)"),
+    MetricDoc("save/mb", None, "MiB in the saved iteration"),
+    MetricDoc("save/mb_per_s", "max", "save/mb / save/seconds"),
     MetricDoc("sync/seconds", "min", "weight sync to every engine, wall time"),
     MetricDoc("sync/mb", None, "size of the synced weights, MiB"),
     MetricDoc("sync/weight_version", None, "weight version the engines serve after the sync"),

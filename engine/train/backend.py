@@ -34,11 +34,14 @@ class TrainBackend(Protocol):
     def model_state(self) -> dict[str, torch.Tensor]:
         """HF-named weights (for weight sync and HF export)."""
 
-    def save(self, path: str) -> list[str]:
-        """Write model/ and optim/ under `path`; return the files written."""
+    def save(self, path: str, *, save_optim: bool = True) -> list[str]:
+        """Write model/ (and optim/ unless save_optim=False) under `path`; return the files written."""
 
     def load(self, path: str, *, load_optim: bool = True) -> None:
         """Restore what `save` wrote."""
+
+    def load_weights(self, path: str, *, ref: bool = False) -> None:
+        """Policy (or reference) weights only, from a Hugging Face directory or a checkpoint iteration."""
 
     def export_hf(self, path: str) -> None:
         """Save a Hugging Face directory (config, weights, tokenizer) loadable by transformers."""

@@ -38,6 +38,8 @@ class TorchBackend:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.spec = LossSpec.of(cfg)
         torch.manual_seed(cfg.seed + rank)
+        random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
+        np.random.seed(cfg.seed + rank)
         self.model = load_causal_lm(cfg.hf_checkpoint)
         use_varlen_attention(self.model)
         self.model.eval()  # dropout off: see the module docstring
@@ -133,11 +135,13 @@ class TorchBackend:
     def model_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def save(self, path: str) -> list[str]:
+    def save(self, path: str, *, save_optim: bool = True) -> list[str]:
         from engine.weights import save_weights_dir
 
         root = Path(path)
         save_weights_dir(self.model_state(), root / "model")
+        if not save_optim:
+            return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()]
         (root / "optim").mkdir(parents=True, exist_ok=True)
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                     "steps_done": self.steps_done, "skipped_steps": self.skipped_steps,
@@ -154,6 +158,21 @@ class TorchBackend:
             self.scheduler.load_state_dict(st["scheduler"])
             self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]
             set_rng_state(st["rng"])
+
+    def load_weights(self, path: str, *, ref: bool = False) -> None:
+        """Policy (or reference) weights from a Hugging Face directory or a checkpoint iteration's model/, as the
+        driver resolved and verified them (engine/checkpoint/resolve.py: local copies of S3 paths included)."""
+        from engine.modeling import load_causal_lm
+        from engine.weights import load_weights_dir
+
+        if (Path(path) / "config.json").is_file():  # HF dir: from_pretrained handles shards and key renames
+            state = load_causal_lm(path).state_dict()
+        else:
+            state = load_weights_dir(Path(path) / "model")
+        if ref and self.ref is None:  # the frozen architecture; its weights are replaced just below
+            self.ref = load_reference(None, self.cfg.hf_checkpoint)
+            use_varlen_attention(self.ref)
+        load_state_strict(self.ref if ref else self.model, state, path)
 
     def export_hf(self, path: str) -> None:
         from engine.modeling import load_tokenizer

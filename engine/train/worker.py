@@ -8,6 +8,7 @@ optimizer step k (policy, then critic).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -117,10 +118,16 @@ class TrainWorker:
                                               global_tokens=self.step_tokens[k]))
         return out
 
-    def save(self, path: str) -> list[str]:
+    def save(self, path: str, save_optim: bool = True) -> list[str]:
         if self.rank != 0 and not self.collective:
             return []
-        files = self.backend.save(path)
+        if save_optim:
+            files = self.backend.save(path)
+        elif "save_optim" in inspect.signature(self.backend.save).parameters:
+            files = self.backend.save(path, save_optim=False)
+        else:
+            raise NotImplementedError(f"--no-save-optim: the {self.cfg.train_backend} backend always saves its "
+                                      "optimizer state; drop --no-save-optim")
         if self.critic:
             files += [f"critic/{f}" for f in self.critic.save(f"{path}/critic")]
         return files
@@ -129,6 +136,9 @@ class TrainWorker:
         self.backend.load(path, load_optim=load_optim)
         if self.critic:
             self.critic.load(f"{path}/critic", load_optim=load_optim)
+
+    def load_weights(self, path: str, ref: bool = False) -> None:
+        self.backend.load_weights(path, ref=ref)
 
     def save_weights(self, path: str) -> str:
         from engine.weights import save_weights_dir

@@ -1,0 +1,65 @@
+"""Fault injection for the resume proof: the training process SIGKILLs itself at a named boundary.
+
+    ROLLFLOW_FAULT=during_save@2                      die once the save of rollout 2 is half done
+    ROLLFLOW_FAULT=after_rollout@1,after_marker@3     several faults, comma-separated
+    ROLLFLOW_FAULT_STATE=/tmp/fired                   each fault fires once: it is appended to this file before
+                                                      the kill, so the SAME command and environment restarted
+                                                      in a loop runs to the end (without it a fault fires on
+                                                      every run that reaches it)
+
+Boundaries, in the order one rollout meets them:
+    after_rollout   the rollout is generated and scored, nothing trained yet
+    during_train    the first optimizer step of the rollout is done on the workers, the rollout's train is not
+    during_save     iter_%07d is half written (local: state in iter_%07d.tmp/; S3: half the files uploaded)
+    before_marker   iter_%07d is complete, latest_checkpointed_iteration.txt still names the previous one
+    after_marker    the marker names the new iteration; retention and weight sync have not run
+
+Unset (the default) this module does nothing: `at` is one dict lookup. SIGKILL, not an exception: no `finally`,
+no atexit, no flush — the process vanishes as it does on an OOM kill or a preempted node.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "ROLLFLOW_FAULT"
+STATE_ENV = "ROLLFLOW_FAULT_STATE"
+BOUNDARIES = ("after_rollout", "during_train", "during_save", "before_marker", "after_marker")
+
+
+def parse(spec: str) -> list[tuple[str, int]]:
+    """'during_save@2,after_marker@3' → [('during_save', 2), ('after_marker', 3)]; a bad spec is a ValueError."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        boundary, at, rid = part.partition("@")
+        if boundary not in BOUNDARIES or not at or not rid.lstrip("-").isdigit():
+            raise ValueError(f"{ENV}={spec!r}: {part!r} is not <boundary>@<rollout_id> with a boundary in "
+                             f"{', '.join(BOUNDARIES)} (e.g. {ENV}=during_save@2)")
+        out.append((boundary, int(rid)))
+    return out
+
+
+def _fired(state: str | None) -> set[str]:
+    if not state or not os.path.exists(state):
+        return set()
+    with open(state) as f:
+        return {line.strip() for line in f if line.strip()}
+
+
+def at(boundary: str, rollout_id: int) -> None:
+    """SIGKILL this process if ROLLFLOW_FAULT names (boundary, rollout_id) and it has not fired yet."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    assert boundary in BOUNDARIES, boundary
+    if (boundary, rollout_id) not in parse(spec):
+        return
+    name, state = f"{boundary}@{rollout_id}", os.environ.get(STATE_ENV)
+    if name in _fired(state):
+        return
+    if state:
+        with open(state, "a") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
