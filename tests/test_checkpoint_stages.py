@@ -2,6 +2,7 @@
 for --no-save-optim / --save-hf, and what a resumed, HF-started or --ref-load run loads."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -9,11 +10,20 @@ import torch
 from safetensors.torch import load_file
 
 from engine import checkpoint, stages
-from engine.cluster import Engines
 from engine.data import PromptDataset, load_prompts
 from engine.doctor import ConfigError
 from engine.run import Run
 from engine.train.torch_backend import TorchBackend
+
+
+class NoEngines:
+    """The engine pool's sync interface with no engines: sync() then only writes the weights (disk method)."""
+
+    lock = threading.RLock()
+    released = False
+
+    def serving_slots(self) -> list:
+        return []
 
 
 class InProcessGroup:
@@ -41,12 +51,12 @@ class InProcessGroup:
 
 
 def make_run(small_cfg, **over) -> Run:
-    cfg = small_cfg(eval_prompt_data="", **over)
+    cfg = small_cfg(eval_prompt_data="", weight_sync_method="disk", **over)
     run = Run(cfg)
     stages.resolve_start(run)
     run.dataset = PromptDataset(load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key),
                                 shuffle=False, seed=cfg.seed)
-    run.engines = Engines(actors=[], urls=[])  # sync() then only writes the weights
+    run.engines = NoEngines()
     run.train_group = InProcessGroup(cfg)
     return run
 
