@@ -12,17 +12,20 @@ from tqdm import tqdm
 
 import tasks
 from engine.config import RunConfig
+from engine.doctor.diagnosis import DiagnosisError
 from engine.run import Run
 from engine.stages import should_save, summary, track
 from engine.tracking import TrackingWarning
 from engine.tracking.record import finish, prefect_ui_url
+from flows.params import CfgParam, run_config
 
 
 def _flow_run_name() -> str:
-    cfg = flow_run.parameters["cfg"]
-    name = cfg.run_name if isinstance(cfg, RunConfig) else (cfg or {}).get("run_name")
-    exp = cfg.experiment_name if isinstance(cfg, RunConfig) else (cfg or {}).get("experiment_name", "rollflow")
-    return f"{exp}/{name}" if name else f"{exp}"
+    try:
+        cfg = run_config(flow_run.parameters.get("cfg"), flow_run.parameters.get("config"))
+    except DiagnosisError:  # the flow body raises it again: the run fails with the message instead of staying Pending
+        return "rollflow/invalid-config"
+    return f"{cfg.experiment_name}/{cfg.run_name}" if cfg.run_name else cfg.experiment_name
 
 
 def _iteration_markdown(run: Run, rollout_id: int) -> str:
@@ -37,8 +40,13 @@ def _iteration_markdown(run: Run, rollout_id: int) -> str:
 
 
 @flow(name="rl-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
-def rl_train(cfg: RunConfig) -> dict[str, Any]:
-    """RL post-training: preflight → place → convert, then rollout → pack → train → save → sync per rollout."""
+def rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
+    """RL post-training. `config`: a RunConfig YAML file; `cfg`: a RunConfig, or flags overriding the file."""
+    return _train(run_config(cfg, config))
+
+
+def _train(cfg: RunConfig) -> dict[str, Any]:
+    """preflight → place → convert, then rollout → pack → train → save → sync per rollout."""
     tracker = track(cfg, flow_run_id=str(flow_run.id), flow_run_url=prefect_ui_url(flow_run.id, flow_run.ui_url))
     if tracker.run_id:
         create_link_artifact(key="mlflow-run", link=tracker.run_url(), link_text=f"MLflow run {tracker.run_id}")

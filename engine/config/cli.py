@@ -105,19 +105,20 @@ def split_sglang(argv: list[str]) -> tuple[list[str], dict[str, str | bool | lis
     return rest, sglang
 
 
-def load_yaml(path: str) -> dict[str, Any]:
+def load_yaml(path: str, source: str = "--config") -> dict[str, Any]:
+    """A YAML file of flags → {field: value}; `source` names it in errors (the flow's parameter: "config")."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"--config {path}: no such file",
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{source} {path}: no such file",
                                     fix="pass the path of an existing YAML file"))
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"--config {path}: invalid YAML: {e}",
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{source} {path}: invalid YAML: {e}",
                                     fix="fix the YAML syntax")) from None
     if not isinstance(raw, dict):
         raise ConfigError(Diagnosis(code="CONFIG", severity="error",
-                                    what=f"--config {path}: top level is {type(raw).__name__}, not a mapping",
+                                    what=f"{source} {path}: top level is {type(raw).__name__}, not a mapping",
                                     fix="write one `flag: value` per line"))
     out: dict[str, Any] = {}
     sglang: dict[str, Any] = dict(raw.pop("sglang_args", None) or raw.pop("sglang-args", None) or {})
@@ -128,7 +129,7 @@ def load_yaml(path: str) -> dict[str, Any]:
             sglang[str(key)[len("sglang_"):].replace("_", "-")] = val
         elif name not in RunConfig.model_fields:
             raise ConfigError(Diagnosis(code="CONFIG", severity="error",
-                                        what=f"--config {path}: unknown key {key!r}",
+                                        what=f"{source} {path}: unknown key {key!r}",
                                         fix=suggest(name, names).replace("did you mean ", "did you mean key ")))
         else:
             out[name] = val

@@ -1,0 +1,49 @@
+"""The rl-train flow's parameters: a RunConfig, or a YAML file of flags (`config`) with `cfg` overrides on top.
+
+A deployment sets `config: deployments/demo.yaml` (relative to its working directory, the repository root) and a
+run overrides single flags: `prefect deployment run rl-train/rl-train --params '{"cfg": {"num_rollout": 2}}'`.
+The CLI and the tests pass a RunConfig as `cfg`. Precedence, as on the command line: field defaults < the file <
+`cfg` (a RunConfig passed with a file overrides it with the fields it was given, `model_fields_set`).
+
+`cfg` is a dict before a RunConfig (`union_mode="left_to_right"`) so that Prefect's parameter validation keeps
+overrides as they were sent: a partial dict validated as a RunConfig alone could fail on values that only agree
+with the file's (an RF06 batch size), or silently fill every other field with its default.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+from pydantic import Field
+
+from engine.config import RunConfig
+from engine.config.cli import load_yaml, make_config
+from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+CfgParam = Annotated[Union[dict[str, Any], RunConfig, None], Field(union_mode="left_to_right")]
+
+
+def run_config(cfg: dict[str, Any] | RunConfig | None, config: str | None) -> RunConfig:
+    """The run's RunConfig from the flow's two parameters; a ConfigError names the parameter, the value and the fix."""
+    if config is None:
+        if isinstance(cfg, RunConfig):
+            return cfg
+        if cfg is None:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                        what="rl-train got neither `cfg` nor `config`",
+                                        fix="pass config=<a RunConfig YAML file, e.g. deployments/demo.yaml> or "
+                                            "cfg=<a RunConfig or a dict of flags>"))
+        return make_config({k.replace("-", "_"): v for k, v in cfg.items()})
+    if not Path(config).is_file():
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                    what=f"config {config}: no such file (relative paths are read from {os.getcwd()})",
+                                    fix="pass the path of a RunConfig YAML file, absolute or relative to the "
+                                        "deployment's working directory (the repository root: e.g. "
+                                        "deployments/demo.yaml)", facts={"field": "config", "value": config}))
+    values = load_yaml(config, source="config")
+    if isinstance(cfg, RunConfig):
+        overrides = cfg.model_dump(include=cfg.model_fields_set)
+    else:
+        overrides = {k.replace("-", "_"): v for k, v in (cfg or {}).items()}
+    return make_config({**values, **overrides})
