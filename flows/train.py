@@ -17,6 +17,7 @@ from engine.run import Run
 from engine.stages import should_save, summary, track
 from engine.tracking import TrackingWarning
 from engine.tracking.record import finish, prefect_ui_url
+from flows import limits
 from flows.params import CfgParam, run_config
 
 
@@ -42,7 +43,9 @@ def _iteration_markdown(run: Run, rollout_id: int) -> str:
 @flow(name="rl-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
 def rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
     """RL post-training. `config`: a RunConfig YAML file; `cfg`: a RunConfig, or flags overriding the file."""
-    return _train(run_config(cfg, config))
+    cfg = run_config(cfg, config)
+    with limits.held(cfg):  # one writer per --save, GPU slots (flows/limits.py)
+        return _train(cfg)
 
 
 def _train(cfg: RunConfig) -> dict[str, Any]:
