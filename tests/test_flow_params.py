@@ -113,3 +113,25 @@ def test_every_config_file_in_deployments_loads():
     assert files, "deployments/ holds the deployments' parameter files"
     for f in files:
         assert isinstance(run_config(None, str(f)), RunConfig)
+
+
+def test_a_bad_config_file_fails_the_flow_run_with_the_message(prefect_harness, tmp_path):
+    """The flow-run name cannot be computed either; the run must still end Failed with the message, not Pending."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.train import rl_train
+
+    bad = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="no such file"):
+        rl_train(config=bad)
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=["rollflow/invalid-config"])))
+
+    (fr,) = [r for r in asyncio.run(read()) if r.parameters.get("config") == bad]
+    assert fr.state.is_failed() and f"config {bad}: no such file" in fr.state.message
