@@ -20,7 +20,8 @@ memory of the process that started it, so a killed run's slot would never be fre
 Invariants (tests/test_limits.py):
 - the save limit's name depends on the normalized --save only: one directory, however spelled → one name;
 - a run holds its slots until the flow body returns or raises, then releases them and its holder record;
-- a run never waits on GPU slots the limit can never give, and never takes over a live holder's slot.
+- a run never waits on GPU slots the limit can never give, and never takes over a live holder's slot;
+- a secret in --save (a URL's password, a signed query) reaches no limit name, holder record or message.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import httpx
 
 from engine.config import RunConfig
 from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+from engine.tracking.secrets import redact_text
 
 GPU_LIMIT = "rollflow-gpus"
 LEASE_S = 60.0  # the server's minimum lease
@@ -57,9 +59,11 @@ def normalize_save(save: str) -> str:
 
 
 def save_limit_name(save: str) -> str:
-    """`rollflow-save-<last path part>-<sha256[:12] of the normalized URI>` (letters, digits, dashes only)."""
+    """`rollflow-save-<last path part>-<sha256[:12] of the normalized URI>` (letters, digits, dashes only; the
+    readable part comes from the redacted URI, so a signed URL's query never reaches the name)."""
     uri = normalize_save(save)
-    slug = re.sub(r"[^a-z0-9]+", "-", uri.rsplit("/", 1)[-1].lower()).strip("-")[:32] or "root"
+    last = redact_text(uri).split("?", 1)[0].rsplit("/", 1)[-1]
+    slug = re.sub(r"[^a-z0-9]+", "-", last.lower()).strip("-")[:32] or "root"
     return f"rollflow-save-{slug}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
 
 
@@ -171,14 +175,15 @@ def save_slot(save: str, *, wait_s: float = SAVE_WAIT_S) -> Iterator[str]:
                                name, holder.get("flow_run_id"), holder.get("pid"))
                 client.release_concurrency_slots_with_lease(UUID(holder["lease_id"]))
             else:
-                logger.info("%s: --save %s is in use; waiting up to %.0f s", name, save, wait_s)
+                logger.info("%s: --save %s is in use; waiting up to %.0f s", name, redact_text(save), wait_s)
             lease = _acquire(client, name, 1, timeout_s=wait_s)
             if lease is None:
                 raise DiagnosisError(_save_busy(save, name, Variable.get(name) or holder, wait_s))
     pid, started = _this_process()
     with _renewed(lease, name):  # written and removed while the slot is held: the record is always ours
         Variable.set(name, {"flow_run_id": str(flow_run.id), "flow_run_name": flow_run.name, "machine": machine_id(),
-                            "pid": pid, "started": started, "save": normalize_save(save), "lease_id": str(lease)},
+                            "pid": pid, "started": started, "save": redact_text(normalize_save(save)),
+                            "lease_id": str(lease)},
                      overwrite=True)
         try:
             yield name
@@ -299,7 +304,8 @@ def _save_busy(save: str, name: str, holder: dict[str, Any] | None, wait_s: floa
         run = holder.get("flow_run_id")
         who = f"flow run {holder.get('flow_run_name')} ({run}, {where})" if run not in (None, "None") else where
     return Diagnosis(code="CONCURRENCY", severity="error",
-                     what=f"--save {save} is being written by {who}; waited {wait_s:.0f} s for the limit {name}",
+                     what=f"--save {redact_text(save)} is being written by {who}; waited {wait_s:.0f} s for the limit "
+                          f"{name}",
                      fix="wait for that run to finish, or use another --save; if no run is writing there, free the "
                          f"slot: prefect gcl update {name} --active-slots 0",
-                     facts={"limit": name, "save": normalize_save(save), "holder": holder})
+                     facts={"limit": name, "save": redact_text(normalize_save(save)), "holder": holder})

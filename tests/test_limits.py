@@ -44,6 +44,14 @@ def test_different_directories_have_different_names_made_of_allowed_characters(t
     assert all(re.fullmatch(r"[a-z0-9-]+", n) and len(n) <= 64 for n in names)  # a valid Prefect variable name
 
 
+def test_a_secret_in_the_save_url_reaches_neither_the_name_nor_the_message():
+    for save in ("s3://bucket/run?sig=SeCrEtSiG0123456789&x=1", "https://user:Pa55w0rdXYZ@host/ckpt"):
+        name = limits.save_limit_name(save)
+        busy = limits._save_busy(save, name, None, 90).render()
+        assert not any(s.lower() in (name + busy).lower() for s in ("SeCrEtSiG0123456789", "Pa55w0rdXYZ"))
+    assert limits.save_limit_name("s3://bucket/run?sig=a") != limits.save_limit_name("s3://bucket/run?sig=b")
+
+
 @pytest.mark.parametrize("over, cluster_gpus, expected", [
     (dict(actor_num_nodes=2, actor_num_gpus_per_node=4, colocate=True), 8, 8),   # colocated: T = 2·4
     (dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=4), 16, 12),  # decoupled: T + R = 8 + 4
