@@ -75,7 +75,7 @@ class Processes:
                     os.killpg(g, sig)
                 except ProcessLookupError:
                     pass
-            deadline = time.time() + 10
+            deadline = time.time() + 5
             while sig == signal.SIGTERM and time.time() < deadline and any(p.poll() is None for p in self.procs):
                 time.sleep(0.2)
         for p in self.procs:
@@ -130,6 +130,20 @@ def _wait_final(client, flow_run_id, deadline_s: float, logs: Path):
         time.sleep(1)
     raise AssertionError(f"flow run {flow_run_id} not finished after {deadline_s} s (state {fr.state}); worker log:\n"
                          + (logs / "worker.log").read_text()[-5000:])
+
+
+def _emit(event: str, resource: dict, payload: dict) -> None:
+    """What a run does after a marker write (the names the checkpoint event uses), delivered before returning."""
+    import asyncio
+
+    from prefect.events import Event
+    from prefect.events.clients import get_events_client
+
+    async def send():
+        async with get_events_client() as events:
+            await events.emit(Event(event=event, resource=resource, payload=payload))
+
+    asyncio.run(send())
 
 
 def _wait_triggered(client, deployment: str, deadline_s: float, logs: Path):
@@ -202,9 +216,8 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
         export_dep = client.read_deployment_by_name("rl-export-hf/rl-export-hf")
         client.update_deployment(export_dep.id, DeploymentUpdate(parameters={"output_dir": str(tmp_path / "hf")}))
         uri = f"{save}/iter_0000001"
-        procs.run("emit", "event", "emit", "rollflow.checkpoint.committed", "--resource", json.dumps(
-            {"prefect.resource.id": f"rollflow.checkpoint.{save}", "iteration": "1", "uri": uri}),
-            "--payload", json.dumps({"iteration": 1, "uri": uri}))
+        _emit("rollflow.checkpoint.committed", {"prefect.resource.id": f"rollflow.checkpoint.{save}",
+                                                "iteration": "1", "uri": uri}, {"iteration": 1, "uri": uri})
         export = _wait_triggered(client, "rl-export-hf", deadline_s=120, logs=tmp_path)
         export = _wait_final(client, export.id, deadline_s=120, logs=tmp_path)
         assert export.state.is_completed(), f"{export.state}\n" + (tmp_path / "worker.log").read_text()[-5000:]
