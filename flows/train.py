@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_progress_artifact, \
     update_progress_artifact
 from prefect.runtime import flow_run
@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 import tasks
 from engine.config import RunConfig
+from engine.doctor.diagnosis import DiagnosisError
 from engine.run import Run
 from engine.stages import should_save, summary, track
 from engine.tracking import TrackingWarning
@@ -39,13 +40,14 @@ def _iteration_markdown(run: Run, rollout_id: int) -> str:
 @flow(name="rl-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
 def rl_train(cfg: RunConfig) -> dict[str, Any]:
     """RL post-training: preflight → place → convert, then rollout → pack → train → save → sync per rollout."""
+    _set_flow_retries(cfg)
     tracker = track(cfg, flow_run_id=str(flow_run.id), flow_run_url=prefect_ui_url(flow_run.id, flow_run.ui_url))
     if tracker.run_id:
         create_link_artifact(key="mlflow-run", link=tracker.run_url(), link_text=f"MLflow run {tracker.run_id}")
     run = None
     try:
         tasks.preflight(cfg)
-        run = tasks.place(cfg, tracker)
+        run = tasks.place_for(cfg)(cfg, tracker)
         start = tasks.convert(run)
         before = run.history.get("eval/test_accuracy_before", {}).get(-1)
         if before is None and start == 0:
@@ -58,7 +60,7 @@ def rl_train(cfg: RunConfig) -> dict[str, Any]:
         bar = tqdm(total=cfg.num_rollout, initial=start, desc="rollouts", unit="rollout", disable=not cfg.progress,
                    dynamic_ncols=True)
         for rollout_id in range(start, cfg.num_rollout):
-            batch = tasks.rollout(run, rollout_id)
+            batch = tasks.rollout_for(cfg)(run, rollout_id)
             packed = tasks.pack(run, batch)
             tasks.train(run, packed)
             if should_save(cfg, rollout_id):
@@ -79,10 +81,51 @@ def rl_train(cfg: RunConfig) -> dict[str, Any]:
     except BaseException as e:
         finish(tracker, run.history if run else {}, e)
         _say_lost(tracker)
+        if isinstance(e, DiagnosisError) and not e.retryable:
+            _no_flow_retry(e)
         raise
     finally:
         if run is not None:
             run.close()
+
+
+def _update_policy(**changes) -> bool:
+    """Change this flow run's retry policy on the server (its RetryFailedFlows rule reads it there)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return False
+    policy = ctx.flow_run.empirical_policy.model_copy(update=changes)
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, empirical_policy=policy)
+    ctx.flow_run.empirical_policy = policy
+    return True
+
+
+def _set_flow_retries(cfg: RunConfig) -> None:
+    """--flow-retries / --flow-retry-delay as this flow run's policy, the same from the CLI and a deployment.
+    Each retry re-runs the flow, which resumes from the checkpoint marker (nothing trained is repeated)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is not None and ctx.flow_run is not None and ctx.flow_run.run_count <= 1 \
+            and (ctx.flow_run.empirical_policy.retries or 0) != cfg.flow_retries:
+        _update_policy(retries=cfg.flow_retries, retry_delay=int(cfg.flow_retry_delay))
+
+
+def _no_flow_retry(e: DiagnosisError) -> None:
+    """--flow-retries is for failures a re-run can get past (a crashed engine, a lost node); a diagnosed error
+    (config, RF..) fails the same way again, so this flow run's remaining retries are dropped."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None or not (ctx.flow_run.empirical_policy.retries or 0):
+        return
+    if _update_policy(retries=ctx.flow_run.run_count - 1):
+        get_run_logger().warning("not retrying the flow run: %s fails the same way on every attempt",
+                                 ",".join(e.codes))
 
 
 def _say_lost(tracker) -> None:
