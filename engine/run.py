@@ -41,6 +41,7 @@ class Run:
         self.flow_run_id: str | None = None
         self.flow_run_url: str | None = None
         self.cluster: dict[str, Any] = {}
+        self.staged: dict[tuple[str, int], Any] = {}  # ("batch" | "packed", rollout_id) → stage output in flight
         self.owns_ray = True  # this run connected to (or started) Ray, so close() disconnects
         self.grad_norms: list[float] = []  # per optimizer step of this process (RF09's running median)
         self.diagnoses: list = []  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks

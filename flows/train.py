@@ -11,6 +11,7 @@ from prefect.runtime import flow_run
 from tqdm import tqdm
 
 import tasks
+from tasks import ui
 from engine.config import RunConfig
 from engine.doctor.diagnosis import DiagnosisError
 from engine.run import Run
@@ -60,14 +61,16 @@ def rl_train(cfg: RunConfig) -> dict[str, Any]:
         bar = tqdm(total=cfg.num_rollout, initial=start, desc="rollouts", unit="rollout", disable=not cfg.progress,
                    dynamic_ncols=True)
         for rollout_id in range(start, cfg.num_rollout):
-            batch = tasks.rollout_for(cfg)(run, rollout_id)
-            packed = tasks.pack(run, batch)
-            tasks.train(run, packed)
+            tasks.rollout_for(cfg)(run, rollout_id)  # tasks pass ids; samples and tensors stay on `run.staged`
+            tasks.pack(run, rollout_id)
+            tasks.train(run, rollout_id)
             if should_save(cfg, rollout_id):
                 tasks.save(run, rollout_id)
             tasks.sync(run, rollout_id)
-            update_progress_artifact(progress, 100.0 * (rollout_id + 1) / cfg.num_rollout)
-            create_markdown_artifact(key="iteration", markdown=_iteration_markdown(run, rollout_id))
+            ui.publisher().submit("progress", update_progress_artifact, progress,
+                                  100.0 * (rollout_id + 1) / cfg.num_rollout)
+            ui.publisher().submit("iteration", create_markdown_artifact, key="iteration",
+                                  markdown=_iteration_markdown(run, rollout_id))
             bar.update(1)
             bar.set_postfix(reward=f"{run.history['rollout/reward_mean'][rollout_id]:.3f}",
                             loss=f"{run.history['train/loss'][rollout_id]:.4f}")
@@ -85,6 +88,7 @@ def rl_train(cfg: RunConfig) -> dict[str, Any]:
             _no_flow_retry(e)
         raise
     finally:
+        ui.close()
         if run is not None:
             run.close()
 
