@@ -14,6 +14,11 @@ Boundaries, in the order one rollout meets them:
     before_marker   iter_%07d is complete, latest_checkpointed_iteration.txt still names the previous one
     after_marker    the marker names the new iteration; retention and weight sync have not run
 
+The built-in rollout engine has faults of its own, counted in /generate requests of one engine process:
+    ROLLFLOW_ENGINE_FAULT=hang@20                     request 20 (0-based) never answers: the engine is stuck
+    ROLLFLOW_ENGINE_FAULT=exit@20                     the engine process dies (os._exit) on request 20
+(`engine_fault(index)`, once per ROLLFLOW_FAULT_STATE like the others: the engine that replaces it runs clean.)
+
 Unset (the default) this module does nothing: `at` is one dict lookup. SIGKILL, not an exception: no `finally`,
 no atexit, no flush — the process vanishes as it does on an OOM kill or a preempted node.
 """
@@ -25,18 +30,33 @@ import signal
 ENV = "ROLLFLOW_FAULT"
 STATE_ENV = "ROLLFLOW_FAULT_STATE"
 BOUNDARIES = ("after_rollout", "during_train", "during_save", "before_marker", "after_marker")
+ENGINE_ENV = "ROLLFLOW_ENGINE_FAULT"
+ENGINE_FAULTS = ("hang", "exit")
 
 
-def parse(spec: str) -> list[tuple[str, int]]:
+def parse(spec: str, *, env: str = ENV, names: tuple[str, ...] = BOUNDARIES) -> list[tuple[str, int]]:
     """'during_save@2,after_marker@3' → [('during_save', 2), ('after_marker', 3)]; a bad spec is a ValueError."""
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         boundary, at, rid = part.partition("@")
-        if boundary not in BOUNDARIES or not at or not rid.lstrip("-").isdigit():
-            raise ValueError(f"{ENV}={spec!r}: {part!r} is not <boundary>@<rollout_id> with a boundary in "
-                             f"{', '.join(BOUNDARIES)} (e.g. {ENV}=during_save@2)")
+        if boundary not in names or not at or not rid.lstrip("-").isdigit():
+            raise ValueError(f"{env}={spec!r}: {part!r} is not <name>@<number> with a name in "
+                             f"{', '.join(names)} (e.g. {env}={names[0]}@2)")
         out.append((boundary, int(rid)))
     return out
+
+
+def _fire_once(name: str) -> bool:
+    """True the first time `name` fires under ROLLFLOW_FAULT_STATE (recorded durably first); always True without it."""
+    state = os.environ.get(STATE_ENV)
+    if name in _fired(state):
+        return False
+    if state:
+        with open(state, "a") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return True
 
 
 def _fired(state: str | None) -> set[str]:
@@ -54,12 +74,16 @@ def at(boundary: str, rollout_id: int) -> None:
     assert boundary in BOUNDARIES, boundary
     if (boundary, rollout_id) not in parse(spec):
         return
-    name, state = f"{boundary}@{rollout_id}", os.environ.get(STATE_ENV)
-    if name in _fired(state):
-        return
-    if state:
-        with open(state, "a") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    os.kill(os.getpid(), signal.SIGKILL)
+    if _fire_once(f"{boundary}@{rollout_id}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def engine_fault(request_index: int) -> str | None:
+    """'hang' or 'exit' when ROLLFLOW_ENGINE_FAULT names this /generate request (0-based) and it has not fired."""
+    spec = os.environ.get(ENGINE_ENV)
+    if not spec:
+        return None
+    for kind, index in parse(spec, env=ENGINE_ENV, names=ENGINE_FAULTS):
+        if index == request_index and _fire_once(f"engine-{kind}@{index}"):
+            return kind
+    return None

@@ -41,6 +41,8 @@ class Run:
         self.flow_run_id: str | None = None
         self.flow_run_url: str | None = None
         self.cluster: dict[str, Any] = {}
+        self.staged: dict[tuple[str, int], Any] = {}  # ("batch" | "packed", rollout_id) → stage output in flight
+        self.owns_ray = True  # this run connected to (or started) Ray, so close() disconnects
         self.grad_norms: list[float] = []  # per optimizer step of this process (RF09's running median)
         self.diagnoses: list = []  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks
 
@@ -57,6 +59,14 @@ class Run:
     @property
     def train_threads(self) -> int:
         return self.cfg.train_threads or self.threads_per_process
+
+    @property
+    def key(self) -> str:
+        """12 hex of --save (else the work dir): names what belongs to this run on a shared cluster (its placement
+        group), so a later attempt of the same run finds an earlier attempt's leftovers."""
+        import hashlib
+
+        return hashlib.sha256((self.cfg.save or str(self.work_dir)).encode()).hexdigest()[:12]
 
     @property
     def origin(self) -> dict[str, Any]:
@@ -77,14 +87,15 @@ class Run:
                 closer()
             except Exception:
                 pass
-        shutdown()
+        if self.owns_ray:
+            shutdown()
         shutil.rmtree(self.work_dir / "weights", ignore_errors=True)
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def _stop_engines(self) -> None:
         if self.engines:
             self.engines.stop()
-        if self.placement is not None and self.cfg.ray_address:  # a local cluster goes away with shutdown()
+        if self.placement is not None and (self.cfg.ray_address or not self.owns_ray):  # else: gone with shutdown()
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement.pg)

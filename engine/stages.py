@@ -115,7 +115,9 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
             checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "origin": run.origin,
                                                   "config_hash": cfg.config_hash(), "created_at": time.time()})
 
+    run.owns_ray = not cluster.connected()  # a Ray connection made by the caller is left open by run.close()
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
+    fits_cluster(cfg)
     try:
         start_rollout_engines(run)
         run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
@@ -127,10 +129,21 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     return run
 
 
+def fits_cluster(cfg: RunConfig) -> None:
+    """RF02 against the cluster just joined (preflight saw only this machine, or the cluster a moment ago): a
+    topology that can never fit fails here, in seconds, with the formula and the numbers — not after a timeout."""
+    from engine.cluster.placement import PlacementInfeasible
+    from engine.doctor.checks import Environment, topology_fits_cluster
+
+    env = Environment.from_ray(cfg.ray_address or "local")
+    if errors := [d for d in topology_fits_cluster(cfg, env) if d.severity == "error"]:
+        raise PlacementInfeasible(errors)
+
+
 def start_rollout_engines(run: Run) -> None:
     """The placement group, the engines on their bundles, and (with --use-fault-tolerance) their health monitor."""
     from engine import cluster
-    from engine.cluster.placement import place as place_group, rollout_layout
+    from engine.cluster.placement import group_name, place as place_group, remove_leftovers, rollout_layout
     from engine.rollout.engines import EngineGroup, engine_spec
     from engine.rollout.filters import load_filter
     from engine.rollout.health import HealthMonitor
@@ -141,7 +154,10 @@ def start_rollout_engines(run: Run) -> None:
     layout = rollout_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.train_world_size,
                             colocate=cfg.colocate, rollout_num_gpus=cfg.rollout_num_gpus,
                             gpus_per_engine=cfg.rollout_num_gpus_per_engine, num_engines=cfg.rollout_num_engines)
-    run.placement = place_group(layout)
+    name = group_name(run.key)
+    if gone := remove_leftovers(name):
+        log.warning("removed %d placement group(s) named %s left by an earlier attempt of this run", gone, name)
+    run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
     spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
     run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
                               runtime_env=cluster._threads_env(run.threads_per_process)).start()
@@ -201,6 +217,12 @@ def _prompts(run: Run, rows: list):
     from engine.rollout.loop import Prompt
 
     return [Prompt(r, render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template)) for r in rows]
+
+
+def revive_engines(run: Run) -> None:
+    """Before a retried rollout: restart the engines that died or stopped answering (they get the current weights)."""
+    if revived := run.engines.revive(run.cfg.rollout_health_check_timeout):
+        log.warning("restarted rollout engine(s) %s before retrying the rollout", revived)
 
 
 def rollout(run: Run, rollout_id: int) -> RolloutBatch:

@@ -9,10 +9,10 @@ Everything is generated offline and deterministically from ``--seed``:
   (ChatML chat template) and a tiny ``Qwen2ForCausalLM`` (float32, safetensors) plus
   ``generation_config.json``.
 
-The model is warmed up by supervised training that imitates a *noisy teacher*: for every
-prompt the teacher's answer is correct only ~27% of the time and otherwise a systematic
-near-miss (most often "+1").  The result is a base policy with low greedy accuracy but high
-pass@8 -- the regime in which GRPO improves quickly.  Both the plain prompt format
+The model is warmed up by supervised training that imitates a *noisy teacher* (TEACHER_EASY /
+TEACHER_HARD below): right ~30% of the time, otherwise a near-miss (most often "+1" on sums with a
+carry).  The result (seed 0, build_metrics.json) is a base policy right on ~32% of the test prompts
+greedily and ~31% when sampling, with pass@8 ~0.93 -- the regime in which GRPO improves quickly.  Both the plain prompt format
 ("37+48=" -> "85<|im_end|>") and the chat-template format are trained; the loss covers only
 the answer tokens and the final ``<|im_end|>``.
 

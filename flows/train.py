@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import ExitStack
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_progress_artifact, \
     update_progress_artifact
 from prefect.runtime import flow_run
 from tqdm import tqdm
 
 import tasks
+from tasks import ui
 from engine.config import RunConfig
 from engine.doctor.diagnosis import DiagnosisError
 from engine.run import Run
@@ -44,7 +46,14 @@ def _iteration_markdown(run: Run, rollout_id: int) -> str:
 def rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
     """RL post-training. `config`: a RunConfig YAML file; `cfg`: a RunConfig, or flags overriding the file."""
     cfg = run_config(cfg, config)
-    with limits.held(cfg):  # one writer per --save, GPU slots (flows/limits.py)
+    _set_flow_retries(cfg)
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(limits.held(cfg))  # one writer per --save, GPU slots (flows/limits.py)
+        except DiagnosisError as e:
+            if not e.retryable:  # a GPU request the limit can never give
+                _no_flow_retry(e)
+            raise
         return _train(cfg)
 
 
@@ -56,7 +65,7 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
     run = None
     try:
         tasks.preflight(cfg)
-        run = tasks.place(cfg, tracker)
+        run = tasks.place_for(cfg)(cfg, tracker)
         start = tasks.convert(run)
         before = run.history.get("eval/test_accuracy_before", {}).get(-1)
         if before is None and start == 0:
@@ -69,14 +78,16 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
         bar = tqdm(total=cfg.num_rollout, initial=start, desc="rollouts", unit="rollout", disable=not cfg.progress,
                    dynamic_ncols=True)
         for rollout_id in range(start, cfg.num_rollout):
-            batch = tasks.rollout(run, rollout_id)
-            packed = tasks.pack(run, batch)
-            tasks.train(run, packed)
+            tasks.rollout_for(cfg)(run, rollout_id)  # tasks pass ids; samples and tensors stay on `run.staged`
+            tasks.pack(run, rollout_id)
+            tasks.train(run, rollout_id)
             if should_save(cfg, rollout_id):
                 tasks.save(run, rollout_id)
             tasks.sync(run, rollout_id)
-            update_progress_artifact(progress, 100.0 * (rollout_id + 1) / cfg.num_rollout)
-            create_markdown_artifact(key="iteration", markdown=_iteration_markdown(run, rollout_id))
+            ui.publisher().submit("progress", update_progress_artifact, progress,
+                                  100.0 * (rollout_id + 1) / cfg.num_rollout)
+            ui.publisher().submit("iteration", create_markdown_artifact, key="iteration",
+                                  markdown=_iteration_markdown(run, rollout_id))
             bar.update(1)
             bar.set_postfix(reward=f"{run.history['rollout/reward_mean'][rollout_id]:.3f}",
                             loss=f"{run.history['train/loss'][rollout_id]:.4f}")
@@ -90,10 +101,52 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
     except BaseException as e:
         finish(tracker, run.history if run else {}, e)
         _say_lost(tracker)
+        if isinstance(e, DiagnosisError) and not e.retryable:
+            _no_flow_retry(e)
         raise
     finally:
+        ui.close()
         if run is not None:
             run.close()
+
+
+def _update_policy(**changes) -> bool:
+    """Change this flow run's retry policy on the server (its RetryFailedFlows rule reads it there)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return False
+    policy = ctx.flow_run.empirical_policy.model_copy(update=changes)
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, empirical_policy=policy)
+    ctx.flow_run.empirical_policy = policy
+    return True
+
+
+def _set_flow_retries(cfg: RunConfig) -> None:
+    """--flow-retries / --flow-retry-delay as this flow run's policy, the same from the CLI and a deployment.
+    Each retry re-runs the flow, which resumes from the checkpoint marker (nothing trained is repeated)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is not None and ctx.flow_run is not None and ctx.flow_run.run_count <= 1 \
+            and (ctx.flow_run.empirical_policy.retries or 0) != cfg.flow_retries:
+        _update_policy(retries=cfg.flow_retries, retry_delay=int(cfg.flow_retry_delay))
+
+
+def _no_flow_retry(e: DiagnosisError) -> None:
+    """--flow-retries is for failures a re-run can get past (a crashed engine, a lost node); a diagnosed error
+    (config, RF..) fails the same way again, so this flow run's remaining retries are dropped."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None or not (ctx.flow_run.empirical_policy.retries or 0):
+        return
+    if _update_policy(retries=ctx.flow_run.run_count - 1):
+        get_run_logger().warning("not retrying the flow run: %s fails the same way on every attempt",
+                                 ",".join(e.codes))
 
 
 def _say_lost(tracker) -> None:

@@ -12,14 +12,29 @@ from engine.run import Run
 
 
 def retry_unless_config_error(task, task_run, state) -> bool:
-    """Retry transient failures only: a ConfigError or a diagnosed error (RF..) would fail the same way again."""
+    """Retry transient failures only: a ConfigError or a diagnosed error (RF..) would fail the same way again,
+    unless the diagnosis says it is `retryable` (RF02 busy GPUs)."""
     try:
         state.result()
-    except DiagnosisError:
-        return False
+    except DiagnosisError as e:
+        return e.retryable
     except Exception:
         return True
     return True
+
+
+def retry_only_if_retryable(task, task_run, state) -> bool:
+    """Retry only errors that say `retryable` (the place task: busy GPUs yes; infeasible, config, a crash no)."""
+    try:
+        state.result()
+    except Exception as e:
+        return bool(getattr(e, "retryable", False))
+    return False
+
+
+def backoff(retries: int, first_s: float) -> list[float]:
+    """Exponential retry delays: first_s, 2·first_s, 4·first_s, … (Prefect adds the jitter)."""
+    return [first_s * 2**i for i in range(retries)]
 
 
 def publish(run: Run, rollout_id: int, metrics: dict[str, float]) -> dict[str, float]:

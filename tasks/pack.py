@@ -8,11 +8,12 @@ from engine.run import Run
 from tasks.common import diagnosed, publish
 
 
-@task(name="pack", task_run_name="pack-{batch.rollout_id}", cache_policy=NO_CACHE)
-def pack(run: Run, batch: stages.RolloutBatch) -> stages.PackedRollout:
-    """Advantages, DP schedule and packed micro-batches for every rank."""
+@task(name="pack", task_run_name="pack-{rollout_id}", cache_policy=NO_CACHE)
+def pack(run: Run, rollout_id: int) -> dict[str, float]:
+    """The DP schedule and packed micro-batches for every rank, from the rollout's samples kept on the run
+    (`run.staged`: task inputs and outputs stay small, never samples or tensors)."""
     t0 = time.perf_counter()
     with diagnosed(run):
-        packed = stages.pack(run, batch)
-    publish(run, batch.rollout_id, {**packed.metrics, "pack/seconds": time.perf_counter() - t0})
-    return packed
+        run.staged[("packed", rollout_id)] = stages.pack(run, run.staged.pop(("batch", rollout_id)))
+    return publish(run, rollout_id, {**run.staged[("packed", rollout_id)].metrics,
+                                     "pack/seconds": time.perf_counter() - t0})

@@ -1,18 +1,36 @@
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from engine import stages
 from engine.config import RunConfig
+from engine.doctor.diagnosis import DiagnosisError, render_report
 from engine.run import Run
 from engine.tracking import Tracker
-from tasks.common import retry_unless_config_error
+from tasks.common import backoff, retry_only_if_retryable
 
 
-@task(name="place", task_run_name="place", retries=1, retry_delay_seconds=5,
-      retry_condition_fn=retry_unless_config_error, cache_policy=NO_CACHE)
+@task(name="place", task_run_name="place", cache_policy=NO_CACHE, retry_condition_fn=retry_only_if_retryable)
 def place(cfg: RunConfig, tracker: Tracker | None = None) -> Run:
-    """Start Ray, the rollout engines and the train workers; keep the MLflow run opened by `stages.track`."""
+    """Start Ray, the rollout engines and the train workers; keep the MLflow run opened by `stages.track`.
+
+    Retried (see `configured`) only when the GPUs are busy (RF02 PlacementBusy); a topology that can never fit
+    fails at once."""
     url = flow_run.ui_url  # "None/..." when no UI URL is configured (ephemeral API)
-    return stages.place(cfg, tracker=tracker, flow_run_id=flow_run.id,
-                        flow_run_url=url if url and url.startswith("http") else None)
+    try:
+        return stages.place(cfg, tracker=tracker, flow_run_id=flow_run.id,
+                            flow_run_url=url if url and url.startswith("http") else None)
+    except DiagnosisError as e:
+        report = render_report(e.diagnoses)
+        create_markdown_artifact(key="doctor-report", markdown=f"# Doctor report\n\n```\n{report}\n```",
+                                 description="placement" + (" (will be retried)" if e.retryable else ""))
+        raise
+
+
+def configured(cfg: RunConfig):
+    """The place task with this run's retry policy: --placement-retries, exponential delays from
+    --placement-retry-delay, ±50% jitter (two runs waiting on the same GPUs do not retry in lockstep)."""
+    return place.with_options(retries=cfg.placement_retries,
+                              retry_delay_seconds=backoff(cfg.placement_retries, cfg.placement_retry_delay),
+                              retry_jitter_factor=0.5 if cfg.placement_retry_delay else None)

@@ -1,5 +1,8 @@
+from pathlib import Path
+
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.events import emit_event
 from prefect.cache_policies import NO_CACHE
 
 from engine import stages
@@ -21,4 +24,23 @@ def save(run: Run, rollout_id: int) -> str:
         get_run_logger().info("--keep-last-n %s deleted %s", run.cfg.keep_last_n, report.deleted)
     create_markdown_artifact(key="checkpoint", markdown=report.markdown(),
                              description=f"checkpoint of rollout {rollout_id}")
+    create_link_artifact(key="checkpoint-link", link=as_link(report.uri), link_text=f"iter {rollout_id}: {report.uri}")
+    committed(run, rollout_id, report.uri)
     return report.uri
+
+
+def as_link(uri: str) -> str:
+    """A clickable URI: local paths become file:// URLs; s3:// and others stay as they are."""
+    return uri if "://" in uri else Path(uri).resolve().as_uri()
+
+
+def committed(run: Run, rollout_id: int, uri: str):
+    """The `rollflow.checkpoint.committed` event (after the marker names this iteration): other deployments can be
+    triggered by it (prefect.yaml has an evaluate-on-commit example). Resource id: rollflow.checkpoint.<--save>."""
+    return emit_event(event="rollflow.checkpoint.committed",
+                      resource={"prefect.resource.id": f"rollflow.checkpoint.{run.cfg.save}",
+                                "prefect.resource.name": f"{run.cfg.experiment_name} iter {rollout_id}",
+                                "rollflow.iteration": str(rollout_id), "rollflow.uri": uri},
+                      payload={"iteration": rollout_id, "uri": uri, "save": run.cfg.save,
+                               "flow_run_id": str(run.flow_run_id) if run.flow_run_id else None,
+                               "mlflow_run_id": run.tracker.run_id if run.tracker else None})

@@ -32,15 +32,29 @@ def test_two_rollouts_end_to_end(prefect_harness, small_cfg, tmp_path):
         async with get_client() as client:
             fr = await client.read_flow_run(result["flow_run_id"])
             trs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
-            return fr, trs
+            arts = await client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            events = (await client.request("POST", "/events/filter", json={"filter": {
+                "event": {"name": ["rollflow.checkpoint.committed"]},
+                "any_resource": {"id": [f"rollflow.checkpoint.{cfg.save}"]}}})).json()["events"]
+            return fr, trs, arts, events
 
-    fr, trs = asyncio.run(read())
+    fr, trs, arts, events = asyncio.run(read())
     assert fr.state.is_completed()
     names = sorted(t.name for t in trs)
     expected = ["preflight", "place", "convert", "eval-before", "eval-after"] + [
         f"{stage}-{i}" for i in range(2) for stage in ("rollout", "pack", "train", "sync")] + ["save-1"]
     assert names == sorted(expected)
     assert all(t.state.is_completed() for t in trs)
+
+    # what the UI shows: progress at 100%, one iteration summary and one samples table per rollout, the MLflow
+    # run and the checkpoint; the checkpoint-committed event that can trigger other deployments
+    keys = [a.key for a in arts]
+    assert {"progress", "mlflow-run", "checkpoint", "checkpoint-link"} <= set(keys)
+    assert keys.count("iteration") == 2 and keys.count("samples") == 2
+    assert next(a for a in arts if a.key == "progress").data == 100.0
+    assert next(a for a in arts if a.key == "checkpoint-link").data.endswith("/ckpt/iter_0000001)")
+    assert [(e["payload"]["iteration"], e["resource"]["rollflow.uri"]) for e in events] == \
+        [(1, str(checkpoint.iter_dir(cfg.save, 1)))]
 
     # MLflow: params are the config, one metric point per rollout
     client = MlflowClient(tracking_uri=result["mlflow_tracking_uri"])

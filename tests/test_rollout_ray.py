@@ -137,6 +137,54 @@ def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engin
         monitor.stop()
 
 
+def test_a_retried_rollout_first_revives_a_dead_engine_without_fault_tolerance(two_engines):
+    group = two_engines
+    group.fault_tolerant, group.resync = False, None
+    victim = group.slots[1]
+    old_pid, restarts = victim.info["pid"], victim.restarts
+    os.kill(old_pid, signal.SIGKILL)
+    time.sleep(0.5)
+    assert group.revive(timeout_s=10) == [1]  # the healthy engine 0 is left alone
+    assert victim.serving and victim.info["pid"] != old_pid and victim.restarts == restarts + 1
+    assert group.revive(timeout_s=10) == [] and len(group.serving()) == 2
+
+
+def _pg_state(name: str) -> set[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return {row["state"] for row in placement_group_table().values() if row["name"] == name}
+
+
+def test_placement_busy_vs_infeasible_and_the_pending_group_is_removed(two_engines):
+    """8 fake GPUs, 3 held by the two engines' group: asking for 8 is busy (they exist), a 9-GPU bundle never fits;
+    either way the pending group is removed so it cannot take GPUs later."""
+    from engine.cluster.placement import Layout, PlacementBusy, PlacementInfeasible, place
+
+    t0 = time.monotonic()
+    with pytest.raises(PlacementBusy) as busy:
+        place(Layout(bundles=[{"GPU": 1.0}] * 8, engine_bundles=[0]), timeout_s=1.5, name="rf02-busy")
+    d = busy.value.diagnoses[0]
+    assert d.code == "RF02" and busy.value.retryable and d.facts["scheduling_state"] == "NO_RESOURCES"
+    assert "5 of the cluster's 8 GPUs are free" in d.what and "--placement-retries" in d.fix
+    with pytest.raises(PlacementInfeasible) as never:
+        place(Layout(bundles=[{"GPU": 9.0}], engine_bundles=[0]), timeout_s=1.5, name="rf02-never")
+    assert not never.value.retryable and "INFEASIBLE" in never.value.diagnoses[0].what
+    assert time.monotonic() - t0 < 30
+    assert _pg_state("rf02-busy") == {"REMOVED"} and _pg_state("rf02-never") == {"REMOVED"}
+
+
+def test_leftover_groups_of_an_earlier_attempt_are_removed(ray_cluster):
+    from ray.util.placement_group import placement_group
+
+    from engine.cluster.placement import remove_leftovers
+
+    placement_group([{"GPU": 1.0}] * 20, name="rollflow-crashed")  # pending forever: would grab GPUs once free
+    placement_group([{"CPU": 0.01}], name="someone-else")
+    assert remove_leftovers("rollflow-crashed") == 1
+    assert _pg_state("rollflow-crashed") == {"REMOVED"} and _pg_state("someone-else") != {"REMOVED"}
+    assert remove_leftovers("rollflow-crashed") == 0
+
+
 def test_sglang_engine_actor_launches_the_server_on_its_gpu_and_ports(ray_cluster, tiny_model, tmp_path):
     from ray.util.placement_group import remove_placement_group
 

@@ -37,6 +37,12 @@ def connect(address: str | None, num_cpus: int | None = None) -> dict[str, Any]:
     return dict(ray.cluster_resources())
 
 
+def connected() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
 def shutdown() -> None:
     import ray
 

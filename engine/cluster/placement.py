@@ -81,8 +81,49 @@ class Placement:
                                                 placement_group_capture_child_tasks=True)
 
 
+class PlacementBusy(DiagnosisError):
+    """RF02, transient: the GPUs exist but other jobs hold them. The place task retries this one (backoff)."""
+
+    retryable = True
+
+
+class PlacementInfeasible(DiagnosisError):
+    """RF02, permanent: no node of this cluster can ever hold a bundle. Not retried."""
+
+
+def group_name(key: str) -> str:
+    """The run's placement-group name: one per --save (or work dir), so a crashed attempt's group is found again."""
+    return f"rollflow-{key}"
+
+
+def remove_leftovers(name: str) -> int:
+    """Remove placement groups named `name` left by an earlier attempt of this run (a pending one would take
+    the GPUs as soon as they free up). Returns how many were removed."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+    from ray._raylet import PlacementGroupID
+
+    gone = 0
+    for pg_id, row in placement_group_table().items():
+        if row.get("name") == name and row.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+            gone += 1
+    return gone
+
+
+def _why_not_ready(pg) -> str:
+    """Ray's own reason: INFEASIBLE (no node can hold a bundle), NO_RESOURCES (busy), QUEUED, ... ('' if unknown)."""
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        return str((placement_group_table(pg).get("stats") or {}).get("scheduling_state", ""))
+    except Exception:
+        return ""
+
+
 def place(layout: Layout, *, timeout_s: float = 300.0, name: str | None = None) -> Placement:
-    """Create the placement group and wait for it at most `timeout_s`; on timeout remove it and fail with RF02."""
+    """Create the placement group and wait for it at most `timeout_s`. When it is not ready: read why from Ray's
+    placement-group table, remove the pending group (it would grab the GPUs later), and raise PlacementInfeasible
+    (never fits) or PlacementBusy (fits, but the GPUs are held: worth a retry)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -90,16 +131,26 @@ def place(layout: Layout, *, timeout_s: float = 300.0, name: str | None = None) 
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)  # a pending group would grab the resources later
-        have = ray.cluster_resources()
+        why = _why_not_ready(pg)
+        remove_placement_group(pg)
+        total, free = ray.cluster_resources(), ray.available_resources()
         gpus = sum(b.get("GPU", 0) for b in layout.bundles)
         cpus = sum(b.get("CPU", 0) for b in layout.bundles)
-        raise DiagnosisError(Diagnosis(
+        asked = f"{len(layout.bundles)} bundles: {gpus:g} GPUs, {cpus:g} CPUs"
+        facts = {"bundles": layout.bundles, "scheduling_state": why, "cluster_gpus": total.get("GPU", 0.0),
+                 "free_gpus": free.get("GPU", 0.0), "timeout_s": timeout_s}
+        if why == "INFEASIBLE" or gpus > total.get("GPU", 0.0):
+            raise PlacementInfeasible(Diagnosis(
+                code="RF02", severity="error",
+                what=f"the placement group ({asked}) can never be placed: Ray says {why or 'it does not fit'}; the "
+                     f"cluster has {total.get('GPU', 0):g} GPUs and {total.get('CPU', 0):g} CPUs in total",
+                fix="ask for fewer GPUs per node or in total: --colocate, a smaller --rollout-num-gpus or "
+                    "--actor-num-gpus-per-node, or add nodes", facts=facts)) from None
+        raise PlacementBusy(Diagnosis(
             code="RF02", severity="error",
-            what=f"the placement group ({len(layout.bundles)} bundles: {gpus:g} GPUs, {cpus:g} CPUs) was not ready "
-                 f"within {timeout_s:.0f}s; the cluster has {have.get('GPU', 0):g} GPUs and {have.get('CPU', 0):g} "
-                 f"CPUs in total",
-            fix="free the GPUs held by other jobs, or ask for fewer: --colocate, a smaller --rollout-num-gpus or "
-                "--actor-num-gpus-per-node",
-            facts={"bundles": layout.bundles, "cluster": dict(have)})) from None
+            what=f"the placement group ({asked}) was not ready within {timeout_s:g}s (--placement-timeout): Ray "
+                 f"says {why or 'pending'}; {free.get('GPU', 0):g} of the cluster's {total.get('GPU', 0):g} GPUs "
+                 f"are free, the rest are held by other jobs",
+            fix="wait for the other jobs (the place task retries: --placement-retries, --placement-retry-delay), "
+                "free their GPUs (`ray list placement-groups`), or ask for fewer GPUs", facts=facts)) from None
     return Placement(layout, pg)

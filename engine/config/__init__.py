@@ -15,6 +15,7 @@ from engine.config.algorithm import AlgorithmArgs
 from engine.config.checkpoint import CheckpointArgs
 from engine.config.cluster import ClusterArgs
 from engine.config.data import DataArgs
+from engine.config.orchestration import OrchestrationArgs
 from engine.config.packing import PackingArgs
 from engine.config.rollout import RolloutArgs
 from engine.config.tracking import TrackingArgs
@@ -22,16 +23,17 @@ from engine.config.train import TrainArgs
 from engine.packing.arithmetic import BatchPlan, batch_plan
 
 SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
-            TrackingArgs]
+            OrchestrationArgs, TrackingArgs]
 
 #: Fields that do not change what is trained (left out of the config hash).
 NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
                 "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
-                "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval"}
+                "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
+                "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay"}
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
-                TrackingArgs):
+                OrchestrationArgs, TrackingArgs):
     """Everything a user can set for one training run."""
 
     @model_validator(mode="after")

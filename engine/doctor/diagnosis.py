@@ -31,7 +31,10 @@ def render_report(diagnoses: list[Diagnosis]) -> str:
 
 
 class DiagnosisError(Exception):
-    """Raised when a check or a runtime classifier finds an error; carries the diagnoses."""
+    """Raised when a check or a runtime classifier finds an error; carries the diagnoses. Not retried unless a
+    subclass says `retryable` (e.g. RF02 busy GPUs: a later attempt may find them free)."""
+
+    retryable = False
 
     def __init__(self, diagnoses: list[Diagnosis] | Diagnosis):
         self.diagnoses = [diagnoses] if isinstance(diagnoses, Diagnosis) else list(diagnoses)

@@ -111,6 +111,14 @@ class EngineGroup:
             slot.serving = True
         log.warning("rollout engine %d restarted: %s → %s (restart %d)", slot.index, old, slot.url, slot.restarts)
 
+    def revive(self, timeout_s: float) -> list[int]:
+        """Restart every engine that is out of service or fails `/health_generate` within `timeout_s` (a retried
+        rollout starts with all engines serving, with or without --use-fault-tolerance). Returns their indices."""
+        dead = [s for s in self.slots if not (s.serving and self.healthy(s, timeout_s))]
+        for s in dead:
+            self.restart(s)
+        return [s.index for s in dead]
+
     def stop(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from engine import faults
 from engine.rollout.generation import GenRequest, GenResult, Generator
 from engine.rollout.protocol import ProtocolError, to_requests, to_response
 
@@ -219,12 +220,18 @@ def create_app(state: EngineState):
         return {**info(), "device": state.device, "pid": os.getpid(), "deterministic": state.deterministic,
                 "batch_window_s": state.batch_window_s, "batch_sizes": sched.batch_sizes[-100:] if sched else []}
 
+    requests_seen = itertools.count()
+
     @app.post("/generate")
     async def generate(request: Request):
         if state.released:
             return _err(503, "memory released: call /resume_memory_occupation first")
         t0 = time.perf_counter()
         body = await _body(request)
+        if fault := faults.engine_fault(next(requests_seen)):  # ROLLFLOW_ENGINE_FAULT (tests only)
+            if fault == "exit":
+                os._exit(1)
+            await asyncio.Event().wait()  # "hang": never answers; the client's deadline has to end it
         try:
             reqs, batched = to_requests(body, state.tokenize, state.default_max_new)
         except (ProtocolError, TypeError, ValueError) as e:
