@@ -2,11 +2,12 @@
 
 - `rollflow-save-<dir>-<hash>`, 1 slot: one writer per `--save` directory. Two runs on one directory would
   interleave iter_%07d/ saves and markers and log into the same MLflow run. Taken before anything reads --save
-  (the MLflow resume reads its manifest). A second run waits up to SAVE_WAIT_S, then fails naming the holder.
+  (the MLflow resume reads its manifest). A second run waits up to SAVE_WAIT_S, then fails naming the holder
+  (SaveInUse: retryable, so --flow-retries tries again later).
 - `rollflow-gpus`, slots = the GPUs the run occupies (RF02's arithmetic: colocated T = nodes × GPUs per node,
   decoupled T + R rollout GPUs; 0 on a cluster without GPUs: not taken). Created on first use with the cluster's
-  GPU count. A run that needs more slots than the limit has fails at once (it would wait forever); otherwise it
-  waits, like a queue, until other runs release enough GPUs.
+  GPU count. A run that needs more slots than the limit has fails at once (RF02, not retried: it would wait
+  forever); otherwise it waits, like a queue, until other runs release enough GPUs.
 
 Slots are held through a lease of LEASE_S seconds that a thread renews every 0.75·LEASE_S. When a holder dies
 its lease stops being renewed and the server frees the slots after at most LEASE_S + 15 s (the repossessor's
@@ -48,6 +49,12 @@ GPU_LIMIT = "rollflow-gpus"
 LEASE_S = 60.0  # the server's minimum lease
 SAVE_WAIT_S = 90.0  # LEASE_S + 15 s repossessor loop + 15 s margin
 log = logging.getLogger("rollflow.limits")
+
+
+class SaveInUse(DiagnosisError):
+    """Another flow run writes this --save. Retryable: a flow retry (--flow-retries) may find it free."""
+
+    retryable = True
 
 
 # ---- pure -------------------------------------------------------------------------------------------------------
@@ -178,7 +185,7 @@ def save_slot(save: str, *, wait_s: float = SAVE_WAIT_S) -> Iterator[str]:
                 logger.info("%s: --save %s is in use; waiting up to %.0f s", name, redact_text(save), wait_s)
             lease = _acquire(client, name, 1, timeout_s=wait_s)
             if lease is None:
-                raise DiagnosisError(_save_busy(save, name, Variable.get(name) or holder, wait_s))
+                raise SaveInUse(_save_busy(save, name, Variable.get(name) or holder, wait_s))
     pid, started = _this_process()
     with _renewed(lease, name):  # written and removed while the slot is held: the record is always ours
         Variable.set(name, {"flow_run_id": str(flow_run.id), "flow_run_name": flow_run.name, "machine": machine_id(),

@@ -103,6 +103,7 @@ def test_a_second_writer_of_the_same_save_waits_then_fails_naming_the_holder(pre
         assert time.monotonic() - t0 >= 1.5
         d = e.value.diagnoses[0]
         assert d.code == "CONCURRENCY" and save in d.what and f"pid {os.getpid()}" in d.what and name in d.fix
+        assert e.value.retryable  # a flow retry may find the directory free
         with limits.save_slot(str(tmp_path / "other")):  # another directory is another limit
             pass
     assert _active(name) == 0 and Variable.get(name) is None
@@ -209,6 +210,7 @@ def test_gpu_slots_queue_and_refuse_what_the_limit_can_never_give(prefect_harnes
                 with limits.gpu_slots(5, cluster_gpus=4):
                     pass
             assert e.value.codes == ["RF02"] and "5 GPUs" in str(e.value) and "4 slots" in str(e.value)
+            assert not e.value.retryable  # it would fail the same way on every attempt
 
             got = []
 
