@@ -1,6 +1,6 @@
 """rl-export-hf: one committed checkpoint → a Hugging Face model directory that any evaluation harness or server
 loads (`from_pretrained`). prefect.yaml runs it on every `rollflow.checkpoint.committed` event (the trigger
-example: the event's `uri` label, <save>/iter_%07d, becomes `checkpoint_uri`).
+example: the event's payload `uri`, <save>/iter_%07d, becomes `checkpoint_uri`).
 
 Output: <output_dir>/<save dir>-<hash of the --save URI>/iter_%07d/ (one directory per run and iteration, the
 hash as in the run's save limit). An iteration already exported is not exported again (duplicate events).

@@ -4,7 +4,8 @@ Server on 127.0.0.1 (free port, temp PREFECT_HOME and SQLite, analytics off) →
 rollflow-process --type process` → `prefect deploy --all` from prefect.yaml → `prefect worker start` →
 `prefect deployment run 'rl-train/rl-train'` with a tiny config as `cfg` overrides → the flow run completes in the
 worker's subprocess, with every stage's task run, the artifacts, and its --save limit released. Then the trigger
-example: a `rollflow.checkpoint.committed` event for that run's checkpoint runs rl-export-hf on it.
+example, turned on before the run: the run's own `rollflow.checkpoint.committed` event runs rl-export-hf on its
+checkpoint.
 
 Every process is started in its own process group; the finalizer kills each group and those of their descendants
 (the worker's flow-run subprocess and the Ray processes it starts have groups of their own).
@@ -132,20 +133,6 @@ def _wait_final(client, flow_run_id, deadline_s: float, logs: Path):
                          + (logs / "worker.log").read_text()[-5000:])
 
 
-def _emit(event: str, resource: dict, payload: dict) -> None:
-    """What a run does after a marker write (the names the checkpoint event uses), delivered before returning."""
-    import asyncio
-
-    from prefect.events import Event
-    from prefect.events.clients import get_events_client
-
-    async def send():
-        async with get_events_client() as events:
-            await events.emit(Event(event=event, resource=resource, payload=payload))
-
-    asyncio.run(send())
-
-
 def _wait_triggered(client, deployment: str, deadline_s: float, logs: Path):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
@@ -178,11 +165,17 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
     over = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4,
             "num_rollout": 2, "rollout_max_response_len": 8, "eval_max_samples": 16, "num_cpus": 2,
             "work_dir": str(tmp_path / "work"), "save": save, "run_name": "deploy-test"}
-    out = procs.run("run", "deployment", "run", "rl-train/rl-train", "--params", json.dumps({"cfg": over}))
-    flow_run_id = UUID(re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1))
-
     with temporary_settings(updates={PREFECT_API_URL: procs.env["PREFECT_API_URL"]}), \
             get_client(sync_client=True) as client:
+        # the trigger example ships off: turn it on (and send its exports under tmp_path) before the run
+        (automation,) = client.read_automations_by_name("rl-export-hf-on-checkpoint")
+        assert not automation.enabled
+        client.resume_automation(automation.id)
+        export_dep = client.read_deployment_by_name("rl-export-hf/rl-export-hf")
+        client.update_deployment(export_dep.id, DeploymentUpdate(parameters={"output_dir": str(tmp_path / "hf")}))
+
+        out = procs.run("run", "deployment", "run", "rl-train/rl-train", "--params", json.dumps({"cfg": over}))
+        flow_run_id = UUID(re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1))
         fr = _wait_final(client, flow_run_id, deadline_s=300, logs=tmp_path)
         assert fr.state.is_completed(), f"{fr.state}\n" + (tmp_path / "worker.log").read_text()[-5000:]
         # the file's values and the run's overrides both arrived: name from the file, sizes from cfg
@@ -209,19 +202,11 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
         assert (limit.limit, limit.active_slots) == (1, 0)
         assert client.read_variable_by_name(save_limit_name(save)) is None
 
-        # the trigger example: turned on, a checkpoint-committed event runs rl-export-hf on that iteration
-        (automation,) = client.read_automations_by_name("rl-export-hf-on-checkpoint")
-        assert not automation.enabled  # shipped off
-        client.resume_automation(automation.id)
-        export_dep = client.read_deployment_by_name("rl-export-hf/rl-export-hf")
-        client.update_deployment(export_dep.id, DeploymentUpdate(parameters={"output_dir": str(tmp_path / "hf")}))
-        uri = f"{save}/iter_0000001"
-        _emit("rollflow.checkpoint.committed", {"prefect.resource.id": f"rollflow.checkpoint.{save}",
-                                                "iteration": "1", "uri": uri}, {"iteration": 1, "uri": uri})
+        # the trigger example: the run's own rollflow.checkpoint.committed (save-1) ran rl-export-hf on iter 1
         export = _wait_triggered(client, "rl-export-hf", deadline_s=120, logs=tmp_path)
         export = _wait_final(client, export.id, deadline_s=120, logs=tmp_path)
         assert export.state.is_completed(), f"{export.state}\n" + (tmp_path / "worker.log").read_text()[-5000:]
-        assert export.parameters["checkpoint_uri"] == uri
+        assert export.parameters["checkpoint_uri"] == f"{save}/iter_0000001"
     hf = export_path(str(tmp_path / "hf"), save, 1)
     assert (hf / "config.json").is_file() and (hf / "model.safetensors").is_file()
     assert (Path(save) / "latest_checkpointed_iteration.txt").read_text() == "1\n"
