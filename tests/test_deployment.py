@@ -159,7 +159,8 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
 
     procs = prefect_server
     procs.run("pool", "work-pool", "create", "rollflow-process", "--type", "process")
-    procs.start("worker", "worker", "start", "--pool", "rollflow-process", "--limit", "1")  # starts while we deploy
+    # --limit 2: the export triggered by save-1 starts while the training run finishes (not after it)
+    procs.start("worker", "worker", "start", "--pool", "rollflow-process", "--limit", "2")  # starts while we deploy
     procs.run("deploy", "--no-prompt", "deploy", "--all")
     save = str(tmp_path / "ckpt")
     over = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4,
