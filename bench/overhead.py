@@ -119,6 +119,28 @@ def run_flow(cfg) -> None:
     rl_train(cfg)
 
 
+def noop_task_floor(n: int = 50) -> float:
+    """Seconds per call of a task that does nothing (same options as the stage tasks), inside a flow: Prefect's own
+    floor per task run on this machine."""
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+
+    @task(name="noop", task_run_name="noop-{i}", cache_policy=NO_CACHE)
+    def noop(handle, i: int) -> dict:
+        return {"i": float(i)}
+
+    @flow(name="noop-floor")
+    def many() -> float:
+        handle = object()
+        noop(handle, -1)  # warm-up
+        t0 = time.perf_counter()
+        for i in range(n):
+            noop(handle, i)
+        return (time.perf_counter() - t0) / n
+
+    return many()
+
+
 def summarize(iters: list[dict]) -> dict:
     body = iters[1:]  # iteration 0 is warm-up
     med = lambda key: statistics.median(i[key] for i in body)  # noqa: E731
@@ -152,6 +174,8 @@ def main() -> int:
                 print(f"{mode:6s} repeat {rep}: iteration {s['wall_s']:.3f} s (stages {s['stage_s']:.3f}, other "
                       f"{s['other_s']:.3f}), run {s['total_s']:.1f} s", flush=True)
 
+        floor = noop_task_floor()
+    print(f"a no-op task run costs {floor * 1000:.1f} ms here")
     other = {m: statistics.median(r["other_s"] for r in results[m]) for m in results}
     wall = statistics.median(r["wall_s"] for r in results["flow"])
     overhead = other["flow"] - other["direct"]
@@ -163,7 +187,8 @@ def main() -> int:
         "prefect_overhead_s_per_iteration": overhead,
         "prefect_overhead_share": overhead / wall,
         "prefect_overhead_s_per_task": overhead / len(STAGES),
-        "flow_iteration_s": wall, "target_share": 0.03,
+        "flow_iteration_s": wall, "direct_iteration_s": statistics.median(r["wall_s"] for r in results["direct"]),
+        "noop_task_s": floor, "target_share": 0.03,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"Prefect overhead: {overhead:.3f} s per iteration = {100 * overhead / wall:.2f}% of {wall:.3f} s "

@@ -31,7 +31,6 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from types import SimpleNamespace
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -44,7 +43,7 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
     from engine.train import megatron_model as mm
     from engine.train.megatron_mapping import hf_to_megatron, padded_vocab, shape_from_hf_config, tp_shard
     from engine.train.packed_logprobs import align_to_tokens, shift_targets, vocab_parallel_log_probs
-    from engine.train.torch_backend import TorchBackend
+    from engine.train.forward import packed_forward, use_varlen_attention
 
     tp = world
     parallel_state.initialize_model_parallel(tp, 1)
@@ -86,9 +85,11 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         lp, ent = align_to_tokens(lp, cu), align_to_tokens(ent, cu)
         (lp.sum() + ent.sum()).backward()
 
-        mb = MicroBatch(tokens=tokens, cu_seqlens=cu, position_ids=pos, loss_mask=torch.ones(24),
+        trained = (pos > 0).float()  # every token a sample predicts (its first token has no prediction)
+        mb = MicroBatch(tokens=tokens, cu_seqlens=cu, position_ids=pos, loss_mask=trained,
                         advantages=torch.zeros(24), rollout_log_probs=torch.zeros(24), sample_ids=[0, 1, 2])
-        ref_lp, ref_ent = TorchBackend.forward(SimpleNamespace(temperature=1.0), hf, mb)
+        use_varlen_attention(hf)
+        ref_lp, ref_ent = packed_forward(hf, mb, temperature=1.0)  # the torch backend's forward
         (ref_lp.sum() + ref_ent.sum()).backward()
         hf_grads = {n: p.grad for n, p in hf.named_parameters()}
         if s.tie_embeddings:
@@ -102,7 +103,8 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
                 dist.all_reduce(g, group=group)
             grad_err[name] = float((g - tp_shard(name, want[name], r, tp)).abs().max())
         out[(family, world, rank)] = dict(
-            lp=float((lp - ref_lp).abs().max()), ent=float((ent - ref_ent).abs().max()), grad=grad_err,
+            lp=float(((lp - ref_lp) * trained).abs().max()), ent=float(((ent - ref_ent) * trained).abs().max()),
+            grad=grad_err,
             state=(float(max((gathered[k] - v).abs().max() for k, v in hf.state_dict().items()
                              if not (s.tie_embeddings and k == "lm_head.weight")))
                    if rank == 0 else 0.0))

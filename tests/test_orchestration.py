@@ -45,11 +45,11 @@ def test_a_hung_engine_request_hits_the_deadline_and_the_rollout_is_retried(pref
     # request 2 of the engine (a group of rollout 0) never answers; everything else is served
     monkeypatch.setenv("ROLLFLOW_ENGINE_FAULT", "hang@2")
     monkeypatch.setenv("ROLLFLOW_FAULT_STATE", str(tmp_path / "fired"))
-    cfg = small_cfg(eval_prompt_data="", num_rollout=1, rollout_timeout=12, rollout_retries=1, run_name="hang")
+    cfg = small_cfg(eval_prompt_data="", num_rollout=1, rollout_timeout=8, rollout_retries=1, run_name="hang")
     t0 = time.monotonic()
     result = rl_train(cfg)
     assert (tmp_path / "fired").read_text() == "engine-hang@2\n"
-    assert result["rollouts"] == 1 and time.monotonic() - t0 >= 12
+    assert result["rollouts"] == 1 and time.monotonic() - t0 >= 8
 
     fr, trs = _runs(result["flow_run_id"])
     assert fr.state.is_completed() and fr.run_count == 1

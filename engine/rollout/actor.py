@@ -62,15 +62,21 @@ class EngineActor:
     def _start_builtin(self, node: str, gpu_ids: list[int]) -> tuple[str, list[int], None]:
         import torch
 
+        from engine.doctor.diagnosis import DiagnosisError
         from engine.rollout.server import EngineState, ServerThread
 
-        (port,) = self._ports(node, 1)
         device = f"cuda:{gpu_ids[0]}" if gpu_ids and torch.cuda.is_available() else "cpu"
         state = EngineState(self.spec.model_path, device=device, threads=self.spec.threads,
                             max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic)
         self.state = state
-        self.server = ServerThread(state, node, port)
-        return self.server.start(timeout_s=self.spec.start_timeout_s), [port], None
+        for attempt in range(3):  # a port checked free can be taken before the bind (another cluster on the node)
+            (port,) = self._ports(node, 1)
+            self.server = ServerThread(state, node, port)
+            try:
+                return self.server.start(timeout_s=self.spec.start_timeout_s), [port], None
+            except DiagnosisError as e:
+                if attempt == 2 or e.codes != ["RF08"]:
+                    raise
 
     def _start_sglang(self, node: str, base_gpu: int, log: str) -> tuple[str, list[int], int]:
         import sys

@@ -10,6 +10,7 @@ process that holds it, read from /proc (Linux; the owner is found for processes 
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -57,12 +58,28 @@ class PortRegistry:
             return {n: list(p) for n, p in self.handed.items()}
 
 
+def _free_on_node(port: int, node: str, host: str) -> bool:
+    """False only when the port is in use on the node's address (a name that is not an address of this machine,
+    e.g. a test's fake node, leaves the decision to the wildcard check)."""
+    if node == host:
+        return True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((node, port))
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE
+    return True
+
+
 def allocate_ports(reserve: Callable[[str, int], list[int]], node: str, k: int, *, host: str = "0.0.0.0",
                    max_tries: int = 1000) -> list[int]:
-    """k ports from the registry that are free on this node right now (call it on the node that binds them)."""
+    """k ports from the registry that are free on this node right now (call it on the node that binds them).
+
+    Free on `host` (the wildcard) and on the node's own address: a port held only by an outgoing connection from
+    the node's address (an ephemeral source port) binds on the wildcard but not on that address."""
     out: list[int] = []
     for _ in range(max_tries):
-        out += [p for p in reserve(node, k - len(out)) if is_port_free(p, host)]
+        out += [p for p in reserve(node, k - len(out)) if is_port_free(p, host) and _free_on_node(p, node, host)]
         if len(out) == k:
             return out
     raise RuntimeError(f"[RF08] found only {len(out)} of {k} free ports on {node} after {max_tries} tries")
