@@ -36,7 +36,7 @@ def as_link(uri: str) -> str:
 
 def committed(run: Run, rollout_id: int, uri: str):
     """The `rollflow.checkpoint.committed` event (after the marker names this iteration): other deployments can be
-    triggered by it (prefect.yaml has an evaluate-on-commit example). Resource id: rollflow.checkpoint.<--save>."""
+    triggered by it (prefect.yaml: rl-export-hf on each commit). Resource id: rollflow.checkpoint.<--save>."""
     return emit_event(event="rollflow.checkpoint.committed",
                       resource={"prefect.resource.id": f"rollflow.checkpoint.{run.cfg.save}",
                                 "prefect.resource.name": f"{run.cfg.experiment_name} iter {rollout_id}",
