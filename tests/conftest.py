@@ -28,6 +28,21 @@ def prefect_harness():
 
 
 @pytest.fixture
+def shared_ray():
+    """A local Ray cluster kept across consecutive in-process flow runs, as a run joins one with --ray-address
+    (a run that did not start Ray leaves it running): saves the ~8 s start of a cluster per flow test. Fixtures
+    that need a cluster of their own shut this one down first."""
+    import ray
+
+    from engine.cluster import worker_env
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": worker_env()})
+    yield
+
+
+@pytest.fixture
 def small_cfg(tmp_path, tiny_model):
     """A run small enough for CI: B=4 prompts × n=4 samples, 2 rollouts, short responses."""
     from engine.config import RunConfig

@@ -1,12 +1,14 @@
 """The whole rl-train flow under the Prefect test harness: real Ray, the built-in engine, MLflow on SQLite."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def test_two_rollouts_end_to_end(prefect_harness, small_cfg, tmp_path):
+def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_path):
     import asyncio
 
     from mlflow.tracking import MlflowClient
@@ -33,12 +35,15 @@ def test_two_rollouts_end_to_end(prefect_harness, small_cfg, tmp_path):
             fr = await client.read_flow_run(result["flow_run_id"])
             trs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
             arts = await client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
-            events = (await client.request("POST", "/events/filter", json={"filter": {
-                "event": {"name": ["rollflow.checkpoint.committed"]},
-                "any_resource": {"id": [f"rollflow.checkpoint.{cfg.save}"]}}})).json()["events"]
-            return fr, trs, arts, events
+            return fr, trs, arts
 
-    fr, trs, arts, events = asyncio.run(read())
+    # task runs reach the API through its event pipeline, a moment after the flow returns
+    deadline = time.monotonic() + 30
+    while True:
+        fr, trs, arts = asyncio.run(read())
+        if (len(trs) == 13 and all(t.state.is_final() for t in trs)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert fr.state.is_completed()
     names = sorted(t.name for t in trs)
     expected = ["preflight", "place", "convert", "eval-before", "eval-after"] + [
@@ -47,14 +52,12 @@ def test_two_rollouts_end_to_end(prefect_harness, small_cfg, tmp_path):
     assert all(t.state.is_completed() for t in trs)
 
     # what the UI shows: progress at 100%, one iteration summary and one samples table per rollout, the MLflow
-    # run and the checkpoint; the checkpoint-committed event that can trigger other deployments
+    # run and the checkpoint (the rollflow.checkpoint.committed event and its trigger: tests/test_deployment.py)
     keys = [a.key for a in arts]
     assert {"progress", "mlflow-run", "checkpoint", "checkpoint-link"} <= set(keys)
     assert keys.count("iteration") == 2 and keys.count("samples") == 2
     assert next(a for a in arts if a.key == "progress").data == 100.0
     assert next(a for a in arts if a.key == "checkpoint-link").data.endswith("/ckpt/iter_0000001)")
-    assert [(e["payload"]["iteration"], e["resource"]["rollflow.uri"]) for e in events] == \
-        [(1, str(checkpoint.iter_dir(cfg.save, 1)))]
 
     # MLflow: params are the config, one metric point per rollout
     client = MlflowClient(tracking_uri=result["mlflow_tracking_uri"])
@@ -69,7 +72,7 @@ def test_two_rollouts_end_to_end(prefect_harness, small_cfg, tmp_path):
     assert run.info.status == "FINISHED"
 
 
-def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, small_cfg, tmp_path):
+def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, shared_ray, small_cfg, tmp_path):
     """A NaN reward makes the loss NaN: train-0 fails with RF13 in its state message and a doctor-report artifact."""
     import asyncio
 

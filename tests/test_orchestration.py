@@ -23,7 +23,15 @@ def _runs(flow_run_id):
             trs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
             return fr, trs
 
-    return asyncio.run(read())
+    # task runs reach the API through its event pipeline, a moment after the flow returns: read until stable
+    deadline, last = time.monotonic() + 30, None
+    while True:
+        fr, trs = asyncio.run(read())
+        now = sorted((t.name, t.run_count, t.state.type.value) for t in trs)
+        if (now == last and all(t.state.is_final() for t in trs)) or time.monotonic() > deadline:
+            return fr, trs
+        last = now
+        time.sleep(1.0)
 
 
 def _flow_run_named(name: str):
@@ -38,7 +46,8 @@ def _flow_run_named(name: str):
     return _runs(asyncio.run(read()).id)
 
 
-def test_a_hung_engine_request_hits_the_deadline_and_the_rollout_is_retried(prefect_harness, small_cfg, tmp_path,
+def test_a_hung_engine_request_hits_the_deadline_and_the_rollout_is_retried(prefect_harness, shared_ray,
+                                                                            small_cfg, tmp_path,
                                                                            monkeypatch):
     from flows.train import rl_train
 
@@ -58,7 +67,8 @@ def test_a_hung_engine_request_hits_the_deadline_and_the_rollout_is_retried(pref
     assert [t.name for t in trs if t.name.startswith("train-")] == ["train-0"]
 
 
-def test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step(prefect_harness, small_cfg,
+def test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step(prefect_harness, shared_ray,
+                                                                                   small_cfg,
                                                                                   tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -88,7 +98,7 @@ def test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_st
     assert sorted(steps) == [0, 1]  # every step trained exactly once
 
 
-def test_a_config_error_is_not_retried_by_the_flow(prefect_harness, small_cfg, tmp_path):
+def test_a_config_error_is_not_retried_by_the_flow(prefect_harness, shared_ray, small_cfg, tmp_path):
     """--flow-retries never re-runs what fails the same way: RF01 (--load without a marker) fails once."""
     from engine.doctor import DiagnosisError
     from flows.train import rl_train
@@ -109,6 +119,7 @@ def fake_gpus():
 
     from engine.cluster import worker_env
 
+    ray.shutdown()  # shared_ray's cluster has no GPUs
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": worker_env()})
     yield

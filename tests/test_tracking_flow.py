@@ -269,7 +269,8 @@ def mlflow_server(tmp_path_factory):
         kill_group(proc)
 
 
-def test_run_started_while_mlflow_was_down_trains_and_delivers_everything(prefect_harness, mlflow_server, small_cfg,
+def test_run_started_while_mlflow_was_down_trains_and_delivers_everything(prefect_harness, shared_ray,
+                                                                          mlflow_server, small_cfg,
                                                                            tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -304,7 +305,8 @@ def test_run_started_while_mlflow_was_down_trains_and_delivers_everything(prefec
     assert result["mlflow_run_url"] == f"{uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
 
 
-def test_run_with_mlflow_down_throughout_still_trains_and_says_what_was_lost(prefect_harness, small_cfg, tmp_path):
+def test_run_with_mlflow_down_throughout_still_trains_and_says_what_was_lost(prefect_harness, shared_ray,
+                                                                             small_cfg, tmp_path):
     from engine import checkpoint
     from engine.tracking import TrackingWarning
     from flows.train import rl_train
@@ -322,7 +324,8 @@ def test_run_with_mlflow_down_throughout_still_trains_and_says_what_was_lost(pre
     assert time.time() - t0 < 600
 
 
-def test_a_run_failing_preflight_is_a_failed_mlflow_run_with_the_doctor_report(prefect_harness, small_cfg, tmp_path):
+def test_a_run_failing_preflight_is_a_failed_mlflow_run_with_the_doctor_report(prefect_harness, shared_ray,
+                                                                               small_cfg, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from engine.doctor import ConfigError

@@ -11,9 +11,15 @@ from typing import Any
 WORKER_ENV_DEFAULTS = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+#: Fault injection (engine/faults.py) set in the driver's environment reaches the engines and workers too, also on a
+#: Ray cluster started before the variables were set.
+FORWARDED = ("ROLLFLOW_FAULT", "ROLLFLOW_ENGINE_FAULT", "ROLLFLOW_FAULT_STATE")
+
+
 def worker_env() -> dict[str, str]:
-    """Env for every Ray worker: the defaults, overridable by the caller's environment."""
-    return {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
+    """Env for every Ray worker: the defaults, overridable by the caller's environment, plus FORWARDED when set."""
+    return {**{k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()},
+            **{k: os.environ[k] for k in FORWARDED if k in os.environ}}
 
 
 def _threads_env(threads: int) -> dict[str, Any]:
