@@ -12,7 +12,6 @@ from prefect.runtime import flow_run
 from tqdm import tqdm
 
 import tasks
-from tasks import ui
 from engine.config import RunConfig
 from engine.doctor.diagnosis import DiagnosisError
 from engine.run import Run
@@ -21,6 +20,7 @@ from engine.tracking import TrackingWarning
 from engine.tracking.record import finish, prefect_ui_url
 from flows import limits
 from flows.params import CfgParam, run_config
+from tasks import ui
 
 
 def _flow_run_name() -> str:
