@@ -255,3 +255,13 @@ def test_grad_norm_spike_is_reported_with_the_step_samples(tiny_model):
     (d,) = run.diagnoses
     assert d.code == "RF09" and d.severity == "warning" and d.facts["sample_ids"] == list(range(8))
     assert out["train/grad_norm_spikes"] == 1.0 and len(run.grad_norms) == 6
+
+
+def test_rf13_report_without_per_sample_losses_names_the_step_samples():
+    """The Megatron backend knows no per-sample loss: the report names the step's samples, not 'losses finite'."""
+    from engine.train.checks import nan_diagnosis
+
+    d = nan_diagnosis(step=3, rank_losses=float("nan"), grad_norm=float("nan"), bad_sample_ids=None,
+                      step_sample_ids=[7, 8])
+    assert d.code == "RF13" and "samples of the step: [7, 8]" in d.what and "finite" not in d.what
+    assert d.facts["bad_sample_ids"] == [] and d.facts["sample_ids"] == [7, 8]

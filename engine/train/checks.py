@@ -67,14 +67,19 @@ def spike_diagnosis(*, step: int, rollout_id: int, grad_norm: float, median: flo
                             "sample_ids": sample_ids})
 
 
-def nan_diagnosis(*, step: int, rank_losses: float, grad_norm: float, bad_sample_ids: list[int],
+def nan_diagnosis(*, step: int, rank_losses: float, grad_norm: float, bad_sample_ids: list[int] | None,
                   step_sample_ids: list[int]) -> Diagnosis:
-    culprits = (f"samples with a non-finite loss: {bad_sample_ids[:32]}" if bad_sample_ids else
-                f"every sample's loss is finite, the gradients are not; samples of the step: {step_sample_ids[:32]}")
+    """bad_sample_ids: the samples whose own loss is not finite; None when the backend does not know them."""
+    if bad_sample_ids is None:
+        culprits = f"samples of the step: {step_sample_ids[:32]}"
+    elif bad_sample_ids:
+        culprits = f"samples with a non-finite loss: {bad_sample_ids[:32]}"
+    else:
+        culprits = f"every sample's loss is finite, the gradients are not; samples of the step: {step_sample_ids[:32]}"
     return Diagnosis(code="RF13", severity="error",
                      what=f"NaN/Inf at optimizer step {step}: loss {rank_losses:.4g}, grad norm {grad_norm:.4g}; "
                           f"{culprits}",
                      fix="check these samples (rewards, token ids) and the learning rate (--lr); "
                          "--no-check-for-nan-in-loss-and-grad skips such steps instead, without fixing the cause",
-                     facts={"step": step, "grad_norm": grad_norm, "bad_sample_ids": bad_sample_ids,
+                     facts={"step": step, "grad_norm": grad_norm, "bad_sample_ids": bad_sample_ids or [],
                             "sample_ids": step_sample_ids})

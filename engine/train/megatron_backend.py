@@ -324,16 +324,13 @@ class MegatronBackend:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips, or none does
         if bad.item():
             if self.cfg.check_for_nan_in_loss_and_grad:
-                from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+                from engine.doctor.diagnosis import DiagnosisError
+                from engine.train.checks import nan_diagnosis
 
-                ids = [i for mb in mbs for i in mb.sample_ids]
-                raise DiagnosisError(Diagnosis(
-                    code="RF13", severity="error",
-                    what=f"NaN/Inf at optimizer step {self.steps_done}: loss {local_loss}, grad norm {grad_norm} "
-                         f"(rank {self.rank}, samples {ids[:32]})",
-                    fix="check these samples and the learning rate (--lr); --no-check-for-nan-in-loss-and-grad "
-                        "skips such steps instead, without fixing the cause",
-                    facts={"step": self.steps_done, "sample_ids": ids, "grad_norm": grad_norm}))
+                # the fused log-prob pass gives no per-sample loss: this rank's samples are named
+                raise DiagnosisError(nan_diagnosis(step=self.steps_done, rank_losses=local_loss, grad_norm=grad_norm,
+                                                   bad_sample_ids=None,
+                                                   step_sample_ids=[i for mb in mbs for i in mb.sample_ids]))
             self.skipped_steps += 1
             return grad_norm
         if self.cfg.clip_grad > 0:
