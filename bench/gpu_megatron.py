@@ -93,8 +93,10 @@ def run_config(hf_dir: Path, **over):
     return RunConfig(**base)
 
 
-def packed_batch(lengths_per_mb: list[list[int]], vocab: int, seed: int, n_per_group: int = 4):
-    """Micro-batches of samples with the given total lengths (half prompt, half response), GRPO advantages."""
+def packed_batch(lengths_per_mb: list[list[int]], vocab: int, seed: int, n_per_group: int = 4,
+                 prompt_len: int | None = None):
+    """Micro-batches of samples with the given total lengths (half prompt, half response; or a prompt of
+    `prompt_len` tokens), GRPO advantages."""
     from engine.algorithms import grpo_advantages
     from engine.packing.microbatch import make_micro_batch
     from engine.samples import Sample, Status
@@ -103,7 +105,7 @@ def packed_batch(lengths_per_mb: list[list[int]], vocab: int, seed: int, n_per_g
     flat = [n for mb in lengths_per_mb for n in mb]
     samples = []
     for i, n in enumerate(flat):
-        r = n // 2
+        r = n // 2 if prompt_len is None else n - prompt_len
         samples.append(Sample(index=i, group_index=i // n_per_group, rollout_id=0, prompt="", response_length=r,
                               tokens=torch.randint(0, vocab, (n,), generator=g).tolist(), loss_mask=[1] * r,
                               rollout_log_probs=[-11.0] * r, status=Status.COMPLETED,
@@ -185,18 +187,19 @@ def hf_log_probs(model, mbs) -> list[torch.Tensor]:
     return out
 
 
-def hf_reference(hf_dir: Path, dtype: str, mbs) -> list[torch.Tensor]:
+def hf_reference(hf_dir: Path, dtype: str, mbs, attn: str = "sdpa") -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype), attn_implementation=attn)
     ref = hf_log_probs(hf.cuda().eval(), mbs)
     del hf
     free()
     return ref
 
 
-def diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
-    d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
+def diff(a: list[torch.Tensor], b: list[torch.Tensor], mbs) -> dict:
+    """Over the loss-mask tokens (the backend reports 0 elsewhere, like the torch backend)."""
+    d = torch.cat([(x - y).abs()[mb.loss_mask > 0] for x, y, mb in zip(a, b, mbs)])
     return {"max_abs": float(d.max()), "mean_abs": float(d.mean()), "p99_abs": float(d.quantile(0.99))}
 
 
@@ -208,11 +211,20 @@ def parity(hf_dir: Path, dtype: str, mbs, ref: list[torch.Tensor], kernels=None)
 
     be = MegatronBackend(run_config(hf_dir), params_dtype=dtype, kernels=kernels or Kernels())
     got = be.compute_log_probs(mbs)
-    res = {"dtype": dtype, "tokens": sum(mb.num_tokens for mb in mbs), **diff(got, ref),
+    res = {"dtype": dtype, "tokens": sum(int(mb.loss_mask.sum()) for mb in mbs), **diff(got, ref, mbs),
            "log_prob_mean": float(torch.cat(ref).mean()), "log_prob_std": float(torch.cat(ref).std()),
            "kernels": str(be.kernels), "flash": dict(FLASH), "fused_log_probs_error": _FUSED["error"],
-           "log_probs": got}
+           "cuda_graphs": graph_stats(be), "log_probs": got}
     return res, be
+
+
+def graph_stats(be) -> dict | None:
+    """Which decoder shapes were captured and how often a graph replaced the eager decoder (None: graphs off)."""
+    g = getattr(be, "graphs", None)
+    if g is None:
+        return None
+    return {"shapes": [list(k) for k in g.graphs], "replays": g.replays, "eager_shapes": [list(k) for k in
+                                                                                       g.eager_shapes]}
 
 
 def grpo(be, mbs, steps: int = 6) -> list[dict]:
@@ -222,10 +234,10 @@ def grpo(be, mbs, steps: int = 6) -> list[dict]:
     rows = []
     for k in range(steps):
         m = be.train_step(mbs, old, ref, G)
-        n = max(m["tokens_count"], 1.0)
+        n = max(m["kl_count"], 1.0)
         rows.append({"step": k + 1, "loss": m["loss_total"], "kl": m["kl_sum"] / n, "ratio": m["ratio_sum"] / n,
                      "clipfrac": m["clipfrac_sum"] / n, "grad_norm": m["grad_norm"], "lr": m["lr"],
-                     "tokens": m["tokens_count"]})
+                     "tokens": m["kl_count"]})
         log("grpo", rows[-1])
     return rows
 
@@ -305,7 +317,8 @@ def throughput(hf_dir: Path, shape: dict, out: dict, peak: float, kernels, name:
         "shape": "Qwen2.5-1.5B (random weights)", "micro_batches": n_mbs, "tokens_per_micro_batch": seq,
         "samples": len(flat), "sample_lengths": lengths, "tokens_per_step": tokens,
         "train_step_s": times, "train_step_median_s": t, "train_step_process_cpu_s": cpu,
-        "wgrad_fusion_active": bool(be.config.gradient_accumulation_fusion), "train_tokens_per_s": tokens / t,
+        "wgrad_fusion_active": bool(be.config.gradient_accumulation_fusion), "cuda_graphs": graph_stats(be),
+        "train_tokens_per_s": tokens / t,
         "train_model_tflops": 3 * fwd / t / 1e12, "train_mfu": 3 * fwd / t / 1e12 / peak,
         "logprob_pass_s": lp_times, "logprob_tokens_per_s": tokens / tl,
         "logprob_mfu": fwd / tl / 1e12 / peak, "forward_flops_per_step": fwd,
@@ -348,18 +361,21 @@ def layout_run(hf_dir: Path, tp: int, pp: int, dtype: str, kernels=None) -> dict
     for _ in range(3):
         m = be.train_step(mbs, old, ref, G)
         parts = [None] * world
-        dist.all_gather_object(parts, {k: m[k] for k in ("loss_total", "kl_sum", "ratio_sum", "tokens_count")})
+        dist.all_gather_object(parts, {k: m[k] for k in ("loss_total", "kl_sum", "ratio_sum", "kl_count")})
         tot = {k: sum(p[k] for p in parts) for k in parts[0]}  # non-reporting ranks add zeros
-        steps.append({"loss": tot["loss_total"], "kl": tot["kl_sum"] / tot["tokens_count"],
-                      "ratio": tot["ratio_sum"] / tot["tokens_count"], "grad_norm": m["grad_norm"],
-                      "tokens": tot["tokens_count"]})
+        steps.append({"loss": tot["loss_total"], "kl": tot["kl_sum"] / tot["kl_count"],
+                      "ratio": tot["ratio_sum"] / tot["kl_count"], "grad_norm": m["grad_norm"],
+                      "tokens": tot["kl_count"]})
     del be
     free()
     return {"tp": tp, "pp": pp, "dp": dp, "world": world, "dtype": dtype, "kernels": str(kernels), "steps": steps}
 
 
 # ---- entry points --------------------------------------------------------------------------------------
-def single(out_dir: Path) -> None:
+PARTS = ("peak", "parity_fp32", "parity_bf16", "grpo", "throughput_default", "layout_tp1", "throughput_variants")
+
+
+def single(out_dir: Path, parts=PARTS, variants_only=None) -> None:
     import megatron.core
     import transformers
 
@@ -373,6 +389,10 @@ def single(out_dir: Path) -> None:
     path = out_dir / "single.json"
 
     def step(name, fn):
+        if name not in parts and not (name.startswith("throughput_") and "throughput_variants" in parts
+                                      and name != "throughput_default"):
+            log("skipped", name)
+            return
         t0 = time.perf_counter()
         try:
             fn()
@@ -385,7 +405,8 @@ def single(out_dir: Path) -> None:
     step("peak", lambda: out.__setitem__("matmul_peak", matmul_peak()))
     peak = out.get("matmul_peak", {}).get("tflops", 790.0)
     small = make_hf_model(QWEN2_05B, WORK / "qwen2_05b_fp32", torch.float32)
-    mbs = packed_batch([[900, 400, 250, 700], [1500, 333, 215]], QWEN2_05B["vocab_size"], seed=1)
+    # every token but each sample's first is a response token: compared (the backend reports 0 off the mask)
+    mbs = packed_batch([[900, 400, 250, 700], [1500, 333, 215]], QWEN2_05B["vocab_size"], seed=1, prompt_len=1)
     state = SimpleNamespace(be=None)
 
     def parity_fp32():
@@ -402,23 +423,25 @@ def single(out_dir: Path) -> None:
         from engine.train.megatron_model import Kernels
 
         ref16 = hf_reference(small, "bfloat16", mbs)
-        res, be = parity(small, "bfloat16", mbs, ref16, plain_kernels())
-        res.pop("log_probs")
-        out["parity_bf16_unfused"] = res
-        log("parity bf16 unfused", res)
-        del be
-        free()
-        res, be = parity(small, "bfloat16", mbs, ref16, Kernels(hf_rms_norm=True))
-        res.pop("log_probs")
-        out["parity_bf16_hf_norm"] = res
-        log("parity bf16 hf-order RMSNorm", res)
-        del be
-        free()
+        extra = [("parity_bf16_unfused", plain_kernels()), ("parity_bf16_hf_norm", Kernels(hf_rms_norm=True)),
+                 ("parity_bf16_eager", Kernels(cuda_graphs=False))]
+        for name, kernels in extra:
+            if name not in parts and "parity_bf16_variants" not in parts:
+                continue
+            res, be = parity(small, "bfloat16", mbs, ref16, kernels)
+            res.pop("log_probs")
+            out[name] = res
+            log(name, res)
+            del be
+            free()
         res, state.be = parity(small, "bfloat16", mbs, ref16)
         got = res.pop("log_probs")
         if getattr(state, "ref32", None) is not None:
-            res["hf_bf16_vs_hf_fp32"] = diff(ref16, state.ref32)
-            res["megatron_bf16_vs_hf_fp32"] = diff(got, state.ref32)
+            res["hf_bf16_vs_hf_fp32"] = diff(ref16, state.ref32, mbs)
+            res["megatron_bf16_vs_hf_fp32"] = diff(got, state.ref32, mbs)
+        # transformers against itself: the same bf16 weights with its eager attention instead of SDPA
+        res["hf_bf16_sdpa_vs_hf_bf16_eager_attention"] = diff(ref16, hf_reference(small, "bfloat16", mbs, "eager"),
+                                                              mbs)
         out["parity_bf16"] = res
         log("parity bf16", res)
 
@@ -433,13 +456,17 @@ def single(out_dir: Path) -> None:
     def layout_ref():
         torch.backends.cuda.matmul.allow_tf32 = False
         out["layout_tp1"] = {d: layout_run(small, 1, 1, d) for d in ("float32", "bfloat16")}
+        # the TP = 1 bf16 reference replays the decoder from CUDA graphs; the same steps eagerly:
+        out["eager_bf16"] = layout_run(small, 1, 1, "bfloat16", Kernels(fused_log_probs=False, cuda_graphs=False))
         # the production kernels (compiled log-probs, fused wgrad …) against the plain ones, same steps
         out["kernels_vs_plain_bf16"] = layout_run(small, 1, 1, "bfloat16", Kernels())
         out["plain_bf16"] = layout_run(small, 1, 1, "bfloat16", plain_kernels())
 
     from engine.train.megatron_model import Kernels
 
-    variants = [("with_fused_swiglu", Kernels(fused_swiglu=True), False),
+    variants = [("no_cuda_graphs", Kernels(cuda_graphs=False), True),
+                ("no_fused_swiglu", Kernels(fused_swiglu=False), False),
+                ("with_fused_swiglu", Kernels(fused_swiglu=True), False),
                 ("no_wgrad_fusion", Kernels(wgrad_fusion=False), False),
                 ("no_fused_log_probs", Kernels(fused_log_probs=False), False),
                 ("no_rope_in_attention", Kernels(rope_in_attention=False), False),
@@ -457,6 +484,8 @@ def single(out_dir: Path) -> None:
     step("throughput_default", lambda: tput(Kernels(), "default", True))
     step("layout_tp1", layout_ref)
     for name, kernels, profiled in variants:  # one change at a time, then the first run's configuration
+        if variants_only and name not in variants_only:
+            continue
         step(f"throughput_{name}", lambda k=kernels, n=name, p=profiled: tput(k, n, p))
     log("done", json.dumps({k: out.get(k) for k in ("parity_fp32", "parity_bf16")}, default=str)[:800])
 
@@ -483,7 +512,8 @@ def report(out_dir: Path, write: Path | None) -> None:
     steps drift apart through Adam's normalisation of rounding noise, so they are reported, not judged)."""
     single_res = json.loads((out_dir / "single.json").read_text())
     summary = {k: single_res.get(k) for k in ("env", "matmul_peak", "parity_fp32", "parity_bf16",
-                                              "parity_bf16_unfused", "parity_bf16_hf_norm", "grpo", "throughput",
+                                              "parity_bf16_unfused", "parity_bf16_hf_norm", "parity_bf16_eager",
+                                              "grpo", "throughput",
                                               "profile", "errors", "seconds")}
     ref = single_res.get("layout_tp1") or {}
     summary["layouts"] = {"tp1_pp1_dp1": ref}
@@ -502,6 +532,12 @@ def report(out_dir: Path, write: Path | None) -> None:
                     checks[f"{name}_bf16_matches_tp1"] = max(c["loss_abs_diff"]) <= 2e-3 and \
                         c["grad_norm_rel_diff"][0] <= 1e-3
         summary["layouts"][name] = res
+    graphed, eager = (single_res.get("layout_tp1") or {}).get("bfloat16"), single_res.get("eager_bf16")
+    if graphed and eager:
+        summary["cuda_graphs_vs_eager_bf16"] = {"graphs": graphed, "eager": eager,
+                                                "diff": (c := compare_layout(graphed, eager))}
+        checks["cuda_graphs_bf16_match_eager"] = max(c["loss_abs_diff"]) <= 2e-3 and \
+            c["grad_norm_rel_diff"][0] <= 1e-3
     kv, plain = single_res.get("kernels_vs_plain_bf16"), single_res.get("plain_bf16")
     if kv and plain:
         summary["kernels_vs_plain_bf16"] = {"kernels": kv, "plain": plain, "diff": (c := compare_layout(kv, plain))}
@@ -531,10 +567,13 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--write", default=None)
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"single: comma-separated parts of {PARTS} (+ parity_bf16_variants)")
+    ap.add_argument("--variants", default=None, help="single: only these throughput variants (comma-separated)")
     a = ap.parse_args()
     out = Path(a.out)
     if a.mode == "single":
-        single(out)
+        single(out, tuple(a.parts.split(",")), a.variants.split(",") if a.variants else None)
     elif a.mode == "layout":
         layout(out, a.tp, a.pp)
     else:

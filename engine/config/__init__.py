@@ -29,7 +29,8 @@ SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Checkp
 NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
                 "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
-                "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay"}
+                "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
+                "megatron_cuda_graphs"}
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,

@@ -16,6 +16,11 @@ class TrainArgs(Section):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     """Megatron pipeline parallelism (PP): stages that split the layers (megatron backend only)."""
 
+    megatron_cuda_graphs: bool = True
+    """Megatron backend: replay the decoder from CUDA graphs, one per micro-batch shape (bf16/fp16, TP = PP = 1,
+    without Transformer Engine; micro-batches are padded to 1,024-token buckets). --no-megatron-cuda-graphs runs
+    every layer eagerly."""
+
     global_batch_size: Optional[int] = Field(None, ge=1)
     """Samples (not prompts) per optimizer step (G). Default: B·n / num_steps_per_rollout."""
 

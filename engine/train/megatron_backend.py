@@ -31,7 +31,7 @@ import torch.distributed as dist
 from engine.algorithms import kl, policy_loss
 from engine.packing.microbatch import MicroBatch
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
-from engine.train.megatron_model import Kernels
+from engine.train.megatron_model import Kernels, use_cuda_graphs
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
 from engine.train.optim import lr_lambda
 from engine.train.torch_backend import TOKEN_METRICS, rng_state, set_rng_state
@@ -98,6 +98,13 @@ class MegatronBackend:
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
         self.pp = getattr(cfg, "pipeline_model_parallel_size", 1)
         init_distributed(self.rank, self.world_size, master)
+        self.dtype = getattr(torch, params_dtype)
+        # Decoder CUDA graphs are captured on this backend's own stream, and DDP's gradient accumulators must
+        # be made on it (megatron_graphs): everything from here on runs there.
+        self.stream = None
+        if use_cuda_graphs(kernels, tp=self.tp, pp=self.pp, dtype=self.dtype):
+            self.stream = torch.cuda.Stream()
+            torch.cuda.set_stream(self.stream)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(self.tp, self.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
@@ -106,7 +113,6 @@ class MegatronBackend:
         self.shape = shape_from_hf_config(json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()))
         check_tp(self.shape, self.tp)
         self.vocab_padded = padded_vocab(self.shape.vocab_size, self.tp)
-        self.dtype = getattr(torch, params_dtype)
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
 
         self.kernels = kernels
@@ -132,6 +138,13 @@ class MegatronBackend:
                 if isinstance(inner, torch.optim.AdamW):
                     for g in inner.param_groups:
                         g["fused"], g["foreach"] = True, False
+        # After DDP and the optimizer: the parameters and their main_grad buffers are in their final place.
+        self.graphs = None
+        if self.stream is not None:
+            from engine.train.megatron_graphs import DecoderGraphs, fused_wgrad_weights
+
+            self.graphs = DecoderGraphs(gpt.decoder, dtype=self.dtype, hidden_size=self.shape.hidden_size,
+                                        fused_weights=fused_wgrad_weights(gpt.decoder))
         # The frozen reference policy: the initial weights of this rank's shards, on the host.
         self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in gpt.named_parameters()}
         self.steps_done = 0
@@ -178,15 +191,26 @@ class MegatronBackend:
 
         dev = torch.cuda.current_device()
         # Inputs go to the GPU before the first kernel: a pageable host→device copy waits for the stream, so
-        # copying per micro-batch would drain the GPU between micro-batches.
-        inputs = [(mb.tokens.to(dev), mb.cu_seqlens.to(dev, dtype=torch.int32), mb.position_ids.to(dev))
-                  for mb in mbs]  # [T], [S+1], [T]
+        # copying per micro-batch would drain the GPU between micro-batches. A micro-batch with a captured
+        # decoder graph is padded to the graph's shape (megatron_graphs); the loss sees its real tokens only.
+        inputs = []
+        for mb, key in zip(mbs, self._graph_keys(mbs)):
+            tokens, cu, pos = mb.tokens, mb.cu_seqlens.to(torch.int32), mb.position_ids  # [T], [S+1], [T]
+            run_cu, longest = cu, int((cu[1:] - cu[:-1]).max()) if mb.num_samples else 0
+            if key is not None and key in self.graphs.graphs:
+                from engine.train.megatron_graphs import pad_micro_batch
+
+                tokens, run_cu, pos = pad_micro_batch(tokens, cu, pos, key)
+                longest = key[0]
+            inputs.append((tokens.to(dev), run_cu.to(dev), pos.to(dev), cu.to(dev), longest))
         reducers = self._vocab_reducers()
         # TP = 1 reads the model-precision logits in fused kernels; TP > 1 combines the vocabulary shards.
         fused = self.kernels.fused_log_probs and self.tp == 1
         extra = {"fp32_output": False} if fused and self.dtype != torch.float32 else {}  # Float16Module's upcast
 
         def loss_on_logits(j, mb, tokens, cu, logits):  # logits [1, T, V/p]; position t predicts tokens[t+1]
+            n = mb.num_tokens
+            tokens, logits = tokens[:n], logits[:, :n]  # without a graph's padding
             if fused:
                 lp, ent = fused_log_probs(logits[0], shift_targets(tokens), temperature=self.temperature,
                                           entropy_grad=entropy_grad)  # [T] each
@@ -202,10 +226,9 @@ class MegatronBackend:
         def step(data_iterator, model):
             j = next(data_iterator)
             mb = mbs[j]
-            tokens, cu, pos = inputs[j]
-            longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())  # host tensor: no sync
-            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                  max_seqlen_kv=longest)
+            tokens, run_cu, pos, cu, longest = inputs[j]  # longest: from the host tensors, no sync
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=run_cu, cu_seqlens_kv=run_cu,
+                                  max_seqlen_q=longest, max_seqlen_kv=longest)
             out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=None,
                         packed_seq_params=psp, **extra)  # last stage: logits [1, T, V/p]; else hidden [T, 1, h]
             return out, partial(loss_on_logits, j, mb, tokens, cu)
@@ -214,6 +237,18 @@ class MegatronBackend:
             forward_step_func=step, data_iterator=iter(range(len(mbs))), model=self.model,
             num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
             forward_only=forward_only) or []
+
+    def _graph_keys(self, mbs: list[MicroBatch]) -> list[tuple[int, int] | None]:
+        """Each micro-batch's decoder-graph shape (None: eager)."""
+        if self.graphs is None:
+            return [None] * len(mbs)
+        return [self.graphs.key(mb.num_tokens, mb.num_samples) if mb.num_tokens else None for mb in mbs]
+
+    def _prepare_graphs(self, mbs: list[MicroBatch]) -> None:
+        """Capture the decoder graphs these micro-batches need. Only between steps: the capture's warm-up
+        passes write the fp32 main grads, which the next train step zeroes first."""
+        if self.graphs is not None:
+            self.graphs.prepare(self._graph_keys(mbs))
 
     @contextmanager
     def _reference_weights(self):
@@ -230,8 +265,18 @@ class MegatronBackend:
                 for n, p in params.items():
                     p.copy_(current[n], non_blocking=True)
 
+    def _on_stream(self):
+        """The backend's own stream (with decoder graphs), whatever stream the caller left current."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
+        with self._on_stream():
+            return self._compute_log_probs(mbs, ref=ref)
+
+    def _compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool) -> list[torch.Tensor]:
+        with torch.enable_grad():  # a capture records the backward too
+            self._prepare_graphs(mbs)
         for m in self.model:
             m.eval()
         with self._reference_weights() if ref else nullcontext():
@@ -258,6 +303,10 @@ class MegatronBackend:
                    ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
                    global_tokens: float | None = None) -> dict[str, Any]:
         """One optimizer step; the loss is engine.algorithms.policy_objective, exactly as the torch backend's."""
+        with self._on_stream():
+            return self._train_step(mbs, old_log_probs, ref_log_probs, global_batch_size, global_tokens)
+
+    def _train_step(self, mbs, old_log_probs, ref_log_probs, global_batch_size, global_tokens) -> dict[str, Any]:
         from engine.algorithms import LossSpec, policy_objective
 
         cfg = self.cfg
@@ -266,6 +315,7 @@ class MegatronBackend:
             raise ValueError("--calculate-per-token-loss needs the step's global trained-token count")
         denom = max(global_tokens, 1.0) if spec.per_token_loss else global_batch_size
         dev = torch.cuda.current_device()
+        self._prepare_graphs(mbs)  # before zero_grad_buffer (see _prepare_graphs)
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -25,13 +25,16 @@ class Kernels:
 
     fused_log_probs: bool = True  # TP = 1: log-softmax / entropy on bf16 logits, torch.compile'd (packed_logprobs)
     rope_in_attention: bool = True  # without TE: RoPE in the packed core attention, no per-layer host sync
-    # Megatron's compiled SwiGLU (bias_activation_fusion): off, measured slower on the H200 (its backward
-    # kernel ran at ~1 TB/s, no faster than eager, and each call pays torch.compile's guard checks).
-    fused_swiglu: bool = False
+    # Megatron's compiled SwiGLU (bias_activation_fusion). None = with the decoder CUDA graphs only: eager, each
+    # call pays torch.compile's guard checks on the CPU and measured slower (32.7% vs 36.4% MFU); replayed from a
+    # graph only its fused kernels remain (53.5% vs 49.9%). bench/results/gpu_megatron.md.
+    fused_swiglu: bool | None = None
     fused_adam: bool = True  # torch's single-kernel AdamW for Megatron's fallback optimizer (no TE / apex)
     wgrad_fusion: bool = True  # weight grads accumulated into the fp32 main grad by the GEMM itself (no apex)
     hf_rms_norm: bool = False  # without TE: RMSNorm in transformers' rounding order (bf16 parity with HF;
     #                            several kernels instead of torch's one fused RMSNorm)
+    cuda_graphs: bool = True  # without TE, bf16/fp16, TP = PP = 1: the decoder replayed from CUDA graphs
+    #                           (megatron_graphs; needs rope_in_attention)
 
 
 class HFRMSNorm(torch.nn.Module):
@@ -88,8 +91,38 @@ def enable_wgrad_fusion() -> bool:
     return True
 
 
+def static_swiglu_kernels() -> None:
+    """Megatron compiles its SwiGLU forward / backward with torch.compile's default automatic-dynamic shapes:
+    after a second micro-batch length they are recompiled for any length, and that kernel ran 3× slower on the
+    H200 (90 vs 31 ms a step for the backward; bench/results/gpu_megatron.md). Recompile per shape instead:
+    with CUDA graphs the shapes are the few graph buckets."""
+    from megatron.core.fusions import fused_bias_swiglu as f
+
+    for name in ("swiglu", "swiglu_back"):
+        fn = getattr(f, name)
+        orig = getattr(fn, "_torchdynamo_orig_callable", None)
+        if orig is None or getattr(fn, "_rollflow_static", False):
+            continue  # not compiled (jit_fuser disabled), or done already
+        static = torch.compile(orig, dynamic=False)
+        static._rollflow_static = True
+        setattr(f, name, static)
+
+
 def rope_in_attention(kernels: Kernels) -> bool:
     return kernels.rope_in_attention and not have_transformer_engine()
+
+
+def swiglu_fusion(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> bool:
+    if kernels.fused_swiglu is None:
+        return use_cuda_graphs(kernels, tp=tp, pp=pp, dtype=dtype)
+    return kernels.fused_swiglu
+
+
+def use_cuda_graphs(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> bool:
+    """Decoder CUDA graphs apply to the local layers with RoPE in the packed attention, one GPU per model
+    (no TP / PP collectives inside a graph) and the flash path (fp32 attention splits samples on the host)."""
+    return (kernels.cuda_graphs and rope_in_attention(kernels) and tp == 1 and pp == 1
+            and dtype in (torch.bfloat16, torch.float16))
 
 
 def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels()
@@ -116,7 +149,7 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         # them once instead of per shard (measured: TP=2 norm 0.352 vs 0.424 at TP=1, same gradients).
         perform_initialization=True,
         # Fusions that need apex / TE stay off; torch's RMSNorm and our attention are used instead.
-        gradient_accumulation_fusion=False, bias_activation_fusion=kernels.fused_swiglu, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=swiglu_fusion(kernels, tp=tp, pp=pp, dtype=dtype), bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
     gpt = dict(
@@ -168,6 +201,8 @@ def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp:
 
     cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels)
     cfg_kw["gradient_accumulation_fusion"] = kernels.wgrad_fusion and enable_wgrad_fusion()
+    if cfg_kw["bias_activation_fusion"]:
+        static_swiglu_kernels()
     config = TransformerConfig(**cfg_kw)
     model = GPTModel(config=config, transformer_layer_spec=block_spec(shape, config, kernels),
                      vocab_size=vocab_padded,

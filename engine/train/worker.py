@@ -33,9 +33,10 @@ class TrainWorker:
         self.collective = self.cfg.train_backend == "megatron"
         if self.collective:
             from engine.train.megatron_backend import MegatronBackend
+            from engine.train.megatron_model import Kernels
 
             self.backend = MegatronBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
-                                           master=master)
+                                           master=master, kernels=Kernels(cuda_graphs=self.cfg.megatron_cuda_graphs))
         else:
             if world_size > 1:
                 dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
