@@ -9,12 +9,15 @@ SUM over DP ranks gives exactly ∇L whatever the DP / TP / PP layout.
 Packed micro-batches run as one THD row: cu_seqlens bound the samples for attention and RoPE (positions
 restart at every boundary; megatron_attention). The reference model for KL is the initial weights, kept on the
 host and swapped in for `compute_log_probs(ref=True)` (as slime does) instead of a second model. Speed choices
-that leave the math unchanged are `megatron_model.Kernels` (measured in bench/results/gpu_megatron.md).
+that leave the math unchanged are `megatron_model.Kernels` (measured in bench/results/gpu_megatron.md); with
+TP = PP = 1 in bf16 the decoder is replayed from CUDA graphs (megatron_graphs), and the backend then runs on its
+own CUDA stream.
 One difference from the torch backend: Megatron exempts biases and norm weights from weight decay (the
 default --weight-decay 0 makes the two identical).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -71,6 +74,17 @@ def init_distributed(rank: int, world_size: int, master: str | None) -> None:
             master = f"127.0.0.1:{s.getsockname()[1]}"
     init = f"tcp://{master}" if master else "env://"
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size)
+
+
+def _on_own_stream(method):
+    """Run a public method on the backend's own CUDA stream when it has one (decoder CUDA graphs), whichever
+    stream the calling thread has current: its kernels stay ordered after the previous call's."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._on_stream():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 def _finalize_grads_sum(model, num_tokens=None, **kw):
@@ -269,12 +283,9 @@ class MegatronBackend:
         """The backend's own stream (with decoder graphs), whatever stream the caller left current."""
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
+    @_on_own_stream
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
-        with self._on_stream():
-            return self._compute_log_probs(mbs, ref=ref)
-
-    def _compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool) -> list[torch.Tensor]:
         with torch.enable_grad():  # a capture records the backward too
             self._prepare_graphs(mbs)
         for m in self.model:
@@ -289,6 +300,7 @@ class MegatronBackend:
         # 0 where loss_mask is 0, as the torch backend (engine.train.forward.packed_forward)
         return [o["log_probs"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]
 
+    @_on_own_stream
     def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce a CPU tensor over this rank's data-parallel group (TP / PP peers hold the same data)."""
         from megatron.core import parallel_state
@@ -299,14 +311,11 @@ class MegatronBackend:
         return t.cpu()
 
     # ---- one optimizer step --------------------------------------------------------------------------------
+    @_on_own_stream
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
                    ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
                    global_tokens: float | None = None) -> dict[str, Any]:
         """One optimizer step; the loss is engine.algorithms.policy_objective, exactly as the torch backend's."""
-        with self._on_stream():
-            return self._train_step(mbs, old_log_probs, ref_log_probs, global_batch_size, global_tokens)
-
-    def _train_step(self, mbs, old_log_probs, ref_log_probs, global_batch_size, global_tokens) -> dict[str, Any]:
         from engine.algorithms import LossSpec, policy_objective
 
         cfg = self.cfg
@@ -395,12 +404,14 @@ class MegatronBackend:
         return grad_norm
 
     # ---- state ---------------------------------------------------------------------------------------------
+    @_on_own_stream
     def model_state(self) -> dict[str, torch.Tensor]:
         """HF-named full weights on global rank 0 ({} elsewhere). Collective: every rank must call it."""
         from engine.train.megatron_model import gather_hf_state
 
         return gather_hf_state(self.gpt, self.config, self.shape)
 
+    @_on_own_stream
     def save(self, path: str) -> list[str]:
         """dist_checkpointing: model/ (sharded weights) and optim/ (distributed optimizer + step counters).
         Collective; returns the files (relative to `path`) on rank 0."""
@@ -424,6 +435,7 @@ class MegatronBackend:
             return []
         return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()]
 
+    @_on_own_stream
     def load(self, path: str, *, load_optim: bool = True) -> None:
         from megatron.core import dist_checkpointing
 
@@ -442,6 +454,7 @@ class MegatronBackend:
         else:
             self.optimizer.reload_model_params()  # the fp32 main copy follows the loaded weights
 
+    @_on_own_stream
     def export_hf(self, path: str) -> None:
         """HF directory on rank 0: model.safetensors from the gathered weights, config/tokenizer files copied."""
         from engine.weights import save_weights_dir
