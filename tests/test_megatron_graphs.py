@@ -9,7 +9,7 @@ import torch
 
 from engine.train.megatron_attention import packed_positions
 from engine.train.megatron_graphs import graph_key, pad_micro_batch
-from engine.train.megatron_model import Kernels, swiglu_fusion, use_cuda_graphs
+from engine.train.megatron_model import Kernels, cuda_graphs_off_reason, swiglu_fusion, use_cuda_graphs
 
 
 def test_graph_key_buckets_tokens_and_leaves_room_for_the_pad_segment():
@@ -53,6 +53,11 @@ def test_graphs_only_where_no_collective_or_host_sync_is_inside_the_decoder():
     assert not use_cuda_graphs(Kernels(), tp=1, pp=1, dtype=torch.float32)  # per-sample attention syncs
     assert not use_cuda_graphs(Kernels(rope_in_attention=False), tp=1, pp=1, dtype=bf16)
     assert not use_cuda_graphs(Kernels(cuda_graphs=False), tp=1, pp=1, dtype=bf16)
+    if not te:  # the backend logs why the decoder runs eagerly
+        assert "TP=2" in cuda_graphs_off_reason(Kernels(), tp=2, pp=1, dtype=bf16)
+        assert "float32" in cuda_graphs_off_reason(Kernels(), tp=1, pp=1, dtype=torch.float32)
+        assert cuda_graphs_off_reason(Kernels(cuda_graphs=False), tp=1, pp=1, dtype=bf16) == \
+            "--no-megatron-cuda-graphs"
     # Megatron's compiled SwiGLU follows the graphs unless set: eager, its guard checks cost more than it saves
     assert swiglu_fusion(Kernels(), tp=1, pp=1, dtype=bf16) is (not te)
     assert not swiglu_fusion(Kernels(), tp=2, pp=1, dtype=bf16)

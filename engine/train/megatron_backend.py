@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -34,10 +35,12 @@ import torch.distributed as dist
 from engine.algorithms import kl, policy_loss
 from engine.packing.microbatch import MicroBatch
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
-from engine.train.megatron_model import Kernels, use_cuda_graphs
+from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
 from engine.train.optim import lr_lambda
 from engine.train.torch_backend import TOKEN_METRICS, rng_state, set_rng_state
+
+log = logging.getLogger("rollflow.megatron")
 
 INSTALL_HINT = ("install it on a CUDA machine with `pip install 'rollflow[megatron]'` (megatron-core==0.16.1; "
                 "Transformer Engine optional), or use --train-backend torch")
@@ -116,9 +119,12 @@ class MegatronBackend:
         # Decoder CUDA graphs are captured on this backend's own stream, and DDP's gradient accumulators must
         # be made on it (megatron_graphs): everything from here on runs there.
         self.stream = None
-        if use_cuda_graphs(kernels, tp=self.tp, pp=self.pp, dtype=self.dtype):
+        off = cuda_graphs_off_reason(kernels, tp=self.tp, pp=self.pp, dtype=self.dtype)
+        if off is None:
             self.stream = torch.cuda.Stream()
             torch.cuda.set_stream(self.stream)
+        if self.rank == 0:
+            log.info("megatron backend: decoder CUDA graphs %s", "on" if off is None else f"off ({off})")
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(self.tp, self.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)

@@ -118,11 +118,25 @@ def swiglu_fusion(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> 
     return kernels.fused_swiglu
 
 
+def cuda_graphs_off_reason(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> str | None:
+    """Why the decoder runs eagerly (None: it is replayed from CUDA graphs). Graphs apply to the local layers
+    with RoPE in the packed attention, one GPU per model (no TP / PP collectives inside a graph) and the flash
+    path (fp32 attention splits samples on the host)."""
+    if not kernels.cuda_graphs:
+        return "--no-megatron-cuda-graphs"
+    if have_transformer_engine():
+        return "Transformer Engine layers (Megatron's own graph support is for those)"
+    if not rope_in_attention(kernels):
+        return "Megatron's RoPE (rope_in_attention off) splits samples on the host"
+    if tp != 1 or pp != 1:
+        return f"TP={tp}, PP={pp}: the decoder's collectives cannot be captured"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype}: the fp32 attention splits samples on the host"
+    return None
+
+
 def use_cuda_graphs(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> bool:
-    """Decoder CUDA graphs apply to the local layers with RoPE in the packed attention, one GPU per model
-    (no TP / PP collectives inside a graph) and the flash path (fp32 attention splits samples on the host)."""
-    return (kernels.cuda_graphs and rope_in_attention(kernels) and tp == 1 and pp == 1
-            and dtype in (torch.bfloat16, torch.float16))
+    return cuda_graphs_off_reason(kernels, tp=tp, pp=pp, dtype=dtype) is None
 
 
 def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels()
