@@ -119,10 +119,14 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
     fits_cluster(cfg)
     try:
-        start_rollout_engines(run)
+        # Engines and train workers start side by side: each imports torch and loads the model (seconds).
+        launch_rollout_engines(run)
         run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
                                              timeout_s=cfg.train_step_timeout, threads=run.train_threads,
-                                             placement=run.placement, registry=run.ports)
+                                             placement=run.placement, registry=run.ports, wait=False)
+        run.engines.wait_started()
+        watch_rollout_engines(run)
+        run.train_group.wait_ready()
     except BaseException:
         run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
         raise
@@ -140,13 +144,12 @@ def fits_cluster(cfg: RunConfig) -> None:
         raise PlacementInfeasible(errors)
 
 
-def start_rollout_engines(run: Run) -> None:
-    """The placement group, the engines on their bundles, and (with --use-fault-tolerance) their health monitor."""
+def launch_rollout_engines(run: Run) -> None:
+    """The placement group and the engines on their bundles, starting (`run.engines.wait_started()` waits)."""
     from engine import cluster
     from engine.cluster.placement import group_name, place as place_group, remove_leftovers, rollout_layout
     from engine.rollout.engines import EngineGroup, engine_spec
     from engine.rollout.filters import load_filter
-    from engine.rollout.health import HealthMonitor
 
     cfg = run.cfg
     run.sample_filter = load_filter(cfg.dynamic_sampling_filter_path) if cfg.dynamic_sampling_filter_path else None
@@ -160,9 +163,16 @@ def start_rollout_engines(run: Run) -> None:
     run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
     spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
     run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
-                              runtime_env=cluster._threads_env(run.threads_per_process)).start()
+                              runtime_env=cluster._threads_env(run.threads_per_process)).launch()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
     run.engines.resync = lambda slots: push_weights(run, slots, run.weight_version) if run.weight_version else None
+
+
+def watch_rollout_engines(run: Run) -> None:
+    """With --use-fault-tolerance: the health monitor of the started engines."""
+    from engine.rollout.health import HealthMonitor
+
+    cfg = run.cfg
     if cfg.use_fault_tolerance:
         HealthMonitor(run.engines, interval_s=cfg.rollout_health_check_interval,
                       timeout_s=cfg.rollout_health_check_timeout,

@@ -76,7 +76,10 @@ def reserve_fn(registry):
 class TrainGroup:
     """The DP train workers; every call waits at most `timeout_s`."""
 
-    def __init__(self, cfg, *, train_iters: int, timeout_s: float, threads: int, placement=None, registry=None):
+    def __init__(self, cfg, *, train_iters: int, timeout_s: float, threads: int, placement=None, registry=None,
+                 wait: bool = True):
+        """Start the workers; with wait=False return at once and call `wait_ready` later (the caller starts
+        other actors meanwhile)."""
         import ray
 
         from engine.rollout.ports import allocate_ports
@@ -104,7 +107,16 @@ class TrainGroup:
         self.workers = [cls.options(runtime_env=_threads_env(threads), **where(r)).remote(
             cfg_dict, rank=r, world_size=world, master=master, train_iters=train_iters, threads=threads)
             for r in range(world)]
-        ray.get([w.__ray_ready__.remote() for w in self.workers], timeout=timeout_s)
+        self._ready = [w.__ray_ready__.remote() for w in self.workers]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "TrainGroup":
+        """Wait (at most timeout_s) until every worker has built its backend and loaded the model."""
+        import ray
+
+        ray.get(self._ready, timeout=self.timeout_s)
+        return self
 
     def _all(self, method: str, *args, per_rank: list | None = None, **kwargs) -> list[Any]:
         import ray

@@ -40,6 +40,7 @@ class EngineGroup:
         self.spec, self.placement, self.registry = spec, placement, registry
         self.fault_tolerant = fault_tolerant
         self.runtime_env = runtime_env or {}
+        self._starting: list = []  # the start calls `launch` made and `wait_started` waits for
         self.slots = [Slot(i, b) for i, b in enumerate(placement.layout.engine_bundles)]
         self.lock = threading.RLock()
         self.released = False  # colocated: memory handed to the trainer; health checks pause meanwhile
@@ -63,14 +64,23 @@ class EngineGroup:
 
     def start(self) -> "EngineGroup":
         """Start every engine in parallel; wait at most the start timeout (a failure names the engine)."""
-        import ray
+        return self.launch().wait_started()
 
+    def launch(self) -> "EngineGroup":
+        """Ask every engine to start and return at once (`wait_started` waits): the caller can start other
+        actors meanwhile."""
         for s in self.slots:
             s.actor = self._new_actor(s)
-        refs = [s.actor.start.remote() for s in self.slots]
-        infos = ray.get(refs, timeout=self.spec.start_timeout_s + 30)
+        self._starting = [s.actor.start.remote() for s in self.slots]
+        return self
+
+    def wait_started(self) -> "EngineGroup":
+        import ray
+
+        infos = ray.get(self._starting, timeout=self.spec.start_timeout_s + 30)
         for s, info in zip(self.slots, infos):
             s.info, s.serving = info, True
+        self._starting = []
         return self
 
     def _kill(self, slot: Slot) -> None:
