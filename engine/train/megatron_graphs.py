@@ -1,9 +1,9 @@
 """CUDA graphs for the decoder of the megatron backend (TP = PP = 1, local layers without Transformer Engine).
 
 Why: without TE every layer is a dozen small eager kernels issued from Python; on the 1.5B shape the GPU waited
-for the CPU ~28% of each train step (bench/results/gpu_megatron.md). Here one graph replays the forward of all
-decoder layers of a micro-batch and another their backward: a few hundred microseconds of CPU instead of
-thousands of launches.
+for the CPU ~28% of each train step. Here one graph replays the forward of all decoder layers of a micro-batch
+and another their backward, each one launch instead of thousands: GPU idle per step fell from 1.09 s to 0.10 s
+and train MFU rose from 33.7% to 54.4% (bench/results/gpu_megatron.md).
 
 How:
 - A graph needs fixed shapes. A micro-batch of T tokens in S samples is padded to the key (T_pad, S_pad):
