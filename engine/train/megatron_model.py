@@ -27,7 +27,7 @@ class Kernels:
     rope_in_attention: bool = True  # without TE: RoPE in the packed core attention, no per-layer host sync
     # Megatron's compiled SwiGLU (bias_activation_fusion). None = with the decoder CUDA graphs only: eager, each
     # call pays torch.compile's guard checks on the CPU and measured slower (32.7% vs 36.4% MFU); replayed from a
-    # graph only its fused kernels remain (53.5% vs 49.9%). bench/results/gpu_megatron.md.
+    # graph only its fused kernels remain (54.4% vs 49.1%). bench/results/gpu_megatron.md.
     fused_swiglu: bool | None = None
     fused_adam: bool = True  # torch's single-kernel AdamW for Megatron's fallback optimizer (no TE / apex)
     wgrad_fusion: bool = True  # weight grads accumulated into the fp32 main grad by the GEMM itself (no apex)
@@ -163,8 +163,9 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         # them once instead of per shard (measured: TP=2 norm 0.352 vs 0.424 at TP=1, same gradients).
         perform_initialization=True,
         # Fusions that need apex / TE stay off; torch's RMSNorm and our attention are used instead.
-        gradient_accumulation_fusion=False, bias_activation_fusion=swiglu_fusion(kernels, tp=tp, pp=pp, dtype=dtype), bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=swiglu_fusion(kernels, tp=tp, pp=pp, dtype=dtype),  # Megatron's compiled SwiGLU
     )
     gpt = dict(
         max_sequence_length=s.max_position_embeddings,
