@@ -120,7 +120,10 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     fits_cluster(cfg)
     try:
         # Engines and train workers start side by side: each imports torch and loads the model (seconds).
+        # Colocated, they share the GPUs: the engines take their memory fraction first, as before.
         launch_rollout_engines(run)
+        if cfg.colocate:
+            run.engines.wait_started()
         run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
                                              timeout_s=cfg.train_step_timeout, threads=run.train_threads,
                                              placement=run.placement, registry=run.ports, wait=False)

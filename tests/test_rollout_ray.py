@@ -64,6 +64,7 @@ def test_engines_on_their_bundles_with_distinct_gpus_and_ports(two_engines):
     group = two_engines
     infos = [s.info for s in group.slots]
     assert [s.bundle for s in group.slots] == [1, 2]
+    assert group.wait_started() is group and [s.info for s in group.slots] == infos  # again: nothing to wait for
     gpus = [i["gpu_ids"] for i in infos]
     assert all(len(g) == 1 for g in gpus) and gpus[0] != gpus[1]  # each on its own (fake) GPU
     ports = [p for i in infos for p in i["ports"]]

@@ -75,6 +75,7 @@ class EngineGroup:
         return self
 
     def wait_started(self) -> "EngineGroup":
+        """Wait for the engines `launch` started (at most the start timeout); a second call returns at once."""
         import ray
 
         infos = ray.get(self._starting, timeout=self.spec.start_timeout_s + 30)
