@@ -65,7 +65,6 @@ class DecoderGraphs:
 
     def __init__(self, decoder: torch.nn.Module, *, dtype: torch.dtype, hidden_size: int,
                  fused_weights: list[torch.nn.Parameter], max_graphs: int = 8, token_bucket: int = 1024):
-        self.decoder = decoder
         self.dtype, self.hidden_size = dtype, hidden_size
         self.max_graphs, self.token_bucket = max_graphs, token_bucket
         fused = {id(p) for p in fused_weights}
