@@ -223,17 +223,55 @@ def test_buckets_respect_the_size_and_send_tied_tensors_once():
 
 
 def test_a_bad_bucket_changes_nothing():
+    from engine.doctor.diagnosis import DiagnosisError
     from engine.weights import check_and_copy
 
     model = torch.nn.Linear(3, 2)
     before = model.weight.detach().clone()
-    with pytest.raises(ValueError, match="shape mismatch"):
+    with pytest.raises(DiagnosisError, match="RF14.*1 shapes that differ: bias: sent \\(5,\\), served \\(2,\\)"):
         check_and_copy(model, {"weight": torch.ones(2, 3), "bias": torch.ones(5)}, full=False)
     assert torch.equal(model.weight, before)  # checked before copying
-    with pytest.raises(ValueError, match="missing \\['bias'\\]"):
+    with pytest.raises(DiagnosisError, match="1 served parameters not sent: bias"):
         check_and_copy(model, {"weight": torch.ones(2, 3)}, full=True)
+    with pytest.raises(DiagnosisError, match="1 names the engine does not serve: layers.0.weight"):
+        check_and_copy(model, {"weight": torch.ones(2, 3), "bias": torch.ones(2), "layers.0.weight": torch.ones(1)},
+                       full=True)
     assert check_and_copy(model, {"weight": torch.ones(2, 3)}, full=False) == 6 * 4
     assert torch.equal(model.weight, torch.ones(2, 3))
+
+
+def test_an_untied_lm_head_must_be_sent_a_tied_one_is_the_embedding():
+    from engine.doctor.diagnosis import DiagnosisError
+    from engine.weights import check_and_copy, unique_tensors
+
+    class LM(torch.nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.lm_head = torch.nn.Linear(3, 5, bias=False)
+            if tied:
+                self.lm_head.weight = self.embed.weight
+
+    sent = unique_tensors(LM(tied=True).state_dict())
+    assert list(sent) == ["embed.weight"]  # the tied head is one tensor, sent once
+    assert check_and_copy(LM(tied=True), sent, full=True) == 15 * 4
+    with pytest.raises(DiagnosisError, match="served parameters not sent: lm_head.weight"):
+        check_and_copy(LM(tied=False), sent, full=True)  # an untied head left out would be a partial load
+
+
+def test_bf16_weights_reach_a_float32_engine_by_value_not_by_bit_pattern():
+    # A bf16 trainer (Megatron) → the object store → a float32 engine: the int16 bit patterns that carry bf16 must
+    # be read back as bf16 (the first GPU flow's engine served garbage after the first sync without this).
+    from engine.weights import check_and_copy, numpy_state
+
+    src = torch.nn.Linear(4, 3)
+    sent = numpy_state({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()})
+    assert sent.dtypes == {"weight": "bfloat16", "bias": "bfloat16"}
+    engine = torch.nn.Linear(4, 3)
+    check_and_copy(engine, sent.tensors(), full=True)
+    assert torch.equal(engine.weight, src.weight.detach().to(torch.bfloat16).float())
+    f32 = numpy_state(src.state_dict())
+    assert f32.dtypes["weight"] == "float32" and torch.equal(f32.tensors()["weight"], src.weight.detach())
 
 
 # ---- filters -----------------------------------------------------------------------------------------------------

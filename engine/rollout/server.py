@@ -151,9 +151,11 @@ class EngineState:
         return n
 
     def update_from_named(self, named: dict, version: str | None) -> int:
-        """A full state dict (tensors or numpy arrays, e.g. from Ray's object store) — the in-cluster path."""
-        from engine.weights import check_and_copy
+        """A full state dict (tensors, or HostWeights from Ray's object store) — the in-cluster path."""
+        from engine.weights import HostWeights, check_and_copy
 
+        if isinstance(named, HostWeights):
+            named = named.tensors()
         with self.generator.lock:
             n = check_and_copy(self.generator.model, named, full=True)
             if version is not None:

@@ -149,12 +149,12 @@ class TrainWorker:
             save_weights_dir(state, path)
         return path
 
-    def numpy_state(self) -> tuple[dict, float]:
-        """(the policy's weights as numpy arrays, their MB): returned into Ray's object store for the engines."""
+    def numpy_state(self) -> tuple[Any, float]:
+        """(the policy's weights as HostWeights, their MB): returned into Ray's object store for the engines."""
         from engine.weights import numpy_state
 
         state = numpy_state(self.backend.model_state())
-        return state, sum(a.nbytes for a in state.values()) / 2**20
+        return state, state.nbytes / 2**20
 
     def export_hf(self, path: str) -> None:
         if self.rank == 0 or self.collective:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -109,43 +110,78 @@ def decode_tensors(blob: str | bytes) -> dict[str, torch.Tensor]:
     return unpack_tensors(blob if isinstance(blob, bytes) else base64.b64decode(blob))
 
 
-def numpy_state(state_dict: dict[str, torch.Tensor]) -> dict[str, "object"]:
-    """Tensors → numpy arrays for Ray's object store (zero-copy reads); bf16/fp16 travel as int16 bit patterns
-    (numpy has no bfloat16) and `check_and_copy` reinterprets them with the served tensor's dtype."""
-    out = {}
-    for name, t in unique_tensors(state_dict).items():
-        out[name] = (t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
-    return out
+@dataclass
+class HostWeights:
+    """A state dict as numpy arrays for Ray's object store (zero-copy reads on the node), with each tensor's dtype.
 
-
-def _as_tensor(x, like: torch.Tensor) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    import warnings
-
-    with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(x)
-    return t.view(like.dtype) if t.dtype == torch.int16 and like.dtype in (torch.bfloat16, torch.float16) else t
-
-
-def check_and_copy(model: torch.nn.Module, named: dict[str, "torch.Tensor | object"], *, full: bool) -> int:
-    """Copy `named` into the model's parameters/buffers in place; returns bytes copied.
-
-    Every name and shape is checked before anything is copied, so a bad bucket changes nothing. With `full`, every
-    model tensor must be present (a tied lm_head may be absent: it is the embedding).
+    numpy has no bfloat16, so bf16/fp16 tensors travel as int16 bit patterns; `dtypes` says how to read them back.
+    (Without it a bf16 trainer's int16 bits were copied into a float32 engine as integers — 0.066 became 15751.0 —
+    and the engine served garbage after the first Megatron → engine sync.)
     """
+
+    arrays: dict[str, "object"]  # name → numpy array (bf16/fp16: their int16 bit patterns)
+    dtypes: dict[str, str]  # name → torch dtype name of the tensor, e.g. "bfloat16"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors, each in the dtype it was sent in (read-only arrays are only read, never written)."""
+        import warnings
+
+        out = {}
+        with warnings.catch_warnings():  # object-store arrays are read-only; torch warns on from_numpy
+            warnings.simplefilter("ignore", UserWarning)
+            for name, a in self.arrays.items():
+                t = torch.from_numpy(a)
+                dtype = getattr(torch, self.dtypes[name])
+                out[name] = t.view(dtype) if t.dtype != dtype else t
+        return out
+
+
+def numpy_state(state_dict: dict[str, torch.Tensor]) -> HostWeights:
+    """Tensors → HostWeights (numpy arrays + dtypes) for Ray's object store."""
+    arrays, dtypes = {}, {}
+    for name, t in unique_tensors(state_dict).items():
+        narrow = t.dtype in (torch.bfloat16, torch.float16)
+        arrays[name] = (t.view(torch.int16) if narrow else t).numpy()
+        dtypes[name] = str(t.dtype).removeprefix("torch.")
+    return HostWeights(arrays, dtypes)
+
+
+def check_names(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *, full: bool) -> None:
+    """Every sent name must be a served parameter or buffer with the same shape; with `full`, every served
+    parameter must be sent (a tied lm_head is the embedding: `named_parameters` lists the tensor once, as
+    `unique_tensors` sends it). Anything else is RF14, listing the names: never a partial load."""
+    from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
-    named = {k: _as_tensor(v, targets[k]) if k in targets else v for k, v in named.items()}
-    unknown = sorted(set(named) - set(targets))
-    bad_shape = [f"{k}: {tuple(named[k].shape)} vs served {tuple(targets[k].shape)}" for k in named
-                 if k in targets and tuple(named[k].shape) != tuple(targets[k].shape)]
-    missing = [k for k in dict(model.named_parameters()) if k not in named and not k.endswith("lm_head.weight")] \
-        if full else []
-    if unknown or bad_shape or missing:
-        raise ValueError(f"weights do not match the served model: unknown {unknown[:5]}, shape mismatch "
-                         f"{bad_shape[:3]}, missing {missing[:5]}")
+    unknown = sorted(set(shapes) - set(targets))
+    bad_shape = [f"{k}: sent {tuple(shapes[k])}, served {tuple(targets[k].shape)}" for k in sorted(shapes)
+                 if k in targets and tuple(shapes[k]) != tuple(targets[k].shape)]
+    missing = sorted(k for k, _ in model.named_parameters() if k not in shapes) if full else []
+    if not (unknown or bad_shape or missing):
+        return
+    parts = [f"{len(v)} {what}: {', '.join(v[:8])}{' …' if len(v) > 8 else ''}" for what, v in
+             (("names the engine does not serve", unknown), ("shapes that differ", bad_shape),
+              ("served parameters not sent", missing)) if v]
+    raise DiagnosisError(Diagnosis(
+        code="RF14", severity="error",
+        what=f"the weights sent to the engine do not match its model ({len(shapes)} sent, {len(targets)} served): "
+             + "; ".join(parts) + ". Nothing was loaded.",
+        fix="the trainer's weight names must be the engine model's (Hugging Face names): check the weight mapping "
+            "of --train-backend and that --hf-checkpoint is the same model for the trainer and the engine",
+        facts={"unknown": unknown, "bad_shape": bad_shape, "missing": missing}))
+
+
+def check_and_copy(model: torch.nn.Module, named: dict[str, torch.Tensor], *, full: bool) -> int:
+    """Copy `named` into the model's parameters/buffers in place (cast to each one's device and dtype); returns
+    bytes copied. `check_names` runs first, so a bad update changes nothing."""
+    check_names(model, {k: tuple(t.shape) for k, t in named.items()}, full=full)
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
     copied = 0
     with torch.no_grad():
         for k, t in named.items():
