@@ -204,7 +204,7 @@ def diff(a: list[torch.Tensor], b: list[torch.Tensor], mbs) -> dict:
 
 
 def parity(hf_dir: Path, dtype: str, mbs, ref: list[torch.Tensor], kernels=None) -> tuple[dict, object]:
-    from engine.train.megatron_attention import FLASH
+    from engine.train.attention import FLASH
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.megatron_model import Kernels
     from engine.train.packed_logprobs import _FUSED

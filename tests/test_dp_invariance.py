@@ -1,4 +1,5 @@
-"""The update is the same for DP = 1, 2, 4: real Ray train workers in one gloo group, the same global batch.
+"""The update is the same for DP = 1, 2, 4: real Ray train workers, FSDP2 over one gloo group for DP > 1 (NCCL on
+GPUs: the same code), the same global batch.
 
 Adam's first step is ≈ lr·sign(g), which would hide a gradient off by a constant factor (e.g. dividing by the
 local instead of the global batch): the grad norm and the loss are compared too, and they would show it.
@@ -84,3 +85,75 @@ def test_one_step_is_the_same_for_dp_1_2_4(ray_cluster, small_cfg):
         assert r["pg_loss"] == pytest.approx(ref["pg_loss"], rel=1e-5, abs=1e-7), dp
         if ref["critic_grad_norm"] is not None:
             assert r["critic_grad_norm"] == pytest.approx(ref["critic_grad_norm"], rel=1e-5), dp
+
+
+def test_sharded_checkpoint_is_layout_free_and_the_sync_gathers_full_weights(ray_cluster, small_cfg, tmp_path):
+    """DP = 2 (FSDP2 shards the weights and Adam's state): a checkpoint holds full tensors, so DP = 1 resumes it
+    exactly, and the weights handed to the engines are the full ones (every rank joins the gather)."""
+    import ray
+
+    from engine.cluster import TrainGroup
+    from engine.packing.microbatch import make_micro_batch
+    from engine.packing.schedule import build_dp_schedule
+
+    samples = fake_samples(LENGTHS, n=4, seed=3)
+    base = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16, micro_batch_size=2, lr=1e-3,
+                logprob_mismatch_threshold=1e3)
+    cfg2 = small_cfg(actor_num_gpus_per_node=2, **base)
+    (step,) = build_dp_schedule([len(s.tokens) for s in samples], dp_size=2, global_batch_size=16, micro_batch_size=2)
+    per_rank = [[[make_micro_batch([samples[i] for i in mb], [0.0] * len(mb)) for mb in step.ranks[r]]]
+                for r in range(2)]
+    two = TrainGroup(cfg2, train_iters=2, timeout_s=600, threads=1)
+    try:
+        two.set_rollout(per_rank, [s.scalar_reward for s in samples], need_ref=False)
+        two.train_step(0, 16)
+        trained = two._all("parameters")[0]
+        ref, mb = two.weights_ref()
+        synced = ray.get(ref).tensors()
+        files = two.save(str(tmp_path / "ck"))
+    finally:
+        two.shutdown()
+    assert "optim/state.pt" in files and mb > 1.0
+    assert all(torch.equal(synced[k], trained[k]) for k in synced)  # full tensors, not rank 0's shards
+
+    one = TrainGroup(small_cfg(**base), train_iters=2, timeout_s=600, threads=1)
+    try:
+        one.load(str(tmp_path / "ck"))
+        resumed = one._all("parameters")[0]
+        exp_avg = ray.get(one.workers[0].__ray_call__.remote(
+            lambda w: sorted(v["exp_avg"].abs().sum().item() for v in w.backend.optimizer.state.values())))
+        one.save(str(tmp_path / "ck1"))  # DP = 1 writes the unsharded format ...
+    finally:
+        one.shutdown()
+    assert all(torch.equal(resumed[k], trained[k]) for k in trained)
+    assert len(exp_avg) > 0 and all(v > 0 for v in exp_avg)  # Adam's state came back, unsharded
+
+    again = TrainGroup(cfg2, train_iters=2, timeout_s=600, threads=1)
+    try:  # ... and DP = 2 shards it again
+        again.load(str(tmp_path / "ck1"))
+        assert all(torch.equal(v, trained[k]) for k, v in again._all("parameters")[1].items())
+        sharded = ray.get([w.__ray_call__.remote(lambda w: sorted(  # full_tensor: a collective, on both ranks
+            v["exp_avg"].full_tensor().abs().sum().item() for v in w.backend.optimizer.state.values()))
+            for w in again.workers])[0]
+    finally:
+        again.shutdown()
+    assert sharded == pytest.approx(exp_avg, rel=1e-6)
+
+
+def test_bf16_with_fp32_masters_is_the_same_step_sharded_or_not(ray_cluster, small_cfg):
+    """--bf16: DP = 1 keeps fp32 masters itself (Fp32Masters), DP = 2 lets FSDP2 cast its fp32 shards to bf16
+    (MixedPrecisionPolicy). Same weights in, the same update out — up to bf16 rounding: the two layouts pack other
+    micro-batches, so bf16 products round differently, and a gradient entry that is ~0 (cancelling terms) can flip
+    the sign of Adam's first step (≈ ±lr). A wrong scale (a mean instead of a sum) would move the grad norm 2×."""
+    samples = fake_samples(LENGTHS, n=4, seed=11)
+    base = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16, micro_batch_size=2, lr=1e-4,
+                clip_grad=0.0, bf16=True, logprob_mismatch_threshold=1e3)
+    one, two = (one_step(small_cfg(actor_num_gpus_per_node=dp, **base), samples) for dp in (1, 2))
+    a, b = one["params"][0], two["params"][0]
+    assert all(v.dtype == torch.float32 for v in list(a.values()) + list(b.values()))  # the masters, both ways
+    same = sum(int(((b[k] - a[k]).abs() <= 1e-6).sum()) for k in a) / sum(v.numel() for v in a.values())
+    print(f"bf16 DP=2 vs DP=1: {same:.4%} of weights within 1e-6, grad norm {two['grad_norm']:.6g} vs "
+          f"{one['grad_norm']:.6g}, loss {two['loss']:.6g} vs {one['loss']:.6g}")
+    assert same > 0.99
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-2)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-2, abs=1e-4)

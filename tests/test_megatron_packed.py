@@ -11,7 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.packing.microbatch import MicroBatch
-from engine.train.megatron_attention import PackedCoreAttention, packed_causal_attention
+from engine.train.attention import packed_causal_attention
+from engine.train.megatron_attention import PackedCoreAttention
 from engine.train.packed_logprobs import align_to_tokens, shift_targets, vocab_parallel_log_probs
 
 LENS = [5, 9, 3, 7]  # four samples in one packed row

@@ -21,6 +21,19 @@ class TrainArgs(Section):
     without Transformer Engine; micro-batches are padded to 1,024-token buckets). --no-megatron-cuda-graphs runs
     every layer eagerly."""
 
+    bf16: bool = False
+    """Train in bf16: bf16 matrix products and activations, fp32 master weights, gradients and optimizer state (torch:
+    autocast over fp32 parameters; megatron: bf16 parameters with the distributed optimizer's fp32 main copy). The fp32
+    master copy keeps small updates (lr·Δ below bf16's 8-bit mantissa) from rounding away. Off: fp32 throughout."""
+
+    recompute_activations: bool = False
+    """Activation checkpointing: keep only each decoder layer's input and recompute the layer in the backward pass
+    (~1/3 more compute, activation memory of one layer instead of all)."""
+
+    offload_train: bool = False
+    """Move the trainer's weights, gradients and optimizer state to CPU memory while the engines generate, and back
+    for the train step (colocated runs on one GPU; torch backend)."""
+
     global_batch_size: Optional[int] = Field(None, ge=1)
     """Samples (not prompts) per optimizer step (G). Default: B·n / num_steps_per_rollout."""
 

@@ -33,6 +33,11 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
+    @property
+    def max_seqlen(self) -> int:
+        """Tokens of the longest sample (flash attention's max_seqlen), from the host copy: no device sync."""
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()) if self.num_samples else 0
+
 
 def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_multiple: int = 1) -> MicroBatch:
     """Pack `samples` (with one advantage each) into a MicroBatch; optional padding to a multiple (TP / CP)."""

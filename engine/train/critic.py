@@ -34,25 +34,27 @@ class ValueModel(torch.nn.Module):
         """[T] V_t for every entry (0 at each sample's first entry)."""
         v = self.head(hidden_states(self.body, mb)).squeeze(-1)  # [T] value after token t = V_{t+1}
         shifted = torch.cat([v.new_zeros(1), v[:-1]])  # [T] V_t = head(h_{t−1})
-        return shifted * (mb.position_ids > 0)
+        return shifted * (mb.position_ids > 0).to(v.device)
 
 
 class TorchCritic:
-    def __init__(self, cfg, *, rank: int = 0, world_size: int = 1, train_iters: int = 1):
+    def __init__(self, cfg, *, rank: int = 0, world_size: int = 1, train_iters: int = 1, device: str = "cpu"):
         from engine.modeling import load_causal_lm
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.device = torch.device(device)
         self.spec = LossSpec.of(cfg)
         lm = load_causal_lm(cfg.hf_checkpoint)
         use_varlen_attention(lm)
-        self.model = ValueModel(lm.base_model, lm.config.hidden_size).eval()  # dropout off, as the policy
+        # dropout off, as the policy; the critic stays fp32 and replicated (its gradients are all-reduced)
+        self.model = ValueModel(lm.base_model, lm.config.hidden_size).to(self.device).eval()
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg, lr=cfg.critic_lr or cfg.lr,
-                                                        train_iters=train_iters)
+                                                        train_iters=train_iters, fused=self.device.type == "cuda")
         self.steps_done = 0
 
     @torch.no_grad()
     def compute_values(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        return [self.model(mb) for mb in mbs]
+        return [self.model(mb).cpu() for mb in mbs]
 
     def train_step(self, mbs: list[MicroBatch], old_values: list[torch.Tensor], returns: list[torch.Tensor],
                    global_batch_size: int, *, global_tokens: float | None = None) -> dict[str, Any]:
@@ -62,9 +64,10 @@ class TorchCritic:
         sums = {"value_loss_sum": 0.0, "value_clipfrac_sum": 0.0}
         tokens, loss_total, bad_ids = 0.0, 0.0, []
         for j, mb in enumerate(mbs):
-            loss, stats, per_sample = value_objective(self.spec, values=self.model(mb), old_values=old_values[j],
-                                                      returns=returns[j], loss_mask=mb.loss_mask,
-                                                      cu_seqlens=mb.cu_seqlens, denominator=denom)
+            dev = self.device
+            loss, stats, per_sample = value_objective(self.spec, values=self.model(mb), old_values=old_values[j].to(dev),
+                                                      returns=returns[j].to(dev), loss_mask=mb.loss_mask.to(dev),
+                                                      cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom)
             loss.backward()
             sums["value_loss_sum"] += float(stats["value_loss"])
             sums["value_clipfrac_sum"] += float(stats["value_clipfrac"])

@@ -25,10 +25,11 @@ def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_ratio: floa
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(params, cfg, *, lr: float, train_iters: int):
-    """AdamW over `params` at peak `lr` with the run's betas, weight decay and schedule (sized by train_iters)."""
+def make_optimizer(params, cfg, *, lr: float, train_iters: int, fused: bool = False):
+    """AdamW over `params` at peak `lr` with the run's betas, weight decay and schedule (sized by train_iters).
+    fused: one CUDA kernel for the whole update (GPU only; the CPU keeps torch's default implementation)."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, eps=1e-8)
+                                  weight_decay=cfg.weight_decay, eps=1e-8, **({"fused": True} if fused else {}))
     min_ratio = cfg.min_lr / cfg.lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup=cfg.lr_warmup_iters, total=train_iters,
@@ -36,27 +37,36 @@ def make_optimizer(params, cfg, *, lr: float, train_iters: int):
     return optimizer, scheduler
 
 
-def sync_and_clip(params: list[torch.nn.Parameter], *, world_size: int, clip_grad: float, loss_finite: bool
-                  ) -> tuple[float, bool]:
+def sync_and_clip(params: list[torch.nn.Parameter], *, world_size: int, clip_grad: float, loss_finite: bool,
+                  reduce: bool = True) -> tuple[float, bool]:
     """Sum gradients over the DP group, clip them, and agree on whether the step is finite.
 
     Each rank's gradient is its own samples' share of ∇L (divided by the global batch), so the SUM is ∇L.
     Returns (global grad norm before clipping, finite on every rank). One flat buffer → one all-reduce.
+    reduce=False: the gradients are already summed (FSDP2 reduce-scattered them; they are sharded DTensors, and
+    the norm of DTensors is reduced over the ranks by clip_grad_norm_ itself).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if world_size > 1:
-        flat = torch.cat([g.reshape(-1) for g in grads])  # [P]
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        flag = torch.tensor([0.0 if loss_finite else 1.0])
+        if reduce:
+            flat = torch.cat([g.reshape(-1) for g in grads])  # [P]
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        flag = torch.tensor([0.0 if loss_finite else 1.0], device=_local(grads[0]).device if grads else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         loss_finite = flag.item() == 0.0
     max_norm = clip_grad if clip_grad > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     return grad_norm, loss_finite and math.isfinite(grad_norm)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its device is the rank's); a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def gather_lists(items: list[int], world_size: int) -> list[int]:

@@ -1,9 +1,24 @@
-"""The torch training backend: a transformers causal LM trained on packed micro-batches with AdamW.
+"""The torch training backend: a transformers causal LM trained on packed micro-batches with AdamW, on CPU or CUDA.
 
 Per optimizer step (engine.algorithms.objective): each micro-batch's loss is its samples' share of the step's
 loss (divided by the *global* G, or the global trained-token count with --calculate-per-token-loss); gradients
-accumulate over micro-batches and are summed over DP ranks (engine.train.optim.sync_and_clip), so the update
-is the same whatever the DP layout.
+accumulate over micro-batches and are summed over DP ranks, so the update is the same whatever the DP layout.
+
+Placement and precision:
+- device: the GPU Ray gave the worker (CUDA_VISIBLE_DEVICES holds just that one, so `cuda:0`), else the CPU.
+- DP > 1: FSDP2 (`fully_shard` per decoder layer and on the root) over the workers' process group — NCCL on GPUs,
+  gloo on CPU. Each rank's loss is already its share of the global loss, so the gradient reduce-scatter SUMS
+  (divide factor 1) instead of averaging. DP = 1 is the plain model.
+- --bf16: bf16 weights and compute, fp32 master weights and optimizer state. The model holds bf16 weights (every
+  one: embeddings and norms too, so its forward is a bf16 inference engine's forward, which keeps the
+  train–inference mismatch small); AdamW updates fp32 masters, rounded into the model after each step. Without
+  the fp32 masters an update below bf16's resolution (|lr·Δ| < 2⁻⁹·|w|) would round away every step. DP = 1:
+  the masters are held here (`Fp32Masters`); DP > 1: FSDP2 shards fp32 parameters and casts them to bf16 for
+  the forward (MixedPrecisionPolicy) — the same numbers.
+- CUDA: fused AdamW, flash-attention varlen over the packed row, the log-softmax of the trained positions in one
+  compiled kernel (engine/train/forward.py). CPU keeps the eager path, bit for bit as before.
+- --recompute-activations: each decoder layer's forward is checkpointed (recomputed in the backward).
+- --offload-train: weights, gradients and optimizer state move to host memory between train steps (`offload`).
 
 The policy runs with dropout off (eval mode) in every forward: an RL ratio must be exactly 1 on unchanged
 weights (RF01's runtime check relies on it). The reference model is frozen: --ref-load, else the initial
@@ -28,27 +43,45 @@ from engine.train.forward import packed_forward, use_varlen_attention
 from engine.train.optim import gather_lists, make_optimizer, sync_and_clip
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
-TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "mismatch", "tis_clipfrac")
+TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
 
 
 class TorchBackend:
-    def __init__(self, cfg, *, rank: int = 0, world_size: int = 1, train_iters: int = 1):
+    def __init__(self, cfg, *, rank: int = 0, world_size: int = 1, train_iters: int = 1, device: str = "cpu"):
         from engine.modeling import load_causal_lm
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.spec = LossSpec.of(cfg)
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
-        self.model = load_causal_lm(cfg.hf_checkpoint)
-        use_varlen_attention(self.model)
-        self.model.eval()  # dropout off: see the module docstring
+        self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # of the forward's weights
+        model = load_causal_lm(cfg.hf_checkpoint, device=str(self.device))  # fp32
+        use_varlen_attention(model)
+        if cfg.recompute_activations:
+            recompute_decoder_layers(model)
+        self.sharded = world_size > 1
+        self.masters = None
+        if self.sharded:
+            shard(model, compute_dtype=self.dtype)
+        elif cfg.bf16:
+            self.masters = Fp32Masters(model)  # takes the fp32 weights, then the model holds their bf16 rounding
+        self.model = model.eval()  # dropout off: see the module docstring
         self.ref = None
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
-        self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg, lr=cfg.lr,
-                                                        train_iters=train_iters)
+        trained = self.masters.masters if self.masters else self.model.parameters()
+        self.optimizer, self.scheduler = make_optimizer(trained, cfg, lr=cfg.lr, train_iters=train_iters,
+                                                        fused=self.cuda)
         self.steps_done = 0
         self.skipped_steps = 0
+        self.offloaded = False
+
+    @property
+    def collective(self) -> bool:
+        """Sharded weights: model_state / save / export are collectives every rank must join."""
+        return self.sharded
 
     # ---- reference model (frozen, for KL) -----------------------------------------------------------------
     @property
@@ -57,16 +90,23 @@ class TorchBackend:
 
     def _ref_model(self):
         if self.ref is None:
-            self.ref = load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint)
-            use_varlen_attention(self.ref)
+            self.ref = self._placed_ref(load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint))
         return self.ref
+
+    def _placed_ref(self, model):
+        """In the forward's dtype: the bf16 rounding of the same initial weights is what the policy computes with
+        on the first step, so KL = 0 exactly there."""
+        use_varlen_attention(model)
+        cast_parameters(model.to(self.device), self.dtype)
+        return model
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
-        """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy or the reference."""
+        """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy or the reference,
+        on the CPU."""
         model = self._ref_model() if ref else self.model
-        return [packed_forward(model, mb, temperature=self.temperature)[0] for mb in mbs]
+        return [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda)[0].cpu() for mb in mbs]
 
     # ---- one optimizer step -------------------------------------------------------------------------------
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
@@ -77,37 +117,55 @@ class TorchBackend:
         Returns partial sums: `<metric>_sum` / `<metric>_count` token sums, `loss_total` (this rank's share of
         the step loss), and the step's facts (grad_norm, lr, skipped, ratio_maxdev).
         """
-        spec = self.spec
+        spec, dev = self.spec, self.device
         if spec.per_token_loss and global_tokens is None:
             raise ValueError("--calculate-per-token-loss needs the step's global trained-token count")
         denom = max(global_tokens, 1.0) if spec.per_token_loss else global_batch_size
         self.optimizer.zero_grad(set_to_none=False)
-        sums = {k: 0.0 for k in TOKEN_METRICS}
-        tokens, loss_total, ratio_maxdev, bad_ids = 0.0, 0.0, 0.0, []
+        if self.masters:
+            self.model.zero_grad(set_to_none=False)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        sums = {k: zero.clone() for k in TOKEN_METRICS}
+        tokens, loss_total, ratio_maxdev, per_sample_losses = zero.clone(), zero.clone(), zero.clone(), []
+        entropy_grad = spec.entropy_coef != 0
         for j, mb in enumerate(mbs):
-            lp, ent = packed_forward(self.model, mb, temperature=self.temperature)  # [T], [T]
+            lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
+                                     entropy_grad=entropy_grad)  # [T], [T]
+            old, mask = old_log_probs[j].to(dev), mb.loss_mask.to(dev)
             loss, stats, per_sample = policy_objective(
-                spec, log_probs=lp, entropy=ent, old_log_probs=old_log_probs[j],
-                ref_log_probs=ref_log_probs[j] if ref_log_probs is not None else None,
-                rollout_log_probs=mb.rollout_log_probs, advantages=mb.advantages, loss_mask=mb.loss_mask,
-                cu_seqlens=mb.cu_seqlens, denominator=denom)
+                spec, log_probs=lp, entropy=ent, old_log_probs=old,
+                ref_log_probs=ref_log_probs[j].to(dev) if ref_log_probs is not None else None,
+                rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev), loss_mask=mask,
+                cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom)
             loss.backward()
-            for k, v in stats.items():
-                if k in sums:
-                    sums[k] += float(v)
-            tokens += float(stats["tokens"])
-            loss_total += float(loss.detach())
-            bad_ids += [i for i, x in zip(mb.sample_ids, per_sample.tolist()) if not math.isfinite(x)]
             with torch.no_grad():
-                dev = ((torch.exp(lp - old_log_probs[j]) - 1).abs() * mb.loss_mask).max() if mb.num_tokens else 0
-                ratio_maxdev = max(ratio_maxdev, float(dev))
-        grad_norm, finite = sync_and_clip(list(self.model.parameters()), world_size=self.world_size,
-                                          clip_grad=self.cfg.clip_grad,
+                for k, v in stats.items():
+                    if k in sums:
+                        sums[k] += v.double()
+                tokens += stats["tokens"].double()
+                loss_total += loss.detach().double()
+                per_sample_losses.append(per_sample)
+                if mb.num_tokens:
+                    ratio_maxdev = torch.maximum(ratio_maxdev, ((torch.exp(lp - old) - 1).abs() * mask).max().double())
+        # one device → host transfer for the whole step's numbers
+        host = torch.stack([*sums.values(), tokens, loss_total, ratio_maxdev]).tolist()
+        sums = dict(zip(sums, host[:len(sums)]))
+        tokens, loss_total, ratio_maxdev = host[len(sums):]
+        per_sample_all = torch.cat(per_sample_losses).tolist() if per_sample_losses else []
+        ids = [i for mb in mbs for i in mb.sample_ids]
+        bad_ids = [i for i, x in zip(ids, per_sample_all) if not math.isfinite(x)]
+        if self.masters:
+            self.masters.grads_to_masters()
+        trained = self.masters.masters if self.masters else list(self.model.parameters())
+        grad_norm, finite = sync_and_clip(trained, world_size=self.world_size, clip_grad=self.cfg.clip_grad,
+                                          reduce=not self.sharded,
                                           loss_finite=math.isfinite(loss_total) and not bad_ids)
         lr = self.scheduler.get_last_lr()[0]
         if finite:
             self.optimizer.step()
             self.scheduler.step()
+            if self.masters:
+                self.masters.masters_to_model()
         else:
             self._non_finite_step(mbs, bad_ids, loss_total, grad_norm)
         self.steps_done += 1
@@ -131,33 +189,121 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=False)
         self.skipped_steps += 1
 
+    # ---- memory (colocated runs) --------------------------------------------------------------------------
+    def offload(self) -> None:
+        """--offload-train: weights, gradients, optimizer state and the reference to host memory."""
+        self._move(torch.device("cpu"))
+        self.offloaded = True
+
+    def onload(self) -> None:
+        if self.offloaded:
+            self._move(self.device)
+            self.offloaded = False
+
+    def _move(self, dev: torch.device) -> None:
+        if not self.cuda:
+            return
+        if self.sharded:  # FSDP2 keeps its own references to the shards
+            raise NotImplementedError("--offload-train with DP > 1 (FSDP2) is not supported; drop --offload-train")
+        self.model.to(dev)  # parameters and their gradients, in place (the optimizer keeps the same objects)
+        if self.masters:
+            self.masters.to(dev)
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.to(dev)
+        if self.ref is not None:
+            self.ref.to(dev)
+        if dev.type == "cpu":
+            torch.cuda.empty_cache()
+
     # ---- state --------------------------------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """HF-named full weights on this rank's device (a collective when sharded); a tied tensor once, under its
+        first name."""
+        from torch.distributed.tensor import DTensor
+
+        master = self.masters.of() if self.masters else {}
+        seen, out = set(), {}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) in seen:  # tied (lm_head ≡ embedding): the same parameter under a second name
+                continue
+            seen.add(id(v))
+            v = master.get(id(v), v)  # --bf16: the fp32 master, not its rounding
+            out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+        return out
+
+    def ipc_export(self, dtype: str, bucket_bytes: int, *, export: bool = True):
+        """The weights as CUDA IPC buckets in the engine's dtype (engine/weights/ipc.py), or None when this rank
+        does not `export` (it still joins the gather of sharded weights)."""
+        from engine.weights import ipc
+
+        state = self.model_state()
+        return ipc.export(state, getattr(torch, dtype), bucket_bytes) if export else None
 
     def save(self, path: str, *, save_optim: bool = True) -> list[str]:
+        """model/ and optim/state.pt under `path` (full, layout-free tensors) on rank 0; a collective when sharded."""
         from engine.weights import save_weights_dir
 
         root = Path(path)
-        save_weights_dir(self.model_state(), root / "model")
-        if not save_optim:
-            return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()]
-        (root / "optim").mkdir(parents=True, exist_ok=True)
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "steps_done": self.steps_done, "skipped_steps": self.skipped_steps,
-                    "rng": rng_state()}, root / "optim" / "state.pt")
+        state = self.model_state()
+        optim = self._optimizer_state() if save_optim else None
+        if self.rank != 0:
+            return []
+        save_weights_dir(state, root / "model")
+        if save_optim:
+            (root / "optim").mkdir(parents=True, exist_ok=True)
+            torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(),
+                        "steps_done": self.steps_done, "skipped_steps": self.skipped_steps,
+                        "rng": rng_state()}, root / "optim" / "state.pt")
         return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()]
+
+    def _optimizer_state(self) -> dict:
+        if not self.sharded:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load(self, path: str, *, load_optim: bool = True) -> None:
         from engine.weights import load_weights_dir
 
-        load_state_strict(self.model, load_weights_dir(Path(path) / "model"), path)
+        self._load_full(load_weights_dir(Path(path) / "model"), path)
         if load_optim and (Path(path) / "optim" / "state.pt").is_file():
-            st = torch.load(Path(path) / "optim" / "state.pt", weights_only=False)
-            self.optimizer.load_state_dict(st["optimizer"])
+            st = torch.load(Path(path) / "optim" / "state.pt", weights_only=False, map_location="cpu")
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(self.model, self.optimizer, self._by_name(st["optimizer"]),
+                                         options=StateDictOptions(full_state_dict=True))
+            else:
+                self.optimizer.load_state_dict(st["optimizer"])
             self.scheduler.load_state_dict(st["scheduler"])
             self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]
             set_rng_state(st["rng"])
+
+    def _by_name(self, optim: dict) -> dict:
+        """An optimizer state dict keyed by parameter names (as sharded runs save it); one saved by an unsharded run
+        numbers the parameters in `model.parameters()` order, which is `named_parameters()` order."""
+        ids = [i for g in optim["param_groups"] for i in g["params"]]
+        if all(isinstance(i, str) for i in ids):
+            return optim
+        name = dict(zip(ids, (n for n, _ in self.model.named_parameters())))
+        return {"state": {name[i]: v for i, v in optim["state"].items()},
+                "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in optim["param_groups"]]}
+
+    def _load_full(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Full HF-named weights into the (possibly sharded) policy; names are checked first."""
+        check_state_names(self.model, state, source)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            self.model.load_state_dict(state, strict=False)  # (cast to bf16 with --bf16)
+            if self.masters:
+                self.masters.load(self.model, state)
 
     def load_weights(self, path: str, *, ref: bool = False) -> None:
         """Policy (or reference) weights from a Hugging Face directory or a checkpoint iteration's model/, as the
@@ -169,28 +315,141 @@ class TorchBackend:
             state = load_causal_lm(path).state_dict()
         else:
             state = load_weights_dir(Path(path) / "model")
-        if ref and self.ref is None:  # the frozen architecture; its weights are replaced just below
-            self.ref = load_reference(None, self.cfg.hf_checkpoint)
-            use_varlen_attention(self.ref)
-        load_state_strict(self.ref if ref else self.model, state, path)
+        if not ref:
+            self._load_full(state, path)
+            return
+        if self.ref is None:  # the frozen architecture; its weights are replaced just below
+            self.ref = self._placed_ref(load_reference(None, self.cfg.hf_checkpoint))
+        load_state_strict(self.ref, state, path)
 
     def export_hf(self, path: str) -> None:
-        from engine.modeling import load_tokenizer
+        from engine.modeling import load_causal_lm, load_tokenizer
 
-        self.model.save_pretrained(path)
+        state = self.model_state()
+        if self.rank != 0:
+            return
+        if self.sharded or self.masters:  # the full fp32 weights, through a plain copy of the architecture
+            model = load_causal_lm(self.cfg.hf_checkpoint)
+            load_state_strict(model, state, "the trainer")
+            model.save_pretrained(path)
+        else:
+            self.model.save_pretrained(path)
         load_tokenizer(self.cfg.hf_checkpoint).save_pretrained(path)
         src = Path(self.cfg.hf_checkpoint) / "generation_config.json"
         if src.is_file():
             shutil.copy(src, Path(path) / "generation_config.json")
 
+    def named_parameters_full(self) -> dict[str, torch.Tensor]:
+        """Full parameters by name on the CPU (a collective when sharded); tests compare DP layouts with it."""
+        from torch.distributed.tensor import DTensor
+
+        master = self.masters.of() if self.masters else {}
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else master.get(id(v), v)).detach().cpu().clone()
+                for k, v in self.model.named_parameters()}
+
+
+class Fp32Masters:
+    """--bf16 with one replica: the optimizer's fp32 copies of the model's (bf16) parameters.
+
+    step: the bf16 gradients go to the masters (as fp32), the optimizer updates the masters, and the model gets
+    their bf16 rounding. e.g. w = 1.0, lr·Δ = 1e-3 per step: bf16 (spacing 2⁻⁷ = 0.0078 at 1.0) rounds every step
+    back to 1.0; the fp32 master reaches 1.004 after 4 steps and the model then reads 1.0 → 1.0078 once it crosses.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = list(model.parameters())
+        self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.params]  # fp32, before the cast
+        cast_parameters(model, torch.bfloat16)
+
+    def of(self) -> dict[int, torch.Tensor]:
+        """id(model parameter) → its master."""
+        return {id(p): m for p, m in zip(self.params, self.masters)}
+
+    def grads_to_masters(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+            m.grad = None  # 4 bytes a parameter, not needed until the next backward
+
+    @torch.no_grad()
+    def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Masters from full-precision named weights (the model already holds their rounding)."""
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        for p, m in zip(self.params, self.masters):
+            m.copy_(state[by_id[id(p)]])
+
+    def to(self, dev: torch.device) -> None:
+        for m in self.masters:
+            m.data = m.data.to(dev)
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Parameters only: buffers such as RoPE's inv_freq stay fp32, as `from_pretrained(dtype=bf16)` keeps them (the
+    engine's model), and as FSDP2's mixed precision leaves them."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+def shard(model, *, compute_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 over the default process group: every decoder layer, then the root (embeddings, norm, LM head); the
+    parameters stay fp32 (sharded masters), the forward computes in `compute_dtype` and gradients are reduced in
+    fp32. Gradients are SUMMED over ranks (divide factor 1): each rank's loss is already its share of the
+    global loss."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    units = decoder_layers(model) + [model]
+    for unit in units:
+        fully_shard(unit, mp_policy=mp)
+    for unit in units:  # per FSDP unit; plain SUM collectives (gloo has no pre-multiplied sum)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The transformer blocks of a transformers causal LM (`model.<base>.layers`)."""
+    body = getattr(model, model.base_model_prefix, model)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no `{model.base_model_prefix}.layers` to shard or checkpoint")
+    return list(layers)
+
+
+def recompute_decoder_layers(model) -> None:
+    """--recompute-activations: each decoder layer's forward runs under torch.utils.checkpoint when gradients are
+    recorded (non-reentrant: keyword arguments and no-grad inputs are fine). Parameter names do not change.
+    transformers' own gradient checkpointing works only in train mode, and the policy runs in eval mode."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in decoder_layers(model):
+        def run(*args, _forward=layer.forward, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return _forward(*args, **kwargs)
+
+        layer.forward = run
+
+
+def check_state_names(model, state: dict[str, torch.Tensor], source: str) -> None:
+    """HF-named weights must cover the model: anything missing (but a tied lm_head) or unexpected is an error."""
+    names = set(model.state_dict())
+    tied = {k for k in names if k.endswith("lm_head.weight")} if model.config.tie_word_embeddings else set()
+    missing = sorted(names - set(state) - tied)
+    unexpected = sorted(set(state) - names)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {source} does not match the model: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+
 
 def load_state_strict(model, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load HF-named weights; anything missing (but a tied lm_head) or unexpected is an error."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.endswith("lm_head.weight")]
-    if bad or unexpected:
-        raise ValueError(f"checkpoint {source} does not match the model: missing {bad[:5]}, unexpected "
-                         f"{unexpected[:5]}")
+    """Load HF-named weights into a plain (unsharded) model; anything missing (but a tied lm_head) or unexpected
+    is an error."""
+    check_state_names(model, state, source)
+    model.load_state_dict(state, strict=False)
 
 
 def load_reference(ref_load: str | None, hf_checkpoint: str):

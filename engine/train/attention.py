@@ -1,0 +1,75 @@
+"""Causal attention over packed samples on the GPU: one flash-attention kernel over a flat row, no s×s mask.
+
+A packed row holds S samples back to back; `cu_seqlens` [S+1] marks their boundaries. Attention must never cross
+samples and must not build a [T, T] mask (16k tokens would be 1 GiB per head in fp32):
+
+    CUDA, bf16/fp16   flash attention, variable length: one kernel over the flat [T, a, d] row (torch's own
+                      aten flash kernels; grouped kv heads are read in place, not repeated).
+    otherwise         (fp32 parity runs, CPU) scaled_dot_product_attention per sample, causal.
+
+Used by both training backends: the torch backend's transformers attention (engine/train/forward.py) and the
+Megatron backend's core attention (engine/train/megatron_attention.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, scale: float | None = None) -> torch.Tensor:
+    """q [T, a, d], k/v [T, g, d] (g divides a), cu_seqlens [S+1] int32 → out [T, a, d], causal per sample."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        if FLASH["gqa_in_place"]:
+            try:
+                return _FlashVarlen.apply(q, k, v, cu, int(max_seqlen), scale)
+            except RuntimeError as e:  # a torch whose flash kernel wants as many kv heads as q heads
+                FLASH["gqa_in_place"], FLASH["error"] = False, str(e)[:200]
+        rep = q.shape[1] // k.shape[1]
+        return _FlashVarlen.apply(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu,
+                                  int(max_seqlen), scale)
+    return per_sample_attention(q, k, v, cu_seqlens, scale)
+
+
+#: Which flash path this process uses (reported by the GPU benchmark).
+FLASH: dict = {"gqa_in_place": True, "error": None}
+
+
+def per_sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Reference path: one causal SDPA call per sample (kv heads repeated as HF's repeat_kv)."""
+    rep = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qi = q[a:b].transpose(0, 1)  # [a, L, d]
+        ki = k[a:b].transpose(0, 1).repeat_interleave(rep, dim=0)  # [a, L, d]
+        vi = v[a:b].transpose(0, 1).repeat_interleave(rep, dim=0)  # [a, L, d]
+        oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, scale=scale)[0]
+        outs.append(oi.transpose(0, 1))  # [L, a, d]
+    return torch.cat(outs, dim=0)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """aten's flash-attention varlen forward/backward (stable schema since torch 2.2; GQA native)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, rng, unused,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
