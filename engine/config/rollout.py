@@ -38,6 +38,14 @@ class RolloutArgs(Section):
     rollout_engine: Literal["builtin", "sglang"] = "builtin"
     """Rollout server kind: builtin (transformers, CPU or GPU, same HTTP API) or sglang (python -m sglang.launch_server)."""
 
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and compute of the built-in engine: auto = bfloat16 on a GPU when the trainer trains in bf16 (--bf16), else
+    float32, so the engine serves the trainer's weights in the precision they are trained in (CPU: float32)."""
+
+    logprob_mismatch_threshold: Optional[float] = Field(None, gt=0)
+    """RF14: stop the run when the mean |log π_engine − log π_trainer| over a rollout's trained tokens (or over the probe
+    scored after a weight sync) is above this. Default: 0.01 when the trainer or the engine runs bf16, else 1e-3."""
+
     rollout_num_gpus_per_engine: int = Field(1, ge=1)
     """GPUs per rollout engine (its tensor-parallel size)."""
 
@@ -78,7 +86,10 @@ class RolloutArgs(Section):
     """Seconds before the first health check (time for compilation and warm-up)."""
 
     weight_sync_method: Literal["tensor", "disk"] = "tensor"
-    """Trainer → engines: tensor (rank 0's weights through Ray's object store to the engine actors; built-in engine) or disk (versioned safetensors dir, /update_weights_from_disk)."""
+    """Trainer → engines: tensor (in memory, built-in engine: CUDA IPC handles in buckets when colocated on a GPU, else rank 0's weights through Ray's object store) or disk (versioned safetensors dir, /update_weights_from_disk)."""
+
+    update_weight_buffer_size: int = Field(512 * 2**20, ge=2**20)
+    """Bytes per bucket of a weight sync in memory (CUDA IPC between colocated trainer and engine, HTTP tensor pushes)."""
 
     weight_sync_timeout: float = Field(600.0, gt=0)
     """Seconds one weight sync (all engines) may take before it fails."""

@@ -25,6 +25,8 @@ class EngineSpec:
     python: str | None = None  # interpreter that runs `-m sglang.launch_server`
     colocate: bool = False
     start_timeout_s: float = 600.0
+    dtype: str = "float32"  # the built-in engine's weights and compute (--rollout-dtype, resolved for its device)
+    max_batch: int = 256  # the built-in engine's most rows per batch (--sglang-max-running-requests)
 
 
 class EngineActor:
@@ -66,8 +68,11 @@ class EngineActor:
         from engine.rollout.server import EngineState, ServerThread
 
         device = f"cuda:{gpu_ids[0]}" if gpu_ids and torch.cuda.is_available() else "cpu"
-        state = EngineState(self.spec.model_path, device=device, threads=self.spec.threads,
-                            max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic)
+        if device != "cpu":
+            torch.cuda.set_device(device)
+        state = EngineState(self.spec.model_path, device=device, dtype=self.spec.dtype, threads=self.spec.threads,
+                            max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic,
+                            max_batch=self.spec.max_batch)
         self.state = state
         for attempt in range(3):  # a port checked free can be taken before the bind (another cluster on the node)
             (port,) = self._ports(node, 1)
@@ -99,6 +104,16 @@ class EngineActor:
         if self.state is None:
             raise RuntimeError("weights by object store reach only the built-in engine; SGLang loads them from disk")
         return self.state.update_from_named(named, version)
+
+    def update_weights_ipc(self, buckets: list, version: str) -> int:
+        """Colocated weight sync: CUDA IPC buckets from the train rank on this engine's GPU."""
+        if self.state is None:
+            raise RuntimeError("CUDA IPC weights reach only the built-in engine; SGLang loads them from disk")
+        return self.state.update_from_ipc(buckets, version)
+
+    def memory(self) -> dict[str, float]:
+        """This engine's CUDA memory since the last call ({} on CPU): engine.gpu.gpu_memory."""
+        return self.state.memory() if self.state is not None else {}
 
     def alive(self) -> bool:
         if self.spec.kind == "builtin":

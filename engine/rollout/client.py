@@ -59,6 +59,17 @@ class EngineClient:
     def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> Any:
         return self._post("/generate", body, timeout_s)
 
+    def score(self, input_ids: list[list[int]], temperature: float, timeout_s: float | None = None
+              ) -> list[list[float]]:
+        """log π(seq[k] | seq[:k]) for k ≥ 1 of each sequence, under the served weights (a prefill: /generate with
+        max_new_tokens 0, return_logprob, logprob_start_len 0; SGLang's `input_token_logprobs`)."""
+        out = self.generate({"input_ids": input_ids, "return_logprob": True, "logprob_start_len": 0,
+                             "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}, timeout_s)
+        try:
+            return [[float(e[0]) for e in o["meta_info"]["input_token_logprobs"][1:]] for o in out]
+        except (KeyError, TypeError, IndexError) as e:
+            raise EngineError(f"{self.url}/generate: no input_token_logprobs in the answer ({e})") from None
+
     def _weights(self, path: str, body: dict, timeout_s: float | None) -> dict:
         out = self._post(path, body, timeout_s)
         if not out.get("success", False):

@@ -181,11 +181,13 @@ class EngineGroup:
             self.released = False
 
 
-def engine_spec(cfg, *, threads: int | None, log_dir: str) -> EngineSpec:
-    """The RunConfig's engine settings (one place for the mapping)."""
+def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool) -> EngineSpec:
+    """The RunConfig's engine settings (one place for the mapping); on_gpu: the engines sit on GPU bundles."""
     return EngineSpec(kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, log_dir=log_dir,
                       tp_size=cfg.rollout_num_gpus_per_engine if cfg.rollout_engine == "sglang" else 1,
                       threads=threads, max_new_tokens=cfg.rollout_max_response_len,
                       deterministic=bool(cfg.sglang_args.get("enable-deterministic-inference")),
                       sglang_args=dict(cfg.sglang_args), python=cfg.rollout_engine_python, colocate=cfg.colocate,
-                      start_timeout_s=cfg.rollout_engine_start_timeout)
+                      start_timeout_s=cfg.rollout_engine_start_timeout,
+                      dtype=cfg.engine_dtype("cuda" if on_gpu else "cpu"),
+                      max_batch=int(cfg.sglang_args.get("max-running-requests", 256)))

@@ -15,10 +15,15 @@ Invariants (tests/test_engine_server.py):
 Batch composition changes the floating-point reductions of a row (padding, matmul blocking): measured on the
 bundled model, a row's log-probs move by up to ~1.4e-5 between "alone" and "in a batch of 38", which can flip a
 sampled token with probability ~1e-5 per token. Per-row seeds make a row reproducible only for a fixed batch.
+
+Sampling: on the CPU each row draws from its own torch.Generator (the results every CPU run and test has recorded);
+on a GPU the whole batch draws at once from counter-based noise keyed by (row seed, step) (engine/rollout/
+sampling.py), and the prefill computes logits of the last prompt position only unless prompt log-probs are asked.
 """
 from __future__ import annotations
 
 import inspect
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +99,7 @@ class Generator:
 
     def __init__(self, model, tokenizer, eos_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.eos_ids, self.device = model, tokenizer, list(eos_ids), device
+        self.on_gpu = not str(device).startswith("cpu")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self.aborts = AbortBook()
         self.lock = threading.Lock()  # weight updates vs generation
@@ -121,7 +127,14 @@ class Generator:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
         temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs], dtype=torch.float32,
                              device=self.device)  # [b] the T of the returned log-probs (1 when greedy)
-        gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in reqs]
+        if self.on_gpu:  # one counter-based draw per row and step (sampling.py); unseeded rows get a random seed
+            seeds = torch.tensor([r.seed if r.seed is not None else random.getrandbits(62) for r in reqs],
+                                 dtype=torch.long, device=self.device)
+            knobs = {"temperature": torch.tensor([r.temperature for r in reqs], device=self.device),
+                     "top_p": torch.tensor([r.top_p for r in reqs], device=self.device),
+                     "top_k": torch.tensor([r.top_k for r in reqs], device=self.device)}
+        else:
+            gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in reqs]
         stop_ids = [set(r.stop_token_ids) | (set() if r.ignore_eos else set(self.eos_ids)) for r in reqs]
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_lp: list[list[float]] = [[] for _ in reqs]
@@ -132,23 +145,36 @@ class Generator:
             elif r.max_new_tokens <= 0:
                 finish[i] = {"type": "length", "length": 0}
 
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        all_logits = out.logits.float()  # [b, P, V]
+        # every prompt position's logits only when prompt log-probs are asked (on a GPU: [b, P, V] fp32 would be
+        # 10 GB at b = 512, P = 32, V = 151,936); the CPU computes them all, as it always has
+        prompt_lps = any(r.logprob_start_len >= 0 for r in reqs)
+        keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
+        all_logits = out.logits.float()  # [b, P, V] (or [b, 1, V])
         input_lps = [self._input_logprobs(all_logits[i], r, plen, float(temps[i])) for i, r in enumerate(reqs)]
         past, logits = _cache_of(out), all_logits[:, -1, :]  # [b, V]
         last_pos = pos[:, -1]
+        step = 0
         while not all(f is not None for f in finish):
-            toks = self._sample(logits, reqs, gens)  # [b]
+            if self.on_gpu:
+                from engine.rollout.sampling import counter_uniform, sample_tokens
+
+                toks = sample_tokens(logits, uniforms=counter_uniform(seeds, step), **knobs)  # [b]
+            else:
+                toks = self._sample(logits, reqs, gens)  # [b]
+            step += 1
             lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)  # [b]
+            # one device → host copy per step (not one per row)
+            toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
             for i, r in enumerate(reqs):
                 if finish[i] is not None:
                     continue
                 if self.aborts.is_aborted(r.rid):
                     finish[i] = {"type": "abort", "message": "aborted by /abort_request"}
                     continue
-                t = int(toks[i])
+                t = int(toks_l[i])
                 out_ids[i].append(t)
-                out_lp[i].append(float(lps[i]))
+                out_lp[i].append(lps_l[i])
                 if t in stop_ids[i]:
                     finish[i] = {"type": "stop", "matched": t}
                 elif r.stop and (hit := self._stop_string(out_ids[i], r)):
@@ -171,7 +197,8 @@ class Generator:
             return None
         P = len(r.input_ids)
         cols = logits[plen - P:]  # [P, V]: column k predicts prompt[k + 1]
-        lp = torch.log_softmax(cols[:-1] / temp, dim=-1).gather(-1, torch.tensor(r.input_ids[1:])[:, None])
+        targets = torch.tensor(r.input_ids[1:], device=logits.device)[:, None]  # [P-1, 1]
+        lp = torch.log_softmax(cols[:-1] / temp, dim=-1).gather(-1, targets)
         full = [None] + [float(x) for x in lp.squeeze(-1)]  # [P]
         return full[r.logprob_start_len:]
 

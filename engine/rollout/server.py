@@ -104,7 +104,7 @@ class BatchingScheduler:
 class EngineState:
     """The served model and its version; shared by the HTTP handlers."""
 
-    def __init__(self, model_path: str, *, device: str = "cpu", threads: int | None = None,
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
                  max_new_tokens: int = 128, batch_window_s: float = 0.05, max_batch: int = 256,
                  deterministic: bool = False, batch_gap_s: float = 0.01):
         import torch
@@ -113,9 +113,9 @@ class EngineState:
 
         if threads and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self.model_path, self.device, self.default_max_new = model_path, device, max_new_tokens
+        self.model_path, self.device, self.dtype, self.default_max_new = model_path, device, dtype, max_new_tokens
         self.tokenizer = load_tokenizer(model_path)
-        model = load_causal_lm(model_path, device=device).eval()
+        model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
         self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device)
         self.weight_version = "default"  # SGLang's initial weight_version
         self.released = False
@@ -162,12 +162,47 @@ class EngineState:
                 self.weight_version = version
         return n
 
+    def update_from_ipc(self, buckets: list, version: str | None) -> int:
+        """CUDA IPC buckets from a trainer on the same GPU (engine/weights/ipc.py: SGLang's flattened-bucket
+        shape): every name is checked before anything is copied; the copies run on this device."""
+        import torch
+
+        from engine.weights import check_names, ipc
+
+        model = self.generator.model
+        check_names(model, {m["name"]: tuple(m["shape"]) for b in buckets for m in b.metadata}, full=True)
+        targets = dict(model.named_parameters())
+        targets.update(dict(model.named_buffers()))
+        copied = 0
+        with self.generator.lock, torch.no_grad():
+            for b in buckets:
+                flat = ipc.open_bucket(b)
+                for name, t in ipc.unflatten(flat, b.metadata).items():
+                    targets[name].copy_(t)  # same device; cast if the dtypes differ
+                copied += b.nbytes
+                del flat
+            torch.cuda.synchronize()  # done reading the trainer's memory before it frees it
+            if version is not None:
+                self.weight_version = version
+        return copied
+
     def set_released(self, released: bool) -> None:
-        """On a GPU the weights leave the device while released (colocated training needs the memory)."""
+        """SGLang's /release_memory_occupation: on a GPU the weights go to host memory and the allocator's cached
+        blocks (the KV cache of the last batch included) go back to the driver, so a colocated trainer can use
+        them; /resume_memory_occupation brings the weights back."""
+        import torch
+
         with self.generator.lock:
             if self.device != "cpu":
                 self.generator.model.to("cpu" if released else self.device)
+                if released:
+                    torch.cuda.empty_cache()
             self.released = released
+
+    def memory(self) -> dict[str, float]:
+        from engine.gpu import gpu_memory
+
+        return gpu_memory()
 
 
 def _err(status: int, msg: str) -> JSONResponse:
@@ -371,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor-parallel size (the built-in engine: 1)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and compute (SGLang's flag; auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--max-running-requests", type=int, default=256,
+                   help="most sequences generated as one batch (SGLang's flag; default 256)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default max_new_tokens (SGLang's: 128)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
@@ -389,9 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    state = EngineState(a.model_path, device=device, threads=a.threads, max_new_tokens=a.max_new_tokens,
-                        deterministic=a.enable_deterministic_inference)
-    print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device})", flush=True)
+    dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    state = EngineState(a.model_path, device=device, dtype=dtype, threads=a.threads, max_new_tokens=a.max_new_tokens,
+                        max_batch=a.max_running_requests, deterministic=a.enable_deterministic_inference)
+    print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device}, {dtype})",
+          flush=True)
     uvicorn.run(create_app(state), host=a.host, port=a.port, log_level="warning")
     return 0
 

@@ -1,0 +1,109 @@
+"""Batched device sampling (engine/rollout/sampling.py): per-row reproducible whatever the batch, correct filters.
+
+These run on the CPU; the GPU engine runs the same functions on CUDA tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.rollout.sampling import counter_uniform, sample_tokens, splitmix64
+
+MASK = (1 << 64) - 1
+
+
+def splitmix64_reference(z: int) -> int:
+    """splitmix64's finaliser on Python ints (Vigna's reference, without the increment)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def test_splitmix64_on_int64_tensors_equals_the_unsigned_reference():
+    xs = [0, 1, 2**31, 2**62 + 12345, 2**63 - 1, 2**64 - 1, 0x9E3779B97F4A7C15]
+    signed = torch.tensor([x - 2**64 if x >= 2**63 else x for x in xs], dtype=torch.long)
+    got = [v & MASK for v in splitmix64(signed).tolist()]
+    assert got == [splitmix64_reference(x) for x in xs]
+
+
+def test_uniforms_depend_on_seed_and_step_only():
+    seeds = torch.tensor([5, 7, 5, 123456789012], dtype=torch.long)
+    u = counter_uniform(seeds, 3)
+    assert u[0] == u[2] and u[0] != u[1]  # same seed → same draw
+    assert counter_uniform(seeds[3:], 3)[0] == u[3]  # alone or in a batch: the same number
+    assert counter_uniform(seeds, 4)[0] != u[0]  # the next step draws anew
+    many = counter_uniform(torch.arange(20000), 0)
+    assert 0 <= float(many.min()) and float(many.max()) < 1
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.var()) - 1 / 12) < 0.005
+
+
+def _knobs(b, temperature=1.0, top_p=1.0, top_k=-1):
+    return dict(temperature=torch.full((b,), temperature), top_p=torch.full((b,), top_p),
+                top_k=torch.full((b,), top_k, dtype=torch.long))
+
+
+def test_inverse_cdf_draw_follows_the_distribution():
+    # p = softmax(log [0.5, 0.3, 0.2]) = [0.5, 0.3, 0.2]; 30,000 rows, one uniform each → frequencies within ±0.01
+    b = 30000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).repeat(b, 1)
+    toks = sample_tokens(logits, uniforms=counter_uniform(torch.arange(b), 0), **_knobs(b))
+    freq = torch.bincount(toks, minlength=3).double() / b
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.01)
+    # temperature 2: p ∝ [0.5, 0.3, 0.2]^(1/2) = [0.7071, 0.5477, 0.4472] / 1.7020 = [0.4155, 0.3218, 0.2628]
+    toks = sample_tokens(logits, uniforms=counter_uniform(torch.arange(b), 1), **_knobs(b, temperature=2.0))
+    freq = torch.bincount(toks, minlength=3).double() / b
+    assert torch.allclose(freq, torch.tensor([0.4155, 0.3218, 0.2628], dtype=torch.float64), atol=0.012)
+
+
+def test_a_row_draws_the_same_token_whatever_else_is_in_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    seeds = torch.tensor([11, 12, 13, 14, 15, 16])
+    kw = dict(temperature=torch.tensor([1.0, 0.7, 1.3, 1.0, 0.0, 1.0]), top_p=torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0]),
+              top_k=torch.tensor([-1, -1, 5, -1, -1, 3]))
+    batch = sample_tokens(logits, uniforms=counter_uniform(seeds, 7), **kw)
+    for i in range(6):
+        alone = sample_tokens(logits[i:i + 1], uniforms=counter_uniform(seeds[i:i + 1], 7),
+                              **{k: v[i:i + 1] for k, v in kw.items()})
+        assert int(alone) == int(batch[i]), i
+    assert int(batch[4]) == int(logits[4].argmax())  # temperature 0 is greedy
+
+
+def test_top_k_and_top_p_never_draw_outside_their_set():
+    torch.manual_seed(1)
+    b = 4000
+    logits = torch.randn(1, 30).repeat(b, 1)
+    order = logits[0].argsort(descending=True)
+    toks = sample_tokens(logits, uniforms=counter_uniform(torch.arange(b), 0), **_knobs(b, top_k=4))
+    assert set(toks.tolist()) == set(order[:4].tolist())  # all four drawn, nothing else
+    # top-p 0.5: the smallest prefix of the sorted distribution whose mass reaches 0.5
+    p = torch.softmax(logits[0], -1)[order]
+    keep = int((p.cumsum(0) - p < 0.5).sum())
+    toks = sample_tokens(logits, uniforms=counter_uniform(torch.arange(b), 1), **_knobs(b, top_p=0.5))
+    assert set(toks.tolist()) == set(order[:keep].tolist())
+
+
+# ---- the engine's GPU decode path, run on the CPU ------------------------------------------------------------
+def test_the_device_sampling_path_of_the_engine(tiny_model):
+    """Generator with `on_gpu` (what a CUDA engine runs, forced here on the CPU): counter-based draws, last-position
+    prefill logits. Log-probs are the served model's; a row's tokens do not depend on the rest of the batch."""
+    from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+    from engine.rollout.generation import GenRequest, Generator
+
+    tok = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model).eval()
+    gen = Generator(model, tok, eos_token_ids(tiny_model, tok))
+    gen.on_gpu = True
+    prompt = tok("<|im_start|>user\n57+38=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    other = tok("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    reqs = [GenRequest(rid=f"r{i}", input_ids=prompt, max_new_tokens=8, seed=100 + i) for i in range(6)]
+    batch = gen.generate(reqs + [GenRequest(rid="o", input_ids=other, max_new_tokens=8, seed=1, top_k=3)])
+    alone = gen.generate([GenRequest(rid="a", input_ids=prompt, max_new_tokens=8, seed=102)])[0]
+    assert alone.output_ids == batch[2].output_ids  # same seed, same tokens, with or without other rows
+    assert len({tuple(r.output_ids) for r in batch[:6]}) > 1  # different seeds sample differently
+    for r in batch:
+        assert r.finish_reason["type"] in ("stop", "length") and len(r.output_ids) == len(r.logprobs) <= 8
+        seq = r.input_ids + r.output_ids
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+        direct = logp[len(r.input_ids) - 1:-1].gather(-1, torch.tensor(r.output_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(r.logprobs), direct, atol=1e-4)
