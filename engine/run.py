@@ -43,6 +43,11 @@ class Run:
         self.cluster: dict[str, Any] = {}
         self.staged: dict[tuple[str, int], Any] = {}  # ("batch" | "packed", rollout_id) → stage output in flight
         self.owns_ray = True  # this run connected to (or started) Ray, so close() disconnects
+        self.on_gpu = False  # the engines (and colocated trainers) sit on GPU bundles
+        self.engine_dtype = "float32"  # the built-in engines' dtype (--rollout-dtype, resolved by place)
+        # cuda_ipc | object_store | disk: place decides (stages.sync_transport); until then what the flag says
+        self.sync_transport = "disk" if cfg.weight_sync_method == "disk" else "object_store"
+        self.probe: list[list[int]] = []  # prompts every engine answers after a sync, scored by the trainer (RF14)
         self.grad_norms: list[float] = []  # per optimizer step of this process (RF09's running median)
         self.diagnoses: list = []  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks
 
@@ -59,6 +64,10 @@ class Run:
     @property
     def train_threads(self) -> int:
         return self.cfg.train_threads or self.threads_per_process
+
+    @property
+    def train_dtype(self) -> str:
+        return "bfloat16" if self.cfg.bf16 else "float32"
 
     @property
     def key(self) -> str:

@@ -108,6 +108,7 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
                                      metadata_key=cfg.metadata_key,
                                      flag="--eval-prompt-data")[: cfg.eval_max_samples]
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
+    run.probe = probe_prompts(run)
 
     run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
     if run.store and run.start.next_rollout_id == 0 and run.tracker.run_id:  # a fresh lineage: remember its run
@@ -164,11 +165,37 @@ def launch_rollout_engines(run: Run) -> None:
     if gone := remove_leftovers(name):
         log.warning("removed %d placement group(s) named %s left by an earlier attempt of this run", gone, name)
     run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
-    spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
+    run.on_gpu = layout.gpus_per_engine > 0
+    spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"), on_gpu=run.on_gpu)
+    run.engine_dtype = spec.dtype
+    run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu)
+    log.info("rollflow: engines %s %s, weight sync by %s", "on GPU" if run.on_gpu else "on CPU", spec.dtype,
+             run.sync_transport)
     run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
                               runtime_env=cluster._threads_env(run.threads_per_process)).launch()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
     run.engines.resync = lambda slots: push_weights(run, slots, run.weight_version) if run.weight_version else None
+
+
+def sync_transport(cfg: RunConfig, *, on_gpu: bool) -> str:
+    """How weights reach the engines (one decision per run): `disk`; `cuda_ipc` when each built-in engine shares
+    its GPU with a train rank that can gather the full weights (colocated; Megatron without pipeline stages);
+    else `object_store`."""
+    if cfg.weight_sync_method == "disk":
+        return "disk"
+    if cfg.colocate and on_gpu and cfg.rollout_engine == "builtin" and \
+            (cfg.train_backend == "torch" or cfg.pipeline_model_parallel_size == 1):
+        return "cuda_ipc"
+    return "object_store"
+
+
+def probe_prompts(run: Run, k: int = 4) -> list[list[int]]:
+    """The first k eval (else train) prompts, rendered: after each weight sync every engine samples a short
+    answer to each and the trainer scores those answers (RF14, `probe_engines`)."""
+    from engine.modeling import render_prompt
+
+    rows = (run.eval_rows or run.dataset.rows)[:k]
+    return [render_prompt(run.tokenizer, row.prompt, run.cfg.apply_chat_template) for row in rows]
 
 
 def watch_rollout_engines(run: Run) -> None:
@@ -200,7 +227,9 @@ def convert(run: Run) -> int:
         run.train_group.load_weights(run.ref_dir, ref=True)
     run.start_rollout_id = s.next_rollout_id
     if s.kind != "fresh":
-        sync(run, s.next_rollout_id - 1)
+        sync(run, s.next_rollout_id - 1)  # (offloads the trainer with --offload-train)
+    elif run.cfg.offload_train:
+        run.train_group.offload()
     shutil.rmtree(run.staging / "load", ignore_errors=True)  # loaded everywhere; S3 downloads are not needed
     return run.start_rollout_id
 
@@ -270,7 +299,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     faults.at("after_rollout", rollout_id)
     if cfg.colocate:
         run.engines.release_memory()  # the trainer needs the GPUs now; sync() resumes
-    return RolloutBatch(rollout_id, result.groups, rollout_metrics(result, time.perf_counter() - t0))
+    metrics = {**rollout_metrics(result, time.perf_counter() - t0), **gpu_memory_metrics(run, "rollout")}
+    return RolloutBatch(rollout_id, result.groups, metrics)
 
 
 # ---- pack ------------------------------------------------------------------------------------------------------
@@ -319,16 +349,25 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank, with the runtime checks.
 
     RF01: on the run's first step the policy and the reference are the same weights (KL = 0, ratio = 1).
+    RF14: before any update, the engine's log-probs of the rollout must match the trainer's (train/mismatch).
     RF09: a step whose grad norm spikes is reported (a warning in run.diagnoses) with its sample ids.
     """
     from engine.doctor.diagnosis import DiagnosisError
     from engine.train.backend import reduce_metrics
-    from engine.train.checks import first_step_check, grad_norm_spike, spike_diagnosis
+    from engine.train.checks import first_step_check, grad_norm_spike, mismatch_diagnosis, spike_diagnosis
 
     cfg = run.cfg
     t0 = time.perf_counter()
     # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
     facts = reduce_metrics(run.train_group.set_rollout(packed.per_rank_steps, packed.rewards, need_ref=True))
+    mismatch = {"train/mismatch": facts["mismatch"], "train/mismatch_max": facts["mismatch_max"]}
+    trained = sum(float(mb.loss_mask.sum()) for rank in packed.per_rank_steps for step in rank for mb in step)
+    if d := mismatch_diagnosis(where=f"rollout {packed.rollout_id}", mean=facts["mismatch"],
+                               worst=facts["mismatch_max"], tokens=trained,
+                               threshold=cfg.mismatch_threshold(run.engine_dtype), engine_dtype=run.engine_dtype,
+                               train_dtype=run.train_dtype):
+        run.record(mismatch, packed.rollout_id)  # the numbers reach MLflow with the failure
+        raise DiagnosisError(d)
     first = run.start.next_rollout_id == 0 and packed.rollout_id == 0  # policy = reference on this step
     if first and (d := first_step_check(ref_logp_maxdiff=facts["ref_logp_maxdiff"], ratio_maxdev=None,
                                         ref_source=run.ref_dir or cfg.hf_checkpoint,
@@ -358,7 +397,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     out["train/grad_norm_spikes"] = sum(s.get("grad_norm_spikes", 0.0) for s in per_step)
     out["train/seconds"] = secs
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
-    return out
+    return {**out, **mismatch, **gpu_memory_metrics(run, "train")}
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
@@ -393,29 +432,79 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
 
 # ---- sync ------------------------------------------------------------------------------------------------------
 def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
-    """The trainer's weights to these engines as `version` (--weight-sync-method), checked on every engine."""
+    """The trainer's weights to these engines as `version` (run.sync_transport), checked on every engine."""
     import shutil
 
-    from engine.weights.sync import push_disk, push_object_store
+    from engine.weights.sync import push_disk, push_ipc, push_object_store
 
     cfg = run.cfg
-    if cfg.weight_sync_method == "tensor":
+    t0 = time.perf_counter()
+    if run.sync_transport == "cuda_ipc":
+        # engine e sits on bundle b; train rank b shares that GPU (colocated layout) and exports to it
+        source = {s.index: s.bundle for s in slots}
+        per_rank = run.train_group.ipc_export(run.engine_dtype, cfg.update_weight_buffer_size, set(source.values()))
+        try:
+            push_ipc(slots, {i: per_rank[r] for i, r in source.items()}, version, timeout_s=cfg.weight_sync_timeout)
+        finally:
+            run.train_group.ipc_release()
+        nbytes = sum(b.nbytes for b in per_rank[next(iter(source.values()))]) if source else 0
+    elif run.sync_transport == "object_store":
         ref, mb = run.train_group.weights_ref()
         push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
-        return {"sync/mb": mb}
-    path = run.work_dir / "weights" / f"v{version:06d}"
-    run.train_group.save_weights(str(path))
-    size = sum(f.stat().st_size for f in path.glob("*"))
-    try:
-        push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)  # versioned and deleted after use
-    return {"sync/mb": size / 2**20}
+        nbytes = mb * 2**20
+    else:
+        path = run.work_dir / "weights" / f"v{version:06d}"
+        run.train_group.save_weights(str(path))
+        nbytes = sum(f.stat().st_size for f in path.glob("*"))
+        try:
+            push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)  # versioned and deleted after use
+    secs = time.perf_counter() - t0
+    return {"sync/mb": nbytes / 2**20, "sync/gb_per_s": nbytes / 1e9 / max(secs, 1e-9)}
+
+
+def probe_engines(run: Run, version: int, max_new_tokens: int = 16) -> dict[str, float]:
+    """RF14 right after a sync, before any rollout uses the weights: every serving engine samples a short answer to
+    each probe prompt (fixed seeds, the run's sampling settings) and the trainer scores those tokens — the same
+    quantity as train/mismatch. Returns the largest per-engine mean |Δ log-prob| as `sync/probe_mismatch`."""
+    from engine.doctor.diagnosis import DiagnosisError
+    from engine.packing.microbatch import make_micro_batch
+    from engine.rollout.client import EngineClient
+    from engine.samples import Status
+    from engine.train.checks import mismatch_diagnosis
+
+    cfg = run.cfg
+    if not run.probe:  # a Run assembled without place (tests of single stages)
+        return {}
+    params = sampling_params(run)
+    params.max_new_tokens = min(max_new_tokens, cfg.rollout_max_response_len)
+    means = []
+    for url in run.engines.serving():
+        outs = EngineClient(url, timeout_s=cfg.weight_sync_timeout).generate(
+            {"input_ids": run.probe, "return_logprob": True,
+             "sampling_params": [params.to_sglang(seed=cfg.seed + i) for i in range(len(run.probe))]})
+        samples = []
+        for i, (prompt, o) in enumerate(zip(run.probe, outs)):
+            lps = [float(t[0]) for t in o["meta_info"]["output_token_logprobs"]]
+            samples.append(Sample(index=i, group_index=i, rollout_id=-1, prompt="", tokens=prompt + o["output_ids"],
+                                  response_length=len(lps), loss_mask=[1] * len(lps), rollout_log_probs=lps,
+                                  status=Status.COMPLETED))
+        mb = make_micro_batch(samples, [0.0] * len(samples))
+        m = mb.loss_mask > 0
+        diffs = (run.train_group.score(mb)[m] - mb.rollout_log_probs[m]).abs()  # [K] over the sampled tokens
+        mean, worst = (float(diffs.mean()), float(diffs.max())) if diffs.numel() else (0.0, 0.0)
+        if d := mismatch_diagnosis(where=f"the weight sync to version {version} ({url})", mean=mean, worst=worst,
+                                   tokens=diffs.numel(), threshold=cfg.mismatch_threshold(run.engine_dtype),
+                                   engine_dtype=run.engine_dtype, train_dtype=run.train_dtype):
+            raise DiagnosisError(d)
+        means.append(mean)
+    return {"sync/probe_mismatch": max(means, default=0.0)}
 
 
 def sync(run: Run, rollout_id: int) -> dict[str, float]:
     """Trainer → every serving engine: weights of version rollout_id + 1 (a restarting engine waits for the lock
-    and then gets them from its resync)."""
+    and then gets them from its resync), then the RF14 probe; with --offload-train the trainer then leaves the GPU."""
     t0 = time.perf_counter()
     version = rollout_id + 1
     with run.engines.lock:
@@ -423,7 +512,25 @@ def sync(run: Run, rollout_id: int) -> dict[str, float]:
             run.engines.resume_memory()
         out = push_weights(run, run.engines.serving_slots(), version)
         run.weight_version = version
-    return {**out, "sync/seconds": time.perf_counter() - t0, "sync/weight_version": float(version)}
+    out.update(probe_engines(run, version))
+    if run.cfg.offload_train:
+        run.train_group.offload()
+    return {**out, "sync/seconds": time.perf_counter() - t0, "sync/weight_version": float(version),
+            **gpu_memory_metrics(run, "sync")}
+
+
+def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
+    """memory/<stage>_*: the most GPU memory the train workers and the engines held during the stage (each
+    process's allocator peak since the previous stage; engine.gpu.gpu_memory). {} on CPU runs."""
+    import ray
+
+    if not run.on_gpu:
+        return {}
+    train = [m.get("peak_gib", 0.0) for m in run.train_group.memory()]
+    engines = [m.get("peak_gib", 0.0) for m in ray.get([s.actor.memory.remote() for s in run.engines.serving_slots()],
+                                                       timeout=60)]
+    t, e = max(train, default=0.0), max(engines, default=0.0)
+    return {f"memory/{stage}_peak_gib": t + e, f"memory/{stage}_train_gib": t, f"memory/{stage}_engine_gib": e}
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------------
@@ -463,4 +570,8 @@ def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> d
         "save_dir": run.store.url if run.store else None,
         "last_checkpoint": checkpoint.read_marker(run.store) if run.store else None,
         "started_from": run.start.describe() if run.start else None,
+        "weight_sync": run.sync_transport,
+        "engine_dtype": run.engine_dtype,
+        # every metric by rollout id (what MLflow got), so a script can read the run from this one file
+        "history": {k: {str(i): v for i, v in sorted(d.items())} for k, d in sorted(run.history.items())},
     }

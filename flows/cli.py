@@ -14,7 +14,7 @@ USAGE = """rollflow <command> [flags]
 
 commands:
   train    run RL training as a Prefect flow (rollflow train --help lists every flag)
-  doctor   check a config for the failures in the catalog (RF01–RF13) without starting anything
+  doctor   check a config for the failures in the catalog (RF01–RF14) without starting anything
   serve    run the built-in rollout engine (SGLang's HTTP API) in the foreground
   compare  compare MLflow runs: params that differ, final / best metrics, a plot (rollflow compare --help)
   convert  HF ⇄ training checkpoint: --hf-checkpoint DIR --save DIR, or --load DIR [--ckpt-step N] --output-hf DIR

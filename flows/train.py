@@ -38,8 +38,13 @@ def _iteration_markdown(run: Run, rollout_id: int) -> str:
             f"| reward mean | {get('rollout/reward_mean'):.4f} |\n| response length | "
             f"{get('rollout/response_len_mean'):.1f} |\n| loss | {get('train/loss'):.5f} |\n"
             f"| KL (to reference) | {get('train/kl'):.5f} |\n| grad norm | {get('train/grad_norm'):.4f} |\n"
+            f"| train–inference mismatch, mean / max (RF14) | {get('train/mismatch'):.3g} / "
+            f"{get('train/mismatch_max'):.3g} |\n"
             f"| rollout tokens/s | {get('rollout/tokens_per_s'):.1f} |\n| rollout s | {get('rollout/seconds'):.2f} |\n"
-            f"| train s | {get('train/seconds'):.2f} |\n| sync s | {get('sync/seconds'):.2f} |\n")
+            f"| train s | {get('train/seconds'):.2f} |\n| sync s | {get('sync/seconds'):.2f} |\n"
+            + (f"| peak GPU GiB rollout / train / sync | {get('memory/rollout_peak_gib'):.2f} / "
+               f"{get('memory/train_peak_gib'):.2f} / {get('memory/sync_peak_gib'):.2f} |\n"
+               if "memory/rollout_peak_gib" in h else ""))
 
 
 @flow(name="rl-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)

@@ -204,13 +204,55 @@ def packed_rollout(rollout_id=0):
 def test_train_stage_reports_the_metrics(tiny_model):
     from engine.stages import train
 
-    cfg = make_cfg(tiny_model, use_tis=True)
+    # the fake engine log-probs are random (|Δ| ≈ 26 from the trainer's): RF14 would stop this run (next test)
+    cfg = make_cfg(tiny_model, use_tis=True, logprob_mismatch_threshold=1e3)
     out = train(stage_run(cfg, make_worker(cfg)), packed_rollout())
-    for key in ("loss", "pg_loss", "entropy", "kl", "clipfrac", "ratio", "mismatch", "grad_norm", "grad_norm_max",
-                "lr", "tokens_per_s", "skipped_steps", "tis_clipfrac"):
+    for key in ("loss", "pg_loss", "entropy", "kl", "clipfrac", "ratio", "mismatch", "mismatch_max", "grad_norm",
+                "grad_norm_max", "lr", "tokens_per_s", "skipped_steps", "tis_clipfrac"):
         assert math.isfinite(out[f"train/{key}"]), key
     assert out["train/kl"] == 0.0 and out["train/ratio"] == pytest.approx(1.0)  # first step: π = π_ref = π_old
-    assert out["train/mismatch"] > 0  # fake engine log-probs differ from the trainer's
+    assert 0 < out["train/mismatch"] <= out["train/mismatch_max"]  # fake engine log-probs differ from the trainer's
+
+
+def test_rf14_stops_the_run_before_the_update_when_the_engine_disagrees(tiny_model):
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model)  # default threshold: 1e-3 for fp32 trainer and engine
+    w = make_worker(cfg)
+    run = stage_run(cfg, w)
+    before = params(w.backend.model)
+    with pytest.raises(DiagnosisError) as e:
+        train(run, packed_rollout())
+    (d,) = e.value.diagnoses
+    assert d.code == "RF14" and d.facts["threshold"] == 1e-3 and d.facts["mean"] > 1 and d.facts["tokens"] == 44
+    assert "--use-tis" in d.fix and "weight mapping" in d.fix
+    assert all(torch.equal(before[k], v) for k, v in params(w.backend.model).items())  # nothing trained
+    assert run.history["train/mismatch"][0] == d.facts["mean"]  # recorded for MLflow with the failure
+
+
+def test_rf14_passes_when_the_engine_log_probs_are_the_trainers(tiny_model):
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model)
+    w = make_worker(cfg)
+    rollout = packed_rollout()
+    (steps,) = rollout.per_rank_steps
+    for mbs in steps:  # what an engine serving exactly the trainer's weights returns (fp32, same kernels)
+        for mb, lp in zip(mbs, w.backend.compute_log_probs(mbs)):
+            mb.rollout_log_probs = lp * mb.loss_mask
+    out = train(stage_run(cfg, w), rollout)
+    assert out["train/mismatch"] == 0.0 and out["train/mismatch_max"] == 0.0
+
+
+def test_mismatch_threshold_follows_the_precision(tiny_model):
+    assert make_cfg(tiny_model).mismatch_threshold("float32") == 1e-3
+    assert make_cfg(tiny_model).mismatch_threshold("bfloat16") == 0.01  # the engine rounds to bf16
+    assert make_cfg(tiny_model, bf16=True).mismatch_threshold("float32") == 0.01
+    assert make_cfg(tiny_model, logprob_mismatch_threshold=0.2).mismatch_threshold("bfloat16") == 0.2
+    assert make_cfg(tiny_model, bf16=True).engine_dtype("cuda") == "bfloat16"
+    assert make_cfg(tiny_model).engine_dtype("cuda") == "float32"  # follows the trainer's precision
+    assert make_cfg(tiny_model, bf16=True).engine_dtype("cpu") == "float32"
+    assert make_cfg(tiny_model, rollout_dtype="bfloat16").engine_dtype("cpu") == "bfloat16"
 
 
 def test_wrong_reference_fails_the_first_step_with_rf01_before_any_update(tiny_model, tmp_path):
@@ -222,7 +264,7 @@ def test_wrong_reference_fails_the_first_step_with_rf01_before_any_update(tiny_m
         for p in half_loaded.model.layers[2].parameters():
             p.normal_(0, 0.02)
     half_loaded.save_pretrained(tmp_path / "ref")
-    cfg = make_cfg(tiny_model, ref_load=str(tmp_path / "ref"))
+    cfg = make_cfg(tiny_model, ref_load=str(tmp_path / "ref"), logprob_mismatch_threshold=1e3)
     w = make_worker(cfg)
     before = params(w.backend.model)
     with pytest.raises(DiagnosisError) as e:
@@ -248,7 +290,7 @@ def test_reference_from_a_checkpoint_directory(tiny_model, tmp_path):
 def test_grad_norm_spike_is_reported_with_the_step_samples(tiny_model):
     from engine.stages import train
 
-    cfg = make_cfg(tiny_model)
+    cfg = make_cfg(tiny_model, logprob_mismatch_threshold=1e3)  # fake engine log-probs (see above)
     run = stage_run(cfg, make_worker(cfg))
     run.grad_norms = [1e-6] * 5  # a calm history; this step's norm is ≫ 10 × 1e-6
     out = train(run, packed_rollout(rollout_id=3))
@@ -265,3 +307,62 @@ def test_rf13_report_without_per_sample_losses_names_the_step_samples():
                       step_sample_ids=[7, 8])
     assert d.code == "RF13" and "samples of the step: [7, 8]" in d.what and "finite" not in d.what
     assert d.facts["bad_sample_ids"] == [] and d.facts["sample_ids"] == [7, 8]
+
+
+# ---- precision and memory flags (CPU; the GPU tests run the same code on CUDA) ------------------------------------
+def test_recompute_activations_reruns_each_layer_in_the_backward_and_changes_nothing(tiny_model):
+    plain, recomputed = (make_worker(make_cfg(tiny_model, recompute_activations=r)) for r in (False, True))
+    calls = []
+    for layer in recomputed.backend.model.model.layers:  # (the recomputation stops early: hook the layer's start)
+        layer.input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+    out = {}
+    for name, w in (("plain", plain), ("recomputed", recomputed)):
+        steps, rewards = one_rollout()
+        w.set_rollout(steps, rewards, need_ref=False)
+        calls.clear()
+        out[name] = w.train_step(0, 8)
+        out[name + "_calls"] = len(calls)
+    n_layers, n_mbs = len(recomputed.backend.model.model.layers), 4
+    assert out["recomputed_calls"] == 2 * n_layers * n_mbs  # forward + recomputation in the backward
+    assert out["recomputed"]["grad_norm"] == pytest.approx(out["plain"]["grad_norm"], rel=1e-6)
+    a, b = params(plain.backend.model), params(recomputed.backend.model)
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)  # names unchanged too
+
+
+def test_bf16_computes_in_bf16_over_fp32_master_weights(tiny_model):
+    w = make_worker(make_cfg(tiny_model, bf16=True, lr=1e-2))
+    seen = []
+    w.backend.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    f32 = make_worker(make_cfg(tiny_model))
+    steps, rewards = one_rollout()
+    lp16 = w.backend.compute_log_probs(steps[0])
+    lp32 = f32.backend.compute_log_probs(steps[0])
+    assert seen == [torch.bfloat16] * len(steps[0])  # autocast: the matrix products run in bf16
+    d = torch.cat([(a - b).abs()[mb.loss_mask > 0] for a, b, mb in zip(lp16, lp32, steps[0])])
+    print(f"bf16 vs fp32 log-probs: mean {float(d.mean()):.3g}, max {float(d.max()):.3g}")
+    assert 0 < float(d.mean()) < 0.05 and float(d.max()) < 0.5  # bf16 rounding, not another model
+    before = params(w.backend.model)
+    w.set_rollout(steps, rewards, need_ref=False)
+    w.train_step(0, 8)
+    after = params(w.backend.model)
+    assert all(v.dtype == torch.bfloat16 for v in after.values())  # the model holds bf16 weights ...
+    masters = w.backend.named_parameters_full()
+    assert all(v.dtype == torch.float32 for v in masters.values())  # ... rounded from fp32 masters
+    assert all(torch.equal(masters[k].to(torch.bfloat16), after[k]) for k in after)
+    assert all(st["exp_avg"].dtype == torch.float32 for st in w.backend.optimizer.state.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert w.backend.model.model.rotary_emb.inv_freq.dtype == torch.float32  # buffers are not rounded
+    assert all(v.dtype == torch.float32 for v in w.backend.model_state().values())  # what engines and saves get
+
+
+def test_bf16_masters_keep_updates_smaller_than_bf16_resolution(tiny_model):
+    # lr = 1e-4 (Adam's first step moves each weight by ≈ lr): for a weight near 1.0 bf16's spacing is 2⁻⁷ ≈ 0.0078,
+    # so a bf16-only optimizer would round the update away; the fp32 master keeps it
+    w = make_worker(make_cfg(tiny_model, bf16=True, lr=1e-4))
+    norm_before = w.backend.named_parameters_full()["model.norm.weight"].clone()
+    steps, rewards = one_rollout()
+    w.set_rollout(steps, rewards, need_ref=False)
+    w.train_step(0, 8)
+    norm_after = w.backend.named_parameters_full()["model.norm.weight"]
+    moved = (norm_after - norm_before).abs()
+    assert float(moved.max()) > 5e-5 and float(moved.max()) < 2e-4  # ≈ lr, well below bf16's spacing at ~1

@@ -94,6 +94,7 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
         cfg = RunConfig(weight_sync_method="disk")
         work_dir = tmp_path
         train_group = FakeTrainGroup()
+        sync_transport = "disk"
 
     from types import SimpleNamespace
 
@@ -127,7 +128,7 @@ def test_wrong_weights_are_refused_and_change_nothing(setup):
     bad = encode_tensors({"model.embed_tokens.weight": torch.zeros(3, 3)})
     r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad],
                                                               "load_format": "safetensors", "weight_version": "99"})
-    assert r.status_code == 400 and "shape mismatch" in r.json()["message"]
+    assert r.status_code == 400 and "RF14" in r.json()["message"] and "shapes that differ" in r.json()["message"]
     assert httpx.get(url + "/weight_version").json()["weight_version"] == version
     r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad], "load_format": None})
     assert r.status_code == 400 and "load_format" in r.json()["message"]
@@ -145,3 +146,41 @@ def test_sglang_shaped_json_body_also_updates(setup):
                                                  load_format="safetensors", version=11, flush_cache=True)
     after, version = _engine_logprobs(url, seq)
     assert version == "11" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
+
+
+def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, tiny_model):
+    """RF14 at the sync itself: every engine answers the probe prompts and the trainer must give those tokens the
+    engine's log-probs, or the run stops there (before a rollout generates from wrong weights)."""
+    from types import SimpleNamespace
+
+    from engine import stages
+    from engine.config import RunConfig
+    from engine.doctor.diagnosis import DiagnosisError
+    from engine.modeling import eos_token_ids, load_tokenizer
+    from engine.weights.sync import push_tensors
+
+    state, url, trainer = setup
+    _train_a_little(trainer, 5)
+    push_tensors([url], trainer.model_state(), 12, bucket_bytes=2**30, timeout_s=60)
+    cfg = RunConfig(hf_checkpoint=tiny_model, apply_chat_template=True, rollout_max_response_len=8)
+    rows = [SimpleNamespace(prompt=f"{a}+{b}=") for a, b in [(1, 2), (30, 45), (7, 9)]]
+    scored = []
+
+    def score(mb):
+        scored.append(mb)
+        return trainer.compute_log_probs([mb])[0]
+
+    tok = load_tokenizer(tiny_model)
+    run = SimpleNamespace(cfg=cfg, tokenizer=tok, eos_ids=eos_token_ids(tiny_model, tok), eval_rows=rows,
+                          dataset=None, engine_dtype="float32", train_dtype="float32",
+                          train_group=SimpleNamespace(score=score), engines=SimpleNamespace(serving=lambda: [url]))
+    run.probe = stages.probe_prompts(run)
+    assert len(run.probe) == 3
+    assert stages.probe_engines(run, 12)["sync/probe_mismatch"] < 1e-5  # the same weights, fp32
+    assert float(scored[0].loss_mask.sum()) >= 3  # the engine's own answers were scored
+
+    _train_a_little(trainer, 6)  # the trainer moves on, the engine is not told: a stale sync
+    with pytest.raises(DiagnosisError) as e:
+        stages.probe_engines(run, 13)
+    (d,) = e.value.diagnoses
+    assert d.code == "RF14" and "weight sync to version 13" in d.what and d.facts["mean"] > 1e-2

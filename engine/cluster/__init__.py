@@ -90,6 +90,9 @@ class TrainGroup:
         # Megatron's rank order is tp-cp-ep-dp-pp: rank r belongs to DP replica (r // TP) mod DP.
         tp, dp = cfg.tensor_model_parallel_size, cfg.dp_size
         self.dp_rank_of = [(r // tp) % dp for r in range(world)]
+        # Megatron shards the model over ranks, the torch backend over DP ranks (FSDP2): gathering the weights is
+        # then a collective every rank joins
+        self.collective = cfg.train_backend == "megatron" or world > 1
         master = None
         if world > 1:  # gloo's rendezvous port comes from the cluster's one allocator too (RF08)
             node = ray.util.get_node_ip_address()
@@ -152,8 +155,29 @@ class TrainGroup:
         """(a reference to rank 0's weights in Ray's object store, their MB); the driver never holds the weights."""
         import ray
 
-        ref, mb = self.workers[0].numpy_state.options(num_returns=2).remote()
-        return ref, ray.get(mb, timeout=self.timeout_s)
+        joined = self.workers if self.collective else self.workers[:1]
+        calls = [w.numpy_state.options(num_returns=2).remote() for w in joined]
+        mbs = ray.get([mb for _, mb in calls], timeout=self.timeout_s)
+        return calls[0][0], mbs[0]
+
+    def ipc_export(self, dtype: str, bucket_bytes: int, exporters: set[int]) -> list[list]:
+        """Per rank, the CUDA IPC buckets of its weights in `dtype` (empty for ranks not in `exporters`); the
+        workers keep the memory until `ipc_release`."""
+        return self._all("ipc_export", dtype, bucket_bytes, per_rank=[r in exporters for r in range(len(self.workers))])
+
+    def ipc_release(self) -> None:
+        self._all("ipc_release")
+
+    def score(self, mb) -> Any:
+        """Log-probs [T] of one micro-batch under the policy (from a rank whose answer counts)."""
+        return next(lp for lp, counts in self._all("score", mb) if counts)
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def memory(self) -> list[dict[str, float]]:
+        """Each worker's CUDA memory since the last call ({} on CPU): see engine.train.worker.gpu_memory."""
+        return self._all("memory")
 
     def export_hf(self, path: str) -> None:
         self._all("export_hf", path)

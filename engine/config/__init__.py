@@ -30,7 +30,8 @@ NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_trac
                 "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
                 "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
-                "megatron_cuda_graphs"}
+                "megatron_cuda_graphs", "offload_train", "recompute_activations", "update_weight_buffer_size",
+                "logprob_mismatch_threshold"}
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
@@ -63,6 +64,20 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                           num_steps_per_rollout=self.num_steps_per_rollout,
                           micro_batch_size=self.micro_batch_size, dp_size=self.dp_size,
                           use_dynamic_batch_size=self.use_dynamic_batch_size)
+
+    def engine_dtype(self, device_type: str) -> str:
+        """The built-in engine's dtype on `device_type` ("cuda" / "cpu"): --rollout-dtype, auto resolved."""
+        if self.rollout_dtype != "auto":
+            return self.rollout_dtype
+        return "bfloat16" if self.bf16 and device_type == "cuda" else "float32"
+
+    def mismatch_threshold(self, engine_dtype: str) -> float:
+        """RF14's limit on the mean |log π_engine − log π_trainer|: --logprob-mismatch-threshold, else 0.01 when
+        either side computes in bf16 (verl's rule of thumb: bf16 kernels alone give ~1e-3) and 1e-3 in fp32
+        (measured ~1e-7 on CPU; a wrong or stale weight gives O(0.1–10))."""
+        if self.logprob_mismatch_threshold is not None:
+            return self.logprob_mismatch_threshold
+        return 0.01 if self.bf16 or engine_dtype != "float32" else 1e-3
 
     def config_hash(self) -> str:
         """sha256 (16 hex) of the fields that change what is trained."""

@@ -1,4 +1,5 @@
-"""The failure catalog: thirteen failures RL users hit most (the seed document), each with a stable code.
+"""The failure catalog: thirteen failures RL users hit most (the seed document) and one found by us (RF14), each with
+a stable code.
 
 The README's "When things go wrong" table is generated from CATALOG (`python -m engine.doctor.catalog --write
 README.md`), and a test keeps the two equal.
@@ -75,6 +76,14 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
     Entry("RF13", "NaN / Inf in gradients", "numerical instability or bad data",
           "loss and grads are checked every step; a NaN step fails with its sample ids, or with "
           "`--no-check-for-nan-in-loss-and-grad` is skipped (no update), counted and warned about"),
+    Entry("RF14", "garbled or endless output right after a weight sync; rewards collapse",
+          "the engine serves weights that differ from the trainer's: a wrong name mapping, a partial or stale sync, "
+          "a dtype read wrongly (not in the seed: found by us, a bf16 Megatron → fp32 engine sync on a GPU)",
+          "every synced weight name and shape is checked against the engine's model (no partial load); after every "
+          "sync each engine scores fixed prompts like the trainer; every rollout, before the update, the trainer's "
+          "log-probs of the sampled tokens are compared with the engine's (`train/mismatch`, mean and max). A mean "
+          "above `--logprob-mismatch-threshold` (0.01 bf16, 1e-3 fp32) stops the run naming the likely causes and "
+          "`--use-tis`"),
 ]}
 
 

@@ -221,6 +221,26 @@ def backend_supports_estimator(cfg, env: Environment) -> list[Diagnosis]:
     return []
 
 
+@check("CONFIG")
+def gpu_memory_flags(cfg, env: Environment) -> list[Diagnosis]:
+    """--offload-train frees a GPU for colocated engines: it needs GPUs, and the torch backend with one replica
+    (Megatron's CUDA graphs hold fixed addresses; FSDP2 keeps its own references to the shards)."""
+    if not cfg.offload_train:
+        return []
+    why = []
+    if env.gpus <= 0:
+        why.append(f"{env.source} has no GPUs, so there is no GPU memory to free")
+    if cfg.train_backend != "torch":
+        why.append(f"the {cfg.train_backend} backend cannot offload")
+    elif cfg.dp_size > 1:
+        why.append(f"DP = {cfg.dp_size}: the torch backend offloads one unsharded replica only")
+    if not why:
+        return []
+    return [Diagnosis(code="CONFIG", severity="error", what="--offload-train: " + "; ".join(why),
+                      fix="drop --offload-train (or use it on a GPU with --train-backend torch and one train GPU)",
+                      facts={"gpus": env.gpus, "train_backend": cfg.train_backend, "dp_size": cfg.dp_size})]
+
+
 @check("RF05")
 def resume_hint(cfg, env: Environment) -> list[Diagnosis]:
     """Automatic resume is reported; a weights-only (--no-save-optim) iteration needs --no-load-optim."""

@@ -57,8 +57,10 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/critic_grad_norm", None, "ppo: the critic's gradient norm before clipping"),
     MetricDoc("train/clipfrac", None, "share of tokens whose ratio was clipped"),
     MetricDoc("train/ratio", None, "mean importance ratio π/π_old (1 on the first step)"),
-    MetricDoc("train/mismatch", "min", "mean \\|log π_engine − log π_trainer\\| over response tokens (train–inference "
-                                       "mismatch)"),
+    MetricDoc("train/mismatch", "min", "mean \\|log π_engine − log π_trainer\\| over the rollout's trained tokens, "
+                                       "trainer before the update (train–inference mismatch; above "
+                                       "`--logprob-mismatch-threshold` → RF14)"),
+    MetricDoc("train/mismatch_max", "min", "largest \\|log π_engine − log π_trainer\\| of one trained token"),
     MetricDoc("train/grad_norm", None, "gradient norm before clipping, mean over the rollout's optimizer steps"),
     MetricDoc("train/grad_norm_max", None, "largest gradient norm of the rollout's optimizer steps"),
     MetricDoc("train/lr", None, "learning rate, mean over the rollout's optimizer steps"),
@@ -77,6 +79,14 @@ METRICS: list[MetricDoc] = [
     MetricDoc("sync/seconds", "min", "weight sync to every engine, wall time"),
     MetricDoc("sync/mb", None, "size of the synced weights, MiB"),
     MetricDoc("sync/weight_version", None, "weight version the engines serve after the sync"),
+    MetricDoc("sync/gb_per_s", "max", "synced GB (10⁹ bytes, in the engines' dtype) per second of the transfer"),
+    MetricDoc("sync/probe_mismatch", "min", "after the sync: mean \\|log π_engine − log π_trainer\\| on a few fixed "
+                                            "prompts (above `--logprob-mismatch-threshold` → RF14)"),
+    MetricDoc("memory/<stage>_peak_gib", "min", "GPU runs: the most GPU memory (GiB, reserved by the allocators) held "
+                                               "during rollout / train / sync, trainers + engines (their sum bounds "
+                                               "the peak of a shared GPU)"),
+    MetricDoc("memory/<stage>_train_gib", None, "of which the train workers (max over them)"),
+    MetricDoc("memory/<stage>_engine_gib", None, "of which the rollout engines (max over them)"),
     MetricDoc("eval/test_accuracy", "max", "greedy accuracy on `--eval-prompt-data` (step 0 = before training, "
                                            "step num_rollout = after)"),
     MetricDoc("system/cpu_utilization_percentage", None, "CPU utilisation of the driver's node"),
@@ -87,8 +97,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("system/gpu_<i>_memory_usage_percentage", None, "memory in use on GPU i, %"),
 ]
 
-_PATTERNS = [(re.compile("^" + re.escape(m.name).replace("<key>", ".+").replace("<i>", r"\d+") + "$"), m)
-             for m in METRICS]
+_PATTERNS = [(re.compile("^" + re.escape(m.name).replace("<key>", ".+").replace("<i>", r"\d+")
+                         .replace("<stage>", "(rollout|train|sync)") + "$"), m) for m in METRICS]
 
 
 def describe(name: str) -> MetricDoc | None:

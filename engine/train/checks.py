@@ -4,6 +4,8 @@ RF01  first step of a fresh run: the policy and the reference are the same weigh
       (KL = 0) and the first update's ratio is 1. A difference means a checkpoint was not loaded as intended.
 RF09  grad-norm spike: a step's grad norm above SPIKE_FACTOR × the median of the previous steps.
 RF13  NaN/Inf loss or gradients (the report names the samples whose own loss is not finite).
+RF14  train–inference mismatch: the engine's log-probs of tokens differ from the trainer's on the same weights by
+      more than bf16/fp32 kernel noise — the engine serves other weights (wrong mapping, partial or stale sync).
 """
 from __future__ import annotations
 
@@ -83,3 +85,24 @@ def nan_diagnosis(*, step: int, rank_losses: float, grad_norm: float, bad_sample
                          "--no-check-for-nan-in-loss-and-grad skips such steps instead, without fixing the cause",
                      facts={"step": step, "grad_norm": grad_norm, "bad_sample_ids": bad_sample_ids or [],
                             "sample_ids": step_sample_ids})
+
+
+def mismatch_diagnosis(*, where: str, mean: float, worst: float, tokens: float, threshold: float,
+                       engine_dtype: str, train_dtype: str) -> Diagnosis | None:
+    """RF14 when the mean |log π_engine − log π_trainer| over `tokens` tokens is above `threshold` (NaN too).
+    `where`: "rollout 3" (the rollout's trained tokens) or "the weight sync to version 4" (fixed probe prompts)."""
+    if mean <= threshold:
+        return None
+    return Diagnosis(
+        code="RF14", severity="error",
+        what=f"train/inference mismatch at {where}: the engine's log-probs differ from the trainer's by {mean:.4g} on "
+             f"average over {tokens:.0f} tokens (max {worst:.4g}; limit {threshold:g}, engine {engine_dtype}, trainer "
+             f"{train_dtype}). The engine is not serving the trainer's weights; training on these samples would "
+             "optimise the wrong policy",
+        fix="likely causes, in order: the trainer → engine weight mapping (names or layout of --train-backend's HF "
+            "export), a dtype the engine rounds differently (--rollout-dtype vs --bf16), a stale or partial weight "
+            "sync (compare sync/weight_version), a chat template that differs between the data and the model. For "
+            "a known, small mismatch (e.g. bf16 kernels) correct it with --use-tis and raise "
+            "--logprob-mismatch-threshold",
+        facts={"mean": mean, "max": worst, "tokens": tokens, "threshold": threshold, "engine_dtype": engine_dtype,
+               "train_dtype": train_dtype, "where": where})

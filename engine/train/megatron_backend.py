@@ -171,6 +171,9 @@ class MegatronBackend:
         self.skipped_steps = 0
 
     # ---- parallel layout -----------------------------------------------------------------------------------
+    #: the weights are sharded over ranks: model_state / save / export are collectives every rank joins
+    collective = True
+
     @property
     def is_last_stage(self) -> bool:
         from megatron.core import parallel_state
@@ -409,31 +412,58 @@ class MegatronBackend:
         opt.step_with_ready_grads()
         return grad_norm
 
+    # ---- memory (colocated runs) ------------------------------------------------------------------------------
+    def onload(self) -> None:
+        """Nothing to do: this backend never offloads (see `offload`)."""
+
+    def offload(self) -> None:
+        raise NotImplementedError("--offload-train is not supported by the megatron backend (its decoder CUDA graphs "
+                                  "hold fixed addresses); drop --offload-train or use --train-backend torch")
+
     # ---- state ---------------------------------------------------------------------------------------------
     @_on_own_stream
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights on global rank 0 ({} elsewhere). Collective: every rank must call it."""
+    def model_state(self, *, to_cpu: bool = True, dst_rank: int = 0) -> dict[str, torch.Tensor]:
+        """HF-named full weights on global rank `dst_rank` ({} elsewhere), on the host or (to_cpu=False) on this
+        GPU. Collective: every rank must call it."""
         from engine.train.megatron_model import gather_hf_state
 
-        return gather_hf_state(self.gpt, self.config, self.shape)
+        return gather_hf_state(self.gpt, self.config, self.shape, dst_rank=dst_rank, to_cpu=to_cpu)
 
     @_on_own_stream
-    def save(self, path: str) -> list[str]:
-        """dist_checkpointing: model/ (sharded weights) and optim/ (distributed optimizer + step counters).
-        Collective; returns the files (relative to `path`) on rank 0."""
+    def ipc_export(self, dtype: str, bucket_bytes: int, *, export: bool = True):
+        """The HF-named weights as CUDA IPC buckets in the engine's dtype (engine/weights/ipc.py) on an exporting
+        rank (None elsewhere). Every rank gathers for itself, so exporting ranks need PP = 1 (the place stage
+        checks; a pipeline gathers to one rank only)."""
+        from engine.weights import ipc
+
+        if self.pp > 1 and self.world_size > 1:
+            raise NotImplementedError("CUDA IPC weight sync with pipeline parallelism: use --weight-sync-method disk")
+        state = self.model_state(to_cpu=False, dst_rank=self.rank)
+        return ipc.export(state, getattr(torch, dtype), bucket_bytes) if export else None
+
+    def named_parameters_full(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards by Megatron name, on the host."""
+        return {n: p.detach().float().cpu() for n, p in self.gpt.named_parameters()}
+
+    @_on_own_stream
+    def save(self, path: str, *, save_optim: bool = True) -> list[str]:
+        """dist_checkpointing: model/ (sharded weights) and optim/ (distributed optimizer + step counters; not with
+        save_optim=False). Collective; returns the files (relative to `path`) on rank 0."""
         from megatron.core import dist_checkpointing
 
         root = Path(path)
+        subs = ("model", "optim") if save_optim else ("model",)
         if self.rank == 0:
-            for sub in ("model", "optim"):
+            for sub in subs:
                 shutil.rmtree(root / sub, ignore_errors=True)
                 (root / sub).mkdir(parents=True)
         dist.barrier()
         dist_checkpointing.save(self.gpt.sharded_state_dict(), str(root / "model"))
-        dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(),
-                                                                                metadata=_OPTIM_FORMAT)},
-                                str(root / "optim"))
-        if self.rank == 0:
+        if save_optim:
+            dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(),
+                                                                                    metadata=_OPTIM_FORMAT)},
+                                    str(root / "optim"))
+        if self.rank == 0 and save_optim:
             torch.save({"steps_done": self.steps_done, "skipped_steps": self.skipped_steps, "rng": rng_state()},
                        root / "optim" / "backend.pt")
         dist.barrier()

@@ -35,6 +35,8 @@ class Kernels:
     #                            several kernels instead of torch's one fused RMSNorm)
     cuda_graphs: bool = True  # without TE, bf16/fp16, TP = PP = 1: the decoder replayed from CUDA graphs
     #                           (megatron_graphs; needs rope_in_attention)
+    recompute: bool = False  # --recompute-activations: Megatron's full recompute, every layer (not a speed choice:
+    #                          it trades ~1/3 more compute for activation memory; the math is unchanged)
 
 
 class HFRMSNorm(torch.nn.Module):
@@ -124,6 +126,8 @@ def cuda_graphs_off_reason(kernels: Kernels, *, tp: int, pp: int, dtype: torch.d
     path (fp32 attention splits samples on the host)."""
     if not kernels.cuda_graphs:
         return "--no-megatron-cuda-graphs"
+    if kernels.recompute:
+        return "--recompute-activations (the recomputed layers run inside the backward)"
     if have_transformer_engine():
         return "Transformer Engine layers (Megatron's own graph support is for those)"
     if not rope_in_attention(kernels):
@@ -167,6 +171,8 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         apply_rope_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=swiglu_fusion(kernels, tp=tp, pp=pp, dtype=dtype),  # Megatron's compiled SwiGLU
     )
+    if kernels.recompute:  # slime's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+        config.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     gpt = dict(
         max_sequence_length=s.max_position_embeddings,
         # RoPE applied by PackedCoreAttention instead: GPTModel must not rotate a second time.
@@ -270,8 +276,10 @@ def load_hf_into(model, config, hf: dict[str, torch.Tensor], shape: ModelShape, 
 
 
 @torch.no_grad()
-def gather_hf_state(model, config, shape: ModelShape, *, dst_rank: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named full weights on global rank `dst_rank` (CPU tensors; {} elsewhere). Collective over TP and PP."""
+def gather_hf_state(model, config, shape: ModelShape, *, dst_rank: int = 0, to_cpu: bool = True
+                    ) -> dict[str, torch.Tensor]:
+    """HF-named full weights on global rank `dst_rank` ({} elsewhere): CPU tensors, or (to_cpu=False, PP = 1) on the
+    GPU. Collective over TP and PP."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -289,7 +297,7 @@ def gather_hf_state(model, config, shape: ModelShape, *, dst_rank: int = 0) -> d
     # Pipeline stages hold different layers: each stage's TP rank 0 sends its part to dst_rank.
     full: dict[str, torch.Tensor] = {}
     if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not dist.is_initialized():
-        full = {k: v.cpu() for k, v in local.items()} if dist.get_rank() == dst_rank else {}
+        full = {k: v.cpu() if to_cpu else v for k, v in local.items()} if dist.get_rank() == dst_rank else {}
     else:
         parts: list[Any] = [None] * dist.get_world_size()
         mine = {k: v.cpu() for k, v in local.items()} if parallel_state.get_tensor_model_parallel_rank() == 0 else {}

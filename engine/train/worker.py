@@ -1,19 +1,29 @@
-"""Train workers: one Ray actor per DP rank in one torch.distributed group (gloo on CPU, NCCL on GPU).
+"""Train workers: one Ray actor per train rank in one torch.distributed group (gloo on CPU, NCCL on GPU).
 
 Per rollout (`set_rollout`), before any update: old log-probs, reference log-probs and (PPO) the critic's values
-for every micro-batch of every step, then the advantages — computed here, once per rollout, because PPO and
-REINFORCE++ need the log-probs and values — written into each micro-batch. Every rank receives the rewards of the
-whole rollout, so a GRPO group split over ranks is normalised identically everywhere. Then `train_step(k)` runs
-optimizer step k (policy, then critic).
+for every micro-batch of every step, the train–inference mismatch against the engine's log-probs (RF14 is judged
+on it by the driver before the first update), then the advantages — computed here, once per rollout, because PPO
+and REINFORCE++ need the log-probs and values — written into each micro-batch. Every rank receives the rewards of
+the whole rollout, so a GRPO group split over ranks is normalised identically everywhere. Then `train_step(k)`
+runs optimizer step k (policy, then critic).
+
+A worker trains on the GPU Ray assigned it (Ray narrows CUDA_VISIBLE_DEVICES to it: `cuda:0`), else on the CPU.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
 from engine.packing.microbatch import MicroBatch
+
+
+def worker_device() -> str:
+    """`cuda` when Ray gave this process a GPU (and CUDA works here), else `cpu`."""
+    import ray
+
+    gpus = ray.get_gpu_ids() if ray.is_initialized() else []
+    return "cuda" if gpus and torch.cuda.is_available() else "cpu"
 
 
 class TrainWorker:
@@ -29,50 +39,67 @@ class TrainWorker:
         configure_threads(threads)
         self.cfg = RunConfig(**cfg_dict)
         self.rank, self.world_size = rank, world_size
-        # Megatron shards the model over ranks: saving and gathering weights are collectives every rank joins.
-        self.collective = self.cfg.train_backend == "megatron"
-        if self.collective:
+        self.device = worker_device()
+        if self.device == "cuda":
+            torch.cuda.set_device(0)
+        if self.cfg.train_backend == "megatron":
             from engine.train.megatron_backend import MegatronBackend
             from engine.train.megatron_model import Kernels
 
             self.backend = MegatronBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
-                                           master=master, kernels=Kernels(cuda_graphs=self.cfg.megatron_cuda_graphs))
+                                           master=master, params_dtype="bfloat16" if self.cfg.bf16 else "float32",
+                                           kernels=Kernels(cuda_graphs=self.cfg.megatron_cuda_graphs,
+                                                           recompute=self.cfg.recompute_activations))
         else:
             if world_size > 1:
-                dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
-            self.backend = TorchBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters)
+                dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=f"tcp://{master}",
+                                        rank=rank, world_size=world_size)
+            self.backend = TorchBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
+                                        device=self.device)
         self.critic = None
         if self.cfg.advantage_estimator == "ppo":  # preflight: the critic runs on the torch backend only
             from engine.train.critic import TorchCritic
 
-            self.critic = TorchCritic(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters)
+            self.critic = TorchCritic(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
+                                      device=self.device)
         self.steps: list[list[MicroBatch]] = []
         self.old: list[list[torch.Tensor]] = []
         self.ref: list[list[torch.Tensor]] | None = None
         self.values: list[list[torch.Tensor]] = []
         self.returns: list[list[torch.Tensor]] = []
         self.step_tokens: list[float] = []
+        self._ipc = None  # the IPC buckets of a sync in progress (engine/weights/ipc.py)
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's sums count (TP / earlier PP peers of a Megatron replica would count twice)."""
+        return getattr(self.backend, "reports_metrics", True)
 
     def _all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Σ (or max) over the data-parallel ranks: the whole gloo world for torch, the DP group for megatron."""
+        """Σ (or max) over the data-parallel ranks: the whole world for torch, the DP group for megatron."""
         import torch.distributed as dist
 
-        if self.collective:
+        if self.cfg.train_backend == "megatron":
             return self.backend.dp_all_reduce(x, op)
         if self.world_size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+            dev = self.device if dist.get_backend() == "nccl" else "cpu"
+            y = x.to(dev)
+            dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+            return y.cpu()
         return x
 
     def set_rollout(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool) -> dict[str, float]:
         """Store this rank's micro-batches (per step); compute log-probs, values and advantages before any update.
 
         rewards: [N] the scalar reward of every sample of the rollout, indexed by Sample.index.
-        Returns facts for the driver: `ref_logp_maxdiff` (max |log π_old − log π_ref| on trained tokens, RF01)
-        and this rank's token count.
+        Returns facts for the driver: `ref_logp_maxdiff` (max |log π_old − log π_ref| on trained tokens, RF01),
+        the train–inference mismatch |log π_engine − log π_old| on trained tokens as `mismatch_sum` /
+        `mismatch_count` / `mismatch_max` (RF14), and this rank's token count.
         """
         from engine.algorithms import compute_advantages, kl, masked_whiten, whiten_stats
 
         cfg = self.cfg
+        self.backend_onload()
         self.steps = steps
         self.old = [self.backend.compute_log_probs(mbs) for mbs in steps]
         need_ref = need_ref or cfg.use_kl_loss or cfg.kl_coef > 0
@@ -107,9 +134,22 @@ class TrainWorker:
                 for j, mb in enumerate(mbs):
                     d = ((self.old[k][j] - self.ref[k][j]).abs() * mb.loss_mask).max() if mb.num_tokens else 0.0
                     maxdiff = max(maxdiff, float(d))
-        counted = getattr(self.backend, "reports_metrics", True)  # TP / PP peers of a replica count once
-        tokens = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if counted else 0.0
-        return {"tokens": tokens, "ref_logp_maxdiff": maxdiff}
+        facts = {"ref_logp_maxdiff": maxdiff, **self._mismatch(steps)}
+        facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
+        return facts
+
+    def _mismatch(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
+        """Σ, count and max of |log π_engine − log π_trainer| over trained tokens (trainer = the weights before the
+        update, the ones the engine should serve)."""
+        total, count, worst = 0.0, 0.0, 0.0
+        if self.reports:
+            for k, mbs in enumerate(steps):
+                for j, mb in enumerate(mbs):
+                    m = mb.loss_mask > 0  # [T]
+                    if m.any():
+                        d = (mb.rollout_log_probs[m] - self.old[k][j][m]).abs().double()  # [K]
+                        total, count, worst = total + float(d.sum()), count + float(m.sum()), max(worst, float(d.max()))
+        return {"mismatch_sum": total, "mismatch_count": count, "mismatch_max": worst}
 
     def train_step(self, k: int, global_batch_size: int) -> dict[str, Any]:
         out = self.backend.train_step(self.steps[k], self.old[k], self.ref[k] if self.ref else None,
@@ -119,17 +159,32 @@ class TrainWorker:
                                               global_tokens=self.step_tokens[k]))
         return out
 
+    def score(self, mb: MicroBatch) -> tuple[torch.Tensor, bool]:
+        """(log-probs [T] of one micro-batch under the policy, whether this rank's answer counts) — a collective
+        for sharded backends; used to check the engine after a weight sync (RF14)."""
+        self.backend_onload()
+        return self.backend.compute_log_probs([mb])[0], self.reports
+
+    # ---- memory (colocated runs) -------------------------------------------------------------------------------
+    def backend_onload(self) -> None:
+        self.backend.onload()
+
+    def offload(self) -> None:
+        """--offload-train: the trainer's state to host memory until the next train call."""
+        self.backend.offload()
+
+    def memory(self) -> dict[str, float]:
+        from engine.gpu import gpu_memory
+
+        return gpu_memory()
+
+    # ---- state -------------------------------------------------------------------------------------------------
     def save(self, path: str, save_optim: bool = True) -> list[str]:
-        if self.rank != 0 and not self.collective:
+        if self.rank != 0 and not self.backend.collective:
             return []
-        if save_optim:
-            files = self.backend.save(path)
-        elif "save_optim" in inspect.signature(self.backend.save).parameters:
-            files = self.backend.save(path, save_optim=False)
-        else:
-            raise NotImplementedError(f"--no-save-optim: the {self.cfg.train_backend} backend always saves its "
-                                      "optimizer state; drop --no-save-optim")
-        if self.critic:
+        self.backend_onload()
+        files = self.backend.save(path, save_optim=save_optim)
+        if self.critic and self.rank == 0:
             files += [f"critic/{f}" for f in self.critic.save(f"{path}/critic")]
         return files
 
@@ -141,28 +196,50 @@ class TrainWorker:
     def load_weights(self, path: str, ref: bool = False) -> None:
         self.backend.load_weights(path, ref=ref)
 
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights on rank 0 ({} elsewhere); every rank joins when the backend is collective."""
+        self.backend_onload()
+        if self.rank == 0 or self.backend.collective:
+            state = self.backend.model_state()
+            return state if self.rank == 0 else {}
+        return {}
+
     def save_weights(self, path: str) -> str:
         from engine.weights import save_weights_dir
 
-        state = self.backend.model_state() if self.rank == 0 or self.collective else {}
+        state = self._state()
         if self.rank == 0:
             save_weights_dir(state, path)
         return path
 
     def numpy_state(self) -> tuple[Any, float]:
-        """(the policy's weights as HostWeights, their MB): returned into Ray's object store for the engines."""
+        """(the policy's weights as HostWeights, their MB) on rank 0 (None elsewhere): returned into Ray's object
+        store for the engines."""
         from engine.weights import numpy_state
 
-        state = numpy_state(self.backend.model_state())
-        return state, state.nbytes / 2**20
+        state = self._state()
+        if self.rank != 0:
+            return None, 0.0
+        host = numpy_state(state)
+        return host, host.nbytes / 2**20
+
+    def ipc_export(self, export: bool, dtype: str, bucket_bytes: int) -> list:
+        """This rank's weights as CUDA IPC buckets in `dtype` when `export` (the rank shares its GPU with an
+        engine), kept alive until `ipc_release`. Every rank joins: gathering sharded weights is a collective."""
+        self.backend_onload()
+        self._ipc = self.backend.ipc_export(dtype, bucket_bytes, export=export)
+        return self._ipc.buckets if self._ipc is not None else []
+
+    def ipc_release(self) -> None:
+        self._ipc = None
+        torch.cuda.ipc_collect()  # blocks the engines held: freed now that they have copied out of them
 
     def export_hf(self, path: str) -> None:
-        if self.rank == 0 or self.collective:
+        if self.rank == 0 or self.backend.collective:
+            self.backend_onload()
             self.backend.export_hf(path)
 
-    def param_checksum(self) -> float:
-        return float(sum(p.double().sum() for p in self.backend.model.parameters()))
-
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The policy's parameters by name (tests compare DP layouts with it)."""
-        return {k: v.detach().clone() for k, v in self.backend.model.named_parameters()}
+        """The policy's full parameters by name on the CPU (tests compare DP layouts with it); a collective when
+        the backend shards them."""
+        return self.backend.named_parameters_full()

@@ -58,6 +58,16 @@ def push_object_store(slots: list, ref, version: int, *, timeout_s: float) -> No
         _check_version(EngineClient(s.url, timeout_s=timeout_s), version, timeout_s)
 
 
+def push_ipc(slots: list, buckets: dict[int, list], version: int, *, timeout_s: float) -> None:
+    """Every colocated engine actor copies its CUDA IPC buckets (`buckets[slot.index]`, from the train rank on its
+    GPU; engine/weights/ipc.py) into its model as `version`."""
+    import ray
+
+    ray.get([s.actor.update_weights_ipc.remote(buckets[s.index], str(version)) for s in slots], timeout=timeout_s)
+    for s in slots:
+        _check_version(EngineClient(s.url, timeout_s=timeout_s), version, timeout_s)
+
+
 def push_disk(urls: list[str], path: str, version: int, *, timeout_s: float) -> None:
     """Every engine loads the safetensors directory `path` (`/update_weights_from_disk`)."""
     def one(url: str) -> None:

@@ -1,0 +1,174 @@
+"""The whole flow on one GPU (colocated): `rollflow train` as a user runs it, measured from its own summary.
+
+    python bench/gpu_flow.py demo --backend torch --out DIR               # examples/demo.yaml, 40 rollouts
+    python bench/gpu_flow.py demo --backend megatron --bf16 --out DIR
+    python bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out DIR   # random Qwen2, 3 rollouts of
+    python bench/gpu_flow.py shape --shape 1.5b --backend torch --bf16 --out DIR   # 64 prompts × 8 × ≤1,024 tokens
+    python bench/gpu_flow.py report --out DIR --write bench/results       # any machine: copy + a markdown table
+
+Each run writes `gpu_flow_<tag>.json` with: train_backend, precision, state ("Completed" when `rollflow train`
+exited 0 and wrote its summary; else "Failed" with the log's tail), accuracy_before / accuracy_after (greedy test
+accuracy), rollouts, mismatch_mean / mismatch_max (train/mismatch per rollout), probe_mismatch (after each sync),
+peak_memory_gib per stage (the largest memory/<stage>_peak_gib over the rollouts), seconds per stage (mean),
+sync GB/s, tokens/s, wall_s, the command and the machine. The shapes' models are random (no weights can be
+downloaded): the bundled tokenizer, Qwen2.5-0.5B / 1.5B shapes; responses run to the 1,024-token limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+TINY = ROOT / "examples" / "tiny-qwen2-arith"
+STAGES = ("rollout", "pack", "train", "sync")
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                    gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+                    if torch.cuda.is_available() else None)
+    except Exception as e:  # noqa: BLE001 — report what could not be read
+        info["torch_error"] = str(e)
+    return info
+
+
+def random_model(shape: str, path: Path) -> Path:
+    """A random Qwen2 of the Qwen2.5-0.5B / 1.5B shape with the bundled tokenizer and chat template (bf16)."""
+    import torch
+
+    from gpu_megatron import QWEN2_05B, QWEN25_15B, make_hf_model
+
+    make_hf_model({"0.5b": QWEN2_05B, "1.5b": QWEN25_15B}[shape], path, torch.bfloat16)
+    for f in TINY.iterdir():  # tokenizer, chat template, generation config (EOS): not the weights or config
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", "build_metrics.json"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def run(tag: str, args: list[str], out: Path, timeout_s: float, meta: dict) -> dict:
+    work = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / tag
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    summary = work / "summary.json"
+    cmd = [sys.executable, "-m", "flows.cli", "train", *args, "--work-dir", str(work / "w"),
+           "--summary-json", str(summary), "--no-progress"]
+    shown = "rollflow train " + " ".join(args)
+    print(f"[{time.strftime('%H:%M:%S')}] {tag}: {shown}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        rc, log = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, log = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    wall = time.perf_counter() - t0
+    (out / f"gpu_flow_{tag}.log").write_text(log[-200_000:])
+    res = {"tag": tag, "command": shown, "machine": machine(), "wall_s": round(wall, 1), **meta}
+    if rc != 0 or not summary.is_file():
+        res.update(state="Failed", returncode=rc, log_tail=log[-4000:])
+    else:
+        res.update(state="Completed", **digest(json.loads(summary.read_text())))
+    (out / f"gpu_flow_{tag}.json").write_text(json.dumps(res, indent=1))
+    print(f"[{time.strftime('%H:%M:%S')}] {tag}: {res['state']} in {wall:.0f}s", flush=True)
+    return res
+
+
+def digest(s: dict) -> dict:
+    h = s["history"]
+
+    def per(key):  # [value per rollout], in rollout order
+        return [round(v, 8) for _, v in sorted(((int(i), v) for i, v in h.get(key, {}).items()))]
+
+    def mean(key):
+        v = per(key)
+        return round(sum(v) / len(v), 4) if v else None
+
+    return {
+        "rollouts": s["rollouts"], "accuracy_before": s["test_accuracy_before"],
+        "accuracy_after": s["test_accuracy_after"], "reward_first": s["reward_first"], "reward_last": s["reward_last"],
+        "flow_wall_s": round(s["wall_s"], 1), "weight_sync": s.get("weight_sync"), "engine_dtype": s.get("engine_dtype"),
+        "mismatch_mean": per("train/mismatch"), "mismatch_max": per("train/mismatch_max"),
+        "probe_mismatch": per("sync/probe_mismatch"),
+        "peak_memory_gib": {st: max(per(f"memory/{st}_peak_gib"), default=None) for st in ("rollout", "train", "sync")},
+        "peak_memory_gib_parts": {f"{st}_{who}": max(per(f"memory/{st}_{who}_gib"), default=None)
+                                  for st in ("rollout", "train", "sync") for who in ("train", "engine")},
+        "seconds": {st: mean(f"{st}/seconds") for st in STAGES},
+        "sync_gb_per_s": mean("sync/gb_per_s"), "sync_mb": mean("sync/mb"),
+        "rollout_tokens_per_s": mean("rollout/tokens_per_s"), "train_tokens_per_s": mean("train/tokens_per_s"),
+        "response_len_mean": mean("rollout/response_len_mean"), "reward_mean": per("rollout/reward_mean"),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["demo", "shape", "report"])
+    p.add_argument("--backend", default="torch", choices=["torch", "megatron"])
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
+    p.add_argument("--num-rollout", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--out", required=True)
+    p.add_argument("--write", default=None, help="report: copy the JSON files and write gpu_flow.md here")
+    p.add_argument("--extra", default="", help="more `rollflow train` flags, one string")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    precision = "bf16" if a.bf16 else "fp32"
+    common = ["--colocate", "--train-backend", a.backend] + (["--bf16"] if a.bf16 else []) + a.extra.split()
+    if a.mode == "demo":
+        n = a.num_rollout or 40
+        run(f"demo_{a.backend}_{precision}", ["--config", "examples/demo.yaml", *common, "--num-rollout", str(n),
+                                                "--save", f"/tmp/rollflow_gpu_flow/ck_{a.backend}"], out, a.timeout,
+            {"train_backend": a.backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"})
+    elif a.mode == "shape":
+        model = random_model(a.shape, Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / f"qwen2_{a.shape}")
+        n = a.num_rollout or 3
+        run(f"{a.shape.replace('.', '')}_{a.backend}_{precision}",
+            ["--hf-checkpoint", str(model), "--apply-chat-template", "--rm-type", "exact_match",
+             "--eval-prompt-data", "", "--rollout-batch-size", "64", "--n-samples-per-prompt", "8",
+             "--rollout-max-response-len", "1024", "--rollout-max-truncated-share", "1", "--num-rollout", str(n),
+             "--global-batch-size", "512", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+             "--rollout-concurrency", "512", "--sglang-max-running-requests", "512", "--lr", "1e-6", *common],
+            out, a.timeout, {"train_backend": a.backend, "precision": precision,
+                             "model": f"random Qwen2, Qwen2.5-{a.shape.upper()} shape"})
+    else:
+        rows = [json.loads(f.read_text()) for f in sorted(out.glob("gpu_flow_*.json"))]
+        lines = ["| run | state | rollouts | accuracy | mismatch mean (max over rollouts) | peak GiB rollout/train/sync "
+                 "| s per rollout / train / sync | sync GB/s | wall s |", "|" + "---|" * 9]
+        for r in rows:
+            if r["state"] != "Completed":
+                lines.append(f"| {r['tag']} | {r['state']} | | | | | | | {r['wall_s']} |")
+                continue
+            mm = max(r["mismatch_mean"], default=float("nan"))
+            pk = r["peak_memory_gib"]
+            sec = r["seconds"]
+            acc = ("—" if r["accuracy_before"] is None else
+                   f"{100 * r['accuracy_before']:.1f}% → {100 * r['accuracy_after']:.1f}%")
+            lines.append(f"| {r['tag']} | {r['state']} | {r['rollouts']} | {acc} | {mm:.3g} | "
+                         f"{pk['rollout']:.2f} / {pk['train']:.2f} / {pk['sync']:.2f} | {sec['rollout']} / "
+                         f"{sec['train']} / {sec['sync']} | {r['sync_gb_per_s']} | {r['wall_s']} |")
+        table = "\n".join(lines) + "\n"
+        print(table)
+        if a.write:
+            dst = Path(a.write)
+            for f in out.glob("gpu_flow_*.json"):
+                shutil.copy(f, dst / f.name)
+            (dst / "gpu_flow_table.md").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+#!/bin/bash
+# The GPU flow on the lent machine (the device tool, kind nvidia-h200), from the repository root, carry [".gpu"]:
+#   bash bench/gpu_flow_device.sh STEP...
+#   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron
+# Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
+# runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude.
+. .gpu/prelude.sh || exit 1
+export BENCH_WORK=/tmp/rollflow_gpu_flow
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$OUT/nvidia_smi.txt" 2>&1
+for step in "$@"; do
+  echo "== $step $(date +%T)"
+  case $step in
+    tests) timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_flow.py --timeout 400 \
+             > "$OUT/pytest_gpu.txt" 2>&1; tail -25 "$OUT/pytest_gpu.txt" ;;
+    demo-torch) python3 bench/gpu_flow.py demo --backend torch --out "$OUT" --timeout 300 ;;
+    demo-megatron) python3 bench/gpu_flow.py demo --backend megatron --bf16 --out "$OUT" --timeout 360 ;;
+    shape-0.5b) python3 bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out "$OUT" --timeout 300 ;;
+    shape-1.5b) python3 bench/gpu_flow.py shape --shape 1.5b --backend torch --bf16 --out "$OUT" --timeout 420 ;;
+    shape-1.5b-megatron) python3 bench/gpu_flow.py shape --shape 1.5b --backend megatron --bf16 --out "$OUT" \
+                           --timeout 420 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+python3 bench/gpu_flow.py report --out "$OUT" 2>&1 | tail -12

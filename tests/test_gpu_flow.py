@@ -1,0 +1,189 @@
+"""The flow and its pieces on CUDA (`pytest -m gpu`; skipped without a GPU, as in CI).
+
+- the torch backend on CUDA: the same log-probs and step as on the CPU (fp32); flash-attention varlen in bf16 keeps
+  samples apart; bf16 masters, activation recompute and offload;
+- CUDA IPC buckets between two processes on one GPU;
+- the built-in engine on CUDA: bf16 weights, batched device sampling, memory released and re-taken;
+- `rollflow train` colocated on one GPU with each backend: every sync by CUDA IPC, the train–inference mismatch
+  under the fp32 threshold after every sync and every rollout, the engine's memory released during training.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _samples(n: int = 6, seed: int = 0):
+    from train_fakes import fake_samples
+
+    lengths = [(5 + i % 4, 6 + (3 * i) % 9) for i in range(n)]
+    return fake_samples(lengths, n=2, seed=seed)
+
+
+def _mbs(samples, per: int = 3):
+    from train_fakes import pack
+
+    return pack(samples, [list(range(j, min(j + per, len(samples)))) for j in range(0, len(samples), per)])
+
+
+def _share_equal(a: dict, b: dict, tol: float) -> float:
+    """The share of parameter entries of two models within tol of each other."""
+    same = sum(int(((a[k] - b[k]).abs() <= tol).sum()) for k in a)
+    return same / sum(v.numel() for v in a.values())
+
+
+def _backend(tiny_model, device: str, **over):
+    from engine.config import RunConfig
+    from engine.train.torch_backend import TorchBackend
+
+    cfg = RunConfig(hf_checkpoint=tiny_model, rollout_batch_size=3, n_samples_per_prompt=2, global_batch_size=6,
+                    micro_batch_size=3, lr=1e-3, **over)
+    return TorchBackend(cfg, device=device)
+
+
+# ---- torch backend ---------------------------------------------------------------------------------------------
+def test_torch_backend_on_cuda_matches_the_cpu_in_fp32(tiny_model):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mbs = _mbs(_samples())
+    cpu, gpu = _backend(tiny_model, "cpu"), _backend(tiny_model, "cuda")
+    assert next(gpu.model.parameters()).is_cuda
+    lp_cpu, lp_gpu = cpu.compute_log_probs(mbs), gpu.compute_log_probs(mbs)
+    assert max(float((a - b).abs().max()) for a, b in zip(lp_cpu, lp_gpu)) < 1e-4
+    for mb in mbs:
+        mb.advantages = torch.linspace(-1, 1, mb.num_tokens) * mb.loss_mask
+    out = [b.train_step(mbs, lp_cpu, None, 6) for b in (cpu, gpu)]
+    assert out[1]["grad_norm"] == pytest.approx(out[0]["grad_norm"], rel=1e-4)
+    # fused AdamW, the same update: Adam's first step is ≈ lr·sign(g), so an entry whose gradient is ~0 may flip
+    assert _share_equal(cpu.named_parameters_full(), gpu.named_parameters_full(), 1e-6) > 0.99
+
+
+def test_flash_varlen_in_bf16_keeps_samples_apart(tiny_model):
+    from engine.train.attention import FLASH
+
+    samples = _samples()
+    b = _backend(tiny_model, "cuda", bf16=True)
+    f32 = _backend(tiny_model, "cuda")
+    mbs = _mbs(samples)
+    lp16, lp32 = b.compute_log_probs(mbs), f32.compute_log_probs(mbs)
+    d = torch.cat([(x - y).abs()[mb.loss_mask > 0] for x, y, mb in zip(lp16, lp32, mbs)])
+    assert float(d.mean()) < 0.05, float(d.mean())  # bf16 rounding of the same model
+    assert FLASH["error"] is None  # the varlen flash kernel ran (grouped kv heads read in place)
+    # change the second sample of the first micro-batch: the first sample's log-probs must not move at all
+    samples[1].tokens = [(t + 7) % 200 for t in samples[1].tokens]
+    lp16b = b.compute_log_probs(_mbs(samples))
+    first = slice(0, len(samples[0].tokens))
+    assert torch.equal(lp16[0][first], lp16b[0][first])
+
+
+def test_bf16_recompute_and_offload_on_cuda(tiny_model):
+    mbs = _mbs(_samples())
+    plain = _backend(tiny_model, "cuda", bf16=True)
+    other = _backend(tiny_model, "cuda", bf16=True, recompute_activations=True, offload_train=True)
+    old = plain.compute_log_probs(mbs)
+    for mb in mbs:
+        mb.advantages = torch.linspace(-1, 1, mb.num_tokens) * mb.loss_mask
+    plain.train_step(mbs, old, None, 6)
+    held = torch.cuda.memory_allocated()
+    other.offload()
+    assert torch.cuda.memory_allocated() < held  # its weights, masters and optimizer state left the GPU
+    assert all(not p.is_cuda for p in other.model.parameters())
+    other.onload()
+    other.train_step(mbs, old, None, 6)
+    # recompute and a round trip through host memory change nothing (up to the sign of ~0 gradients, see above)
+    assert _share_equal(plain.named_parameters_full(), other.named_parameters_full(), 1e-6) > 0.99
+
+
+# ---- CUDA IPC ----------------------------------------------------------------------------------------------------
+def _open_and_sum(buckets, queue):  # in a child process (spawn): open the parent's buckets, sum every tensor
+    from engine.weights import ipc
+
+    sums = {}
+    for b in buckets:
+        for name, t in ipc.unflatten(ipc.open_bucket(b), b.metadata).items():
+            sums[name] = float(t.double().sum())
+    torch.cuda.synchronize()
+    queue.put(sums)
+
+
+def test_cuda_ipc_buckets_reach_another_process_without_a_copy_through_the_host():
+    import torch.multiprocessing as mp
+
+    from engine.weights import ipc
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    named = {f"w{i}": torch.randn(257, 33 + i, device="cuda", generator=g) for i in range(5)}
+    export = ipc.export(named, torch.bfloat16, bucket_bytes=3 * 257 * 40 * 2)
+    assert len(export.buckets) >= 2 and all(b.dtype == "bfloat16" for b in export.buckets)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_open_and_sum, args=(export.buckets, queue))
+    child.start()
+    got = queue.get(timeout=120)
+    child.join(timeout=60)
+    want = {k: float(v.to(torch.bfloat16).double().sum()) for k, v in named.items()}
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-6 for k in want)
+
+
+# ---- the built-in engine on CUDA -------------------------------------------------------------------------------
+def test_engine_on_cuda_serves_bf16_and_gives_its_memory_back(tiny_model):
+    from engine.rollout.generation import GenRequest
+    from engine.rollout.server import EngineState
+
+    state = EngineState(tiny_model, device="cuda:0", dtype="bfloat16", max_new_tokens=8)
+    assert next(state.generator.model.parameters()).dtype == torch.bfloat16
+    tok = state.tokenizer
+    prompt = tok("<|im_start|>user\n57+38=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    reqs = [GenRequest(rid=f"r{i}", input_ids=prompt, max_new_tokens=8, seed=i) for i in range(64)]
+    outs = state.generator.generate(reqs)
+    again = state.generator.generate(reqs)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in again]  # seeded: the same batch, the same tokens
+    model = state.generator.model
+    for o in outs[:4]:
+        seq = o.input_ids + o.output_ids
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([seq], device="cuda")).logits[0].float(), -1)
+        direct = logp[len(o.input_ids) - 1:-1].gather(-1, torch.tensor(o.output_ids, device="cuda")[:, None])
+        assert float((direct.squeeze(-1).cpu() - torch.tensor(o.logprobs)).abs().mean()) < 0.02
+    before = torch.cuda.memory_reserved()
+    state.set_released(True)
+    assert torch.cuda.memory_reserved() < before and not next(model.parameters()).is_cuda
+    state.set_released(False)
+    assert next(model.parameters()).is_cuda and len(state.generator.generate(reqs[:2])[0].output_ids) > 0
+
+
+# ---- the whole flow, colocated on one GPU ------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_flow_on_one_gpu(backend, tmp_path, tiny_model):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    summary = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "examples/demo.yaml"), "--colocate",
+           "--train-backend", backend, "--num-rollout", "3", "--eval-max-samples", "16",
+           "--work-dir", str(tmp_path / "w"), "--save", str(tmp_path / "ck"), "--summary-json", str(summary),
+           "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    out = json.loads(summary.read_text())
+    assert out["weight_sync"] == "cuda_ipc" and out["engine_dtype"] == "float32"
+    h = out["history"]
+    assert sorted(h["rollout/reward_mean"]) == ["0", "1", "2"]
+    # fp32 trainer and engine (no --bf16): the fp32 threshold, after every sync and on every rollout
+    assert all(v < 1e-3 for v in h["sync/probe_mismatch"].values()), h["sync/probe_mismatch"]
+    assert all(v < 1e-3 for v in h["train/mismatch"].values()), h["train/mismatch"]
+    assert all(v > 0 for v in h["sync/gb_per_s"].values())
+    # the engine held GPU memory while generating, none while the trainer trained, and took it back for the sync
+    for i in ("0", "1", "2"):
+        assert h["memory/rollout_engine_gib"][i] > 0 and h["memory/train_train_gib"][i] > 0
+        assert h["memory/train_engine_gib"][i] < 0.05 * h["memory/rollout_engine_gib"][i]
+    assert all(h["memory/sync_engine_gib"][i] > 0 for i in ("0", "1", "2"))
