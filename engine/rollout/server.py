@@ -195,7 +195,8 @@ class EngineState:
         with self.generator.lock:
             if self.device != "cpu":
                 self.generator.model.to("cpu" if released else self.device)
-                if released:
+                if released:  # cached blocks, and cuBLAS's workspaces (32 MiB a stream on Hopper) held in them
+                    torch._C._cuda_clearCublasWorkspaces()
                     torch.cuda.empty_cache()
             self.released = released
 
