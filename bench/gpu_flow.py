@@ -65,12 +65,13 @@ def run(tag: str, args: list[str], out: Path, timeout_s: float, meta: dict) -> d
     work.mkdir(parents=True)
     summary = work / "summary.json"
     cmd = [sys.executable, "-m", "flows.cli", "train", *args, "--work-dir", str(work / "w"),
-           "--summary-json", str(summary), "--no-progress"]
+           "--summary-json", str(summary)]
+    env = {**os.environ, "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO"}  # task runs and their times in the log
     shown = "rollflow train " + " ".join(args)
     print(f"[{time.strftime('%H:%M:%S')}] {tag}: {shown}", flush=True)
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         rc, log = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, log = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")

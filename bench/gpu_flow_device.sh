@@ -18,6 +18,12 @@ for step in "$@"; do
     shape-1.5b) python3 bench/gpu_flow.py shape --shape 1.5b --backend torch --bf16 --out "$OUT" --timeout 420 ;;
     shape-1.5b-megatron) python3 bench/gpu_flow.py shape --shape 1.5b --backend megatron --bf16 --out "$OUT" \
                            --timeout 420 ;;
+    parallel)  # the GPU tests ∥ the 0.5B shape ∥ the Megatron demo: one call, three processes on one GPU
+      (timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_flow.py --timeout 400 \
+         > "$OUT/pytest_gpu.txt" 2>&1) &
+      python3 bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out "$OUT" --timeout 540 &
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --out "$OUT" --timeout 400
+      wait; tail -5 "$OUT/pytest_gpu.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

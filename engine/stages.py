@@ -189,7 +189,7 @@ def sync_transport(cfg: RunConfig, *, on_gpu: bool) -> str:
     return "object_store"
 
 
-def probe_prompts(run: Run, k: int = 4) -> list[list[int]]:
+def probe_prompts(run: Run, k: int = 16) -> list[list[int]]:
     """The first k eval (else train) prompts, rendered: after each weight sync every engine samples a short
     answer to each and the trainer scores those answers (RF14, `probe_engines`)."""
     from engine.modeling import render_prompt

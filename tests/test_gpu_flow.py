@@ -185,5 +185,5 @@ def test_flow_on_one_gpu(backend, tmp_path, tiny_model):
     # the engine held GPU memory while generating, none while the trainer trained, and took it back for the sync
     for i in ("0", "1", "2"):
         assert h["memory/rollout_engine_gib"][i] > 0 and h["memory/train_train_gib"][i] > 0
-        assert h["memory/train_engine_gib"][i] < 0.05 * h["memory/rollout_engine_gib"][i]
+        assert h["memory/train_engine_gib"][i] == 0.0  # weights, cached blocks and cuBLAS workspaces all given back
     assert all(h["memory/sync_engine_gib"][i] > 0 for i in ("0", "1", "2"))

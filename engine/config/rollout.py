@@ -44,7 +44,7 @@ class RolloutArgs(Section):
 
     logprob_mismatch_threshold: Optional[float] = Field(None, gt=0)
     """RF14: stop the run when the mean |log π_engine − log π_trainer| over a rollout's trained tokens (or over the probe
-    scored after a weight sync) is above this. Default: 0.01 when the trainer or the engine runs bf16, else 1e-3."""
+    scored after a weight sync) is above this. Default: 0.05 when the trainer or the engine runs bf16, else 1e-3."""
 
     rollout_num_gpus_per_engine: int = Field(1, ge=1)
     """GPUs per rollout engine (its tensor-parallel size)."""

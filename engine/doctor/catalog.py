@@ -82,7 +82,7 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
           "every synced weight name and shape is checked against the engine's model (no partial load); after every "
           "sync each engine scores fixed prompts like the trainer; every rollout, before the update, the trainer's "
           "log-probs of the sampled tokens are compared with the engine's (`train/mismatch`, mean and max). A mean "
-          "above `--logprob-mismatch-threshold` (0.01 bf16, 1e-3 fp32) stops the run naming the likely causes and "
+          "above `--logprob-mismatch-threshold` (0.05 bf16, 1e-3 fp32) stops the run naming the likely causes and "
           "`--use-tis`"),
 ]}
 
