@@ -107,6 +107,7 @@ def digest(s: dict) -> dict:
         "peak_memory_gib_parts": {f"{st}_{who}": max(per(f"memory/{st}_{who}_gib"), default=None)
                                   for st in ("rollout", "train", "sync") for who in ("train", "engine")},
         "seconds": {st: mean(f"{st}/seconds") for st in STAGES},
+        "seconds_per_rollout": {st: per(f"{st}/seconds") for st in STAGES},
         "sync_gb_per_s": mean("sync/gb_per_s"), "sync_mb": mean("sync/mb"),
         "rollout_tokens_per_s": mean("rollout/tokens_per_s"), "train_tokens_per_s": mean("train/tokens_per_s"),
         "response_len_mean": mean("rollout/response_len_mean"), "reward_mean": per("rollout/reward_mean"),

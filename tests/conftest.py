@@ -15,7 +15,7 @@ from engine.config.data import BUNDLED_MODEL, BUNDLED_TEST, BUNDLED_TRAIN  # noq
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    assert (Path(BUNDLED_MODEL) / "config.json").is_file(), "the bundled model is missing: see examples/README.md"
+    assert (Path(BUNDLED_MODEL) / "config.json").is_file(), "the bundled model is missing: rebuild it with examples/build_tiny_model.py"
     return BUNDLED_MODEL
 
 
