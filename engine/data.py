@@ -38,8 +38,15 @@ def _read_rows(path: Path, flag: str) -> list[tuple[int, Any]]:
 
         return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _data_error(f"{flag} {path}: line {lineno} is not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                  f"{e.start + 1})", f"re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 "
+                                  f"{path.name} > {path.stem}.utf8{path.suffix}`", path=str(path),
+                                  line=lineno) from None
             if not line.strip():
                 continue
             try:

@@ -1,10 +1,13 @@
 """Reward functions: built-in (exact match, math, F1) and custom (`module:function` or `file.py:function`).
 
 - exact_match: whitespace-normalised response == label.
-- math: the last `\\boxed{…}` of the response (else its last number) against the label: equal after
-  normalisation, or numerically, or symbolically via sympy — in a separate process killed after the time limit
-  (sympy's simplify can run for minutes on adversarial input; a thread cannot be stopped, a process can).
-- f1: token-level F1 (SQuAD style) of response vs label.
+- math: the last `\\boxed{…}` of the response (else its last number) against the label (its boxed answer when it
+  has one): equal after slime's MATH normalisation (engine/math_grader.py), or numerically, or symbolically via
+  sympy — in a separate process killed after the time limit (sympy's simplify can run for minutes on adversarial
+  input; a thread cannot be stopped, a process can).
+- f1: token-level F1 of response vs label after SQuAD's normalisation (lower case, no punctuation, no articles),
+  with HotpotQA's rule for yes / no / noanswer labels, as slime's `f1`: {"score": F1, "precision": P, "recall": R}
+  (the score is what trains; P and R are logged as rollout/reward_precision_mean, …).
 - custom: `fn(sample) -> float | dict` (sync or async; the samples of a group are scored concurrently when async),
   or with `--group-rm` `fn(samples) -> list[float | dict]`.
 
@@ -20,6 +23,7 @@ import importlib.util
 import inspect
 import math
 import re
+import string
 import threading
 from collections import Counter
 from pathlib import Path
@@ -40,24 +44,7 @@ def exact_match(response: str, label: Any) -> float:
     return float(_norm(response) == _norm(label))
 
 
-_BOXED = re.compile(r"\\boxed\{")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...}, braces balanced."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    i, depth, out = starts[-1], 1, []
-    while i < len(text):
-        c = text[i]
-        depth += (c == "{") - (c == "}")
-        if depth == 0:
-            return "".join(out)
-        out.append(c)
-        i += 1
-    return None
 
 
 def _math_normalize(s: str) -> str:
@@ -142,23 +129,43 @@ def math_equal(a: str, b: str, timeout_s: float = SYMPY_TIMEOUT_S) -> bool:
 
 
 def math_reward(response: str, label: Any) -> float:
-    """Final \\boxed{} answer (else the last number in the response) compared with the label."""
-    answer = extract_boxed(response)
+    """Final \\boxed{} answer (else the last number in the response) compared with the label's answer: equal after
+    slime's normalisation (engine/math_grader.py), else numerically or sympy-equal (rollflow's leniency)."""
+    from engine.math_grader import label_answer, last_boxed, normalize
+
+    answer = last_boxed(response)
     if answer is None:
         numbers = _NUMBER.findall(response)
         if not numbers:
             return 0.0
         answer = numbers[-1]
-    return float(math_equal(answer, str(label)))
+    got, want = normalize(answer), normalize(label_answer(label))
+    return float(got == want or math_equal(got, want))
 
 
-def f1_reward(response: str, label: Any) -> float:
-    pred, gold = _norm(response).lower().split(), _norm(label).lower().split()
-    common = sum((Counter(pred) & Counter(gold)).values())
-    if not pred or not gold or common == 0:
-        return float(pred == gold)
-    p, r = common / len(pred), common / len(gold)
-    return 2 * p * r / (p + r)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+
+
+def squad_normalize(text: Any) -> str:
+    """SQuAD's answer normalisation: lower case, punctuation and articles (a, an, the) removed, spaces collapsed."""
+    s = "".join(c for c in str(text).lower() if c not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def f1_reward(response: str, label: Any) -> dict[str, float]:
+    """Token F1 after `squad_normalize`, with precision and recall (as slime's f1, after HotpotQA's evaluator): a
+    yes / no / noanswer on either side scores only when both sides are that same word."""
+    pred, gold = squad_normalize(response), squad_normalize(label)
+    zero = {"score": 0.0, "precision": 0.0, "recall": 0.0}
+    if (pred in ("yes", "no", "noanswer") or gold in ("yes", "no", "noanswer")) and pred != gold:
+        return zero
+    p_toks, g_toks = pred.split(), gold.split()
+    common = sum((Counter(p_toks) & Counter(g_toks)).values())
+    if common == 0:
+        return zero
+    p, r = common / len(p_toks), common / len(g_toks)
+    return {"score": 2 * p * r / (p + r), "precision": p, "recall": r}
 
 
 BUILTIN = {"exact_match": exact_match, "math": math_reward, "f1": f1_reward}

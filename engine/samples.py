@@ -1,7 +1,7 @@
 """The Sample contract shared by rollout, pack and train (design.md, "Data contracts")."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -42,10 +42,22 @@ class Sample:
         return float(self.reward or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields, plus any attribute a custom rollout set (kept by `from_dict`, as slime keeps them)."""
         d = asdict(self)
+        d.update({k: v for k, v in vars(self).items() if k not in _FIELDS})
         d["status"] = self.status.value
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
-        return cls(**{**d, "status": Status(d.get("status", "pending"))})
+        """Keys that are not fields become attributes (slime's Sample.from_dict does the same: custom rollouts
+        carry their own keys through); `status` may be the enum or its value."""
+        known = {k: v for k, v in d.items() if k in _FIELDS}
+        sample = cls(**{**known, "status": Status(d.get("status", "pending"))})
+        for k, v in d.items():
+            if k not in _FIELDS:
+                setattr(sample, k, v)
+        return sample
+
+
+_FIELDS = frozenset(f.name for f in fields(Sample))

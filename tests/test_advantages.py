@@ -26,6 +26,17 @@ def test_dr_grpo_only_centres():
     torch.testing.assert_close(adv, torch.tensor([1.0, -1, 0, 0]))
 
 
+def test_grpo_with_one_sample_per_prompt_is_zero_not_nan():
+    # n = 1: the group mean is the reward itself and the std of one sample is 0/0 (NaN); slime turns the
+    # std-normalisation off for n = 1, so A = r − r = 0 (the step trains nothing, and says so with grad norm 0)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.5]), 1)
+    assert torch.equal(adv, torch.zeros(3))
+    adv, _ = compute_advantages("grpo", rewards=torch.tensor([1.0, 0.0]), n_samples_per_prompt=1, sample_ids=[0, 1],
+                                cu_seqlens=torch.tensor([0, 3, 6]), loss_mask=torch.tensor([0., 1, 1, 0, 1, 1]),
+                                kl=torch.zeros(6))
+    assert torch.isfinite(adv).all() and float(adv.abs().sum()) == 0.0
+
+
 def test_grpo_non_multiple_of_n_is_one_group_with_a_warning():
     with pytest.warns(UserWarning, match="not a multiple"):
         adv = grpo_advantages(torch.tensor([0.0, 1, 2]), 2, std_normalization=False)

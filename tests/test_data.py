@@ -149,9 +149,10 @@ def test_sympy_is_stopped_at_its_time_limit():
 def test_f1_reward():
     from engine.rewards import f1_reward
 
-    # pred "the cat sat", gold "the cat": P = 2/3, R = 1 → F1 = 2·(2/3)/(5/3) = 0.8
-    assert f1_reward("The cat sat", "the cat") == pytest.approx(0.8)
-    assert f1_reward("dog", "the cat") == 0.0
+    # SQuAD normalisation drops the articles: pred "cat sat", gold "cat": P = 1/2, R = 1 → F1 = 2·(1/2)/(3/2) = 2/3
+    got = f1_reward("The cat sat", "the cat")
+    assert got["score"] == pytest.approx(2 / 3) and got["precision"] == 0.5 and got["recall"] == 1.0
+    assert f1_reward("dog", "the cat")["score"] == 0.0
 
 
 def test_async_group_and_dict_rewards(tmp_path):

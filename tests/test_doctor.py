@@ -28,7 +28,7 @@ def one(diags: list[Diagnosis], code: str) -> Diagnosis:
     return found[0]
 
 
-def test_catalog_has_all_thirteen_codes_and_readme_matches():
+def test_catalog_has_all_fourteen_codes_and_readme_matches():
     from engine.doctor.catalog import END, START, catalog_markdown
 
     assert list(CATALOG) == [f"RF{i:02d}" for i in range(1, 15)]
@@ -75,9 +75,10 @@ def test_rf02_fits_colocated_and_per_node_fit():
     assert "[4, 4]" in d.what and "--actor-num-gpus-per-node 4 --actor-num-nodes 2" in d.fix
 
 
-def test_rf02_delta_with_colocate_is_rejected():
-    d = one(run_preflight(RunConfig(colocate=True, update_weight_mode="delta"), Environment()), "RF02")
-    assert "delta" in d.what and "--update-weight-mode full" in d.fix
+def test_the_dead_update_weight_mode_flag_is_gone():
+    # --update-weight-mode delta was validated and otherwise ignored: a flag that does nothing is refused now
+    with pytest.raises(ValueError, match="update_weight_mode"):
+        RunConfig(update_weight_mode="delta")
 
 
 # ---- RF03 -----------------------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def _log(tmp_path, text):
 BROKEN = {
     # code: (argv builder, a fact that must be printed)
     "RF01": (lambda t, m: ["--load", str(t)], "latest_checkpointed_iteration.txt"),
-    "RF02": (lambda t, m: ["--colocate", "--update-weight-mode", "delta"], "--update-weight-mode full"),
+    "RF02": (lambda t, m: ["--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "8"], "1 × 8 + 8 = 16"),
     "RF03": (lambda t, m: ["--use-dynamic-batch-size", "--rollout-max-response-len", "2048"],
              "--max-tokens-per-gpu 2048"),
     "RF04": (lambda t, m: ["--model-name", "llama"], "--model-name qwen2"),
@@ -333,9 +334,12 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("code", sorted(BROKEN))
-def test_rollflow_doctor_prints_each_code_with_its_facts(code, tmp_path, capsys, tiny_model):
+def test_rollflow_doctor_prints_each_code_with_its_facts(code, tmp_path, capsys, tiny_model, monkeypatch):
+    from engine.doctor import checks
     from flows.cli import main
 
+    if code == "RF02":  # a GPU machine's view (checks are pure functions of the config and this view)
+        monkeypatch.setattr(checks.Environment, "local", staticmethod(lambda: GPU8))
     argv_of, fact = BROKEN[code]
     rc = main(["doctor", *argv_of(tmp_path, tiny_model)])
     out = capsys.readouterr().out
@@ -355,3 +359,120 @@ def test_rollflow_doctor_prints_rf08_for_a_taken_port(capsys):
         assert main(["doctor", "--sglang-port", str(port)]) == 1
     out = capsys.readouterr().out
     assert "[RF08 error]" in out and f"port {port} is already in use" in out
+
+
+# ---- pass-through flags ---------------------------------------------------------------------------------------------
+def test_a_misspelt_sglang_flag_is_an_error_naming_the_nearest(capsys):
+    from flows.cli import main
+
+    d = one(run_preflight(RunConfig(sglang_args={"mem-fracton-static": "0.8"}), Environment()), "CONFIG")
+    assert "--sglang-mem-fracton-static" in d.what and "--sglang-mem-fraction-static" in d.fix
+    assert d.facts["sglang_version"] == "0.5.23"
+    assert main(["doctor", "--sglang-mem-fracton-static", "0.8"]) == 1  # and the CLI says so
+    assert "did you mean --sglang-mem-fraction-static" in capsys.readouterr().out
+    ok = RunConfig(sglang_args={"mem-fraction-static": "0.8", "enable-deterministic-inference": True,
+                                "max-running-requests": "512", "tp-size": "2"})
+    assert not [d for d in run_preflight(ok, Environment()) if "sglang" in d.what]
+
+
+def test_the_sglang_flag_list_is_read_from_sglang_source():
+    from engine.config.sglang_args import flags_of_add_argument, flags_of_fields
+
+    fields = ('class Model(msgspec.Struct):\n'
+              '    model_path: A[str, Arg(help="p", aliases=["--model"])]\n'
+              '    tp_size: A[int, Arg(help="t", cli_name="--tensor-parallel-size", aliases=["--tp-size"])]\n'
+              '    trust_remote_code: A[bool, "allow custom code"] = False\n'
+              '    internal: A[int, Arg(help="x", no_cli=True)] = 0\n'
+              '    plain: int = 3\n')
+    assert flags_of_fields(fields) == {"model-path", "model", "tensor-parallel-size", "tp-size", "trust-remote-code"}
+    assert flags_of_add_argument('parser.add_argument("--reasoning-parser", type=str)') == {"reasoning-parser"}
+
+
+# ---- inputs that used to crash: each a clear error from the doctor and from the train flow's preflight ------------
+def _model_copy(tmp_path, tiny_model, name="model"):
+    model = tmp_path / name
+    shutil.copytree(tiny_model, model)
+    return model
+
+
+def _both(cfg, capsys, code: str, *needles: str):
+    """The same diagnosis from `rollflow doctor` (exit 1) and from the train flow's first stage (preflight)."""
+    from engine import stages
+    from engine.doctor.diagnosis import ConfigError
+    from flows.cli import main
+
+    argv = ["doctor", "--hf-checkpoint", cfg.hf_checkpoint, "--prompt-data", cfg.prompt_data] + \
+        (["--apply-chat-template"] if cfg.apply_chat_template else ["--no-apply-chat-template"])
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert f"[{code} error]" in out and all(n in out for n in needles), out
+    with pytest.raises(ConfigError) as e:
+        stages.preflight(cfg, Environment())
+    assert code in e.value.codes and all(n in str(e.value) for n in needles)
+
+
+def test_a_prompt_file_that_is_not_utf8(tmp_path, tiny_model, capsys):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes('{"prompt": "1+1=", "label": "2"}\n{"prompt": "caf\xe9 2+2=", "label": "4"}\n'.encode("latin1"))
+    cfg = RunConfig(hf_checkpoint=tiny_model, prompt_data=str(data), eval_prompt_data="")
+    _both(cfg, capsys, "DATA", "line 2 is not UTF-8 (byte 0xe9", "iconv")
+
+
+def test_a_config_json_that_is_not_json(tmp_path, tiny_model, capsys):
+    model = _model_copy(tmp_path, tiny_model)
+    (model / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 128,,}')
+    cfg = RunConfig(hf_checkpoint=str(model), eval_prompt_data="")
+    _both(cfg, capsys, "MODEL", "config.json is not valid JSON (line 1 column", f"repair {model}/config.json")
+
+
+def test_apply_chat_template_on_a_model_without_one(tmp_path, tiny_model, capsys):
+    model = _model_copy(tmp_path, tiny_model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    cfg = RunConfig(hf_checkpoint=str(model), eval_prompt_data="", apply_chat_template=True)
+    _both(cfg, capsys, "MODEL", "has no chat template", "--no-apply-chat-template")
+
+
+def test_a_model_directory_without_a_tokenizer(tmp_path, tiny_model, capsys):
+    model = _model_copy(tmp_path, tiny_model)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / f).unlink(missing_ok=True)
+    cfg = RunConfig(hf_checkpoint=str(model), eval_prompt_data="")
+    _both(cfg, capsys, "MODEL", "no usable tokenizer", "copy the tokenizer files")
+
+
+def _bos_model(tmp_path, tiny_model):
+    """The tiny model's tokenizer made to prepend a BOS to text (as Llama's does): <|endoftext|> (id 256)."""
+    model = _model_copy(tmp_path, tiny_model, "bos")
+    tj = json.loads((model / "tokenizer.json").read_text())
+    tj["post_processor"] = {"type": "TemplateProcessing",
+                            "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                            "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [256],
+                                                                 "tokens": ["<|endoftext|>"]}}}
+    (model / "tokenizer.json").write_text(json.dumps(tj))
+    tc = json.loads((model / "tokenizer_config.json").read_text())
+    tc["bos_token"] = "<|endoftext|>"
+    (model / "tokenizer_config.json").write_text(json.dumps(tc))
+    return model
+
+
+def test_plain_prompts_get_the_bos_the_tokenizer_adds(tmp_path, tiny_model):
+    from engine.modeling import load_tokenizer, render_prompt
+
+    tok = load_tokenizer(str(_bos_model(tmp_path, tiny_model)))
+    assert render_prompt(tok, "12+3=", False)[0] == 256  # as the tokenizer encodes text (slime: without)
+    plain = load_tokenizer(tiny_model)
+    assert render_prompt(plain, "12+3=", False) == plain("12+3=", add_special_tokens=False)["input_ids"]
+
+
+def test_a_chat_template_that_drops_the_tokenizers_bos_is_a_warning(tmp_path, tiny_model):
+    cfg = RunConfig(hf_checkpoint=str(_bos_model(tmp_path, tiny_model)), eval_prompt_data="",
+                    apply_chat_template=True)
+    d = one(run_preflight(cfg, Environment()), "MODEL")
+    assert d.severity == "warning" and "BOS '<|endoftext|>' (id 256)" in d.what and "--no-apply-chat-template" in d.fix
+    assert not [d for d in run_preflight(RunConfig(hf_checkpoint=cfg.hf_checkpoint, eval_prompt_data=""),
+                                         Environment()) if d.code == "MODEL"]  # plain prompts carry it

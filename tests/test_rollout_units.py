@@ -286,3 +286,31 @@ def test_builtin_filter_drops_groups_whose_rewards_agree():
     keep = load_filter(BUILTIN_NONZERO_STD)
     assert keep(group([0.0, 1.0, 0.0])) and not keep(group([1.0, 1.0])) and not keep(group([0.0, 0.0]))
     assert not keep(group([1.0, 0.0], failed=(1,)))  # one live sample: nothing to compare
+
+
+# ---- the Sample contract -----------------------------------------------------------------------------------------
+def test_sample_from_dict_keeps_keys_it_does_not_know():
+    # slime's Sample.from_dict sets unknown keys as attributes; custom rollouts carry their own data that way
+    from engine.samples import Sample, Status
+
+    s = Sample.from_dict({"index": 3, "group_index": 1, "rollout_id": 0, "prompt": "p", "status": "truncated",
+                          "turns": [{"role": "tool", "content": "42"}], "env_id": "sandbox-7"})
+    assert s.status is Status.TRUNCATED and s.turns[0]["content"] == "42" and s.env_id == "sandbox-7"
+    d = s.to_dict()
+    assert d["turns"] == s.turns and d["status"] == "truncated"
+    assert Sample.from_dict(d).env_id == "sandbox-7"  # and they survive a round trip
+
+
+def test_an_unknown_finish_reason_fails_the_sample_with_the_reason():
+    from engine.data import PromptRow
+    from engine.rollout.loop import Prompt, SamplingParams, _Round
+    from engine.samples import Status
+
+    rnd = _Round([Prompt(PromptRow(prompt="1+1=", label="2", metadata={}, row=0), [5, 6])], first_draw=0, needed=1,
+                 rollout_id=0, nonce="x", n=2, params=SamplingParams(max_new_tokens=4), seed=0, engines=None,
+                 reward_model=None, keep=None, concurrency=2)
+    out = {"text": "2", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7, None]]}}
+    ok, odd = rnd._samples(0, [{**out, "meta_info": {**out["meta_info"], "finish_reason": {"type": "stop"}}},
+                               {**out, "meta_info": {**out["meta_info"], "finish_reason": {"type": "preempted"}}}])
+    assert ok.status is Status.COMPLETED and "failure" not in ok.metadata
+    assert odd.status is Status.FAILED and "preempted" in odd.metadata["failure"]

@@ -35,9 +35,12 @@ def grpo_advantages(rewards: torch.Tensor, n_samples_per_prompt: int, *, std_nor
 
     rewards: [N] one scalar per sample, groups contiguous. Returns [N]. Without std-normalisation this is
     Dr.GRPO's mean-centred reward. When N is not a multiple of n the whole batch is one group (warned).
-    The std is the unbiased one (torch.std), as slime.
+    The std is the unbiased one (torch.std), as slime; with n = 1 it is undefined (0/0), so, as slime does, the
+    std is not divided by and every advantage is r − r = 0.
     """
     n = n_samples_per_prompt
+    if n == 1:
+        std_normalization = False
     if rewards.numel() % n:
         warnings.warn(f"{rewards.numel()} rewards are not a multiple of n_samples_per_prompt={n}; "
                       "normalising over the whole batch as one group", stacklevel=2)

@@ -22,8 +22,5 @@ class ClusterArgs(Section):
     rollout_num_gpus: Optional[int] = Field(None, ge=0)
     """GPUs for rollout engines in decoupled mode (default: the training GPUs when colocated)."""
 
-    update_weight_mode: Literal["full", "delta"] = "full"
-    """Weight sync sends all weights (full) or only changed ones (delta; not with --colocate: RF02)."""
-
     num_cpus: Optional[int] = Field(None, ge=1)
     """CPUs for the local Ray cluster started by the run (default: all)."""

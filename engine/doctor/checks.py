@@ -76,13 +76,15 @@ class Environment:
 
 
 def run_preflight(cfg, env: Environment) -> list[Diagnosis]:
+    """Every check; a diagnosis found by several checks (e.g. a broken config.json they all read) is kept once."""
     out: list[Diagnosis] = []
     for code in sorted(CHECKS):
         for fn in CHECKS[code]:
             try:
-                out += fn(cfg, env)
+                found = fn(cfg, env)
             except ConfigError as e:
-                out += e.diagnoses
+                found = e.diagnoses
+            out += [d for d in found if d not in out]
     return out
 
 
@@ -276,21 +278,63 @@ def _resume_hint(cfg) -> list[Diagnosis]:
                       facts={"iteration": it})]
 
 
-@check("RF10")
-def model_has_stop(cfg, env: Environment) -> list[Diagnosis]:
+@check("MODEL")
+def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
+    """--hf-checkpoint has a readable config.json and a tokenizer, a chat template when one is applied, and its
+    prompts start with the BOS the tokenizer would add to text (a warning)."""
+    from engine.modeling import load_tokenizer, read_model_json, render_prompt
+
     path = Path(cfg.hf_checkpoint)
-    if not (path / "config.json").is_file():
+    if read_model_json(path, "config.json") is None:  # (raises for invalid JSON, naming the file)
         return [Diagnosis(code="MODEL", severity="error",
                           what=f"--hf-checkpoint {path}: no config.json (not a Hugging Face model directory)",
                           fix="--hf-checkpoint a directory written by save_pretrained")]
+    try:
+        tok = load_tokenizer(str(path))
+        # without tokenizer files transformers builds an empty one (1 token), which encodes every prompt to nothing
+        problem = None if tok("2+2=")["input_ids"] else f"its tokenizer has {len(tok)} token(s) and encodes text to nothing"
+    except Exception as e:  # noqa: BLE001 — transformers raises many types for a missing / broken tokenizer
+        problem = f"{type(e).__name__}: {str(e)[:200]}"
+    if problem:
+        return [Diagnosis(code="MODEL", severity="error", what=f"--hf-checkpoint {path}: no usable tokenizer ({problem})",
+                          fix="copy the tokenizer files of the base model (tokenizer.json, tokenizer_config.json, "
+                              "special_tokens_map.json, or tokenizer.model) into the directory")]
+    out = []
+    if cfg.apply_chat_template and not tok.chat_template:
+        return [Diagnosis(code="MODEL", severity="error",
+                          what=f"--apply-chat-template, but the tokenizer in {path} has no chat template",
+                          fix="--no-apply-chat-template (plain-text prompts), or add the base model's chat template "
+                              "(chat_template.jinja, or chat_template in tokenizer_config.json)")]
+    bos = tok.bos_token_id
+    adds_bos = bos is not None and tok("x")["input_ids"][:1] == [bos]
+    if adds_bos and cfg.apply_chat_template:
+        from engine.data import load_prompts
+
+        row = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)[0]
+        ids = render_prompt(tok, row.prompt, True)
+        if ids[:1] != [bos]:
+            out.append(Diagnosis(code="MODEL", severity="warning",
+                                 what=f"the tokenizer in {path} starts text with BOS {tok.bos_token!r} (id {bos}), but "
+                                      "its chat template does not: the engine gets the prompts without it "
+                                      f"(line {row.row}: {tok.decode(ids[:12])!r}…)",
+                                 fix="a chat template that writes the BOS token (most do: '{{ bos_token }}'), or "
+                                     "--no-apply-chat-template to encode plain prompts with the tokenizer's BOS",
+                                 facts={"bos_token_id": bos, "line": row.row}))
+    return out
+
+
+@check("RF10")
+def model_has_stop(cfg, env: Environment) -> list[Diagnosis]:
+    from engine.modeling import read_model_json
+
+    path = Path(cfg.hf_checkpoint)
+    if not (path / "config.json").is_file():
+        return []  # model_dir_usable reports it
     ids = []
     for name in ("generation_config.json", "config.json"):
-        f = path / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    tok_cfg = path / "tokenizer_config.json"
-    if tok_cfg.is_file() and json.loads(tok_cfg.read_text()).get("eos_token"):
+        eos = (read_model_json(path, name) or {}).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if (read_model_json(path, "tokenizer_config.json") or {}).get("eos_token"):
         ids.append("tokenizer eos")
     if ids or cfg.rollout_stop or cfg.rollout_stop_token_ids:
         return []
@@ -317,11 +361,6 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
 def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
     """Colocated: GPUs ≥ nodes × gpus_per_node; decoupled: ≥ that + rollout GPUs; each train node fits on a node."""
     out = []
-    if cfg.update_weight_mode == "delta" and cfg.colocate:
-        out.append(Diagnosis(code="RF02", severity="error",
-                             what="--update-weight-mode delta cannot be used with --colocate (colocated engines "
-                                  "receive full weights through shared GPU memory)",
-                             fix="--update-weight-mode full, or drop --colocate"))
     if env.gpus <= 0:
         return out  # CPU mode: train workers and engines are CPU processes, nothing waits for GPUs
     n, g = cfg.actor_num_nodes, cfg.actor_num_gpus_per_node
@@ -360,10 +399,13 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
 
 @check("RF04")
 def model_name_consistent(cfg, env: Environment) -> list[Diagnosis]:
+    from engine.modeling import read_model_json
+
     path = Path(cfg.hf_checkpoint) / "config.json"
-    if not path.is_file():
-        return []
-    model_type = json.loads(path.read_text()).get("model_type")
+    config = read_model_json(cfg.hf_checkpoint, "config.json")
+    if config is None:
+        return []  # model_dir_usable reports it
+    model_type = config.get("model_type")
     if cfg.model_name and model_type and cfg.model_name.lower() != model_type.lower():
         return [Diagnosis(code="RF04", severity="error",
                           what=f"--model-name {cfg.model_name} but {path} says model_type {model_type!r}",
@@ -387,6 +429,25 @@ def moe_dispatcher_switched(cfg, env: Environment) -> list[Diagnosis]:
                       what="--moe-token-dispatcher-type allgather cannot handle packed (variable-length) sequences, "
                            f"and packing is always on: the run uses {cfg.moe_dispatcher}",
                       fix="nothing to do (pass --moe-token-dispatcher-type alltoall to silence this)")]
+
+
+@check("CONFIG")
+def sglang_flags_exist(cfg, env: Environment) -> list[Diagnosis]:
+    """`--sglang-*` flags go to `python -m sglang.launch_server` verbatim: one SGLang does not have is a typo."""
+    from engine.config.sglang_args import known_flags, unknown_flags
+
+    out = []
+    version, _ = known_flags()
+    for name, near in unknown_flags(list(cfg.sglang_args)):
+        out.append(Diagnosis(
+            code="CONFIG", severity="error",
+            what=f"--sglang-{name} is not a flag of SGLang's launch_server (sglang {version}'s server arguments, "
+                 "engine/config/sglang_server_args.txt)",
+            fix=(f"did you mean {' or '.join('--sglang-' + n for n in near)}?" if near else
+                 "check the name in `python -m sglang.launch_server --help`") +
+                " (for a newer SGLang, regenerate the list: python -m engine.config.sglang_args --from-wheel …)",
+            facts={"flag": name, "suggestions": near, "sglang_version": version}))
+    return out
 
 
 @check("RF08")

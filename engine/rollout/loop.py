@@ -87,6 +87,9 @@ def sample_seed(seed: int, rollout_id: int, index: int) -> int:
     return int.from_bytes(h[:4], "little")
 
 
+# SGLang's finish_reason types. Any other (or none) is FAILED with the reason in metadata["failure"]: never
+# trained, counted in rollout/failed_share and shown in the failure report. (slime leaves such a sample PENDING,
+# which its trainer also skips, but silently.)
 _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
@@ -175,13 +178,17 @@ class _Round:
             triples = meta.get("output_token_logprobs") or []
             resp = [int(t[1]) for t in triples] if triples else [int(t) for t in o.get("output_ids", [])]
             fr = meta.get("finish_reason") or {}
+            status = _STATUS.get(fr.get("type"), Status.FAILED)
             group.append(Sample(
                 index=gi * self.n + j, group_index=gi, rollout_id=self.rollout_id, prompt=p.row.prompt,
                 tokens=list(p.ids) + resp, response_length=len(resp), response=o.get("text", ""),
                 label=p.row.label, loss_mask=[1] * len(resp), rollout_log_probs=[float(t[0]) for t in triples],
-                status=_STATUS.get(fr.get("type"), Status.FAILED),
+                status=status,
                 metadata={**p.row.metadata, "row": p.row.row, "draw_index": self.first_draw + gi,
                           "finish_reason": fr, "weight_version": meta.get("weight_version")}))
+            if fr.get("type") not in _STATUS:  # see _STATUS
+                group[-1].metadata["failure"] = (f"the engine's finish_reason {fr!r} is none of stop / length / "
+                                                 "abort: the sample is not trained on")
         return group
 
     async def _one(self, client: httpx.AsyncClient, gi: int) -> None:
