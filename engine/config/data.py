@@ -43,7 +43,7 @@ class DataArgs(Section):
     """Shuffle prompts every epoch (seeded by --seed)."""
 
     rm_type: Optional[Literal["exact_match", "math", "f1"]] = "exact_match"
-    """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number, sympy-equivalent), f1 (token F1)."""
+    """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number vs the label, slime's MATH normalisation, then numeric / sympy-equivalent), f1 (SQuAD-normalised token F1, with precision and recall)."""
 
     custom_rm_path: Optional[str] = None
     """Custom reward `module:function` or `path/to/file.py:function`, called as fn(sample) -> float | dict (sync or async)."""
