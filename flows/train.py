@@ -80,8 +80,7 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
                 run.tracker.log_metrics({"eval/test_accuracy": before}, step=0)
         progress = create_progress_artifact(progress=100.0 * start / cfg.num_rollout, key="progress",
                                             description="rollouts done")
-        bar = tqdm(total=cfg.num_rollout, initial=start, desc="rollouts", unit="rollout", disable=not cfg.progress,
-                   dynamic_ncols=True)
+        bar = progress_bar(cfg, start)
         for rollout_id in range(start, cfg.num_rollout):
             tasks.rollout_for(cfg)(run, rollout_id)  # tasks pass ids; samples and tensors stay on `run.staged`
             tasks.pack(run, rollout_id)
@@ -113,6 +112,12 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
         ui.close()
         if run is not None:
             run.close()
+
+
+def progress_bar(cfg: RunConfig, start: int) -> tqdm:
+    """The terminal's rollout bar (--progress; --no-progress for logs and tests)."""
+    return tqdm(total=cfg.num_rollout, initial=start, desc="rollouts", unit="rollout", disable=not cfg.progress,
+                dynamic_ncols=True)
 
 
 def _update_policy(**changes) -> bool:

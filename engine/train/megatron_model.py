@@ -38,6 +38,11 @@ class Kernels:
     recompute: bool = False  # --recompute-activations: Megatron's full recompute, every layer (not a speed choice:
     #                          it trades ~1/3 more compute for activation memory; the math is unchanged)
 
+    @classmethod
+    def of(cls, cfg) -> "Kernels":
+        """The run's choices: --megatron-cuda-graphs, --recompute-activations (the rest keep their defaults)."""
+        return cls(cuda_graphs=cfg.megatron_cuda_graphs, recompute=cfg.recompute_activations)
+
 
 class HFRMSNorm(torch.nn.Module):
     """RMSNorm as transformers computes it: normalise in fp32, round to the input dtype, then × weight (in

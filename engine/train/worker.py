@@ -48,8 +48,7 @@ class TrainWorker:
 
             self.backend = MegatronBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
                                            master=master, params_dtype="bfloat16" if self.cfg.bf16 else "float32",
-                                           kernels=Kernels(cuda_graphs=self.cfg.megatron_cuda_graphs,
-                                                           recompute=self.cfg.recompute_activations))
+                                           kernels=Kernels.of(self.cfg))
         else:
             if world_size > 1:
                 dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=f"tcp://{master}",

@@ -1,0 +1,177 @@
+"""Every flag changes behaviour, and a named test shows it: a flag that is accepted and does nothing is a defect.
+
+A new RunConfig field fails `test_every_flag_is_audited` until it is listed here with the test that shows its effect.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from engine.config import RunConfig
+
+TESTS = Path(__file__).parent
+
+FLAG_TESTS = {
+    # data
+    "hf_checkpoint": "test_doctor.py::test_a_config_json_that_is_not_json",
+    "model_name": "test_doctor.py::test_rf04_model_name_mismatch_and_multinode_hint",
+    "prompt_data": "test_doctor.py::test_a_prompt_file_that_is_not_utf8",
+    "eval_prompt_data": "test_checkpoint_s3.py::test_rf01_on_an_empty_prefix_and_no_secret_anywhere",
+    "eval_max_samples": "test_flag_wiring.py::test_place_flags",
+    "input_key": "test_data.py::test_row_without_input_key_names_line",
+    "label_key": "test_data.py::test_row_without_input_key_names_line",
+    "metadata_key": "test_data.py::test_parquet_with_metadata_and_row_numbers",
+    "apply_chat_template": "test_doctor.py::test_rf09_templating_twice",
+    "rollout_shuffle": "test_flag_wiring.py::test_place_flags",
+    "rm_type": "test_flag_wiring.py::test_place_flags",
+    "custom_rm_path": "test_data.py::test_async_group_and_dict_rewards",
+    "group_rm": "test_data.py::test_async_group_and_dict_rewards",
+    # rollout
+    "rollout_batch_size": "test_config.py::test_derived_numbers_are_computed_once",
+    "n_samples_per_prompt": "test_advantages.py::test_grpo_with_one_sample_per_prompt_is_zero_not_nan",
+    "num_rollout": "test_config.py::test_derived_numbers_are_computed_once",
+    "rollout_max_response_len": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
+    "rollout_temperature": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
+    "rollout_top_p": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
+    "rollout_top_k": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
+    "rollout_stop": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
+    "rollout_stop_token_ids": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
+    "rollout_engine": "test_rollout_units.py::test_tensor_sync_with_sglang_is_a_config_error",
+    "rollout_dtype": "test_train_backend.py::test_mismatch_threshold_follows_the_precision",
+    "logprob_mismatch_threshold": "test_train_backend.py::test_mismatch_threshold_follows_the_precision",
+    "rollout_num_gpus_per_engine": "test_rollout_units.py::test_decoupled_engines_follow_the_train_bundles",
+    "rollout_num_engines": "test_rollout_units.py::test_decoupled_without_rollout_gpus_counts_engines_times_tp",
+    "rollout_concurrency": "test_flag_wiring.py::test_rollout_flags_reach_the_loop_and_the_truncation_limit",
+    "rollout_timeout": "test_rollout_loop.py::test_rollout_deadline",
+    "over_sampling_batch_size": "test_flag_wiring.py::test_rollout_flags_reach_the_loop_and_the_truncation_limit",
+    "dynamic_sampling_filter_path": "test_flag_wiring.py::test_rollout_flags_reach_the_loop_and_the_truncation_limit",
+    "rollout_max_truncated_share": "test_flag_wiring.py::test_rollout_flags_reach_the_loop_and_the_truncation_limit",
+    "rollout_engine_python": "test_flag_wiring.py::test_engine_spec_flags",
+    "rollout_engine_start_timeout": "test_flag_wiring.py::test_engine_spec_flags",
+    "use_fault_tolerance": "test_rollout_loop.py::test_without_fault_tolerance_a_dead_engine_fails_the_rollout",
+    "rollout_health_check_interval": "test_flag_wiring.py::test_place_flags",
+    "rollout_health_check_timeout": "test_flag_wiring.py::test_place_flags",
+    "rollout_health_check_first_wait": "test_flag_wiring.py::test_place_flags",
+    "weight_sync_method": "test_weight_sync.py::test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use",
+    "update_weight_buffer_size": "test_flag_wiring.py::test_sync_flags",
+    "weight_sync_timeout": "test_flag_wiring.py::test_sync_flags",
+    "sglang_args": "test_doctor.py::test_a_misspelt_sglang_flag_is_an_error_naming_the_nearest",
+    # train
+    "train_backend": "test_megatron_backend.py::test_cpu_machine_imports_and_gets_the_fix",
+    "tensor_model_parallel_size": "test_megatron_backend.py::test_dp_size_counts_replicas_not_gpus",
+    "pipeline_model_parallel_size": "test_megatron_backend.py::test_layout_check",
+    "megatron_cuda_graphs": "test_flag_wiring.py::test_megatron_cuda_graphs_flag_reaches_the_kernels",
+    "bf16": "test_train_backend.py::test_bf16_computes_in_bf16_over_fp32_master_weights",
+    "recompute_activations":
+        "test_train_backend.py::test_recompute_activations_reruns_each_layer_in_the_backward_and_changes_nothing",
+    "offload_train": "test_gpu_flow.py::test_bf16_recompute_and_offload_on_cuda",  # GPU only (preflight: CPU refused)
+    "global_batch_size": "test_doctor.py::test_rf06_inconsistent_batch_sizes_with_working_values",
+    "num_steps_per_rollout": "test_config.py::test_derived_numbers_are_computed_once",
+    "micro_batch_size": "test_packing.py::test_static_mode_by_hand",
+    "lr": "test_train_backend.py::test_lr_follows_warmup_across_steps",  # make_cfg lr=1e-3 → 5e-4, 1e-3
+    "min_lr": "test_train_backend.py::test_lr_follows_warmup_across_steps",
+    "lr_decay_style": "test_train_backend.py::test_lr_follows_warmup_across_steps",
+    "lr_warmup_iters": "test_train_backend.py::test_lr_follows_warmup_across_steps",
+    "weight_decay": "test_flag_wiring.py::test_optimizer_flags",
+    "adam_beta1": "test_flag_wiring.py::test_optimizer_flags",
+    "adam_beta2": "test_flag_wiring.py::test_optimizer_flags",
+    "clip_grad": "test_train_backend.py::test_clip_grad_bounds_the_gradient_and_reports_the_norm_before_clipping",
+    "check_for_nan_in_loss_and_grad": "test_train_backend.py::test_nan_step_is_skipped_and_counted_with_the_flag",
+    "train_step_timeout": "test_flag_wiring.py::test_place_flags",
+    "seed": "test_flag_wiring.py::test_place_flags",
+    "train_threads": "test_flag_wiring.py::test_train_threads_sizes_the_workers",
+    # packing
+    "use_dynamic_batch_size": "test_packing.py::test_rf03_dynamic_batch_needs_a_cap_and_suggests_response_len_over_cp",
+    "max_tokens_per_gpu": "test_packing.py::test_cp_multiplies_the_cap_and_an_oversize_sample_sits_alone",
+    "context_parallel_size": "test_packing.py::test_context_parallel_divides_dp_and_is_not_run_by_any_backend",
+    "balance_data": "test_packing.py::test_balance_data_evens_out_ranks_that_strided_leaves_unequal",
+    "balance_by_flops": "test_packing.py::test_every_schedule_keeps_the_invariants",
+    "moe_token_dispatcher_type": "test_packing.py::test_moe_allgather_dispatcher_is_switched_to_alltoall_and_reported",
+    # algorithm
+    "advantage_estimator": "test_train_backend.py::test_each_estimator_trains",
+    "eps_clip": "test_losses.py::test_ppo_clip_closed_forms",
+    "eps_clip_high": "test_losses.py::test_clip_high_is_asymmetric",
+    "eps_clip_c": "test_losses.py::test_dual_clip_bounds_negative_advantages",
+    "use_kl_loss": "test_objective.py::test_policy_objective_closed_form_with_every_term",
+    "kl_loss_coef": "test_objective.py::test_policy_objective_closed_form_with_every_term",
+    "kl_loss_type": "test_objective.py::test_policy_objective_closed_form_with_every_term",
+    "kl_coef": "test_advantages.py::test_reinforce_plus_plus_baseline_subtracts_kl",
+    "entropy_coef": "test_objective.py::test_policy_objective_closed_form_with_every_term",
+    "disable_grpo_std_normalization": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
+    "normalize_advantages": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
+    "use_tis": "test_objective.py::test_policy_objective_closed_form_with_every_term",
+    "tis_clip": "test_objective.py::test_policy_objective_closed_form_with_every_term",
+    "tis_clip_low": "test_flag_wiring.py::test_tis_clip_low_bounds_the_importance_weight_from_below",
+    "calculate_per_token_loss": "test_train_backend.py::test_per_token_loss_needs_and_uses_the_global_token_count",
+    "gamma": "test_advantages.py::test_gae_closed_form",
+    "lambd": "test_advantages.py::test_gae_closed_form",
+    "value_clip": "test_losses.py::test_value_loss_clipping",
+    "critic_lr": "test_flag_wiring.py::test_optimizer_flags",
+    # checkpoint
+    "save": "test_checkpoint_stages.py::test_save_then_resume_restores_weights_data_and_history",
+    "save_interval": "test_orchestration.py::test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step",
+    "load": "test_checkpoint.py::test_save_progress_wins_over_the_load_it_started_from",
+    "ckpt_step": "test_checkpoint.py::test_ckpt_step_loads_that_iteration_and_resumes_after_it",
+    "ref_load": "test_train_backend.py::test_wrong_reference_fails_the_first_step_with_rf01_before_any_update",
+    "ref_ckpt_step": "test_checkpoint.py::test_ref_load_resolves_marker_or_step_and_rejects_unloadable",
+    "save_optim": "test_checkpoint_stages.py::test_no_save_optim_and_save_hf",
+    "load_optim": "test_checkpoint.py::test_weights_only_checkpoint_needs_no_load_optim",
+    "save_hf": "test_checkpoint_stages.py::test_no_save_optim_and_save_hf",
+    "keep_last_n": "test_checkpoint.py::test_keep_last_n_deletes_only_after_the_new_marker",
+    # cluster
+    "ray_address": "test_flag_wiring.py::test_the_doctor_reads_the_cluster_ray_address_names",
+    "actor_num_nodes": "test_doctor.py::test_rf02_colocated_topology_larger_than_cluster",
+    "actor_num_gpus_per_node": "test_dp_invariance.py::test_one_step_is_the_same_for_dp_1_2_4",
+    "colocate": "test_rollout_units.py::test_colocated_engines_share_the_train_bundles",
+    "rollout_num_gpus": "test_rollout_units.py::test_decoupled_engines_follow_the_train_bundles",
+    "num_cpus": "test_flag_wiring.py::test_place_flags",
+    # orchestration
+    "placement_timeout": "test_orchestration.py::test_busy_gpus_are_retried_with_backoff_until_the_holder_releases_them",
+    "placement_retries": "test_orchestration.py::test_busy_gpus_are_retried_with_backoff_until_the_holder_releases_them",
+    "placement_retry_delay":
+        "test_orchestration.py::test_busy_gpus_are_retried_with_backoff_until_the_holder_releases_them",
+    "rollout_retries": "test_orchestration.py::test_a_hung_engine_request_hits_the_deadline_and_the_rollout_is_retried",
+    "flow_retries":
+        "test_orchestration.py::test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step",
+    "flow_retry_delay":
+        "test_orchestration.py::test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step",
+    # tracking
+    "work_dir": "test_tracking_flow.py::test_a_run_failing_preflight_is_a_failed_mlflow_run_with_the_doctor_report",
+    "experiment_name": "test_flow_params.py::test_overrides_win_over_the_file_and_the_file_over_defaults",
+    "run_name": "test_orchestration.py::test_a_config_error_is_not_retried_by_the_flow",
+    "mlflow_tracking_uri": "test_tracking.py::test_run_params_never_hold_secrets_and_keep_the_rest",
+    "mlflow_timeout": "test_tracking_flow.py::test_run_with_mlflow_down_throughout_still_trains_and_says_what_was_lost",
+    "mlflow_retry_interval":
+        "test_tracking_flow.py::test_run_started_while_mlflow_was_down_trains_and_delivers_everything",
+    "log_samples_interval": "test_flag_wiring.py::test_log_samples_interval",
+    "system_metrics_interval":
+        "test_tracking_flow.py::test_run_started_while_mlflow_was_down_trains_and_delivers_everything",
+    "summary_json": "test_flag_wiring.py::test_summary_json_is_written_by_rollflow_train",
+    "progress": "test_flag_wiring.py::test_progress_flag_turns_the_bar_off",
+}
+
+
+def _test_sources() -> dict[str, str]:
+    out = {}
+    for f in TESTS.glob("test_*.py"):
+        text = f.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                out[f"{f.name}::{node.name}"] = ast.get_source_segment(text, node)
+    return out
+
+
+def test_every_flag_is_audited():
+    assert set(FLAG_TESTS) == set(RunConfig.model_fields), (
+        f"unlisted: {sorted(set(RunConfig.model_fields) - set(FLAG_TESTS))}; "
+        f"gone: {sorted(set(FLAG_TESTS) - set(RunConfig.model_fields))}")
+
+
+def test_each_listed_test_exists_and_sets_its_flag():
+    sources = _test_sources()
+    for flag, ref in FLAG_TESTS.items():
+        assert ref in sources, f"{flag}: {ref} does not exist"
+        dashed = "--" + flag.replace("_", "-")
+        pattern = rf"\b{flag}\b|{re.escape(dashed)}\b"
+        assert re.search(pattern, sources[ref]), f"{flag}: {ref} never names the flag"

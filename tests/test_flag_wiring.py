@@ -1,0 +1,271 @@
+"""Flags whose effect no other test showed: each one, set, changes what the stage that reads it does.
+
+The stages' collaborators that need Ray or engines are hand-written fakes here; the functions they call with the
+flags' values are tested on their own elsewhere (the loop, the engines, the health monitor). tests/test_flag_audit.py
+lists, for every flag, the test that shows its effect.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from train_fakes import fake_samples, pack
+
+from engine.config import RunConfig
+from engine.config.data import BUNDLED_MODEL, BUNDLED_TRAIN
+from engine.doctor.diagnosis import DiagnosisError
+from engine.run import Run
+from engine.samples import Status
+
+
+def _run(tmp_path, **over) -> Run:
+    from engine.data import PromptDataset, load_prompts
+    from engine.modeling import eos_token_ids, load_tokenizer
+    from engine.rewards import RewardModel
+
+    cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, prompt_data=BUNDLED_TRAIN, eval_prompt_data="",
+                    work_dir=str(tmp_path / "w"), rollout_batch_size=2, n_samples_per_prompt=2, **over)
+    run = Run(cfg)
+    run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
+    run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
+    run.dataset = PromptDataset(load_prompts(cfg.prompt_data, input_key="prompt", label_key="label"), shuffle=False,
+                                seed=0)
+    run.reward_model = RewardModel(cfg.rm_type, None)
+    run.engines = SimpleNamespace(release_memory=lambda: None)
+    return run
+
+
+# ---- rollout: sampling, concurrency, over-sampling, the truncation limit -------------------------------------------
+def test_sampling_flags_are_what_the_engines_are_asked_for(tmp_path):
+    from engine.stages import sampling_params
+
+    run = _run(tmp_path, rollout_temperature=0.7, rollout_top_p=0.9, rollout_top_k=20, rollout_stop=["</a>"],
+               rollout_stop_token_ids=[7], rollout_max_response_len=33)
+    got = sampling_params(run).to_sglang(seed=5)
+    assert got["temperature"] == 0.7 and got["top_p"] == 0.9 and got["top_k"] == 20 and got["stop"] == ["</a>"]
+    assert got["max_new_tokens"] == 33 and 7 in got["stop_token_ids"] and got["sampling_seed"] == 5
+    assert sampling_params(run, greedy=True).temperature == 0.0  # eval: greedy whatever the flag
+
+
+def _fake_generate(captured: dict, truncated: int, total: int = 4):
+    from engine.rollout.loop import RolloutResult
+    from engine.samples import Sample
+
+    def generate(prompts_of, **kw):
+        captured.update(kw, prompts=prompts_of(2))
+        samples = [Sample(index=i, group_index=i // 2, rollout_id=kw["rollout_id"], prompt="p", tokens=[1, 2, 3],
+                          response_length=2, reward=0.0, loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0],
+                          status=Status.TRUNCATED if i < truncated else Status.COMPLETED) for i in range(total)]
+        return RolloutResult([samples[:2], samples[2:]], {"drawn": 2, "filtered": 0, "aborted": 0,
+                                                          "retried_requests": 0})
+    return generate
+
+
+def test_rollout_flags_reach_the_loop_and_the_truncation_limit(tmp_path, monkeypatch):
+    from engine import stages
+    from engine.rollout import loop
+    from engine.rollout.filters import check_reward_nonzero_std
+
+    captured: dict = {}
+    monkeypatch.setattr(loop, "generate_rollout", _fake_generate(captured, truncated=3))
+    run = _run(tmp_path, rollout_concurrency=7, rollout_timeout=12.5, over_sampling_batch_size=5,
+               dynamic_sampling_filter_path="engine.rollout.filters:check_reward_nonzero_std",
+               rollout_max_truncated_share=0.8)
+    run.sample_filter = check_reward_nonzero_std
+    batch = stages.rollout(run, 0)  # 3 of 4 truncated = 0.75 ≤ 0.8
+    assert captured["concurrency"] == 7 and captured["timeout_s"] == 12.5
+    assert captured["round_size"] == 5 and captured["keep"] is check_reward_nonzero_std
+    assert batch.metrics["rollout/truncated_share"] == 0.75
+    run.cfg = RunConfig(**{**run.cfg.model_dump(), "rollout_max_truncated_share": 0.7})
+    with pytest.raises(DiagnosisError) as e:  # 0.75 > 0.7: RF10
+        stages.rollout(run, 1)
+    assert e.value.codes == ["RF10"]
+    run.sample_filter, run.cfg = None, RunConfig(**{**run.cfg.model_dump(), "over_sampling_batch_size": None,
+                                                    "dynamic_sampling_filter_path": None,
+                                                    "rollout_max_truncated_share": 1.0})
+    stages.rollout(run, 2)
+    assert captured["round_size"] is None and captured["keep"] is None  # no filter: one round of B prompts
+
+
+# ---- place: Ray, the train workers' deadline and threads, data order, the reward, health checks ------------------
+def test_place_flags(tmp_path, monkeypatch):
+    from engine import cluster, stages
+    from engine.rollout import health
+
+    seen: dict = {}
+    monkeypatch.setattr(cluster, "connected", lambda: False)
+    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus: seen.update(address=address,
+                                                                                   num_cpus=num_cpus) or {"CPU": 2})
+    monkeypatch.setattr(stages, "fits_cluster", lambda cfg: None)
+
+    def launch(run):
+        run.engines = SimpleNamespace(wait_started=lambda: None)
+    monkeypatch.setattr(stages, "launch_rollout_engines", launch)
+
+    class FakeTrainGroup:
+        def __init__(self, cfg, **kw):
+            seen["train"] = kw
+
+        def wait_ready(self):
+            return self
+    monkeypatch.setattr(cluster, "TrainGroup", FakeTrainGroup)
+    monkeypatch.setattr(health, "HealthMonitor", lambda group, **kw: seen.update(health=kw) or SimpleNamespace(
+        start=lambda: None))
+    from engine.config.data import BUNDLED_TEST
+
+    cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, prompt_data=BUNDLED_TRAIN, eval_prompt_data=BUNDLED_TEST,
+                    eval_max_samples=3, seed=11,
+                    work_dir=str(tmp_path / "w"), ray_address="auto", num_cpus=3, train_step_timeout=77.0,
+                    train_threads=2, rollout_shuffle=True, rm_type="f1", use_fault_tolerance=True,
+                    rollout_health_check_interval=4.0, rollout_health_check_timeout=5.0,
+                    rollout_health_check_first_wait=6.0)
+    run = stages.place(cfg, tracker=SimpleNamespace(run_id=None))
+    assert seen["address"] == "auto" and seen["num_cpus"] == 3
+    assert seen["train"]["timeout_s"] == 77.0 and seen["train"]["threads"] == 2
+    order = [r.row for r in run.dataset.next_batch(5)]
+    assert run.dataset.shuffle and order != [1, 2, 3, 4, 5] and run.dataset.seed == 11  # shuffled, by --seed
+    assert len(run.eval_rows) == 3  # --eval-max-samples
+    from engine.rewards import f1_reward
+    assert run.reward_model.builtin is f1_reward
+    assert seen["health"] == {"interval_s": 4.0, "timeout_s": 5.0, "first_wait_s": 6.0}
+
+
+def test_the_doctor_reads_the_cluster_ray_address_names(monkeypatch):
+    from engine.doctor import checks
+
+    monkeypatch.setattr(checks.Environment, "from_ray", staticmethod(lambda address: f"cluster at {address}"))
+    assert checks.Environment.for_config(RunConfig(ray_address="10.0.0.1:6379")) == "cluster at 10.0.0.1:6379"
+
+
+def test_engine_spec_flags():
+    from engine.rollout.engines import engine_spec
+
+    spec = engine_spec(RunConfig(rollout_engine_python="/opt/sgl/bin/python", rollout_engine_start_timeout=42.0,
+                                 sglang_args={"max-running-requests": "96"}), threads=1, log_dir="/tmp", on_gpu=False)
+    assert spec.python == "/opt/sgl/bin/python" and spec.start_timeout_s == 42.0 and spec.max_batch == 96
+
+
+# ---- train: advantages, TIS, the optimizers --------------------------------------------------------------------------
+def _worker(**over):
+    from engine.train.worker import TrainWorker
+
+    cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8,
+                    micro_batch_size=2, **over)
+    return TrainWorker(cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=2, threads=1)
+
+
+def _advantages(**over) -> list[float]:
+    samples = fake_samples([(4, 3)] * 8, n=4, rewards=[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    steps = [pack(samples, [[0, 1], [2, 3], [4, 5], [6, 7]])]
+    _worker(**over).set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False)
+    return [float(mb.advantages[mb.loss_mask > 0][k]) for mb in steps[0] for k in (0, 3)]
+
+
+def test_grpo_std_normalisation_flag_and_advantage_whitening():
+    # group [1, 0, 0, 1]: mean 0.5, unbiased std 0.5774 → ±0.866 with the std, ±0.5 without (Dr.GRPO)
+    assert _advantages()[:2] == pytest.approx([0.866, -0.866], abs=1e-3)
+    assert _advantages(disable_grpo_std_normalization=True)[:2] == pytest.approx([0.5, -0.5])
+    # whitened over the rollout's 24 trained tokens (8 samples × 3, one value per sample): mean 0, unbiased token std
+    # 1, so the 8 values' plain std is √(23/24) = 0.9789
+    white = torch.tensor(_advantages(disable_grpo_std_normalization=True, normalize_advantages=True))
+    assert float(white.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(white.std(unbiased=False)) == pytest.approx((23 / 24) ** 0.5, abs=1e-5)
+
+
+def test_tis_clip_low_bounds_the_importance_weight_from_below():
+    from engine.algorithms import LossSpec, policy_objective
+
+    def loss(**over):
+        spec = LossSpec.of(RunConfig(use_tis=True, tis_clip=2.0, **over))
+        lp = torch.tensor([0.0, -1.0, -1.0])
+        return policy_objective(spec, log_probs=lp, entropy=torch.zeros(3), old_log_probs=lp, ref_log_probs=None,
+                                rollout_log_probs=torch.tensor([0.0, 0.0, 0.0]), advantages=torch.ones(3),
+                                loss_mask=torch.tensor([0.0, 1.0, 1.0]), cu_seqlens=torch.tensor([0, 3]),
+                                denominator=1.0)[0]
+    # w = π_train / π_engine = e⁻¹ = 0.368 per trained token: kept at tis_clip_low 0, raised to 0.5 at 0.5;
+    # the PPO loss per token is −ρA = −1, so the sample's token mean is −w
+    assert float(loss()) == pytest.approx(-0.3679, abs=1e-4)
+    assert float(loss(tis_clip_low=0.5)) == pytest.approx(-0.5)
+
+
+def test_optimizer_flags():
+    w = _worker(weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, advantage_estimator="ppo", lr=1e-4,
+                critic_lr=3e-5)
+    g = w.backend.optimizer.param_groups[0]
+    assert g["weight_decay"] == 0.1 and g["betas"] == (0.8, 0.95) and g["lr"] == 1e-4
+    assert w.critic.optimizer.param_groups[0]["lr"] == 3e-5  # the critic's own learning rate
+    assert _worker(advantage_estimator="ppo", lr=1e-4).critic.optimizer.param_groups[0]["lr"] == 1e-4  # default
+
+
+def test_megatron_cuda_graphs_flag_reaches_the_kernels():
+    from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
+
+    off = Kernels.of(RunConfig(megatron_cuda_graphs=False))
+    assert cuda_graphs_off_reason(off, tp=1, pp=1, dtype=torch.bfloat16) == "--no-megatron-cuda-graphs"
+    assert Kernels.of(RunConfig(recompute_activations=True)).recompute
+
+
+def test_train_threads_sizes_the_workers():
+    assert Run(RunConfig(train_threads=3)).train_threads == 3
+    assert Run(RunConfig(num_cpus=8, rollout_num_engines=1)).train_threads == 4  # 0 = cores / (DP + engines)
+
+
+# ---- sync: deadlines and bucket sizes -------------------------------------------------------------------------------
+def test_sync_flags(tmp_path, monkeypatch):
+    from engine import stages
+    from engine.weights import sync
+
+    seen: dict = {}
+    monkeypatch.setattr(sync, "push_object_store", lambda slots, ref, version, timeout_s: seen.update(os=timeout_s))
+    monkeypatch.setattr(sync, "push_ipc", lambda slots, buckets, version, timeout_s: seen.update(ipc=timeout_s))
+    group = SimpleNamespace(weights_ref=lambda: ("ref", 1.0), ipc_release=lambda: None,
+                            ipc_export=lambda dtype, size, exporters: seen.update(bucket=size) or [[]])
+    run = _run(tmp_path, weight_sync_timeout=33.0, update_weight_buffer_size=8 * 2**20)
+    run.train_group = group
+    stages.push_weights(run, [SimpleNamespace(index=0, bundle=0)], 1)
+    assert seen["os"] == 33.0
+    run.sync_transport = "cuda_ipc"
+    stages.push_weights(run, [SimpleNamespace(index=0, bundle=0)], 2)
+    assert seen["ipc"] == 33.0 and seen["bucket"] == 8 * 2**20
+
+
+def test_update_weight_buffer_size_splits_the_buckets():
+    from engine.weights.ipc import flatten_buckets
+
+    named = {f"w{i}": torch.ones(256, 256) for i in range(4)}  # 4 × 128 KiB in bf16
+    assert len(flatten_buckets(named, torch.bfloat16, 2**20)) == 1
+    assert len(flatten_buckets(named, torch.bfloat16, 256 * 1024)) == 2
+
+
+# ---- the command line and tracking -----------------------------------------------------------------------------------
+def test_progress_flag_turns_the_bar_off():
+    from flows.train import progress_bar
+
+    assert progress_bar(RunConfig(progress=False), 0).disable
+    bar = progress_bar(RunConfig(progress=True, num_rollout=4), 1)
+    assert not bar.disable and bar.total == 4 and bar.n == 1
+    bar.close()
+
+
+def test_summary_json_is_written_by_rollflow_train(tmp_path, monkeypatch):
+    import json
+
+    import flows.train
+    from flows.cli import main
+
+    summary = {"rollouts": 0, "reward_first": None, "reward_last": None, "test_accuracy_before": None,
+               "test_accuracy_after": None, "wall_s": 0.0, "flow_run_id": "f", "save_dir": None}
+    monkeypatch.setattr(flows.train, "rl_train", lambda cfg: summary)
+    out = tmp_path / "deep" / "summary.json"
+    assert main(["train", "--summary-json", str(out), "--eval-prompt-data", ""]) == 0
+    assert json.loads(out.read_text()) == summary
+
+
+# ---- tracking ---------------------------------------------------------------------------------------------------------
+def test_log_samples_interval():
+    from engine.tracking.record import should_log_samples
+
+    cfg = RunConfig(log_samples_interval=5, num_rollout=12)
+    assert [i for i in range(12) if should_log_samples(cfg, i)] == [0, 5, 10, 11]  # and always the last
+    assert not any(should_log_samples(RunConfig(log_samples_interval=0, num_rollout=12), i) for i in range(12))
