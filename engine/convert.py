@@ -45,23 +45,26 @@ def hf_to_checkpoint(hf_dir: str, save: str, *, staging: str | Path | None = Non
         raise ConfigError(Diagnosis(code="RF01", severity="error",
                                     what=f"--hf-checkpoint {hf_dir}: no config.json (not a Hugging Face directory)",
                                     fix="--hf-checkpoint a local directory written by save_pretrained"))
+    from engine.checkpoint.writer import writer_lock
+
     store = Store(save)
-    if (marker := read_marker(store)) is not None:
-        raise ConfigError(Diagnosis(code="RF05", severity="error",
-                                    what=f"--save {store.url} already holds a checkpoint (marker {marker}); "
-                                         "converting into it would replace iter_0000000 and move the marker",
-                                    fix="--save an empty directory for the converted weights"))
-    state = load_causal_lm(hf_dir).state_dict()  # fp32, the names the trainer uses
+    with writer_lock(save, run="rollflow convert"):  # a training run writing the same --save would collide
+        if (marker := read_marker(store)) is not None:
+            raise ConfigError(Diagnosis(code="RF05", severity="error",
+                                        what=f"--save {store.url} already holds a checkpoint (marker {marker}); "
+                                             "converting into it would replace iter_0000000 and move the marker",
+                                        fix="--save an empty directory for the converted weights"))
+        state = load_causal_lm(hf_dir).state_dict()  # fp32, the names the trainer uses
 
-    def write_state(path: str) -> None:
-        save_weights_dir(state, Path(path) / "model")
-        copy_hf_config(hf_dir, Path(path) / "hf_config")
+        def write_state(path: str) -> None:
+            save_weights_dir(state, Path(path) / "model")
+            copy_hf_config(hf_dir, Path(path) / "hf_config")
 
-    manifest = {"train_backend": "torch", "next_rollout_id": 0, "resumable": False,
-                "converted_from": str(Path(hf_dir).resolve()), "hf_checkpoint": str(Path(hf_dir).resolve()),
-                "origin": None}
-    with tempfile.TemporaryDirectory(prefix="rollflow-convert-") as tmp:
-        return save_iteration(store, 0, write_state, manifest, staging=staging or tmp)
+        manifest = {"train_backend": "torch", "next_rollout_id": 0, "resumable": False,
+                    "converted_from": str(Path(hf_dir).resolve()), "hf_checkpoint": str(Path(hf_dir).resolve()),
+                    "origin": None}
+        with tempfile.TemporaryDirectory(prefix="rollflow-convert-") as tmp:
+            return save_iteration(store, 0, write_state, manifest, staging=staging or tmp)
 
 
 def checkpoint_to_hf(load: str, output_hf: str, *, ckpt_step: int | None = None, hf_checkpoint: str | None = None,

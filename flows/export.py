@@ -16,7 +16,6 @@ from prefect.artifacts import create_markdown_artifact
 
 from engine import checkpoint
 from engine.doctor.diagnosis import ConfigError, Diagnosis
-from flows.limits import save_limit_name
 from tasks.export import export_hf
 
 ITERATION_URI = re.compile(r"(?P<save>.+?)/+iter_(?P<n>\d{7})/*")
@@ -35,8 +34,22 @@ def export_source(uri: str, iteration: int | None) -> tuple[str, int | None]:
     return m["save"], n
 
 
+def save_slug(save: str) -> str:
+    """`<last path part>-<sha256[:12] of the normalized --save>` (letters, digits, dashes): one name per directory
+    however spelled, and the readable part comes from the redacted URI, so a signed URL's query never shows."""
+    import hashlib
+
+    from engine.tracking.secrets import redact_text
+
+    uri = checkpoint.normalize(save)
+    last = redact_text(uri).split("?", 1)[0].rsplit("/", 1)[-1]
+    slug = re.sub(r"[^a-z0-9]+", "-", last.lower()).strip("-")[:32] or "root"
+    return f"{slug}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+
+
 def export_path(output_dir: str, save: str, iteration: int) -> Path:
-    return Path(output_dir) / save_limit_name(save).removeprefix("rollflow-save-") / checkpoint.iter_name(iteration)
+    """Where rl-export-hf writes one iteration: <output_dir>/<save_slug>/iter_%07d."""
+    return Path(output_dir) / save_slug(save) / checkpoint.iter_name(iteration)
 
 
 @flow(name="rl-export-hf", log_prints=False, validate_parameters=True)

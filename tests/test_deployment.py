@@ -154,8 +154,8 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from engine.checkpoint.writer import LOCK
     from flows.export import export_path
-    from flows.limits import save_limit_name
 
     procs = prefect_server
     procs.run("pool", "work-pool", "create", "rollflow-process", "--type", "process")
@@ -198,10 +198,8 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
         link = next(a for a in arts if a.key == "mlflow-run")
         mlflow_run_id = re.search(r"MLflow run ([0-9a-f]{32})", link.data).group(1)
 
-        # the run held its --save limit (created on demand) and released it with its holder record
-        limit = client.read_global_concurrency_limit_by_name(save_limit_name(save))
-        assert (limit.limit, limit.active_slots) == (1, 0)
-        assert client.read_variable_by_name(save_limit_name(save)) is None
+        # the run held --save's writer lock and released it
+        assert not (Path(save) / LOCK).exists()
 
         # the trigger example: the run's own rollflow.checkpoint.committed (save-1) ran rl-export-hf on iter 1
         export = _wait_triggered(client, "rl-export-hf", deadline_s=120, logs=tmp_path)

@@ -40,3 +40,19 @@ def test_export_flow_writes_a_loadable_model_once(prefect_harness, tiny_model, t
     assert not again["exported"] and again["output_hf"] == str(out)
     with pytest.raises(ConfigError, match="has no latest_checkpointed_iteration.txt"):
         rl_export_hf(str(tmp_path / "empty"), output_dir=str(tmp_path / "hf"))
+
+
+def test_the_export_folder_names_one_save_however_spelled_and_no_secret(tmp_path, monkeypatch):
+    import re
+
+    from flows.export import save_slug
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    names = {save_slug(p) for p in ("runs/ckpt", "./runs/ckpt/", str(tmp_path / "runs" / "ckpt"), "runs/../runs/ckpt")}
+    assert len(names) == 1 and next(iter(names)).startswith("ckpt-")
+    assert save_slug("s3://b/run/") == save_slug("s3://b/run") != save_slug("s3://other/run")
+    weird = save_slug(str(tmp_path / "Weird Name!%/x"))
+    assert re.fullmatch(r"[a-z0-9-]+", weird) and save_slug("/").startswith("root-")
+    for save in ("s3://bucket/run?sig=SeCrEtSiG0123456789&x=1", "https://user:Pa55w0rdXYZ@host/ckpt"):
+        assert "SeCrEtSiG" not in save_slug(save) and "Pa55w0rd" not in save_slug(save)

@@ -31,7 +31,7 @@ NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_trac
                 "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
                 "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "update_weight_buffer_size",
-                "logprob_mismatch_threshold"}
+                "logprob_mismatch_threshold", "wait_for_save_lock"}
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,

@@ -36,3 +36,6 @@ class CheckpointArgs(Section):
 
     keep_last_n: Optional[int] = Field(None, ge=1)
     """Keep only the N newest complete checkpoints; older ones are deleted after the new marker is written (never the marker's)."""
+
+    wait_for_save_lock: float = Field(0.0, ge=0)
+    """Seconds to wait when another run holds --save's writer lock (0: fail at once, naming that run)."""
