@@ -36,6 +36,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+KEY = "bench-key"  # the engines answer only to requests carrying it; weight updates need one
+AUTH = {"Authorization": f"Bearer {KEY}"}
 sys.path.insert(0, str(ROOT))
 
 from engine.config.data import BUNDLED_MODEL  # noqa: E402
@@ -87,7 +89,8 @@ class Engine:
 
         port = free_port()
         cmd = [sys.executable, "-m", "engine.rollout.server", "--model-path", model, "--host", "127.0.0.1",
-               "--port", str(port), "--threads", str(threads), "--device", "cpu"]
+               "--port", str(port), "--threads", str(threads), "--device", "cpu", "--api-key", KEY,
+               "--weight-dir", str(log_dir / "weights")]
         self.proc = LaunchedEngine(cmd, url=f"http://127.0.0.1:{port}", log_path=str(log_dir / f"engine-{port}.log"),
                                    ports=[port], mem_fraction_static=None,
                                    env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)})
@@ -112,7 +115,7 @@ def body(ids: list[int], max_new: int, seed: int) -> dict:
 
 
 async def _concurrent(url: str, ps: list[list[int]], max_new: int) -> int:
-    async with httpx.AsyncClient(timeout=600) as c:
+    async with httpx.AsyncClient(timeout=600, headers=AUTH) as c:
         rs = await asyncio.gather(*[c.post(url + "/generate", json=body(p, max_new, i)) for i, p in enumerate(ps)])
     return sum(r.json()["meta_info"]["completion_tokens"] for r in rs)
 
@@ -122,10 +125,10 @@ def batched_vs_sequential(url: str, ps: list[list[int]], max_new: int) -> dict[s
     t0 = time.perf_counter()
     toks = asyncio.run(_concurrent(url, ps, max_new))
     batched = toks / (time.perf_counter() - t0)
-    batch_sizes = httpx.get(url + "/get_server_info").json()["batch_sizes"]
+    batch_sizes = httpx.get(url + "/get_server_info", headers=AUTH).json()["batch_sizes"]
     t0 = time.perf_counter()
     toks = 0
-    with httpx.Client(timeout=600) as c:
+    with httpx.Client(timeout=600, headers=AUTH) as c:
         for i, p in enumerate(ps):
             toks += c.post(url + "/generate", json=body(p, max_new, i)).json()["meta_info"]["completion_tokens"]
     sequential = toks / (time.perf_counter() - t0)
@@ -146,26 +149,27 @@ def engines_tok_s(urls: list[str], max_new: int) -> float:
 
     # a real rollout: samples stop at EOS (the engine's own), so count the tokens actually generated
     t0 = time.perf_counter()
-    res = generate_rollout(draw, rollout_id=0, batch_size=16, n=4, seed=0, engines=StaticEngines(urls),
+    res = generate_rollout(draw, rollout_id=0, batch_size=16, n=4, seed=0, engines=StaticEngines(urls, api_key=KEY),
                            params=SamplingParams(max_new_tokens=max_new, temperature=1.0),
                            reward_model=RewardModel("exact_match", None), concurrency=64, timeout_s=600)
     secs = time.perf_counter() - t0
     return sum(s.response_length for g in res.groups for s in g) / secs
 
 
-def sync_s_per_mb(url: str, model: str) -> dict[str, float]:
+def sync_s_per_mb(url: str, model: str, weight_dir: Path) -> dict[str, float]:
     from engine.modeling import load_causal_lm
     from engine.weights import save_weights_dir
     from engine.weights.sync import push_disk, push_tensors
 
     state = {k: v.detach() for k, v in load_causal_lm(model).state_dict().items()}
     t0 = time.perf_counter()
-    st = push_tensors([url], state, 1, bucket_bytes=512 * 2**20, timeout_s=600)
+    st = push_tensors([url], state, 1, bucket_bytes=512 * 2**20, timeout_s=600, api_key=KEY)
     http_s = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as d:
+    weight_dir.mkdir(parents=True, exist_ok=True)  # the engine loads only from its --weight-dir
+    with tempfile.TemporaryDirectory(dir=weight_dir) as d:
         t0 = time.perf_counter()
         path = save_weights_dir(state, Path(d) / "v000002")
-        push_disk([url], str(path), 2, timeout_s=600)
+        push_disk([url], str(path), 2, timeout_s=600, api_key=KEY)
         disk_s = time.perf_counter() - t0
     return {"mb": st["mb"], "http_tensor_s_per_mb": http_s / st["mb"], "disk_s_per_mb": disk_s / st["mb"],
             "http_tensor_s": http_s, "disk_s": disk_s}
@@ -189,14 +193,14 @@ def object_store_sync(model: str, threads: int, repeats: int, log_dir: Path) -> 
         layout = rollout_layout(cluster_gpus=0, train_gpus=1, colocate=False, rollout_num_gpus=None,
                                 gpus_per_engine=1, num_engines=1)
         group = EngineGroup(EngineSpec(kind="builtin", model_path=model, log_dir=str(log_dir), threads=threads,
-                                       start_timeout_s=600), place(layout), port_registry()).start()
+                                       start_timeout_s=600, api_key=KEY), place(layout), port_registry()).start()
         state = {k: v.detach() for k, v in load_causal_lm(model).state_dict().items()}
         runs = []
         for i in range(repeats):
             t0 = time.perf_counter()
             arrays = numpy_state(state)
             ref = ray.put(arrays)
-            push_object_store(group.serving_slots(), ref, 10 + i, timeout_s=600)
+            push_object_store(group.serving_slots(), ref, 10 + i, timeout_s=600, api_key=KEY)
             secs = time.perf_counter() - t0
             mb = arrays.nbytes / 2**20
             runs.append({"object_store_s": secs, "object_store_s_per_mb": secs / mb, "mb": mb})
@@ -245,7 +249,7 @@ def main() -> None:
         try:
             runs = [batched_vs_sequential(eng.url, ps, max_new) for _ in range(repeats)]
             entry["batched_vs_sequential"] = {"runs": runs, **summarize(runs)}
-            runs = [sync_s_per_mb(eng.url, model) for _ in range(repeats)]
+            runs = [sync_s_per_mb(eng.url, model, work / "weights") for _ in range(repeats)]
             entry["weight_sync_http_and_disk"] = {"runs": runs, **summarize(runs)}
             one = [engines_tok_s([eng.url], max_new) for _ in range(repeats)]
         finally:

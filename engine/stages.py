@@ -166,7 +166,10 @@ def launch_rollout_engines(run: Run) -> None:
         log.warning("removed %d placement group(s) named %s left by an earlier attempt of this run", gone, name)
     run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
     run.on_gpu = layout.gpus_per_engine > 0
-    spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"), on_gpu=run.on_gpu)
+    import secrets
+
+    spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"), on_gpu=run.on_gpu,
+                       api_key=secrets.token_urlsafe(24))  # this run's engines answer only to its own clients
     run.engine_dtype = spec.dtype
     run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu)
     log.info("rollflow: engines %s %s, weight sync by %s", "on GPU" if run.on_gpu else "on CPU", spec.dtype,
@@ -438,26 +441,28 @@ def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
     from engine.weights.sync import push_disk, push_ipc, push_object_store
 
     cfg = run.cfg
+    key = getattr(run.engines, "api_key", None)
     t0 = time.perf_counter()
     if run.sync_transport == "cuda_ipc":
         # engine e sits on bundle b; train rank b shares that GPU (colocated layout) and exports to it
         source = {s.index: s.bundle for s in slots}
         per_rank = run.train_group.ipc_export(run.engine_dtype, cfg.update_weight_buffer_size, set(source.values()))
         try:
-            push_ipc(slots, {i: per_rank[r] for i, r in source.items()}, version, timeout_s=cfg.weight_sync_timeout)
+            push_ipc(slots, {i: per_rank[r] for i, r in source.items()}, version, timeout_s=cfg.weight_sync_timeout,
+                     api_key=key)
         finally:
             run.train_group.ipc_release()
         nbytes = sum(b.nbytes for b in per_rank[next(iter(source.values()))]) if source else 0
     elif run.sync_transport == "object_store":
         ref, mb = run.train_group.weights_ref()
-        push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
+        push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout, api_key=key)
         nbytes = mb * 2**20
     else:
         path = run.work_dir / "weights" / f"v{version:06d}"
         run.train_group.save_weights(str(path))
         nbytes = sum(f.stat().st_size for f in path.glob("*"))
         try:
-            push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout)
+            push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout, api_key=key)
         finally:
             shutil.rmtree(path, ignore_errors=True)  # versioned and deleted after use
     secs = time.perf_counter() - t0
@@ -481,7 +486,7 @@ def probe_engines(run: Run, version: int, max_new_tokens: int = 16) -> dict[str,
     params.max_new_tokens = min(max_new_tokens, cfg.rollout_max_response_len)
     means = []
     for url in run.engines.serving():
-        outs = EngineClient(url, timeout_s=cfg.weight_sync_timeout).generate(
+        outs = EngineClient(url, timeout_s=cfg.weight_sync_timeout, api_key=run.engines.api_key).generate(
             {"input_ids": run.probe, "return_logprob": True,
              "sampling_params": [params.to_sglang(seed=cfg.seed + i) for i in range(len(run.probe))]})
         samples = []

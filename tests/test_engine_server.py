@@ -115,9 +115,18 @@ def test_control_endpoints(engine):
     info = httpx.get(url + "/get_model_info").json()
     assert info["is_generation"] is True and "weight_version" in info
     assert httpx.post(url + "/flush_cache").json()["success"] is True
-    assert httpx.post(url + "/release_memory_occupation").json()["success"] is True
-    assert httpx.post(url + "/generate", json={"text": "1", "sampling_params": {}}).status_code == 503
-    assert httpx.post(url + "/resume_memory_occupation").json()["success"] is True
+    # an engine started without --api-key never frees its memory (or takes weights) on anyone's request
+    r = httpx.post(url + "/release_memory_occupation")
+    assert r.status_code == 403 and "--api-key" in r.json()["message"]
+    state.api_key = "k3y"
+    try:
+        auth = {"Authorization": "Bearer k3y"}
+        assert httpx.post(url + "/release_memory_occupation", headers=auth).json()["success"] is True
+        assert httpx.post(url + "/generate", json={"text": "1", "sampling_params": {}},
+                          headers=auth).status_code == 503
+        assert httpx.post(url + "/resume_memory_occupation", headers=auth).json()["success"] is True
+    finally:
+        state.api_key = None
     assert httpx.post(url + "/generate", json={"sampling_params": {}}).status_code == 400
 
 

@@ -27,6 +27,10 @@ def ray_cluster():
     ray.shutdown()
 
 
+KEY = "ray-test-key"  # a run's engines answer only to its own token
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def _group(tiny_model, tmp_path, *, kind="builtin", python=None, rollout_gpus=2):
     from engine.cluster import port_registry
     from engine.cluster.placement import place, rollout_layout
@@ -37,14 +41,14 @@ def _group(tiny_model, tmp_path, *, kind="builtin", python=None, rollout_gpus=2)
     layout = rollout_layout(cluster_gpus=8, train_gpus=1, colocate=False, rollout_num_gpus=rollout_gpus,
                             gpus_per_engine=1, num_engines=1)
     spec = EngineSpec(kind=kind, model_path=tiny_model, log_dir=str(tmp_path / "logs"), threads=1, max_new_tokens=8,
-                      python=python, start_timeout_s=180)
+                      python=python, start_timeout_s=180, api_key=KEY)
     pl = place(layout, timeout_s=60)
     return EngineGroup(spec, pl, port_registry()).start(), pl
 
 
 def _logprobs(url: str, seq: list[int]) -> torch.Tensor:
     r = httpx.post(url + "/generate", json={"input_ids": seq, "return_logprob": True, "logprob_start_len": 0,
-                                            "sampling_params": {"max_new_tokens": 0}}, timeout=60).json()
+                                            "sampling_params": {"max_new_tokens": 0}}, headers=AUTH, timeout=60).json()
     return torch.tensor([t[0] for t in r["meta_info"]["input_token_logprobs"][1:]])
 
 
@@ -73,7 +77,7 @@ def test_engines_on_their_bundles_with_distinct_gpus_and_ports(two_engines):
     assert set(ports) <= set(handed[infos[0]["node"]])
     for url in group.serving():
         r = httpx.post(url + "/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 2}},
-                       timeout=60)
+                       headers=AUTH, timeout=60)
         assert r.status_code == 200
 
 
@@ -101,11 +105,11 @@ def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engin
     group = two_engines
     group.fault_tolerant = True
     ref = ray.put(numpy_state(state))
-    group.resync = lambda slots: push_object_store(slots, ref, 3, timeout_s=60)
+    group.resync = lambda slots: push_object_store(slots, ref, 3, timeout_s=60, api_key=KEY)
     # one check at start, then it sleeps until the rollout loop reports a failure
     monitor = HealthMonitor(group, interval_s=1000, timeout_s=10, first_wait_s=0).start()
     try:
-        push_object_store(group.serving_slots(), ref, 3, timeout_s=60)
+        push_object_store(group.serving_slots(), ref, 3, timeout_s=60, api_key=KEY)
         with torch.no_grad():  # the engines serve exactly the trainer's weights
             logits = model(torch.tensor([seq])).logits[0].float()
         direct = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)
@@ -127,7 +131,7 @@ def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engin
             time.sleep(0.2)
         assert dead.restarts == 1 and dead.serving and dead.url != old_url and dead.info["pid"] != old_pid
         # served again only after the re-sync: the same version and the same log-probs as the other engine
-        assert httpx.get(dead.url + "/weight_version").json()["weight_version"] == "3"
+        assert httpx.get(dead.url + "/weight_version", headers=AUTH).json()["weight_version"] == "3"
         other = group.slots[1].url
         assert (_logprobs(dead.url, seq) - _logprobs(other, seq)).abs().max() < 1e-5
 
@@ -201,8 +205,10 @@ def test_sglang_engine_actor_launches_the_server_on_its_gpu_and_ports(ray_cluste
         log = open(info["log"]).read()
         assert f"-m sglang.launch_server --model-path {tiny_model} --host {info['node']} --port {port}" in log
         assert f"--base-gpu-id {info['gpu_ids'][0]} --nccl-port {nccl} --dist-init-addr {info['node']}:{dist}" in log
+        assert "--api-key ***" in log and KEY not in log  # the run's token reaches the server, not its log
+        assert httpx.post(slot.url + "/generate", json={"text": "2+2="}, timeout=60).status_code == 401
         assert httpx.post(slot.url + "/generate", json={"text": "2+2=", "sampling_params": {"max_new_tokens": 2}},
-                          timeout=60).status_code == 200
+                          headers=AUTH, timeout=60).status_code == 200
         child = info["child_pid"]
         os.kill(info["pid"], signal.SIGKILL)  # the actor dies; the server it launched lives on in its own session
         time.sleep(1.0)

@@ -11,6 +11,8 @@ import torch
 from engine.rollout.server import EngineState, ServerThread
 
 SEQ_TEXT = "<|im_start|>user\n57+38=<|im_end|>\n<|im_start|>assistant\n95<|im_end|>"
+KEY = "sync-test-key"  # a run's engines answer only to its own token; weights need one
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _free_port() -> int:
@@ -20,15 +22,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model):
+def setup(tiny_model, tmp_path_factory):
     from engine.config import RunConfig
     from engine.train.torch_backend import TorchBackend
 
-    state = EngineState(tiny_model, threads=1, max_new_tokens=8)
+    work = tmp_path_factory.mktemp("work")  # the run's work dir: its weights/ is where disk syncs load from
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8, api_key=KEY, weight_dirs=[str(work / "weights")])
     server = ServerThread(state, "127.0.0.1", _free_port())
     url = server.start()
     trainer = TorchBackend(RunConfig(hf_checkpoint=tiny_model, rollout_temperature=1.0))
-    yield state, url, trainer
+    yield state, url, trainer, work
     server.stop()
 
 
@@ -43,7 +46,8 @@ def _trainer_logprobs(trainer, seq: list[int]) -> torch.Tensor:
 
 
 def _engine_logprobs(url: str, seq: list[int]) -> tuple[torch.Tensor, str]:
-    r = httpx.post(url + "/generate", json={"input_ids": seq, "return_logprob": True, "logprob_start_len": 0,
+    r = httpx.post(url + "/generate", headers=AUTH, json={"input_ids": seq, "return_logprob": True,
+                                                          "logprob_start_len": 0,
                                             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}},
                    timeout=60).json()
     return torch.tensor([t[0] for t in r["meta_info"]["input_token_logprobs"][1:]]), r["meta_info"]["weight_version"]
@@ -60,17 +64,17 @@ def _train_a_little(trainer, seed: int) -> None:
 def test_tensor_sync_in_buckets_makes_engine_logprobs_equal_the_trainers(setup):
     from engine.weights.sync import push_tensors
 
-    state, url, trainer = setup
+    state, url, trainer, work = setup
     seq = state.tokenize(SEQ_TEXT)
     _train_a_little(trainer, 1)
     before, _ = _engine_logprobs(url, seq)
     assert (before - _trainer_logprobs(trainer, seq)).abs().max() > 1e-2  # the weights did differ
 
     # 3.2 MB of weights in 256 KiB buckets → many requests; the version moves only with the last
-    stats = push_tensors([url], trainer.model_state(), 7, bucket_bytes=256 * 1024, timeout_s=60)
+    stats = push_tensors([url], trainer.model_state(), 7, bucket_bytes=256 * 1024, timeout_s=60, api_key=KEY)
     assert stats["buckets"] > 5
     after, version = _engine_logprobs(url, seq)
-    assert version == "7" and httpx.get(url + "/get_model_info").json()["weight_version"] == "7"
+    assert version == "7" and httpx.get(url + "/get_model_info", headers=AUTH).json()["weight_version"] == "7"
     assert (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
 
 
@@ -79,7 +83,7 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
     from engine.config import RunConfig
     from engine.weights import save_weights_dir
 
-    state, url, trainer = setup
+    state, url, trainer, work = setup
     seq = state.tokenize(SEQ_TEXT)
     _train_a_little(trainer, 2)
     written = []
@@ -90,16 +94,17 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
             save_weights_dir(trainer.model_state(), path)
             return path
 
-    class FakeRun:
-        cfg = RunConfig(weight_sync_method="disk")
-        work_dir = tmp_path
-        train_group = FakeTrainGroup()
-        sync_transport = "disk"
-
     from types import SimpleNamespace
 
+    class FakeRun:
+        cfg = RunConfig(weight_sync_method="disk")
+        work_dir = work
+        train_group = FakeTrainGroup()
+        sync_transport = "disk"
+        engines = SimpleNamespace(api_key=KEY)
+
     out = stages.push_weights(FakeRun(), [SimpleNamespace(url=url)], 8)
-    assert written == [tmp_path / "weights" / "v000008"] and not written[0].exists()  # deleted after use
+    assert written == [work / "weights" / "v000008"] and not written[0].exists()  # deleted after use
     assert out["sync/mb"] > 3.0
     after, version = _engine_logprobs(url, seq)
     assert version == "8" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
@@ -108,11 +113,11 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
 def test_sampled_rollout_logprobs_match_the_trainer_after_sync(setup):
     from engine.weights.sync import push_tensors
 
-    state, url, trainer = setup
+    state, url, trainer, work = setup
     _train_a_little(trainer, 3)
-    push_tensors([url], trainer.model_state(), 9, bucket_bytes=2**30, timeout_s=60)
+    push_tensors([url], trainer.model_state(), 9, bucket_bytes=2**30, timeout_s=60, api_key=KEY)
     prompt = state.tokenize("<|im_start|>user\n12+30=<|im_end|>\n<|im_start|>assistant\n")
-    r = httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
+    r = httpx.post(url + "/generate", headers=AUTH, json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
         "temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 5}}, timeout=60).json()
     resp = r["output_ids"]
     engine_lp = torch.tensor([t[0] for t in r["meta_info"]["output_token_logprobs"]])
@@ -123,14 +128,15 @@ def test_sampled_rollout_logprobs_match_the_trainer_after_sync(setup):
 def test_wrong_weights_are_refused_and_change_nothing(setup):
     from engine.weights import encode_tensors
 
-    state, url, _ = setup
+    state, url, _, _ = setup
     version = state.weight_version
     bad = encode_tensors({"model.embed_tokens.weight": torch.zeros(3, 3)})
-    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad],
-                                                              "load_format": "safetensors", "weight_version": "99"})
+    r = httpx.post(url + "/update_weights_from_tensor", headers=AUTH, json={
+        "serialized_named_tensors": [bad], "load_format": "safetensors", "weight_version": "99"})
     assert r.status_code == 400 and "RF14" in r.json()["message"] and "shapes that differ" in r.json()["message"]
-    assert httpx.get(url + "/weight_version").json()["weight_version"] == version
-    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad], "load_format": None})
+    assert httpx.get(url + "/weight_version", headers=AUTH).json()["weight_version"] == version
+    r = httpx.post(url + "/update_weights_from_tensor", headers=AUTH,
+                   json={"serialized_named_tensors": [bad], "load_format": None})
     assert r.status_code == 400 and "load_format" in r.json()["message"]
 
 
@@ -138,11 +144,11 @@ def test_sglang_shaped_json_body_also_updates(setup):
     from engine.rollout.client import EngineClient
     from engine.weights import encode_tensors, unique_tensors
 
-    state, url, trainer = setup
+    state, url, trainer, work = setup
     seq = state.tokenize(SEQ_TEXT)
     _train_a_little(trainer, 4)
     # SGLang's UpdateWeightsFromTensorReqInput shape: one serialized entry per TP rank, version as a string
-    EngineClient(url).update_weights_from_tensor([encode_tensors(unique_tensors(trainer.model_state()))],
+    EngineClient(url, api_key=KEY).update_weights_from_tensor([encode_tensors(unique_tensors(trainer.model_state()))],
                                                  load_format="safetensors", version=11, flush_cache=True)
     after, version = _engine_logprobs(url, seq)
     assert version == "11" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
@@ -159,9 +165,9 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
     from engine.modeling import eos_token_ids, load_tokenizer
     from engine.weights.sync import push_tensors
 
-    state, url, trainer = setup
+    state, url, trainer, work = setup
     _train_a_little(trainer, 5)
-    push_tensors([url], trainer.model_state(), 12, bucket_bytes=2**30, timeout_s=60)
+    push_tensors([url], trainer.model_state(), 12, bucket_bytes=2**30, timeout_s=60, api_key=KEY)
     cfg = RunConfig(hf_checkpoint=tiny_model, apply_chat_template=True, rollout_max_response_len=8)
     rows = [SimpleNamespace(prompt=f"{a}+{b}=") for a, b in [(1, 2), (30, 45), (7, 9)]]
     scored = []
@@ -173,7 +179,8 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
     tok = load_tokenizer(tiny_model)
     run = SimpleNamespace(cfg=cfg, tokenizer=tok, eos_ids=eos_token_ids(tiny_model, tok), eval_rows=rows,
                           dataset=None, engine_dtype="float32", train_dtype="float32",
-                          train_group=SimpleNamespace(score=score), engines=SimpleNamespace(serving=lambda: [url]))
+                          train_group=SimpleNamespace(score=score),
+                          engines=SimpleNamespace(serving=lambda: [url], api_key=KEY))
     run.probe = stages.probe_prompts(run)
     assert len(run.probe) == 3
     assert stages.probe_engines(run, 12)["sync/probe_mismatch"] < 1e-5  # the same weights, fp32

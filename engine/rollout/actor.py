@@ -27,6 +27,8 @@ class EngineSpec:
     start_timeout_s: float = 600.0
     dtype: str = "float32"  # the built-in engine's weights and compute (--rollout-dtype, resolved for its device)
     max_batch: int = 256  # the built-in engine's most rows per batch (--sglang-max-running-requests)
+    api_key: str | None = None  # the run's engine token: every client of these engines sends it (SGLang's --api-key)
+    weight_dirs: list[str] = field(default_factory=list)  # where /update_weights_from_disk may load from
 
 
 class EngineActor:
@@ -72,7 +74,8 @@ class EngineActor:
             torch.cuda.set_device(device)
         state = EngineState(self.spec.model_path, device=device, dtype=self.spec.dtype, threads=self.spec.threads,
                             max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic,
-                            max_batch=self.spec.max_batch)
+                            max_batch=self.spec.max_batch, api_key=self.spec.api_key,
+                            weight_dirs=self.spec.weight_dirs)
         self.state = state
         for attempt in range(3):  # a port checked free can be taken before the bind (another cluster on the node)
             (port,) = self._ports(node, 1)
@@ -92,7 +95,7 @@ class EngineActor:
         cmd = sglang_command(python=self.spec.python or sys.executable, model_path=self.spec.model_path, host=node,
                              port=port, tp_size=self.spec.tp_size, base_gpu_id=base_gpu, nccl_port=nccl_port,
                              dist_init_addr=f"{node}:{dist_port}", sglang_args=self.spec.sglang_args,
-                             colocate=self.spec.colocate)
+                             colocate=self.spec.colocate, api_key=self.spec.api_key)
         self.server = LaunchedEngine(cmd, url=f"http://{node}:{port}", log_path=log,
                                      ports=[port, nccl_port, dist_port],
                                      mem_fraction_static=mem_fraction_of(self.spec.sglang_args))

@@ -13,9 +13,15 @@ class EngineError(RuntimeError):
     """An engine answered with an error, or its answer broke the protocol."""
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """SGLang's `--api-key` header (empty without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class EngineClient:
-    def __init__(self, url: str, timeout_s: float = 60.0):
+    def __init__(self, url: str, timeout_s: float = 60.0, api_key: str | None = None):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.headers = auth_headers(api_key)
 
     @staticmethod
     def _read(r: httpx.Response) -> Any:
@@ -27,26 +33,26 @@ class EngineClient:
             return {"message": r.text}
 
     def _get(self, path: str, timeout_s: float | None = None) -> Any:
-        r = httpx.get(self.url + path, timeout=timeout_s or self.timeout_s)
+        r = httpx.get(self.url + path, timeout=timeout_s or self.timeout_s, headers=self.headers)
         if r.status_code >= 400:
             raise EngineError(f"{self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
         return self._read(r)
 
     def _post(self, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
-        r = httpx.post(self.url + path, json=body or {}, timeout=timeout_s or self.timeout_s)
+        r = httpx.post(self.url + path, json=body or {}, timeout=timeout_s or self.timeout_s, headers=self.headers)
         if r.status_code >= 400:
             raise EngineError(f"{self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
         return self._read(r)
 
     def health(self, timeout_s: float = 5.0) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=timeout_s).status_code == 200
+            return httpx.get(self.url + "/health", timeout=timeout_s, headers=self.headers).status_code == 200
         except httpx.HTTPError:
             return False
 
     def health_generate(self, timeout_s: float = 30.0) -> bool:
         try:
-            return httpx.get(self.url + "/health_generate", timeout=timeout_s).status_code == 200
+            return httpx.get(self.url + "/health_generate", timeout=timeout_s, headers=self.headers).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -93,7 +99,8 @@ class EngineClient:
         if version is not None:
             params["weight_version"] = str(version)
         r = httpx.post(self.url + "/update_weights_from_tensor", content=blob, params=params,
-                       headers={"Content-Type": "application/octet-stream"}, timeout=timeout_s or self.timeout_s)
+                       headers={"Content-Type": "application/octet-stream", **self.headers},
+                       timeout=timeout_s or self.timeout_s)
         if r.status_code >= 400:
             raise EngineError(f"{self.url}/update_weights_from_tensor → HTTP {r.status_code}: {r.text[:500]}")
         out = self._read(r)

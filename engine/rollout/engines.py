@@ -47,6 +47,7 @@ class EngineGroup:
         self.resync: Callable[[list[Slot]], None] | None = None  # gives these engines the current weights
         self.failures = threading.Event()  # set by report_failure: wakes the health monitor
         self.monitor = None
+        self.api_key = spec.api_key  # every request to these engines carries it
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def _new_actor(self, slot: Slot):
@@ -156,7 +157,10 @@ class EngineGroup:
         self.failures.set()
 
     def healthy(self, slot: Slot, timeout_s: float) -> bool:
-        return slot.url is not None and EngineClient(slot.url).health_generate(timeout_s)
+        return slot.url is not None and self.client(slot.url).health_generate(timeout_s)
+
+    def client(self, url: str, timeout_s: float = 60.0) -> EngineClient:
+        return EngineClient(url, timeout_s=timeout_s, api_key=self.api_key)
 
     def wait_serving(self, count: int, timeout_s: float) -> list[str]:
         deadline = time.monotonic() + timeout_s
@@ -171,18 +175,21 @@ class EngineGroup:
     def release_memory(self) -> None:
         with self.lock:
             for url in self.serving():
-                EngineClient(url).release_memory()
+                self.client(url).release_memory()
             self.released = True
 
     def resume_memory(self) -> None:
         with self.lock:
             for url in self.serving():
-                EngineClient(url).resume_memory()
+                self.client(url).resume_memory()
             self.released = False
 
 
-def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool) -> EngineSpec:
-    """The RunConfig's engine settings (one place for the mapping); on_gpu: the engines sit on GPU bundles."""
+def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool, api_key: str | None = None) -> EngineSpec:
+    """The RunConfig's engine settings (one place for the mapping); on_gpu: the engines sit on GPU bundles; api_key:
+    the run's engine token (--sglang-api-key when set, so SGLang and rollflow's clients agree on it)."""
+    from pathlib import Path
+
     return EngineSpec(kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, log_dir=log_dir,
                       tp_size=cfg.rollout_num_gpus_per_engine if cfg.rollout_engine == "sglang" else 1,
                       threads=threads, max_new_tokens=cfg.rollout_max_response_len,
@@ -190,4 +197,6 @@ def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool) -> Engi
                       sglang_args=dict(cfg.sglang_args), python=cfg.rollout_engine_python, colocate=cfg.colocate,
                       start_timeout_s=cfg.rollout_engine_start_timeout,
                       dtype=cfg.engine_dtype("cuda" if on_gpu else "cpu"),
-                      max_batch=int(cfg.sglang_args.get("max-running-requests", 256)))
+                      max_batch=int(cfg.sglang_args.get("max-running-requests", 256)),
+                      api_key=str(cfg.sglang_args["api-key"]) if cfg.sglang_args.get("api-key") else api_key,
+                      weight_dirs=[str(Path(cfg.work_dir).resolve() / "weights")])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,8 @@ class Generator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self.aborts = AbortBook()
         self.lock = threading.Lock()  # weight updates vs generation
+        self.busy_since: float | None = None  # monotonic time the running batch started (None: idle)
+        self.last_step = 0.0  # monotonic time of the last decode step (the server's watchdog reads it)
         # transformers ≥ 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -113,7 +116,11 @@ class Generator:
     @torch.no_grad()
     def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
         with self.lock:
-            return self._generate(reqs)
+            self.busy_since = time.monotonic()
+            try:
+                return self._generate(reqs)
+            finally:
+                self.busy_since = None
 
     def _generate(self, reqs: list[GenRequest]) -> list[GenResult]:
         b = len(reqs)
@@ -163,6 +170,7 @@ class Generator:
             else:
                 toks = self._sample(logits, reqs, gens)  # [b]
             step += 1
+            self.last_step = time.monotonic()
             lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)  # [b]
             # one device → host copy per step (not one per row)
             toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()

@@ -61,6 +61,7 @@ class Prompt:
 
 class EnginePool(Protocol):
     fault_tolerant: bool
+    api_key: str | None  # sent as `Authorization: Bearer` (SGLang's --api-key)
 
     def serving(self) -> list[str]: ...
 
@@ -72,8 +73,8 @@ class StaticEngines:
 
     fault_tolerant = False
 
-    def __init__(self, urls: list[str]):
-        self.urls = list(urls)
+    def __init__(self, urls: list[str], api_key: str | None = None):
+        self.urls, self.api_key = list(urls), api_key
 
     def serving(self) -> list[str]:
         return self.urls
@@ -121,6 +122,9 @@ class _Round:
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
         self.engines, self.reward_model, self.keep = engines, reward_model, keep
         self.sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
+        from engine.rollout.client import auth_headers
+
+        self.headers = auth_headers(getattr(engines, "api_key", None))
         self.done: list[list[Sample] | None] = [None] * len(prompts)
         self.kept = [False] * len(prompts)
         self.cutoff = len(prompts)  # groups at or after it are not needed
@@ -225,13 +229,13 @@ class _Round:
 
     async def _abort(self, url: str, rid: str) -> None:
         try:
-            async with httpx.AsyncClient(timeout=10) as c:
+            async with httpx.AsyncClient(timeout=10, headers=self.headers) as c:
                 await c.post(url + "/abort_request", json={"rid": rid})
         except httpx.HTTPError:
             pass  # the engine is gone: nothing left to abort there
 
     async def run(self, timeout_s: float) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=self.headers) as client:
             self.tasks = [asyncio.create_task(self._one(client, gi)) for gi in range(len(self.prompts))]
             pending = set(self.tasks)
             deadline = time.monotonic() + timeout_s

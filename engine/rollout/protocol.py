@@ -13,10 +13,18 @@ sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
   `input_token_logprobs` as `[logprob, token_id, None]` triples (SGLang puts the token text third only with
   `return_text_in_logprobs`).
 A batched request (a list of inputs) gets a list of responses in the same order.
+
+Limits (`Limits`, HTTP 400 naming the field, the value and the bound; SGLang refuses the same requests):
+token ids are integers in [0, vocab); a prompt is shorter than the model's context; prompt + max_new_tokens fits
+in the context (an unset max_new_tokens is the default capped to what fits); temperature and top_p are finite
+numbers, top_k an integer; a text input is at most CHARS_PER_TOKEN × context characters before it is tokenized;
+at most `max_inputs` prompts and MAX_STOPS stop strings of MAX_STOP_CHARS characters per request.
 """
 from __future__ import annotations
 
+import math
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from engine.rollout.generation import GenRequest, GenResult
@@ -33,6 +41,30 @@ class ProtocolError(ValueError):
     """The request breaks the protocol (HTTP 400): the message names the field and the fix."""
 
 
+CHARS_PER_TOKEN = 32  # a text longer than 32 characters a token of context cannot fit: refused before tokenizing
+MAX_STOPS, MAX_STOP_CHARS = 64, 512
+
+
+@dataclass(frozen=True)
+class Limits:
+    context_len: int = 2**31  # the model's max_position_embeddings
+    vocab_size: int = 2**31  # ids must be below this
+    max_inputs: int = 4096  # prompts in one request
+
+
+def _int(v: Any, name: str) -> int:
+    """An integer (JSON 3 or 3.0), never a bool or 2.5."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise ProtocolError(f"`{name}` must be an integer, got {v!r}")
+    return int(v)
+
+
+def _finite(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ProtocolError(f"`{name}` must be a finite number, got {v!r}")
+    return float(v)
+
+
 def _per_item(value: Any, n: int, name: str) -> list[Any]:
     items = value if isinstance(value, list) else [value] * n
     if len(items) != n:
@@ -40,7 +72,8 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return items
 
 
-def _sampling(p: dict[str, Any], default_max_new: int) -> dict[str, Any]:
+def _sampling(p: dict[str, Any], default_max_new: int, prompt_len: int = 0, limits: Limits = Limits()
+              ) -> dict[str, Any]:
     if not isinstance(p, dict):
         raise ProtocolError(f"`sampling_params` must be an object, got {type(p).__name__}")
     for k, v in p.items():
@@ -51,24 +84,46 @@ def _sampling(p: dict[str, Any], default_max_new: int) -> dict[str, Any]:
         if v != NEUTRAL[k]:
             raise ProtocolError(f"sampling param {k}={v!r} is not supported by the built-in engine "
                                 f"(only {NEUTRAL[k]!r}); use --rollout-engine sglang")
-    temperature = float(p.get("temperature", 1.0))
-    top_p, top_k = float(p.get("top_p", 1.0)), int(p.get("top_k", -1))
+    temperature = _finite(p.get("temperature", 1.0), "temperature")
+    top_p, top_k = _finite(p.get("top_p", 1.0), "top_p"), _int(p.get("top_k", -1), "top_k")
+    room = limits.context_len - prompt_len  # tokens the context has left for the completion
     max_new = p.get("max_new_tokens")
-    max_new = default_max_new if max_new is None else int(max_new)
+    max_new = min(default_max_new, room) if max_new is None else _int(max_new, "max_new_tokens")
     if temperature < 0 or not 0 < top_p <= 1 or (top_k == 0 or top_k < -1) or max_new < 0:
         raise ProtocolError(f"bad sampling params: temperature={temperature} (≥ 0), top_p={top_p} (0, 1], "
                             f"top_k={top_k} (-1 or ≥ 1), max_new_tokens={max_new} (≥ 0)")
+    if max_new > room:
+        raise ProtocolError(f"Requested token count exceeds the model's maximum context length of "
+                            f"{limits.context_len} tokens: {prompt_len} tokens of input and max_new_tokens={max_new} "
+                            f"(at most {room} here)")
     stop = p.get("stop") or []
-    return dict(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
-                stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
-                stop_token_ids=[int(t) for t in (p.get("stop_token_ids") or [])],
+    stop = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, list) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOPS or any(
+            not isinstance(x, str) or len(x) > MAX_STOP_CHARS for x in stop):
+        raise ProtocolError(f"`stop` must be a string or a list of at most {MAX_STOPS} strings of at most "
+                            f"{MAX_STOP_CHARS} characters")
+    stop_ids = p.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOPS:
+        raise ProtocolError(f"`stop_token_ids` must be a list of at most {MAX_STOPS} token ids")
+    return dict(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                stop_token_ids=[_token_id(t, "stop_token_ids", limits) for t in stop_ids],
                 ignore_eos=bool(p.get("ignore_eos", False)), no_stop_trim=bool(p.get("no_stop_trim", False)),
                 skip_special_tokens=bool(p.get("skip_special_tokens", True)),
-                seed=None if p.get("sampling_seed") is None else int(p["sampling_seed"]))
+                seed=None if p.get("sampling_seed") is None else _int(p["sampling_seed"], "sampling_seed"))
 
 
-def to_requests(body: dict[str, Any], tokenize, default_max_new: int) -> tuple[list[GenRequest], bool]:
-    """GenerateReqInput JSON → GenRequests; returns (requests, batched). `tokenize(text) -> ids`."""
+def _token_id(t: Any, field: str, limits: Limits) -> int:
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise ProtocolError(f"`{field}` must hold integer token ids, got {t!r}")
+    if not 0 <= t < limits.vocab_size:
+        raise ProtocolError(f"`{field}` holds token id {t}, outside the model's vocabulary [0, {limits.vocab_size})")
+    return t
+
+
+def to_requests(body: dict[str, Any], tokenize, default_max_new: int, limits: Limits = Limits()
+                ) -> tuple[list[GenRequest], bool]:
+    """GenerateReqInput JSON → GenRequests; returns (requests, batched). `tokenize(text) -> ids`; every value is
+    checked against `limits` (module docstring) before anything is tokenized or queued."""
     if not isinstance(body, dict):
         raise ProtocolError("the body must be a JSON object")
     if body.get("stream"):
@@ -77,12 +132,30 @@ def to_requests(body: dict[str, Any], tokenize, default_max_new: int) -> tuple[l
         raise ProtocolError("`top_logprobs_num` / `token_ids_logprob` are not supported by the built-in engine")
     if body.get("input_ids") is not None:
         ids = body["input_ids"]
+        if not isinstance(ids, list):
+            raise ProtocolError("`input_ids` must be a list of token ids (or a list of such lists)")
         batched = bool(ids) and isinstance(ids[0], list)
         inputs = ids if batched else [ids]
+        _check_count(len(inputs), limits)
+        for k, x in enumerate(inputs):
+            if not isinstance(x, list):
+                raise ProtocolError(f"`input_ids[{k}]` must be a list of token ids")
+            _check_prompt_len(len(x), limits)
+            inputs[k] = [_token_id(t, "input_ids", limits) for t in x]
     elif body.get("text") is not None:
         text = body["text"]
         batched = isinstance(text, list)
-        inputs = [tokenize(t) for t in (text if batched else [text])]
+        texts = text if batched else [text]
+        _check_count(len(texts), limits)
+        if not all(isinstance(t, str) for t in texts):
+            raise ProtocolError("`text` must be a string or a list of strings")
+        for t in texts:
+            if len(t) > CHARS_PER_TOKEN * limits.context_len:
+                raise ProtocolError(f"`text` of {len(t)} characters cannot fit the model's context of "
+                                    f"{limits.context_len} tokens")
+        inputs = [tokenize(t) for t in texts]
+        for x in inputs:
+            _check_prompt_len(len(x), limits)
     else:
         raise ProtocolError("either `text` or `input_ids` is required")
     if not inputs or any(len(x) == 0 for x in inputs):
@@ -100,9 +173,20 @@ def to_requests(body: dict[str, Any], tokenize, default_max_new: int) -> tuple[l
                        "logprob_start_len")
     reqs = []
     for x, p, r, start in zip(inputs, sps, rids, starts):
-        reqs.append(GenRequest(rid=str(r), input_ids=[int(t) for t in x], logprob_start_len=int(start),
-                               **_sampling(p, default_max_new)))
+        reqs.append(GenRequest(rid=str(r), input_ids=list(x), logprob_start_len=_int(start, "logprob_start_len"),
+                               **_sampling(p, default_max_new, len(x), limits)))
     return reqs, batched
+
+
+def _check_count(n: int, limits: Limits) -> None:
+    if n > limits.max_inputs:
+        raise ProtocolError(f"{n} inputs in one request; at most {limits.max_inputs} (send several requests)")
+
+
+def _check_prompt_len(n: int, limits: Limits) -> None:
+    if n >= limits.context_len:
+        raise ProtocolError(f"The input ({n} tokens) is longer than the model's context length "
+                            f"({limits.context_len} tokens)")
 
 
 def _triples(lps: list[float | None], ids: list[int]) -> list[list[Any]]:

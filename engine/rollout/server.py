@@ -7,6 +7,17 @@ only on the request and the weights, never on what else arrived at the same time
 
 Run it standalone with SGLang's launcher flags, so the SGLang launcher can start it as its process:
     python -m engine.rollout.server --model-path DIR --host 127.0.0.1 --port 30000 [--tp-size 1] [...]
+
+Hostile requests (as SGLang's flags name the limits):
+- a body over `max_request_bytes` is refused with 413 before it is read whole; every /generate value is checked
+  (engine/rollout/protocol.py `Limits`: ids, context length, finite sampling params) → 400;
+- at most `max_queued` rows wait for the generator (`--max-queued-requests`): more get 503 with Retry-After;
+- `--api-key`: every endpoint but /health and /health_generate needs `Authorization: Bearer <key>` (401);
+  `--admin-api-key` (else the API key) guards the endpoints that change the served weights or free its memory,
+  and an engine with neither key refuses those endpoints (403): nobody who can merely reach it replaces its
+  weights. /update_weights_from_disk loads only from `weight_dirs` (a run's own weights directory);
+- a generator that made no decode step for `watchdog_s` (`--watchdog-timeout`) makes /health and /health_generate
+  answer 503; a stop (SIGTERM) aborts every request, so the server exits within seconds.
 """
 from __future__ import annotations
 
@@ -17,6 +28,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +45,10 @@ class _Pending:
     future: asyncio.Future
 
 
+class QueueFull(RuntimeError):
+    """More rows than --max-queued-requests would wait: 503 with Retry-After."""
+
+
 class BatchingScheduler:
     """Collects a burst of requests, then runs them as one batch on a single generation thread.
 
@@ -42,9 +58,11 @@ class BatchingScheduler:
     """
 
     def __init__(self, generator: Generator, window_s: float = 0.05, max_batch: int = 256,
-                 isolate: bool = False, gap_s: float = 0.01):
+                 isolate: bool = False, gap_s: float = 0.01, max_queued: int | None = None):
         self.generator, self.window_s, self.max_batch, self.isolate = generator, window_s, max_batch, isolate
         self.gap_s = min(gap_s, window_s)
+        self.max_queued = max_queued if max_queued is not None else 4 * max_batch
+        self.queued_rows = 0  # rows submitted and not yet taken into a batch
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.batch_sizes: list[int] = []  # rows per batch run (exposed for tests and the benchmark)
         self._task: asyncio.Task | None = None
@@ -57,6 +75,10 @@ class BatchingScheduler:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def submit(self, reqs: list[GenRequest]) -> list[GenResult]:
+        if self.queued_rows + len(reqs) > self.max_queued:
+            raise QueueFull(f"{self.queued_rows} rows are waiting for the generator (at most {self.max_queued}, "
+                            "--max-queued-requests): retry later")
+        self.queued_rows += len(reqs)
         rids = [r.rid for r in reqs]
         self.generator.aborts.add(rids)
         try:
@@ -87,6 +109,7 @@ class BatchingScheduler:
         while True:
             group = await self._collect(await self.queue.get())
             flat = [r for p in group for r in p.reqs]
+            self.queued_rows -= len(flat)
             self.batch_sizes.append(len(flat))
             try:
                 results = await loop.run_in_executor(None, self.generator.generate, flat)
@@ -106,10 +129,17 @@ class EngineState:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
                  max_new_tokens: int = 128, batch_window_s: float = 0.05, max_batch: int = 256,
-                 deterministic: bool = False, batch_gap_s: float = 0.01):
+                 deterministic: bool = False, batch_gap_s: float = 0.01, api_key: str | None = None,
+                 admin_api_key: str | None = None, weight_dirs: list[str] | None = None,
+                 max_request_bytes: int = 16 * 2**20, max_queued: int | None = None, watchdog_s: float = 300.0):
         import torch
 
         from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+        from engine.rollout.protocol import Limits
+
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.weight_dirs = [Path(d).resolve() for d in (weight_dirs or [])]
+        self.max_request_bytes, self.max_queued, self.watchdog_s = max_request_bytes, max_queued, watchdog_s
 
         if threads and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -117,6 +147,8 @@ class EngineState:
         self.tokenizer = load_tokenizer(model_path)
         model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
         self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device)
+        self.limits = Limits(context_len=int(getattr(model.config, "max_position_embeddings", None) or 2**31),
+                             vocab_size=int(model.config.vocab_size), max_inputs=max(4 * max_batch, 64))
         self.weight_version = "default"  # SGLang's initial weight_version
         self.released = False
         self.batch_window_s, self.max_batch, self.deterministic = batch_window_s, max_batch, deterministic
@@ -129,7 +161,11 @@ class EngineState:
     def update_from_disk(self, path: str, version: str | None) -> int:
         from engine.weights import check_and_copy, load_weights_dir
 
-        state = load_weights_dir(path)
+        where = Path(path).resolve()
+        if not any(where == d or d in where.parents for d in self.weight_dirs):
+            allowed = ", ".join(map(str, self.weight_dirs)) or "none (rollflow serve --weight-dir DIR allows one)"
+            raise PermissionError(f"{path} is outside the directories this engine loads weights from: {allowed}")
+        state = load_weights_dir(where)
         with self.generator.lock:
             n = check_and_copy(self.generator.model, state, full=True)
             self.model_path = path
@@ -186,6 +222,18 @@ class EngineState:
                 self.weight_version = version
         return copied
 
+    def stalled_s(self) -> float | None:
+        """Seconds the generator has been inside a batch without a decode step, when that exceeds watchdog_s."""
+        g = self.generator
+        if g.busy_since is None:
+            return None
+        idle = time.monotonic() - max(g.last_step, g.busy_since)
+        return idle if idle > self.watchdog_s else None
+
+    def stop_generating(self) -> None:
+        """Abort every queued and running request (a stop must not wait for a long generation)."""
+        self.generator.aborts.abort(None)
+
     def set_released(self, released: bool) -> None:
         """SGLang's /release_memory_occupation: on a GPU the weights go to host memory and the allocator's cached
         blocks (the KV cache of the last batch included) go back to the driver, so a colocated trainer can use
@@ -210,32 +258,99 @@ def _err(status: int, msg: str) -> JSONResponse:
     return JSONResponse({"error": {"message": msg}, "success": False, "message": msg}, status_code=status)
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    return await request.json() if await request.body() else {}
+class BodyTooLarge(ValueError):
+    pass
+
+
+async def _raw(request: Request, limit: int) -> bytes:
+    """The request body, refused (BodyTooLarge) as soon as it passes `limit` bytes: never read whole first."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the body has {int(declared)} bytes; this engine takes at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the body passed {limit} bytes, the most this engine takes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _body(request: Request, limit: int) -> dict[str, Any]:
+    import json
+
+    raw = await _raw(request, limit)
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"the body is not JSON ({e})") from None
+
+
+#: endpoints that replace the served weights or free its memory (need the admin key, else the API key)
+ADMIN = ("/update_weights_from_disk", "/update_weights_from_tensor", "/release_memory_occupation",
+         "/resume_memory_occupation")
+PUBLIC = ("/health", "/health_generate")
+WEIGHTS_BODY_BYTES = 8 * 2**30  # a raw safetensors update may carry a whole model
 
 
 def create_app(state: EngineState):
     @asynccontextmanager
     async def lifespan(_app):
         state.scheduler = BatchingScheduler(state.generator, state.batch_window_s, state.max_batch,
-                                            isolate=state.deterministic, gap_s=state.batch_gap_s)
+                                            isolate=state.deterministic, gap_s=state.batch_gap_s,
+                                            max_queued=state.max_queued)
         state.scheduler.start()
         yield
 
     app = FastAPI(title="rollflow built-in engine", lifespan=lifespan)
 
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        """SGLang's --api-key / --admin-api-key: `Authorization: Bearer <key>`; weights need a key at all."""
+        import hmac
+
+        path = request.url.path
+        if path in PUBLIC:
+            return await call_next(request)
+        given = request.headers.get("authorization", "")
+
+        def ok(key: str | None) -> bool:  # exactly `Bearer <key>`, as SGLang compares it
+            return key is not None and hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+        if path in ADMIN:
+            key = state.admin_api_key or state.api_key
+            if key is None:
+                return _err(403, f"{path} is refused: this engine was started without --api-key, so anyone who can "
+                                 "reach it could replace its weights; restart it with --api-key KEY")
+            if not ok(key):
+                return _err(401, f"{path} needs `Authorization: Bearer <{'admin ' if state.admin_api_key else ''}"
+                                 "api key>`")
+        elif state.api_key is not None and not ok(state.api_key):
+            return _err(401, "missing or wrong `Authorization: Bearer <api key>` (the engine runs with --api-key)")
+        return await call_next(request)
+
     def info() -> dict[str, Any]:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
                 "weight_version": state.weight_version, "engine": "rollflow-builtin"}
 
+    def unhealthy() -> JSONResponse | None:
+        if state.released:
+            return _err(503, "memory released")
+        if (stalled := state.stalled_s()) is not None:
+            return _err(503, f"the generator has made no decode step for {stalled:.0f} s (--watchdog-timeout "
+                             f"{state.watchdog_s:g})")
+        return None
+
     @app.get("/health")
     async def health():
-        return JSONResponse({}) if not state.released else _err(503, "memory released")
+        return unhealthy() or JSONResponse({})
 
     @app.get("/health_generate")
     async def health_generate():
-        if state.released:
-            return _err(503, "memory released")
+        if (bad := unhealthy()) is not None:
+            return bad
         req = GenRequest(rid=f"HEALTH_CHECK_{time.monotonic_ns()}", input_ids=state.tokenize("1"),
                          max_new_tokens=1, temperature=0.0)
         await state.scheduler.submit([req])
@@ -265,17 +380,25 @@ def create_app(state: EngineState):
         if state.released:
             return _err(503, "memory released: call /resume_memory_occupation first")
         t0 = time.perf_counter()
-        body = await _body(request)
+        try:
+            body = await _body(request, state.max_request_bytes)
+        except BodyTooLarge as e:
+            return _err(413, str(e))
+        except ValueError as e:
+            return _err(400, str(e))
         if fault := faults.engine_fault(next(requests_seen)):  # ROLLFLOW_ENGINE_FAULT (tests only)
             if fault == "exit":
                 os._exit(1)
             await asyncio.Event().wait()  # "hang": never answers; the client's deadline has to end it
         try:
-            reqs, batched = to_requests(body, state.tokenize, state.default_max_new)
+            reqs, batched = to_requests(body, state.tokenize, state.default_max_new, state.limits)
         except (ProtocolError, TypeError, ValueError) as e:
             return _err(400, f"{type(e).__name__}: {e}")
         try:
             results = await state.scheduler.submit(reqs)
+        except QueueFull as e:
+            return JSONResponse({"error": {"message": str(e)}, "success": False, "message": str(e)},
+                                status_code=503, headers={"Retry-After": "1"})
         except Exception as e:
             return _err(500, f"generation failed: {type(e).__name__}: {e}")
         want = body.get("return_logprob")
@@ -284,9 +407,19 @@ def create_app(state: EngineState):
         out = [to_response(r, bool(w), state.weight_version, dt) for r, w in zip(results, wants)]
         return out if batched else out[0]
 
+    async def small_body(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            return await _body(request, 2**20)
+        except BodyTooLarge as e:
+            return _err(413, str(e))
+        except ValueError as e:
+            return _err(400, str(e))
+
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await _body(request)
+        body = await small_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         n = state.generator.aborts.abort(None if body.get("abort_all") else (body.get("rid") or None))
         return {"success": True, "aborted": n}
 
@@ -310,7 +443,9 @@ def create_app(state: EngineState):
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        body = await _body(request)
+        body = await small_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         if not body.get("model_path"):
             return _err(400, "`model_path` is required")
         if body.get("load_format") not in (None, "auto", "safetensors"):
@@ -323,14 +458,20 @@ def create_app(state: EngineState):
         query string (`application/octet-stream`: no base64, no JSON; what rollflow's sync sends)."""
         from engine.weights import TENSOR_LOAD_FORMAT
 
-        if request.headers.get("content-type", "").startswith("application/octet-stream"):
-            q = request.query_params
-            body = {"load_format": q.get("load_format", TENSOR_LOAD_FORMAT), "weight_version": q.get("weight_version"),
-                    "abort_all_requests": q.get("abort_all_requests") == "true"}
-            blobs: list = [await request.body()]
-        else:
-            body = await _body(request)
-            blobs = list(body.get("serialized_named_tensors") or [])
+        try:
+            if request.headers.get("content-type", "").startswith("application/octet-stream"):
+                q = request.query_params
+                body = {"load_format": q.get("load_format", TENSOR_LOAD_FORMAT),
+                        "weight_version": q.get("weight_version"),
+                        "abort_all_requests": q.get("abort_all_requests") == "true"}
+                blobs: list = [await _raw(request, WEIGHTS_BODY_BYTES)]
+            else:
+                body = await _body(request, WEIGHTS_BODY_BYTES)
+                blobs = list(body.get("serialized_named_tensors") or [])
+        except BodyTooLarge as e:
+            return _err(413, str(e))
+        except ValueError as e:
+            return _err(400, str(e))
         if body.get("load_format") != TENSOR_LOAD_FORMAT:
             return _err(400, f"load_format {body.get('load_format')!r}: the built-in engine takes "
                              f"load_format={TENSOR_LOAD_FORMAT!r} (safetensors blobs); SGLang's default format is "
@@ -357,8 +498,9 @@ class ServerThread:
         import uvicorn
 
         self.host, self.port = host, port
+        self.state = state
         self.config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
-                                     access_log=False)
+                                     access_log=False, timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="rollflow-engine")
         self.url = f"http://{host}:{port}"
@@ -380,8 +522,22 @@ class ServerThread:
         return self.url
 
     def stop(self) -> None:
+        self.state.stop_generating()
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def _stopping_server(state: EngineState, config):
+    """uvicorn's server, whose SIGTERM / SIGINT handler first aborts every request: uvicorn then waits at most
+    `timeout_graceful_shutdown` for in-flight requests, and a generation in progress ends at its next step."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            state.stop_generating()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,6 +571,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="default max_new_tokens (SGLang's: 128)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="generate every request as its own batch (batch-invariant results)")
+    p.add_argument("--api-key", default=None,
+                   help="SGLang's flag: every endpoint but /health* needs `Authorization: Bearer KEY`; required to "
+                        "serve on a non-loopback address and for the weight / memory endpoints")
+    p.add_argument("--admin-api-key", default=None,
+                   help="SGLang's flag: the key of the weight / memory endpoints (default: --api-key)")
+    p.add_argument("--weight-dir", action="append", default=[],
+                   help="a directory /update_weights_from_disk may load from (repeatable; default: none)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="SGLang's flag: rows that may wait for the generator; more get 503 (default 4 × "
+                        "--max-running-requests)")
+    p.add_argument("--watchdog-timeout", type=float, default=300.0,
+                   help="SGLang's flag: seconds without a decode step after which /health answers 503")
+    p.add_argument("--max-request-mb", type=float, default=16.0,
+                   help="largest /generate body in MiB (413 above it; weight updates may be larger)")
     a, unknown = p.parse_known_args(argv)
     if a.tp_size != 1:
         print(f"rollflow serve: --tp-size {a.tp_size} is not supported by the built-in engine (1 only)",
@@ -426,16 +596,36 @@ def main(argv: list[str] | None = None) -> int:
     if not is_port_free(a.port, a.host):
         print(DiagnosisError(port_in_use(a.port, a.host, "rollflow serve")), file=sys.stderr)
         return 1
+    if a.api_key is None and not is_loopback(a.host):
+        print(f"rollflow serve: --host {a.host} serves to the network, and anyone who can reach it could use it: pass "
+              "--api-key KEY (clients send `Authorization: Bearer KEY`), or --host 127.0.0.1", file=sys.stderr)
+        return 2
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     state = EngineState(a.model_path, device=device, dtype=dtype, threads=a.threads, max_new_tokens=a.max_new_tokens,
-                        max_batch=a.max_running_requests, deterministic=a.enable_deterministic_inference)
+                        max_batch=a.max_running_requests, deterministic=a.enable_deterministic_inference,
+                        api_key=a.api_key, admin_api_key=a.admin_api_key, weight_dirs=a.weight_dir,
+                        max_queued=a.max_queued_requests, watchdog_s=a.watchdog_timeout,
+                        max_request_bytes=int(a.max_request_mb * 2**20))
     print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device}, {dtype})",
           flush=True)
-    uvicorn.run(create_app(state), host=a.host, port=a.port, log_level="warning")
+    config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    _stopping_server(state, config).run()
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

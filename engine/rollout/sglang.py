@@ -29,8 +29,8 @@ OWNED = {"model-path": "--hf-checkpoint", "host": None, "port": None, "tp-size":
 
 def sglang_command(*, python: str, model_path: str, host: str, port: int, tp_size: int, base_gpu_id: int,
                    nccl_port: int, dist_init_addr: str, sglang_args: dict[str, Any],
-                   colocate: bool = False) -> list[str]:
-    """argv of one SGLang server."""
+                   colocate: bool = False, api_key: str | None = None) -> list[str]:
+    """argv of one SGLang server (`--api-key` = the run's engine token unless --sglang-api-key set one)."""
     for k in sglang_args:
         if k in OWNED:
             via = f"; set it with {OWNED[k]}" if OWNED[k] else ""
@@ -43,6 +43,8 @@ def sglang_command(*, python: str, model_path: str, host: str, port: int, tp_siz
            "--dist-init-addr", dist_init_addr]
     if colocate and "enable-memory-saver" not in sglang_args:
         cmd.append("--enable-memory-saver")
+    if api_key and "api-key" not in sglang_args:
+        cmd += ["--api-key", api_key]
     for k, v in sglang_args.items():
         if v is True:
             cmd.append(f"--{k}")
@@ -53,6 +55,14 @@ def sglang_command(*, python: str, model_path: str, host: str, port: int, tp_siz
         else:
             cmd += [f"--{k}", str(v)]
     return cmd
+
+
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+
+
+def redacted_argv(cmd: list[str]) -> list[str]:
+    """The command line with the values of key flags replaced (what is written to the engine log)."""
+    return [("***" if i and cmd[i - 1] in SECRET_FLAGS else a) for i, a in enumerate(cmd)]
 
 
 def mem_fraction_of(sglang_args: dict[str, Any]) -> float | None:
@@ -77,7 +87,7 @@ class LaunchedEngine:
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            log.write(f"$ {' '.join(self.cmd)}\n".encode())
+            log.write(f"$ {' '.join(redacted_argv(self.cmd))}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **(self.env or {})}, start_new_session=True)

@@ -29,7 +29,7 @@ def _check_version(client: EngineClient, version: int, timeout_s: float) -> None
 
 
 def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: int, *, bucket_bytes: int,
-                 timeout_s: float) -> dict[str, float]:
+                 timeout_s: float, api_key: str | None = None) -> dict[str, float]:
     """Buckets of ≤ bucket_bytes to `/update_weights_from_tensor` (raw safetensors bodies); the last one sets
     `weight_version`."""
     t0 = time.perf_counter()
@@ -39,7 +39,7 @@ def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: 
     t_encode = time.perf_counter() - t0
 
     def one(url: str) -> None:
-        c = EngineClient(url, timeout_s=timeout_s)
+        c = EngineClient(url, timeout_s=timeout_s, api_key=api_key)
         for k, blob in enumerate(blobs):
             last = k == len(blobs) - 1
             c.update_weights_from_tensor_raw(blob, version=version if last else None, flush_cache=last)
@@ -49,29 +49,30 @@ def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: 
     return {"mb": mb, "buckets": float(len(blobs)), "encode_s": t_encode, "seconds": time.perf_counter() - t0}
 
 
-def push_object_store(slots: list, ref, version: int, *, timeout_s: float) -> None:
+def push_object_store(slots: list, ref, version: int, *, timeout_s: float, api_key: str | None = None) -> None:
     """Every engine actor copies the state behind `ref` (Ray's object store) into its model as `version`."""
     import ray
 
     ray.get([s.actor.update_weights.remote(ref, str(version)) for s in slots], timeout=timeout_s)
     for s in slots:
-        _check_version(EngineClient(s.url, timeout_s=timeout_s), version, timeout_s)
+        _check_version(EngineClient(s.url, timeout_s=timeout_s, api_key=api_key), version, timeout_s)
 
 
-def push_ipc(slots: list, buckets: dict[int, list], version: int, *, timeout_s: float) -> None:
+def push_ipc(slots: list, buckets: dict[int, list], version: int, *, timeout_s: float,
+             api_key: str | None = None) -> None:
     """Every colocated engine actor copies its CUDA IPC buckets (`buckets[slot.index]`, from the train rank on its
     GPU; engine/weights/ipc.py) into its model as `version`."""
     import ray
 
     ray.get([s.actor.update_weights_ipc.remote(buckets[s.index], str(version)) for s in slots], timeout=timeout_s)
     for s in slots:
-        _check_version(EngineClient(s.url, timeout_s=timeout_s), version, timeout_s)
+        _check_version(EngineClient(s.url, timeout_s=timeout_s, api_key=api_key), version, timeout_s)
 
 
-def push_disk(urls: list[str], path: str, version: int, *, timeout_s: float) -> None:
+def push_disk(urls: list[str], path: str, version: int, *, timeout_s: float, api_key: str | None = None) -> None:
     """Every engine loads the safetensors directory `path` (`/update_weights_from_disk`)."""
     def one(url: str) -> None:
-        c = EngineClient(url, timeout_s=timeout_s)
+        c = EngineClient(url, timeout_s=timeout_s, api_key=api_key)
         c.update_weights_from_disk(path, version)
         _check_version(c, version, timeout_s)
 

@@ -1,0 +1,235 @@
+"""Issue 24's cases, as a careful user and an attacker would try them (loopback only).
+
+Each test here failed on the main of 2026-12-01 (before the hardening): the engine took any body, any prompt
+length and any max_new_tokens, served weights to anyone, ignored SIGTERM while busy; two runs could share a --save;
+secrets reached Prefect's database; a resume changed settings silently; over-long prompts passed the doctor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.rollout.server import EngineState, ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "hostile-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    weights = tmp_path_factory.mktemp("weights")
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8, api_key=KEY, weight_dirs=[str(weights)])
+    server = ServerThread(state, "127.0.0.1", _free_port())
+    url = server.start()
+    yield state, url, weights
+    server.stop()
+
+
+def _gen(url: str, body, timeout: float = 60, headers=AUTH) -> httpx.Response:
+    return httpx.post(url + "/generate", json=body, headers=headers, timeout=timeout)
+
+
+def _healthy(url: str) -> bool:
+    return httpx.get(url + "/health_generate", timeout=30).status_code == 200
+
+
+# ---- 1. one request must not take the engine down ---------------------------------------------------------------
+def test_a_body_over_the_limit_is_413_before_it_is_read(engine):
+    state, url, _ = engine
+    big = b'{"text": "' + b"a" * (state.max_request_bytes + 1024) + b'"}'
+    r = httpx.post(url + "/generate", content=big, headers={**AUTH, "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "at most" in r.json()["message"]
+    assert _healthy(url)
+
+
+def test_a_10mb_text_or_input_ids_is_refused_in_seconds_naming_the_context(engine):
+    state, url, _ = engine
+    t0 = time.monotonic()
+    r = _gen(url, {"text": "7+" * 5_000_000, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "context" in r.json()["message"]
+    r = _gen(url, {"input_ids": [5] * 2_500_000, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and f"context length ({state.limits.context_len} tokens)" in r.json()["message"]
+    assert time.monotonic() - t0 < 30  # was: OOM-killed at 24 GB / wedged for over 6 minutes
+    assert _healthy(url)
+
+
+def test_max_new_tokens_beyond_the_context_is_400_not_a_wedge(engine):
+    state, url, _ = engine
+    r = _gen(url, {"text": "1+1=", "sampling_params": {"max_new_tokens": 10**9}}, timeout=30)
+    msg = r.json()["message"]
+    assert r.status_code == 400 and "max_new_tokens=1000000000" in msg and str(state.limits.context_len) in msg
+    # a prompt that nearly fills the context: what is left is the bound
+    r = _gen(url, {"input_ids": [5] * (state.limits.context_len - 3), "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 400 and "at most 3" in r.json()["message"]
+    r = _gen(url, {"input_ids": [5] * (state.limits.context_len - 3), "sampling_params": {"max_new_tokens": 3}})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 3
+    assert _healthy(url)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input_ids": [1.5, 2]}, "input_ids"),
+    ({"input_ids": [True, 2]}, "input_ids"),
+    ({"input_ids": [-1, 2]}, "input_ids"),
+    ({"input_ids": [10**9]}, "input_ids"),
+    ({"input_ids": "12 13"}, "input_ids"),
+    ({"input_ids": [[1, 2], "x"]}, "input_ids[1]"),
+    ({"text": ["ok", 3]}, "text"),
+    ({"text": "1", "sampling_params": {"temperature": float("inf")}}, "temperature"),
+    ({"text": "1", "sampling_params": {"temperature": float("nan")}}, "temperature"),
+    ({"text": "1", "sampling_params": {"top_p": "0.9"}}, "top_p"),
+    ({"text": "1", "sampling_params": {"top_k": 2.5}}, "top_k"),
+    ({"text": "1", "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens"),
+    ({"text": "1", "sampling_params": {"stop": ["x"] * 1000}}, "stop"),
+    ({"text": "1", "sampling_params": {"stop_token_ids": [10**9]}}, "stop_token_ids"),
+    ({"text": "1", "sampling_params": {"sampling_seed": "s"}}, "sampling_seed"),
+])
+def test_malformed_values_are_400_naming_the_field(engine, body, field):
+    _, url, _ = engine
+    raw = json.dumps(body)  # Infinity / NaN as Python's json writes them (and a lenient client would)
+    r = httpx.post(url + "/generate", content=raw, headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert f"`{field}`" in r.json()["message"]
+
+
+def test_not_json_is_400(engine):
+    _, url, _ = engine
+    r = httpx.post(url + "/generate", content=b"{nope", headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["message"]
+
+
+def test_a_full_queue_answers_503_with_retry_after(engine):
+    state, url, _ = engine
+    limit = state.scheduler.max_queued
+    state.scheduler.max_queued = 3
+    try:
+        r = _gen(url, {"text": ["1+1="] * 4, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "max-queued" in r.json()["message"]
+        assert _gen(url, {"text": ["1+1="] * 3, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    finally:
+        state.scheduler.max_queued = limit
+
+
+def test_a_wedged_generator_makes_health_answer_503(engine):
+    state, url, _ = engine
+    g = state.generator
+    watchdog = state.watchdog_s
+    state.watchdog_s = 1.0
+    with g.lock:  # the generator is "inside a batch" and makes no step: what a wedge looks like from outside
+        g.busy_since, g.last_step = time.monotonic() - 60, 0.0
+        try:
+            for path in ("/health", "/health_generate"):
+                r = httpx.get(url + path, timeout=10)
+                assert r.status_code == 503 and "no decode step" in r.json()["message"]
+        finally:
+            g.busy_since = None
+            state.watchdog_s = watchdog
+    assert httpx.get(url + "/health").status_code == 200
+
+
+# ---- 2. nobody who merely reaches an engine uses it or replaces its weights --------------------------------------
+def test_without_the_key_only_health_answers(engine):
+    _, url, _ = engine
+    assert httpx.get(url + "/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        assert _gen(url, {"text": "1", "sampling_params": {"max_new_tokens": 1}}, headers=headers).status_code == 401
+        assert httpx.get(url + "/get_model_info", headers=headers).status_code == 401
+        assert httpx.post(url + "/release_memory_occupation", headers=headers).status_code == 401
+    assert _gen(url, {"text": "1", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_weights_load_only_from_the_allowed_directory_and_only_with_the_key(engine, tmp_path, tiny_model):
+    import torch
+
+    from engine.modeling import load_causal_lm
+    from engine.weights import save_weights_dir
+
+    state, url, allowed = engine
+    sd = {k: v.detach().clone() for k, v in load_causal_lm(tiny_model).state_dict().items()}
+    for k in sd:
+        if "norm" in k:
+            sd[k].zero_()  # the attack of the report: a zeroed norm makes the engine answer NUL tokens
+    outside = save_weights_dir(sd, tmp_path / "evil")
+    before = {k: v.clone() for k, v in state.generator.model.state_dict().items()}
+    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(outside)}, timeout=60)
+    assert r.status_code == 401
+    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(outside)}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "outside the directories" in r.json()["message"]
+    sneaky = allowed / ".." / outside.parent.name / outside.name  # a path that only looks inside
+    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(sneaky)}, headers=AUTH, timeout=60)
+    assert r.status_code == 400
+    blob = open(next(outside.glob("*.safetensors")), "rb").read()
+    r = httpx.post(url + "/update_weights_from_tensor?load_format=flattened_bucket", content=blob,
+                   headers={"content-type": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 401
+    after = state.generator.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was loaded
+    served = {k: v.detach() for k, v in state.generator.model.state_dict().items()}  # tied weights stay shared
+    inside = save_weights_dir(served, allowed / "v000001")
+    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(inside), "weight_version": "1"},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["weight_version"] == "1", r.text
+
+
+def _serve(tiny_model: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "engine.rollout.server", "--model-path", tiny_model,
+                             "--threads", "1", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def test_serving_to_the_network_without_a_key_is_refused(tiny_model):
+    p = _serve(tiny_model, "--host", "0.0.0.0", "--port", str(_free_port()))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 2 and "--api-key" in out
+
+
+def test_a_busy_engine_stops_within_seconds_on_sigterm(tiny_model):
+    port = _free_port()
+    p = _serve(tiny_model, "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        # long generations: 2 × 256 rows to the end of the context, ignoring EOS (~35 s of work on one thread)
+        import threading
+
+        body = {"text": ["1+1="] * 256, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+        for _ in range(2):
+            threading.Thread(target=lambda: _safe_post(url, body), daemon=True).start()
+        time.sleep(3.0)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        took = time.monotonic() - t0
+        assert took < 10, f"the engine took {took:.1f} s to stop"  # was: ignored while busy
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _safe_post(url: str, body: dict) -> None:
+    try:
+        httpx.post(url + "/generate", json=body, headers=AUTH, timeout=120)
+    except httpx.HTTPError:
+        pass
