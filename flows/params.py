@@ -26,6 +26,27 @@ CfgParam = Annotated[Union[dict[str, Any], RunConfig, None], Field(union_mode="l
 
 def run_config(cfg: dict[str, Any] | RunConfig | None, config: str | None) -> RunConfig:
     """The run's RunConfig from the flow's two parameters; a ConfigError names the parameter, the value and the fix."""
+    out = _run_config(cfg, config)
+    _no_masked_secrets(out)
+    return out
+
+
+def _no_masked_secrets(cfg: RunConfig) -> None:
+    """A value Prefect stored masked (a flow run retried from the UI gets `<redacted>`) cannot be used: say where the
+    secret has to come from instead of failing later with a wrong password."""
+    from engine.tracking.secrets import REDACTED
+
+    found = [f"{k}={v!r}" for k, v in cfg.flat_params().items() if isinstance(v, str) and REDACTED in v]
+    if found:
+        raise ConfigError(Diagnosis(
+            code="CONFIG", severity="error",
+            what=f"{', '.join(found)}: a secret Prefect stored masked (secrets never reach Prefect's database)",
+            fix="give the secret to the worker instead: the MLflow password as MLFLOW_TRACKING_PASSWORD (user "
+                "MLFLOW_TRACKING_USERNAME) with a --mlflow-tracking-uri without it; drop --sglang-api-key (each run "
+                "makes its own engine token)", facts={"fields": found}))
+
+
+def _run_config(cfg: dict[str, Any] | RunConfig | None, config: str | None) -> RunConfig:
     if config is None:
         if isinstance(cfg, RunConfig):
             return cfg

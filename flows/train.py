@@ -5,7 +5,7 @@ import warnings
 from contextlib import ExitStack
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_progress_artifact, \
     update_progress_artifact
 from prefect.runtime import flow_run
@@ -18,6 +18,7 @@ from engine.run import Run
 from engine.stages import should_save, summary, track
 from engine.tracking import TrackingWarning
 from engine.tracking.record import finish, prefect_ui_url
+from engine.tracking.secrets import redact
 from flows import limits
 from flows.params import CfgParam, run_config
 from tasks import ui
@@ -47,8 +48,23 @@ def _iteration_markdown(run: Run, rollout_id: int) -> str:
                if "memory/rollout_peak_gib" in h else ""))
 
 
-@flow(name="rl-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
-def rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
+class SecretSafeFlow(Flow):
+    """A flow whose parameters reach Prefect's database (and UI) with secrets masked: `--sglang-api-key`, the
+    password of `--mlflow-tracking-uri` and any value engine/tracking/secrets.py counts as secret become
+    `<redacted>`; the flow body still gets the real values (they never leave this process). A flow run started
+    from the UI or a deployment gets only what Prefect stored, so there the secrets come from the worker's
+    environment (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD; a run's engine token is made per run)."""
+
+    def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        return redact(super().serialize_parameters(parameters))
+
+    def with_options(self, **kwargs: Any) -> "SecretSafeFlow":
+        new = super().with_options(**kwargs)
+        new.__class__ = SecretSafeFlow
+        return new
+
+
+def _rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
     """RL post-training. `config`: a RunConfig YAML file; `cfg`: a RunConfig, or flags overriding the file."""
     cfg = run_config(cfg, config)
     _set_flow_retries(cfg)
@@ -60,6 +76,10 @@ def rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
                 _no_flow_retry(e)
             raise
         return _train(cfg)
+
+
+rl_train = SecretSafeFlow(_rl_train, name="rl-train", flow_run_name=_flow_run_name, log_prints=False,
+                          validate_parameters=True)
 
 
 def _train(cfg: RunConfig) -> dict[str, Any]:

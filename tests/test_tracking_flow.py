@@ -343,3 +343,47 @@ def test_a_run_failing_preflight_is_a_failed_mlflow_run_with_the_doctor_report(p
     assert run.data.tags["rollflow.failure"] == "RF01" and run.data.params["load"] == cfg.load
     report = Path(client.download_artifacts(run.info.run_id, "doctor-report.md", str(tmp_path))).read_text()
     assert "[RF01 error]" in report and "not-a-checkpoint" in report
+
+
+def test_secrets_never_reach_prefects_database_mlflow_or_the_logs(prefect_harness, shared_ray, small_cfg, tmp_path,
+                                                                   caplog):
+    """Issue 24: --sglang-api-key and the password of --mlflow-tracking-uri were stored in plain text in the flow
+    run's parameters (8 rows of Prefect's database). The run here trains with both; then every byte of Prefect's
+    database, the run's logs and files is searched for them."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    from engine.tracking import TrackingWarning
+    from flows.train import rl_train
+
+    password, key = "pw-" + "Z9x" * 8, "key-" + "M4q" * 8
+    uri = f"http://rollflow:{password}@127.0.0.1:{free_port()}"  # MLflow is down: the password is only carried
+    cfg = small_cfg(num_rollout=1, eval_prompt_data="", mlflow_tracking_uri=uri, mlflow_retry_interval=0.0,
+                    mlflow_timeout=2, sglang_args={"api-key": key}, run_name="secretive")
+    with caplog.at_level("DEBUG"), pytest.warns(TrackingWarning):
+        result = rl_train(cfg)
+    assert result["rollouts"] == 1
+
+    async def stored_parameters():
+        async with get_client() as client:
+            return (await client.read_flow_run(result["flow_run_id"])).parameters
+
+    params = asyncio.run(stored_parameters())
+    assert params["cfg"]["sglang_args"] == {"api-key": "<redacted>"}
+    assert params["cfg"]["mlflow_tracking_uri"] == "http://rollflow:<redacted>@127.0.0.1:" + uri.rsplit(":", 1)[1]
+    db = Path(PREFECT_API_DATABASE_CONNECTION_URL.value().split("///", 1)[1])
+    blobs = {p.name: p.read_bytes() for p in db.parent.glob(db.name + "*")}  # the database and its WAL
+    blobs.update({str(p): p.read_bytes() for p in Path(cfg.work_dir).rglob("*") if p.is_file()})
+    blobs.update({str(p): p.read_bytes() for p in Path(cfg.save).rglob("*") if p.is_file()})
+    blobs["log"] = caplog.text.encode() + json.dumps(result).encode()
+    assert len(blobs) > 5 and any(b"secretive" in b for b in blobs.values())  # the search does see this run
+    for secret in (password, key):
+        leaked = [name for name, b in blobs.items() if secret.encode() in b]
+        assert not leaked, f"{secret} in {leaked}"
+    # a flow run retried from the UI gets the masked values: a clear error, not a wrong password
+    from flows.params import run_config
+
+    with pytest.raises(Exception, match="MLFLOW_TRACKING_PASSWORD"):
+        run_config(params["cfg"], None)

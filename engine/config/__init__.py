@@ -82,8 +82,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         return 0.05 if self.bf16 or engine_dtype != "float32" else 1e-3
 
     def config_hash(self) -> str:
-        """sha256 (16 hex) of the fields that change what is trained."""
-        data = self.model_dump(mode="json", exclude=NON_SEMANTIC)
+        """sha256 (16 hex) of the fields that change what is trained (secrets masked: a new engine key is no new
+        config, and the hash cannot be used to test guesses of a key)."""
+        from engine.tracking.secrets import redact
+
+        data = redact(self.model_dump(mode="json", exclude=NON_SEMANTIC))
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def flat_params(self) -> dict[str, Any]:
