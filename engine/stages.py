@@ -52,6 +52,12 @@ def resolve_start(run: Run) -> checkpoint.StartPoint:
         run.store = checkpoint.Store(cfg.save)
         for gone in checkpoint.clean_leftovers(run.store, checkpoint.read_marker(run.store)):
             start.notes.append(f"deleted {gone}, left by a save that was killed before its marker")
+    if start.kind == "checkpoint" and start.next_rollout_id > 0:  # preflight checked the peeked iteration; a
+        from engine.doctor.checks import resume_guard  # fallback may have picked an older one
+        from engine.doctor.diagnosis import DiagnosisError
+
+        if (bad := resume_guard(cfg, f"{start.source}/{checkpoint.iter_name(start.iteration)}", start.manifest)):
+            raise DiagnosisError(bad)
     for note in start.notes:  # the convert task reports them as warnings and an artifact
         log.info(note)
     log.info("rollflow: %s", start.describe())
@@ -62,16 +68,26 @@ def resolve_start(run: Run) -> checkpoint.StartPoint:
 def _tracking_resume(cfg: RunConfig) -> dict[str, Any] | None:
     """The MLflow run to continue, for `track` (which runs before preflight and place): the manifest of the
     iteration the run will start from — a cheap look, place verifies it — else the run id a killed fresh attempt
-    recorded in <save>/rollflow_run.json. Storage errors are left to preflight to report."""
+    recorded in <save>/rollflow_run.json. Storage errors are left to preflight to report.
+
+    A checkpoint written to another location than this run's --save (a copied or moved directory, or --load of
+    another run's) starts a new MLflow run linked to the one that wrote it (`parent_run_id`): copies of one --save
+    never log into the same run."""
     try:
         found = checkpoint.peek_start(load=cfg.load, save=cfg.save, ckpt_step=cfg.ckpt_step)
         ident = checkpoint.read_run_file(cfg.save) if cfg.save and found is None else None
     except Exception:  # noqa: BLE001 — unreachable S3, no credentials: RF01/RF05 say so with the fix
         return None
+    here = checkpoint.normalize(cfg.save) if cfg.save else None
     if found:
         it, manifest, automatic = found
+        if cfg.resume_changes(manifest.get("settings")):
+            return None  # preflight refuses this resume (RF05): its failure is a run of its own, not the original's
+        if manifest.get("save") not in (None, here):
+            return {"iteration": it, "manifest": {}, "automatic": automatic,
+                    "parent_run_id": manifest.get("mlflow_run_id"), "written_to": manifest["save"]}
         return {"iteration": it, "manifest": manifest, "automatic": automatic}
-    if ident and ident.get("config_hash") == cfg.config_hash() \
+    if ident and ident.get("config_hash") == cfg.config_hash() and ident.get("save") in (None, here) \
             and ident.get("origin") == checkpoint.origin_of(cfg.load, cfg.ckpt_step):
         return {"iteration": None, "manifest": {"mlflow_run_id": ident.get("mlflow_run_id")}, "automatic": True}
     return None
@@ -114,7 +130,8 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     if run.store and run.start.next_rollout_id == 0 and run.tracker.run_id:  # a fresh lineage: remember its run
         if (checkpoint.read_run_file(run.store) or {}).get("mlflow_run_id") != run.tracker.run_id:
             checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "origin": run.origin,
-                                                  "config_hash": cfg.config_hash(), "created_at": time.time()})
+                                                  "config_hash": cfg.config_hash(), "created_at": time.time(),
+                                                  "save": checkpoint.normalize(cfg.save)})
 
     run.owns_ray = not cluster.connected()  # a Ray connection made by the caller is left open by run.close()
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
@@ -420,6 +437,7 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
                 "prefect_flow_run_id": run.flow_run_id, "config_hash": cfg.config_hash(), "origin": run.origin,
                 "history": {k: {str(i): v for i, v in d.items()} for k, d in run.history.items()},
                 "train_backend": cfg.train_backend, "resumable": cfg.save_optim, "seed": cfg.seed,
+                "settings": cfg.fixed_settings(), "save": checkpoint.normalize(cfg.save),
                 "rng": "per-rank python/numpy/torch RNG states in optim/state.pt; rollout sampling seeds are "
                        "sha256(seed:rollout_id:index)", "hf_checkpoint": cfg.hf_checkpoint}
 

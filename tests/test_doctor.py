@@ -151,12 +151,31 @@ def test_rf04_every_model_load_takes_the_lock(tiny_model, monkeypatch):
 
 
 # ---- RF05 -----------------------------------------------------------------------------------------------------
-def test_rf05_save_with_marker_and_no_load_resumes(tmp_path):
-    from engine.checkpoint import write_marker
+def saved_iteration(root, iteration: int) -> None:
+    """A complete iteration (files + manifest) and the marker, as a run's save writes them."""
+    from engine.checkpoint import Store, save_iteration
 
-    write_marker(tmp_path, 6)
+    def write_state(path):
+        Path(path, "model").mkdir(parents=True)
+        Path(path, "model", "weights.bin").write_bytes(b"w")
+
+    save_iteration(Store(str(root)), iteration, write_state, {"next_rollout_id": iteration + 1})
+
+
+def test_rf05_save_with_marker_and_no_load_resumes(tmp_path):
+    saved_iteration(tmp_path, 6)
     d = one(run_preflight(RunConfig(save=str(tmp_path)), Environment()), "RF05")
     assert "iteration 6" in d.what and "rollout 7" in d.what and d.severity == "info"
+
+
+def test_a_marker_with_no_iteration_behind_it_is_rf01_not_a_resume_point(tmp_path):
+    from engine.checkpoint import write_marker
+
+    write_marker(tmp_path, 6)  # the doctor used to announce "resumes automatically at rollout 7"
+    diags = run_preflight(RunConfig(save=str(tmp_path)), Environment())
+    assert not [d for d in diags if d.code == "RF05"]
+    d = one(diags, "RF01")
+    assert "no iteration at or below it has a manifest" in d.what and "new --save" in d.fix
 
 
 # ---- RF06 -----------------------------------------------------------------------------------------------------
@@ -318,8 +337,7 @@ BROKEN = {
     "RF03": (lambda t, m: ["--use-dynamic-batch-size", "--rollout-max-response-len", "2048"],
              "--max-tokens-per-gpu 2048"),
     "RF04": (lambda t, m: ["--model-name", "llama"], "--model-name qwen2"),
-    "RF05": (lambda t, m: (__import__("engine.checkpoint", fromlist=["x"]).write_marker(t, 3),
-                           ["--save", str(t)])[1], "rollout 4"),
+    "RF05": (lambda t, m: (saved_iteration(t, 3), ["--save", str(t)])[1], "rollout 4"),
     "RF06": (lambda t, m: ["--global-batch-size", "48"], "--global-batch-size one of"),
     "RF07": (lambda t, m: ["--moe-token-dispatcher-type", "allgather"], "alltoall"),
     "RF09": (lambda t, m: ["--prompt-data", _chatml_data(t), "--apply-chat-template"], "--no-apply-chat-template"),

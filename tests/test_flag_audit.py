@@ -120,6 +120,7 @@ FLAG_TESTS = {
     "save_hf": "test_checkpoint_stages.py::test_no_save_optim_and_save_hf",
     "keep_last_n": "test_checkpoint.py::test_keep_last_n_deletes_only_after_the_new_marker",
     "wait_for_save_lock": "test_limits.py::test_a_run_waits_for_the_writer_lock_as_long_as_asked",
+    "allow_config_change": "test_hostile_inputs.py::test_a_resume_that_changes_kept_settings_fails_listing_them",
     # cluster
     "ray_address": "test_flag_wiring.py::test_the_doctor_reads_the_cluster_ray_address_names",
     "actor_num_nodes": "test_doctor.py::test_rf02_colocated_topology_larger_than_cluster",

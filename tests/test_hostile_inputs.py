@@ -233,3 +233,105 @@ def _safe_post(url: str, body: dict) -> None:
         httpx.post(url + "/generate", json=body, headers=AUTH, timeout=120)
     except httpx.HTTPError:
         pass
+
+
+# ---- 5. a resume keeps the settings it was trained with; a copy is a new MLflow run -----------------------------
+@pytest.fixture(scope="module")
+def trained(prefect_harness, tiny_model, tmp_path_factory):
+    """One rollout saved to <tmp>/ckpt by a real flow run (MLflow: SQLite in <tmp>/work)."""
+    import ray
+
+    from engine.cluster import worker_env
+    from engine.config import RunConfig
+    from engine.config.data import BUNDLED_TRAIN
+    from flows.train import rl_train
+
+    tmp = tmp_path_factory.mktemp("trained")
+
+    def cfg(**over):
+        base = dict(hf_checkpoint=tiny_model, prompt_data=BUNDLED_TRAIN, eval_prompt_data="",
+                    apply_chat_template=True, rollout_batch_size=4, n_samples_per_prompt=4, num_rollout=1,
+                    rollout_max_response_len=8, micro_batch_size=4, work_dir=str(tmp / "work"),
+                    save=str(tmp / "ckpt"), progress=False, experiment_name="guard", system_metrics_interval=0)
+        return RunConfig(**{**base, **over})
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": worker_env()})
+    first = rl_train(cfg())
+    return {"tmp": tmp, "cfg": cfg, "first": first}
+
+
+def _errors(cfg):
+    from engine.doctor.checks import Environment, run_preflight
+
+    return [d for d in run_preflight(cfg, Environment.local()) if d.severity == "error"]
+
+
+def test_a_resume_that_changes_kept_settings_fails_listing_them(trained):
+    from engine.doctor.diagnosis import DiagnosisError
+    from flows.train import rl_train
+
+    changed = trained["cfg"](num_rollout=2, n_samples_per_prompt=8, global_batch_size=32)
+    (err,) = [d for d in _errors(changed) if d.code == "RF05"]
+    assert "n_samples_per_prompt: 4 in the checkpoint, 8 now" in err.what
+    assert "global_batch_size: 16 in the checkpoint, 32 now" in err.what
+    assert "--allow-config-change n_samples_per_prompt global_batch_size" in err.fix and "new --save" in err.fix
+    with pytest.raises(DiagnosisError, match="n_samples_per_prompt"):
+        rl_train(changed)  # was: trained on with a warning about MLflow params
+    from engine import checkpoint
+
+    assert checkpoint.read_marker(trained["tmp"] / "ckpt") == 0  # nothing written
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{trained['tmp'] / 'work' / 'mlflow.db'}")
+    original = client.get_run(trained["first"]["mlflow_run_id"])
+    assert original.info.status == "FINISHED" and "rollflow.resumed_from" not in original.data.tags  # untouched
+    assert not [d for d in _errors(trained["cfg"](num_rollout=2, n_samples_per_prompt=8, global_batch_size=32,
+                                                  allow_config_change=["n_samples_per_prompt", "global_batch_size"]))
+                if d.code == "RF05"]
+    other_model = trained["cfg"](num_rollout=2, hf_checkpoint=str(trained["tmp"] / "elsewhere"))
+    assert any("hf_checkpoint" in d.what for d in _errors(other_model) if d.code == "RF05")
+    # what a resume may change (more rollouts, another lr) passes
+    assert not [d for d in _errors(trained["cfg"](num_rollout=3, lr=3e-6)) if d.code == "RF05"]
+
+
+def test_an_unknown_allow_config_change_field_is_a_config_error(trained):
+    from engine.doctor.diagnosis import ConfigError
+
+    with pytest.raises(ConfigError, match="--allow-config-change lr: not a setting a resume keeps"):
+        trained["cfg"](allow_config_change=["lr"])
+
+
+def test_a_marker_naming_a_missing_iteration_is_reported_with_the_real_start(trained, tmp_path):
+    import shutil
+
+    from engine.doctor.checks import Environment, run_preflight
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(trained["tmp"] / "ckpt", save)
+    (save / "latest_checkpointed_iteration.txt").write_text("5\n")
+    found = {d.severity: d for d in run_preflight(trained["cfg"](num_rollout=2, save=str(save)), Environment.local())
+             if d.code == "RF05"}
+    assert "names iteration 5, which is missing" in found["warning"].what and "iteration 0" in found["warning"].what
+    assert "resumes automatically at rollout 1" in found["info"].what  # was: "at rollout 6"
+
+
+def test_a_copied_save_resumes_into_a_new_mlflow_run_linked_to_its_parent(trained):
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.train import rl_train
+
+    tmp = trained["tmp"]
+    shutil.copytree(tmp / "ckpt", tmp / "copy")
+    result = rl_train(trained["cfg"](num_rollout=2, save=str(tmp / "copy")))
+    parent = trained["first"]["mlflow_run_id"]
+    assert result["rollouts"] == 2 and result["mlflow_run_id"] not in (None, parent)
+    client = MlflowClient(f"sqlite:///{tmp / 'work' / 'mlflow.db'}")
+    tags = client.get_run(result["mlflow_run_id"]).data.tags
+    assert tags["rollflow.parent_run_id"] == parent == tags["mlflow.parentRunId"]
+    assert tags["rollflow.copied_from"] == str(tmp / "ckpt") and tags["rollflow.resumed_from"] == "0"
+    # the original's run got nothing from the copy: rollout 1 was logged only by the copy's run
+    assert [m.step for m in client.get_metric_history(parent, "rollout/reward_mean")] == [0]

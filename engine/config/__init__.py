@@ -31,7 +31,16 @@ NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_trac
                 "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
                 "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "update_weight_buffer_size",
-                "logprob_mismatch_threshold", "wait_for_save_lock"}
+                "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change"}
+
+
+#: Settings a resume keeps: the checkpoint's manifest records them, and a resume that changes one fails with the
+#: differences (--allow-config-change FIELD… accepts named ones). Each changes what the resumed run means: another
+#: model or dataset, another batch arithmetic (data position, steps, lr schedule), other sampling seeds or an
+#: optimizer state another backend or estimator wrote.
+RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "rollout_batch_size", "n_samples_per_prompt",
+                "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
+                "train_backend", "advantage_estimator")
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
@@ -41,7 +50,34 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         self.batch  # raises an RF06 ConfigError with the working values
+        unknown = [f for f in self.allow_config_change if f.replace("-", "_") not in RESUME_FIXED]
+        if unknown:
+            from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--allow-config-change {' '.join(unknown)}: not a setting a resume keeps",
+                fix=f"name fields of {', '.join(RESUME_FIXED)} (other flags may change on resume anyway)",
+                facts={"field": "allow_config_change", "value": unknown}))
         return self
+
+    def fixed_settings(self) -> dict[str, Any]:
+        """RESUME_FIXED's values, as the checkpoint manifest records them (G and k as the run uses them: an unset
+        --global-batch-size is B·n)."""
+        out = self.model_dump(mode="json", include=set(RESUME_FIXED))
+        plan = self.batch
+        out.update(global_batch_size=plan.global_batch_size, num_steps_per_rollout=plan.num_steps_per_rollout)
+        return out
+
+    def resume_changes(self, recorded: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+        """(field, recorded, now) for each kept setting this config changes, less --allow-config-change's; a
+        manifest written before settings were recorded (None) gives none."""
+        if not recorded:
+            return []
+        allowed = {f.replace("-", "_") for f in self.allow_config_change}
+        now = self.fixed_settings()
+        return [(k, recorded[k], now[k]) for k in RESUME_FIXED
+                if k in recorded and k not in allowed and recorded[k] != now[k]]
 
     @property
     def train_world_size(self) -> int:

@@ -255,27 +255,73 @@ def resume_hint(cfg, env: Environment) -> list[Diagnosis]:
 def _resume_hint(cfg) -> list[Diagnosis]:
     from engine import checkpoint
 
-    if cfg.load and cfg.ckpt_step is not None:
-        store, it = checkpoint.Store(cfg.load), cfg.ckpt_step
-    else:  # --save's own progress comes first (resolve.py, rule 1), then --load's marker
-        found = [(checkpoint.Store(u), checkpoint.read_marker(u)) for u in (cfg.save, cfg.load) if u]
-        store, it = next(((st, i) for st, i in found if i is not None), (None, None))
-        if store is None:
+    found = checkpoint.peek_start(load=cfg.load, save=cfg.save, ckpt_step=cfg.ckpt_step)
+    if found is None:
+        return _marker_without_iterations(cfg)
+    it, m, automatic = found
+    url = cfg.save if automatic else cfg.load
+    store, out = checkpoint.Store(url), []
+    marker = checkpoint.read_marker(store)
+    if cfg.ckpt_step is None and marker is not None and marker != it:
+        out.append(Diagnosis(code="RF05", severity="warning",
+                             what=f"{store.url}/{checkpoint.MARKER} names iteration {marker}, which is missing or "
+                                  f"has no manifest: the run starts from iteration {it}, the newest older one "
+                                  "(verified at start)",
+                             fix="nothing to do; the missing iteration's rollouts run again",
+                             facts={"marker": marker, "iteration": it}))
+    if m.get("resumable") is False and cfg.load_optim:
+        out.append(Diagnosis(code="RF05", severity="error",
+                             what=f"{store.url}/iter_{it:07d} was saved with --no-save-optim (weights only): the "
+                                  "run cannot resume exactly from it",
+                             fix="--no-load-optim to continue from its weights with a fresh optimizer, or a new "
+                                 "--save", facts={"iteration": it}))
+    if (bad := resume_guard(cfg, f"{store.url}/iter_{it:07d}", m)) is not None:
+        out.append(bad)
+    if automatic and not cfg.load:
+        out.append(Diagnosis(code="RF05", severity="info",
+                             what=f"--save {store.url} holds a checkpoint (iteration {it}) and --load is unset: the "
+                                  f"run resumes automatically at rollout {m.get('next_rollout_id', it + 1)}",
+                             fix="nothing to do to resume; to start over use a new --save directory",
+                             facts={"iteration": it}))
+    return out
+
+
+def _marker_without_iterations(cfg) -> list[Diagnosis]:
+    """A --save (or --load) whose marker names an iteration none of whose predecessors has a manifest: the start
+    fails (RF01); say so now instead of announcing a resume point that does not exist."""
+    from engine import checkpoint
+
+    for flag, url in (("--save", cfg.save), ("--load", cfg.load)):
+        if not url or cfg.ckpt_step is not None:
+            continue
+        store = checkpoint.Store(url)
+        if checkpoint.marker_text(store) is None:
+            continue
+        marker = checkpoint.read_marker(store)
+        its = [i for i in checkpoint.list_iterations(store) if marker is None or i <= marker]
+        if any(checkpoint.read_manifest(store, i) is not None for i in its):
             return []
-    m = checkpoint.read_manifest(store, it) or {}
-    if m.get("resumable") is False and m.get("next_rollout_id", it + 1) > 0 and cfg.load_optim:
-        return [Diagnosis(code="RF05", severity="error",
-                          what=f"{store.url}/iter_{it:07d} was saved with --no-save-optim (weights only): the run "
-                               "cannot resume exactly from it",
-                          fix="--no-load-optim to continue from its weights with a fresh optimizer, or a new --save",
-                          facts={"iteration": it})]
-    if cfg.load:
-        return []
-    return [Diagnosis(code="RF05", severity="info",
-                      what=f"--save {store.url} holds a checkpoint (iteration {it}) and --load is unset: the run "
-                           f"resumes automatically at rollout {m.get('next_rollout_id', it + 1)}",
-                      fix="nothing to do to resume; to start over use a new --save directory",
-                      facts={"iteration": it})]
+        return [Diagnosis(code="RF01", severity="error",
+                          what=f"{flag} {store.url}: {checkpoint.MARKER} holds {checkpoint.marker_text(store)!r} but "
+                               f"no iteration at or below it has a manifest ({len(its)} iteration dir(s)): there is "
+                               "nothing to resume from",
+                          fix=f"restore the checkpoint files, or start over with a new {flag} (or delete "
+                              f"{store.uri(checkpoint.MARKER)})", facts={"path": store.url, "marker": marker})]
+    return []
+
+
+def resume_guard(cfg, where: str, manifest: dict) -> Diagnosis | None:
+    """RF05 error when a resume changes a setting the checkpoint recorded (engine/config RESUME_FIXED)."""
+    changes = cfg.resume_changes(manifest.get("settings"))
+    if not changes:
+        return None
+    listed = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, old, new in changes)
+    return Diagnosis(code="RF05", severity="error",
+                     what=f"resuming {where} with settings that differ from the ones it was trained with: {listed}",
+                     fix="a new --save to train with the new settings (--load the checkpoint there to start from its "
+                         "weights), or --allow-config-change " + " ".join(k for k, _, _ in changes) +
+                         " to resume with them anyway",
+                     facts={"changes": [list(c) for c in changes]})
 
 
 @check("MODEL")

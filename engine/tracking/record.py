@@ -68,6 +68,9 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
         resume_info = {"from_iteration": resume["iteration"], "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "flow_run_id": flow_run_id, "automatic": resume.get("automatic", False)}
         tags["rollflow.resumed_from"] = str(resume["iteration"])
+        if resume.get("parent_run_id"):  # a copy of another run's --save: a new run, shown under its parent
+            tags.update({"rollflow.parent_run_id": resume["parent_run_id"], "mlflow.parentRunId":
+                         resume["parent_run_id"], "rollflow.copied_from": resume.get("written_to", "")})
     run_name = cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     manifest_run = (resume or {}).get("manifest", {}).get("mlflow_run_id")
     tracker.start(run_name, manifest_run, tags=tags, params=run_params(cfg), resume=resume_info,
