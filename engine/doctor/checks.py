@@ -262,7 +262,7 @@ def _resume_hint(cfg) -> list[Diagnosis]:
     url = cfg.save if automatic else cfg.load
     store, out = checkpoint.Store(url), []
     marker = checkpoint.read_marker(store)
-    if cfg.ckpt_step is None and marker is not None and marker != it:
+    if automatic and marker is not None and marker != it:  # (for --load, RF01's check says it)
         out.append(Diagnosis(code="RF05", severity="warning",
                              what=f"{store.url}/{checkpoint.MARKER} names iteration {marker}, which is missing or "
                                   f"has no manifest: the run starts from iteration {it}, the newest older one "
@@ -277,7 +277,7 @@ def _resume_hint(cfg) -> list[Diagnosis]:
                                  "--save", facts={"iteration": it}))
     if (bad := resume_guard(cfg, f"{store.url}/iter_{it:07d}", m)) is not None:
         out.append(bad)
-    if automatic and not cfg.load:
+    if automatic and not cfg.load and not any(d.severity == "error" for d in out):
         out.append(Diagnosis(code="RF05", severity="info",
                              what=f"--save {store.url} holds a checkpoint (iteration {it}) and --load is unset: the "
                                   f"run resumes automatically at rollout {m.get('next_rollout_id', it + 1)}",
