@@ -51,6 +51,26 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):
     return model.to(device)
 
 
+def weight_numel(path: str | os.PathLike) -> int | None:
+    """Parameters stored in a model directory's safetensors files (from their headers: nothing is loaded); None
+    when it has none."""
+    import json
+    import struct
+
+    total, found = 0, False
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name != "__metadata__":
+                numel = 1
+                for d in t["shape"]:
+                    numel *= d
+                total, found = total + numel, True
+    return total if found else None
+
+
 def read_model_json(path: str | os.PathLike, name: str, flag: str = "--hf-checkpoint") -> dict[str, Any] | None:
     """A JSON file of a model directory (config.json, generation_config.json, …): None when absent; one that is not
     valid JSON is a MODEL error naming the file, the line and column, and the fix."""

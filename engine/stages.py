@@ -447,8 +447,48 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
         if cfg.save_hf:
             run.train_group.export_hf(str(Path(path) / "hf"))
 
-    return checkpoint.save_iteration(run.store, rollout_id, write_state, manifest, staging=run.staging / "save",
-                                     keep_last_n=cfg.keep_last_n)
+    free_before = run.store.free_bytes()
+    try:
+        return checkpoint.save_iteration(run.store, rollout_id, write_state, manifest, staging=run.staging / "save",
+                                         keep_last_n=cfg.keep_last_n)
+    except Exception as e:
+        if (full := disk_full(run, rollout_id, e, free_before)) is not None:
+            raise full from None  # the diagnosis, not 200 lines of a Ray worker's safetensors traceback
+        raise
+
+
+def disk_full(run: Run, rollout_id: int, e: BaseException, free_before: int | None) -> Exception | None:
+    """A save that ran out of space as a short STORAGE diagnosis: where, about how much one iteration needs, how much
+    was free, and the fixes. Recognised by ENOSPC (locally or in a Ray worker's traceback) or, as torch.save reports
+    it only as an iostream error, by a local disk that had less free space than one iteration when the save began
+    or has under 1 MiB left now. The iteration's temp directory is removed (the marker still names the previous,
+    complete iteration)."""
+    import errno
+    import shutil
+
+    from engine.doctor.checks import _gib, checkpoint_bytes
+    from engine.doctor.diagnosis import DiagnosisError
+
+    text = f"{e}"
+    need, how = checkpoint_bytes(run.cfg, run.store)
+    local = run.store if not run.store.remote else None
+    free_now = local.free_bytes() if local else shutil.disk_usage(run.work_dir).free
+    said = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in text \
+        or "ENOSPC" in text
+    if not (said or (local and (free_now < 2**20 or (need and free_before is not None and free_before < need)))):
+        return None
+    where = run.store.uri(checkpoint.iter_name(rollout_id)) if local else str(run.staging / "save")
+    checkpoint.clean_leftovers(run.store, checkpoint.read_marker(run.store))
+    free = free_before if free_before is not None else free_now
+    marker = checkpoint.read_marker(run.store)
+    return DiagnosisError(Diagnosis(
+        code="STORAGE", severity="error",
+        what=f"the save of rollout {rollout_id} ran out of disk space writing {where}: about "
+             f"{_gib(need) if need else '?'} needed ({how or 'unknown'}), {_gib(free)} free when it began"
+             + (f"; the marker still names iteration {marker}, which is complete" if marker is not None else ""),
+        fix="free space on that disk, keep fewer iterations (--keep-last-n K), --no-save-optim, or another --save; "
+            "then run the same command again: it resumes from the marker",
+        facts={"path": where, "need_bytes": need, "free_bytes": free, "marker": marker}))
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------

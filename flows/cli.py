@@ -64,9 +64,15 @@ def cmd_train(argv: list[str]) -> int:
 
     cfg = parse_args(argv, prog="rollflow train")
     _quiet_console()
+    from prefect.exceptions import CancelledRun
+
     from flows.train import rl_train
 
-    result = rl_train(cfg)
+    try:
+        result = rl_train(cfg)  # SIGTERM: the flow run ends Cancelled (flows/train.py)
+    except CancelledRun as e:
+        print(f"rollflow: the flow run was cancelled: {e}", file=sys.stderr, flush=True)
+        return 143
     if cfg.summary_json:
         Path(cfg.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.summary_json).write_text(json.dumps(result, indent=2))

@@ -9,6 +9,8 @@ from prefect import Flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_progress_artifact, \
     update_progress_artifact
 from prefect.runtime import flow_run
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled
 from tqdm import tqdm
 
 import tasks
@@ -19,7 +21,7 @@ from engine.stages import should_save, summary, track
 from engine.tracking import TrackingWarning
 from engine.tracking.record import finish, prefect_ui_url
 from engine.tracking.secrets import redact
-from flows import limits
+from flows import limits, stopping
 from flows.params import CfgParam, run_config
 from tasks import ui
 
@@ -75,7 +77,17 @@ def _rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]
             if not e.retryable:  # a GPU request the limit can never give
                 _no_flow_retry(e)
             raise
-        return _train(cfg)
+        try:
+            with stopping.sigterm_stops():
+                return _train(cfg)
+        except (stopping.StopRequested, TerminationSignal):  # SIGTERM: flows/stopping.py
+            from engine import checkpoint
+
+            marker = checkpoint.read_marker(cfg.save) if cfg.save else None
+            where = (f"the marker names iteration {marker}: the same command resumes at rollout {marker + 1}"
+                     if marker is not None else "no checkpoint was written yet")
+            get_run_logger().warning("rollflow: stopped by SIGTERM; %s", where)
+            return Cancelled(message=f"stopped by SIGTERM; {where}")
 
 
 rl_train = SecretSafeFlow(_rl_train, name="rl-train", flow_run_name=_flow_run_name, log_prints=False,
@@ -102,11 +114,15 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
                                             description="rollouts done")
         bar = progress_bar(cfg, start)
         for rollout_id in range(start, cfg.num_rollout):
+            stopping.check()  # a SIGTERM stops the run here, between stages (flows/stopping.py)
             tasks.rollout_for(cfg)(run, rollout_id)  # tasks pass ids; samples and tensors stay on `run.staged`
+            stopping.check()
             tasks.pack(run, rollout_id)
             tasks.train(run, rollout_id)
+            stopping.check()
             if should_save(cfg, rollout_id):
                 tasks.save(run, rollout_id)
+            stopping.check()
             tasks.sync(run, rollout_id)
             ui.publisher().submit("progress", update_progress_artifact, progress,
                                   100.0 * (rollout_id + 1) / cfg.num_rollout)

@@ -135,6 +135,42 @@ class Store:
         if not self.remote:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
+    # ---- preflight ------------------------------------------------------------------------------------------
+    def write_problem(self) -> str | None:
+        """Why nothing can be written here (a missing bucket, no permission, a read-only disk), else None. Writes
+        and removes one small probe object; local directories are not created (the nearest existing parent is
+        checked)."""
+        import uuid
+
+        if not self.remote:
+            p = Path(self.root)
+            while not p.exists():
+                p = p.parent
+            if not p.is_dir():
+                return f"{p} is a file, not a directory"
+            return None if os.access(p, os.W_OK | os.X_OK) else f"{p} is not writable by this user"
+        bucket = self.root.split("/", 1)[0]
+        try:
+            if not self.fs.exists(bucket):
+                return f"the bucket {bucket!r} does not exist (or these credentials cannot see it)"
+            probe = f".rollflow-write-probe-{uuid.uuid4().hex[:8]}"
+            self.fs.pipe_file(self.path(probe), b"probe")
+            self.fs.rm(self.path(probe))
+        except Exception as e:  # noqa: BLE001 — botocore's errors (AccessDenied, NoSuchBucket, endpoint down)
+            return f"writing to bucket {bucket!r} failed: {type(e).__name__}: {str(e)[:300]}"
+        return None
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the local disk holding this directory (None on S3)."""
+        if self.remote:
+            return None
+        import shutil
+
+        p = Path(self.root)
+        while not p.exists():
+            p = p.parent
+        return shutil.disk_usage(p).free
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -199,7 +199,19 @@ def writer_lock(save: str | None, *, wait_s: float = 0.0, run: str = "",
         yield None
         return
     lock = WriterLock(save, run=run, flow_run_id=flow_run_id)
-    lock.acquire(wait_s)
+    try:
+        lock.acquire(wait_s)
+    except SaveInUse:
+        raise
+    except Exception as e:  # noqa: BLE001 — a storage error (missing bucket, permissions): one line naming it
+        from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+        problem = lock.store.write_problem() or f"{type(e).__name__}: {str(e)[:300]}"
+        raise ConfigError(Diagnosis(code="STORAGE", severity="error",
+                                    what=f"--save {lock.store.url}: its writer lock cannot be taken: {problem}",
+                                    fix="create the bucket (or fix the path / permissions), or check "
+                                        "AWS_ENDPOINT_URL_S3 and the AWS credentials",
+                                    facts={"path": lock.store.url})) from None
     try:
         yield lock
     finally:

@@ -28,10 +28,35 @@ def _threads_env(threads: int) -> dict[str, Any]:
     return {"env_vars": {**worker_env(), "OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t}}
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds (RF02, ConfigError) when `--ray-address host:port` (or ray://host:port) does not accept a TCP
+    connection: ray.init would otherwise wait for minutes. `auto` / `local` are left to Ray."""
+    import socket
+
+    from engine.doctor.diagnosis import ConfigError, Diagnosis
+
+    if address in ("auto", "local") or ":" not in address:
+        return
+    host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}" if not isinstance(e, TimeoutError) else f"no answer within {timeout_s:g} s"
+    raise ConfigError(Diagnosis(code="RF02", severity="error",
+                                what=f"--ray-address {address} cannot be reached ({why})",
+                                fix="start the cluster (`ray start --head` on that node), check the address and port "
+                                    "(the head's GCS port, 6379 by default) and the firewall, or leave "
+                                    "--ray-address unset for a local cluster",
+                                facts={"field": "ray_address", "value": address}))
+
+
 def connect(address: str | None, num_cpus: int | None = None) -> dict[str, Any]:
     """Join `address` or start a local cluster; returns the cluster's resources."""
     import ray
 
+    if address and not ray.is_initialized():
+        check_reachable(address)
     if not ray.is_initialized():
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
                                       runtime_env={"env_vars": worker_env()})
@@ -39,8 +64,24 @@ def connect(address: str | None, num_cpus: int | None = None) -> dict[str, Any]:
             kwargs["address"] = address
         else:
             kwargs["num_cpus"] = num_cpus or os.cpu_count()
-        ray.init(**kwargs)
+        _keeping_sigterm(lambda: ray.init(**kwargs))
     return dict(ray.cluster_resources())
+
+
+def _keeping_sigterm(fn):
+    """Run fn (ray.init) and put back the SIGTERM handler it replaces: a Ray driver's handler exits the process
+    at once (sys.exit), which would skip the flow's clean-up; the handler before it (Prefect's, inside a flow run)
+    unwinds the run instead."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        return fn()
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
 
 def connected() -> bool:

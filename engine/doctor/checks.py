@@ -63,7 +63,10 @@ class Environment:
 
         ctx = ray.is_initialized()
         if not ctx:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            from engine.cluster import _keeping_sigterm, check_reachable
+
+            check_reachable(address)  # seconds, not the minutes ray.init waits for an address that never answers
+            _keeping_sigterm(lambda: ray.init(address=address, include_dashboard=False, log_to_driver=False))
         try:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             per_node = [float(n["Resources"].get("GPU", 0.0)) for n in nodes]
@@ -403,6 +406,107 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
     return []
 
 
+@check("STORAGE")
+def save_location_writable(cfg, env: Environment) -> list[Diagnosis]:
+    """--save can be written (the S3 bucket exists and takes a probe object; a local directory is writable) and, on
+    a local disk, has room for the next checkpoint."""
+    from engine import checkpoint
+
+    if not cfg.save:
+        return []
+    store = checkpoint.Store(cfg.save)
+    if (problem := store.write_problem()) is not None:
+        return [Diagnosis(code="STORAGE", severity="error", what=f"--save {store.url} cannot be written: {problem}",
+                          fix="create the bucket (or fix the path / permissions), or check AWS_ENDPOINT_URL_S3 and the "
+                              "AWS credentials", facts={"path": store.url})]
+    free = store.free_bytes()
+    need, how = checkpoint_bytes(cfg, store)
+    if free is None or need is None or free >= need:
+        return []
+    return [Diagnosis(code="STORAGE", severity="error",
+                      what=f"--save {store.url}: {_gib(free)} free on its disk, the next checkpoint needs about "
+                           f"{_gib(need)} ({how})",
+                      fix="free space there, keep fewer iterations (--keep-last-n K deletes older ones after each "
+                          "save), --no-save-optim (weights only), or another --save",
+                      facts={"path": store.url, "free_bytes": free, "need_bytes": need})]
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def checkpoint_bytes(cfg, store) -> tuple[int | None, str]:
+    """Bytes of the next iteration: the newest saved one's size when there is one, else an estimate from the
+    model's parameter count (fp32 weights, + 2 fp32 Adam moments with --save-optim, + the HF export with
+    --save-hf)."""
+    from engine import checkpoint
+    from engine.modeling import weight_numel
+
+    for it in reversed(checkpoint.list_iterations(store)):
+        m = checkpoint.read_manifest(store, it)
+        if m and m.get("files"):
+            return sum(int(f.get("size", 0)) for f in m["files"].values()), f"the size of iter_{it:07d}"
+    numel = weight_numel(cfg.hf_checkpoint)
+    if numel is None:
+        return None, ""
+    per = 4 * (3 if cfg.save_optim else 1) + (2 if cfg.save_hf and cfg.bf16 else 4 if cfg.save_hf else 0)
+    return numel * per, f"estimated: {numel:,} parameters × {per} bytes"
+
+
+@check("DATA")
+def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
+    """Every prompt (training and eval) leaves --rollout-max-response-len tokens of the model's context. Cheap on
+    every row: a prompt whose rendered text has fewer bytes than the room left cannot have more tokens (a token is
+    at least one byte, + 2 for special tokens a tokenizer adds); only the others are tokenized."""
+    from engine.data import load_prompts
+    from engine.modeling import load_tokenizer, read_model_json, render_prompt
+
+    ctx = (read_model_json(cfg.hf_checkpoint, "config.json") or {}).get("max_position_embeddings")
+    if not isinstance(ctx, int):
+        return []
+    room = ctx - cfg.rollout_max_response_len
+    if room <= 0:
+        return [Diagnosis(code="DATA", severity="error",
+                          what=f"--rollout-max-response-len {cfg.rollout_max_response_len} leaves no room for a prompt "
+                               f"in the model's context of {ctx} tokens (max_position_embeddings)",
+                          fix=f"--rollout-max-response-len below {ctx}, leaving room for the longest prompt",
+                          facts={"context": ctx})]
+    try:
+        tok = load_tokenizer(cfg.hf_checkpoint)
+    except Exception:  # noqa: BLE001 — model_dir_usable reports it
+        return []
+    overhead = 0
+    if cfg.apply_chat_template and tok.chat_template:
+        overhead = len(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
+                                               add_generation_prompt=True).encode())
+    out = []
+    for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
+        if not path:
+            continue
+        rows = load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key, flag=flag)
+        long: list[tuple[int, int]] = []  # (line, tokens)
+        for r in rows:
+            if isinstance(r.prompt, str) and len(r.prompt.encode()) + overhead + 2 <= room:
+                continue
+            try:
+                n = len(render_prompt(tok, r.prompt, cfg.apply_chat_template))
+            except Exception:  # noqa: BLE001 — a prompt the template refuses: the rollout reports it
+                continue
+            if n > room:
+                long.append((r.row, n))
+        if long:
+            worst = max(long, key=lambda x: x[1])
+            lines = ", ".join(str(line) for line, _ in long[:10]) + (" …" if len(long) > 10 else "")
+            out.append(Diagnosis(
+                code="DATA", severity="error",
+                what=f"{len(long)} of {len(rows)} {flag} prompts leave less than --rollout-max-response-len "
+                     f"{cfg.rollout_max_response_len} tokens of the model's context of {ctx} (longest: {worst[1]} "
+                     f"tokens, line {worst[0]}; lines {lines}): the engine refuses them",
+                fix=f"drop or shorten those rows, --rollout-max-response-len ≤ {ctx - worst[1]}, or a model with a "
+                    "longer context", facts={"flag": flag, "lines": [line for line, _ in long], "context": ctx}))
+    return out
+
+
 @check("RF02")
 def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
     """Colocated: GPUs ≥ nodes × gpus_per_node; decoupled: ≥ that + rollout GPUs; each train node fits on a node."""
@@ -528,13 +632,17 @@ TEMPLATE_MARKERS = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|eot_
                     "<｜Assistant｜>", "<|begin_of_text|>", "<s>")
 
 
+RF09_SAMPLE = 32  # rows RF09 reads, evenly spaced over --prompt-data
+
+
 @check("RF09")
 def pretemplated_data_matches_model(cfg, env: Environment) -> list[Diagnosis]:
     """Render a probe with the tokenizer's template; compare pre-templated rows' markers and generation suffix."""
     from engine.data import load_prompts
 
-    rows = [r for r in load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)[:16]
-            if isinstance(r.prompt, str)]
+    every = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)
+    step = max(1, len(every) // RF09_SAMPLE)  # spread over the whole file: a file of mixed rows is caught too
+    rows = [r for r in every[::step][:RF09_SAMPLE] + every[-1:] if isinstance(r.prompt, str)]
     templated = [r for r in rows if any(m in r.prompt for m in TEMPLATE_MARKERS)]
     if not templated:
         return []

@@ -124,5 +124,6 @@ def finish(tracker: Tracker, history: dict, error: BaseException | None = None) 
         code, report = art.failure_report(error)
         tracker.log_text(report, "doctor-report.md")
         tracker.set_tags({"rollflow.failure": code})
-        status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        # Ctrl-C, SIGTERM (Prefect's TerminationSignal), SystemExit: stopped, not failed
+        status = "KILLED" if not isinstance(error, Exception) else "FAILED"
     tracker.end(status)
