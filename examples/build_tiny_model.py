@@ -163,7 +163,7 @@ def build_tokenizer():
         eos_token=IM_END,
         pad_token=PAD,
         unk_token=PAD,  # never produced (all 256 bytes are in the vocab); Qwen2 convention
-        model_max_length=256,
+        model_max_length=2048,
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
     )
@@ -205,7 +205,7 @@ def build_model(tok, seed: int):
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,  # RoPE: no learned positions; room for slime's default 1024-token responses
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         hidden_act="silu",

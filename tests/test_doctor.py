@@ -296,7 +296,7 @@ def test_doctor_cli_exit_codes_and_json(tmp_path, capsys, tiny_model):
 
 
 def test_every_registered_check_code_is_in_the_catalog():
-    assert set(CHECKS) - set(CATALOG) <= {"DATA", "MODEL", "CONFIG"}
+    assert set(CHECKS) - set(CATALOG) <= {"DATA", "MODEL", "CONFIG", "STORAGE"}
 
 
 def test_diagnosis_errors_survive_pickling():

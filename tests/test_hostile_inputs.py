@@ -210,7 +210,7 @@ def test_a_busy_engine_stops_within_seconds_on_sigterm(tiny_model):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        # long generations: 2 × 256 rows to the end of the context, ignoring EOS (~35 s of work on one thread)
+        # long generations: 2 × 256 rows of 240 tokens, ignoring EOS (~35 s of work on one thread)
         import threading
 
         body = {"text": ["1+1="] * 256, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
@@ -352,16 +352,18 @@ def _rows(path: Path, prompts: list[str]) -> str:
 def test_prompts_longer_than_the_context_fail_the_doctor_naming_the_lines(tiny_model, tmp_path):
     from engine.config import RunConfig
 
-    data = _rows(tmp_path / "d.jsonl", ["1+1="] * 30 + ["7+" * 200] + ["2+2="] * 5 + ["8+" * 120])
+    ctx = json.loads((Path(tiny_model) / "config.json").read_text())["max_position_embeddings"]
+    # one token per character in the tiny model's tokenizer: a prompt of ctx characters cannot leave room
+    data = _rows(tmp_path / "d.jsonl", ["1+1="] * 30 + ["7+" * (ctx // 2)] + ["2+2="] * 5 + ["8+" * (ctx // 2 - 20)])
     cfg = RunConfig(hf_checkpoint=tiny_model, prompt_data=data, rollout_max_response_len=64,
                     apply_chat_template=True)
     (d,) = [d for d in _doctor(cfg) if d.code == "DATA"]  # was: passed, and training exited 0 with reward 0.000
     assert d.severity == "error" and "2 of 37 --prompt-data prompts" in d.what and "lines 31, 37" in d.what
-    assert "context of 256" in d.what and "--rollout-max-response-len ≤" in d.fix
+    assert f"context of {ctx}" in d.what and "--rollout-max-response-len ≤" in d.fix
     short = RunConfig(hf_checkpoint=tiny_model, prompt_data=_rows(tmp_path / "ok.jsonl", ["1+1="] * 50),
                       rollout_max_response_len=64, apply_chat_template=True)
     assert not [d for d in _doctor(short) if d.code == "DATA"]
-    none_left = RunConfig(hf_checkpoint=tiny_model, prompt_data=data, rollout_max_response_len=256)
+    none_left = RunConfig(hf_checkpoint=tiny_model, prompt_data=data, rollout_max_response_len=ctx)
     assert any("leaves no room" in d.what for d in _doctor(none_left) if d.code == "DATA")
 
 
@@ -463,6 +465,12 @@ def test_sigterm_cancels_the_flow_run_cleanly_and_the_same_command_resumes(prefe
         while checkpoint.read_marker(save) is None and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.2)
         assert checkpoint.read_marker(save) is not None, p.stdout.read() if p.poll() is not None else "no marker"
+        # a second run on the same --save fails at once naming the first (was: both exit 0, one overwrites)
+        second = subprocess.run(cmd[:cmd.index("--work-dir")] + ["--work-dir", str(tmp_path / "w2"), "--save",
+                                                                str(save), "--no-progress"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode != 0 and "[CONCURRENCY error]" in second.stdout + second.stderr
+        assert f"pid {p.pid}" in second.stdout + second.stderr
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=120)
@@ -478,8 +486,8 @@ def test_sigterm_cancels_the_flow_run_cleanly_and_the_same_command_resumes(prefe
 
     async def last_state():
         async with get_client() as client:
-            runs = await client.read_flow_runs(sort="START_TIME_DESC", limit=5)
-            return next(r.state for r in runs if r.name == "demo")
+            runs = await client.read_flow_runs(sort="START_TIME_DESC", limit=10)
+            return next(r.state for r in runs if r.parameters["cfg"]["work_dir"] == str(tmp_path / "w"))
 
     state = asyncio.run(last_state())
     assert state.type.value == "CANCELLED", state  # was: rc 134 and a Ray C++ stack dump; the run left Running
