@@ -161,14 +161,11 @@ def matmul_peak() -> dict:
 
 
 def model_flops(shape: dict, lengths: list[int]) -> float:
-    """design.md: per layer 2Lh(ad) + 4Lh(gd) + 2aL²d + 2Lh² + 6Lh·ffn, plus 2LhV for the LM head (forward)."""
-    h, a, g = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
-    d, f, V, n = h // a, shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
-    total = 0.0
-    for L in lengths:
-        layer = 2 * L * h * (a * d) + 4 * L * h * (g * d) + 2 * a * L * L * d + 2 * L * h * h + 6 * L * h * f
-        total += n * layer + 2 * L * h * V
-    return total
+    """Forward FLOPs of these sequences: engine.packing.flops (design.md's per-layer formula plus the LM head)."""
+    from engine.packing.flops import ModelShape, sequence_flops
+
+    m = ModelShape.from_hf_config(shape)
+    return float(sum(sequence_flops(L, m) for L in lengths))
 
 
 def hf_log_probs(model, mbs) -> list[torch.Tensor]:

@@ -82,10 +82,10 @@ def config(work: Path, num_rollout: int):
 
 
 def run_direct(cfg) -> None:
-    """The flow's loop body without Prefect: the same stage calls and the same MLflow records (metrics, sample
-    JSONL and plots when due, checkpoint records) as the tasks make."""
+    """The flow's loop without Prefect: the same stage calls (each stage records its own metrics and MLflow
+    records, so nothing here copies what a task does)."""
     from engine import stages
-    from engine.tracking.record import finish, log_checkpoint, log_rollout
+    from engine.tracking.record import finish
 
     tracker = stages.track(cfg)
     run = stages.place(cfg, tracker=tracker)
@@ -93,24 +93,14 @@ def run_direct(cfg) -> None:
         start = stages.convert(run)
         for k in range(start, cfg.num_rollout):
             batch = stages.rollout(run, k)
-            publish(run, k, batch.metrics)
-            log_rollout(run.tracker, cfg, k, batch.groups, run.history)
             packed = stages.pack(run, batch)
-            publish(run, k, packed.metrics)
-            publish(run, k, stages.train(run, packed))
+            stages.train(run, packed)
             if stages.should_save(cfg, k):
-                report = stages.save(run, k)
-                publish(run, k, report.metrics)
-                log_checkpoint(run.tracker, cfg, k, report.uri, None)
-            publish(run, k, stages.sync(run, k))
+                stages.save(run, k)
+            stages.sync(run, k)
         finish(tracker, run.history)
     finally:
         run.close()
-
-
-def publish(run, k, metrics):
-    run.record(metrics, k)
-    run.tracker.log_metrics(metrics, step=k)
 
 
 def run_flow(cfg) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.checkpoint import SaveReport, Store, iter_name, materialize, read_marker, rf01, save_iteration
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 
 _SLICE = re.compile(r"^(?P<path>.+)@\[(?P<a>-?\d*):(?P<b>-?\d*)\]$")
 

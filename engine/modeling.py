@@ -76,7 +76,7 @@ def read_model_json(path: str | os.PathLike, name: str, flag: str = "--hf-checkp
     valid JSON is a MODEL error naming the file, the line and column, and the fix."""
     import json
 
-    from engine.doctor.diagnosis import ConfigError, Diagnosis
+    from engine.diagnosis import ConfigError, Diagnosis
 
     f = Path(path) / name
     if not f.is_file():

@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 from engine.samples import Sample, Status
 
 SYMPY_TIMEOUT_S = 2.0

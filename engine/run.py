@@ -41,7 +41,6 @@ class Run:
         self.flow_run_id: str | None = None
         self.flow_run_url: str | None = None
         self.cluster: dict[str, Any] = {}
-        self.staged: dict[tuple[str, int], Any] = {}  # ("batch" | "packed", rollout_id) → stage output in flight
         self.owns_ray = True  # this run connected to (or started) Ray, so close() disconnects
         self.on_gpu = False  # the engines (and colocated trainers) sit on GPU bundles
         self.engine_dtype = "float32"  # the built-in engines' dtype (--rollout-dtype, resolved by place)

@@ -4,24 +4,30 @@ place → convert → [rollout → pack → train → save → sync] per rollout
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine import checkpoint, faults
 from engine.config import RunConfig
 from engine.doctor.checks import Environment, run_preflight
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 from engine.packing.microbatch import MicroBatch
 from engine.run import Run
 from engine.samples import Sample
 from engine.tracking import Tracker
 
 log = logging.getLogger("rollflow")
+
+
+def publish(run: Run, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """A stage's metrics: into the run's history (carried by checkpoints) and MLflow at `step` (the rollout id)."""
+    run.record(metrics, step)
+    if run.tracker is not None:
+        run.tracker.log_metrics(metrics, step=step)
+    return metrics
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
@@ -54,7 +60,7 @@ def resolve_start(run: Run) -> checkpoint.StartPoint:
             start.notes.append(f"deleted {gone}, left by a save that was killed before its marker")
     if start.kind == "checkpoint" and start.next_rollout_id > 0:  # preflight checked the peeked iteration; a
         from engine.doctor.checks import resume_guard  # fallback may have picked an older one
-        from engine.doctor.diagnosis import DiagnosisError
+        from engine.diagnosis import DiagnosisError
 
         if (bad := resume_guard(cfg, f"{start.source}/{checkpoint.iter_name(start.iteration)}", start.manifest)):
             raise DiagnosisError(bad)
@@ -255,11 +261,33 @@ def convert(run: Run) -> int:
 
 
 # ---- rollout ---------------------------------------------------------------------------------------------------
-@dataclass
-class RolloutBatch:
-    rollout_id: int
-    groups: list[list[Sample]]
-    metrics: dict[str, float]
+class Handoff:
+    """One stage's output on its way to the next stage (rollout → pack → train), passed as the task's return value
+    and argument so the loop shows its data and Prefect draws the edge. A plain object: Prefect neither walks
+    into it nor serializes it. The next stage `take()`s the payload (samples, tensors), which empties it: the flow
+    run's record of task results keeps only the rollout id and the metrics alive."""
+
+    _payload: tuple[str, ...] = ()
+
+    def take(self) -> tuple:
+        """The payload, once; a second take (a stage run twice on one output) is an error, not an empty batch."""
+        if getattr(self, self._payload[0]) is None:
+            raise RuntimeError(f"{self!r} was already taken by the next stage")
+        out = tuple(getattr(self, k) for k in self._payload)
+        for k in self._payload:
+            setattr(self, k, None)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rollout {self.rollout_id})"
+
+
+class RolloutBatch(Handoff):
+    """B groups of n scored samples (`groups`, taken by pack) and the rollout's metrics."""
+    _payload = ("groups",)
+
+    def __init__(self, rollout_id: int, groups: list[list[Sample]], metrics: dict[str, float]):
+        self.rollout_id, self.groups, self.metrics = rollout_id, groups, metrics
 
 
 def sampling_params(run: Run, *, greedy: bool = False):
@@ -289,7 +317,7 @@ def revive_engines(run: Run) -> None:
 
 def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     """B groups of n samples (over-sampled and filtered when asked); a high truncation share is RF10."""
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from engine.rollout.diagnose import truncation_diagnosis
     from engine.rollout.loop import generate_rollout, rollout_metrics
     from engine.samples import Status
@@ -319,17 +347,25 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     faults.at("after_rollout", rollout_id)
     if cfg.colocate:
         run.engines.release_memory()  # the trainer needs the GPUs now; sync() resumes
-    metrics = {**rollout_metrics(result, time.perf_counter() - t0), **gpu_memory_metrics(run, "rollout")}
+    metrics = publish(run, rollout_id, {**rollout_metrics(result, time.perf_counter() - t0),
+                                        **gpu_memory_metrics(run, "rollout")})
+    if run.tracker is not None:
+        from engine.tracking.record import log_rollout
+
+        log_rollout(run.tracker, cfg, rollout_id, result.groups, run.history)  # sample JSONL + plots, when due
     return RolloutBatch(rollout_id, result.groups, metrics)
 
 
 # ---- pack ------------------------------------------------------------------------------------------------------
-@dataclass
-class PackedRollout:
-    rollout_id: int
-    per_rank_steps: list[list[list[MicroBatch]]]  # [rank][step][micro-batch]
-    metrics: dict[str, float]
-    rewards: list[float] = field(default_factory=list)  # [N] scalar reward per sample, by Sample.index
+class PackedRollout(Handoff):
+    """Packed micro-batches `per_rank_steps[rank][step][micro-batch]` and the scalar reward per sample (by
+    Sample.index), taken by train; the pack metrics."""
+    _payload = ("per_rank_steps", "rewards")
+
+    def __init__(self, rollout_id: int, per_rank_steps: list[list[list[MicroBatch]]], metrics: dict[str, float],
+                 rewards: list[float] | None = None):
+        self.rollout_id, self.per_rank_steps, self.metrics = rollout_id, per_rank_steps, metrics
+        self.rewards = rewards if rewards is not None else []
 
 
 def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
@@ -340,17 +376,19 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     Metrics: pack/efficiency (real tokens / (micro-batches × cap)), pack/dp_imbalance (max / mean FLOPs over
     ranks), pack/micro_batches_per_rank, … (engine.packing.schedule.schedule_stats).
     """
-    from engine.packing.flops import ModelShape, flops_per_sample
+    from engine.model_shape import read as model_shape
+    from engine.packing.flops import flops_per_sample
     from engine.packing.microbatch import make_micro_batch
     from engine.packing.schedule import build_dp_schedule, schedule_stats
 
     cfg, plan = run.cfg, run.plan
     t0 = time.perf_counter()
-    samples = [s for g in batch.groups for s in g]
+    (groups,) = batch.take()
+    samples = [s for g in groups for s in g]
     if [s.index for s in samples] != list(range(len(samples))):
         raise ValueError("Sample.index must be the sample's position in the rollout (group_index·n + j)")
     lengths = [len(s.tokens) for s in samples]
-    flops = flops_per_sample(lengths, ModelShape.from_hf_config(cfg.hf_checkpoint))
+    flops = flops_per_sample(lengths, model_shape(cfg.hf_checkpoint))
     max_tokens = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None  # preflight: dynamic ⇒ set (RF03)
     steps = build_dp_schedule(lengths, dp_size=plan.dp_size, global_batch_size=plan.global_batch_size,
                               cp_size=cfg.context_parallel_size, max_tokens_per_gpu=max_tokens,
@@ -358,10 +396,11 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
                               balance_by_flops=cfg.balance_by_flops, flops=flops)
     per_rank = [[[make_micro_batch([samples[i] for i in mb], [0.0] * len(mb)) for mb in step.ranks[r]]
                  for step in steps] for r in range(plan.dp_size)]
-    cap = max_tokens * cfg.context_parallel_size if max_tokens is not None else None
+    cap = plan.token_cap
     metrics = {f"pack/{k}": v for k, v in schedule_stats(steps, lengths, flops, cap).items()}
     metrics["pack/seconds"] = time.perf_counter() - t0
-    return PackedRollout(batch.rollout_id, per_rank, metrics, rewards=[s.scalar_reward for s in samples])
+    return PackedRollout(batch.rollout_id, per_rank, publish(run, batch.rollout_id, metrics),
+                         rewards=[s.scalar_reward for s in samples])
 
 
 # ---- train -----------------------------------------------------------------------------------------------------
@@ -372,23 +411,25 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     RF14: before any update, the engine's log-probs of the rollout must match the trainer's (train/mismatch).
     RF09: a step whose grad norm spikes is reported (a warning in run.diagnoses) with its sample ids.
     """
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from engine.train.backend import reduce_metrics
     from engine.train.checks import first_step_check, grad_norm_spike, mismatch_diagnosis, spike_diagnosis
 
     cfg = run.cfg
     t0 = time.perf_counter()
+    rollout_id = packed.rollout_id
+    per_rank_steps, rewards = packed.take()
     # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
-    facts = reduce_metrics(run.train_group.set_rollout(packed.per_rank_steps, packed.rewards, need_ref=True))
+    facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=True))
     mismatch = {"train/mismatch": facts["mismatch"], "train/mismatch_max": facts["mismatch_max"]}
-    trained = sum(float(mb.loss_mask.sum()) for rank in packed.per_rank_steps for step in rank for mb in step)
-    if d := mismatch_diagnosis(where=f"rollout {packed.rollout_id}", mean=facts["mismatch"],
+    trained = sum(float(mb.loss_mask.sum()) for rank in per_rank_steps for step in rank for mb in step)
+    if d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=facts["mismatch"],
                                worst=facts["mismatch_max"], tokens=trained,
                                threshold=cfg.mismatch_threshold(run.engine_dtype), engine_dtype=run.engine_dtype,
                                train_dtype=run.train_dtype):
-        run.record(mismatch, packed.rollout_id)  # the numbers reach MLflow with the failure
+        publish(run, rollout_id, mismatch)  # the numbers reach MLflow with the failure
         raise DiagnosisError(d)
-    first = run.start.next_rollout_id == 0 and packed.rollout_id == 0  # policy = reference on this step
+    first = run.start.next_rollout_id == 0 and rollout_id == 0  # policy = reference on this step
     if first and (d := first_step_check(ref_logp_maxdiff=facts["ref_logp_maxdiff"], ratio_maxdev=None,
                                         ref_source=run.ref_dir or cfg.hf_checkpoint,
                                         policy_source=run.start.local_dir or cfg.hf_checkpoint)):
@@ -396,14 +437,14 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
-        faults.at("during_train", packed.rollout_id)
+        faults.at("during_train", rollout_id)
         m = reduce_metrics(parts)
         m["loss"] = sum(p["loss_total"] for p in parts)
         if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
             raise DiagnosisError(d)
         if (median := grad_norm_spike(run.grad_norms, m["grad_norm"])) is not None:
-            ids = sorted(i for rank in packed.per_rank_steps for mb in rank[k] for i in mb.sample_ids)
-            run.diagnoses.append(spike_diagnosis(step=len(run.grad_norms), rollout_id=packed.rollout_id,
+            ids = sorted(i for rank in per_rank_steps for mb in rank[k] for i in mb.sample_ids)
+            run.diagnoses.append(spike_diagnosis(step=len(run.grad_norms), rollout_id=rollout_id,
                                                  grad_norm=m["grad_norm"], median=median, sample_ids=ids))
             m["grad_norm_spikes"] = 1.0
         run.grad_norms.append(m["grad_norm"])
@@ -417,7 +458,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     out["train/grad_norm_spikes"] = sum(s.get("grad_norm_spikes", 0.0) for s in per_step)
     out["train/seconds"] = secs
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
-    return {**out, **mismatch, **gpu_memory_metrics(run, "train")}
+    return publish(run, rollout_id, {**out, **mismatch, **gpu_memory_metrics(run, "train")})
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
@@ -449,12 +490,18 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
 
     free_before = run.store.free_bytes()
     try:
-        return checkpoint.save_iteration(run.store, rollout_id, write_state, manifest, staging=run.staging / "save",
-                                         keep_last_n=cfg.keep_last_n)
+        report = checkpoint.save_iteration(run.store, rollout_id, write_state, manifest,
+                                           staging=run.staging / "save", keep_last_n=cfg.keep_last_n)
     except Exception as e:
         if (full := disk_full(run, rollout_id, e, free_before)) is not None:
             raise full from None  # the diagnosis, not 200 lines of a Ray worker's safetensors traceback
         raise
+    publish(run, rollout_id, report.metrics)
+    if run.tracker is not None:
+        from engine.tracking.record import log_checkpoint
+
+        log_checkpoint(run.tracker, cfg, rollout_id, report.uri, run.flow_run_id)
+    return report
 
 
 def disk_full(run: Run, rollout_id: int, e: BaseException, free_before: int | None) -> Exception | None:
@@ -467,7 +514,7 @@ def disk_full(run: Run, rollout_id: int, e: BaseException, free_before: int | No
     import shutil
 
     from engine.doctor.checks import _gib, checkpoint_bytes
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
 
     text = f"{e}"
     need, how = checkpoint_bytes(run.cfg, run.store)
@@ -531,7 +578,7 @@ def probe_engines(run: Run, version: int, max_new_tokens: int = 16) -> dict[str,
     """RF14 right after a sync, before any rollout uses the weights: every serving engine samples a short answer to
     each probe prompt (fixed seeds, the run's sampling settings) and the trainer scores those tokens — the same
     quantity as train/mismatch. Returns the largest per-engine mean |Δ log-prob| as `sync/probe_mismatch`."""
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from engine.packing.microbatch import make_micro_batch
     from engine.rollout.client import EngineClient
     from engine.samples import Status
@@ -578,8 +625,8 @@ def sync(run: Run, rollout_id: int) -> dict[str, float]:
     out.update(probe_engines(run, version))
     if run.cfg.offload_train:
         run.train_group.offload()
-    return {**out, "sync/seconds": time.perf_counter() - t0, "sync/weight_version": float(version),
-            **gpu_memory_metrics(run, "sync")}
+    return publish(run, rollout_id, {**out, "sync/seconds": time.perf_counter() - t0,
+                                     "sync/weight_version": float(version), **gpu_memory_metrics(run, "sync")})
 
 
 def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
@@ -597,8 +644,13 @@ def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------------
-def evaluate(run: Run) -> float | None:
-    """Greedy accuracy (mean reward, one sample per prompt) on the eval prompts, on the engines."""
+EVAL_ACCURACY = "eval/test_accuracy"
+
+
+def evaluate(run: Run, step: int) -> float | None:
+    """Greedy accuracy (mean reward, one sample per prompt) on the eval prompts, on the engines, published as
+    eval/test_accuracy at `step`: the number of rollouts trained before it (0 before training, --num-rollout
+    after). None without eval prompts. A resumed run finds the accuracy before training in its history."""
     from engine.rollout.loop import generate_rollout
 
     if not run.eval_rows:
@@ -608,11 +660,21 @@ def evaluate(run: Run) -> float | None:
                               batch_size=len(run.eval_rows), n=1, params=sampling_params(run, greedy=True),
                               reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
                               concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout)
-    return sum(g[0].scalar_reward for g in result.groups) / len(result.groups)
+    accuracy = sum(g[0].scalar_reward for g in result.groups) / len(result.groups)
+    publish(run, step, {EVAL_ACCURACY: accuracy})
+    return accuracy
+
+
+def evaluated(run: Run, step: int) -> float | None:
+    """The accuracy published at `step`, by this run or the one it resumes (checkpoints carry the history;
+    those of rollflow 0.1 keep the accuracy before training as eval/test_accuracy_before at step -1)."""
+    if step == 0 and (old := run.history.get("eval/test_accuracy_before", {}).get(-1)) is not None:
+        return old
+    return run.history.get(EVAL_ACCURACY, {}).get(step)
 
 
 # ---- summary ---------------------------------------------------------------------------------------------------
-def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> dict[str, Any]:
+def summary(run: Run) -> dict[str, Any]:
     rewards = run.history.get("rollout/reward_mean", {})
     ids = sorted(rewards)
     first = [rewards[i] for i in ids[:3]]
@@ -621,8 +683,8 @@ def summary(run: Run, *, acc_before: float | None, acc_after: float | None) -> d
         "rollouts": len(ids),
         "reward_first": sum(first) / len(first) if first else None,
         "reward_last": sum(last) / len(last) if last else None,
-        "test_accuracy_before": acc_before,
-        "test_accuracy_after": acc_after,
+        "test_accuracy_before": evaluated(run, 0),
+        "test_accuracy_after": evaluated(run, run.cfg.num_rollout),
         "wall_s": time.time() - run.started_at,
         "mlflow_run_id": run.tracker.run_id if run.tracker else None,
         "mlflow_tracking_uri": run.tracker.safe_uri if run.tracker else None,

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine.doctor.diagnosis import DiagnosisError
+from engine.diagnosis import DiagnosisError
 
 USAGE = """rollflow <command> [flags]
 
@@ -111,7 +111,7 @@ def cmd_doctor(argv: list[str]) -> int:
     from engine.config.cli import parse_args
     from engine.doctor.checks import Environment, run_preflight
     from engine.doctor.classify import classify_text
-    from engine.doctor.diagnosis import ConfigError, render_report
+    from engine.diagnosis import ConfigError, render_report
 
     if argv[:1] in (["-h"], ["--help"]):
         print(DOCTOR_HELP)
@@ -147,7 +147,7 @@ def cmd_serve(argv: list[str]) -> int:
 
 def cmd_convert(argv: list[str]) -> int:
     from engine.convert import checkpoint_to_hf, hf_to_checkpoint
-    from engine.doctor.diagnosis import ConfigError, Diagnosis
+    from engine.diagnosis import ConfigError, Diagnosis
 
     p = argparse.ArgumentParser(prog="rollflow convert", description="Convert between a Hugging Face model and a "
                                 "training checkpoint (torch backend). Paths may be local or s3://bucket/prefix.")
@@ -174,7 +174,7 @@ def cmd_convert(argv: list[str]) -> int:
 
 
 def cmd_compare(argv: list[str]) -> int:
-    from engine.doctor.diagnosis import ConfigError, Diagnosis
+    from engine.diagnosis import ConfigError, Diagnosis
     from engine.tracking import default_tracking_uri, sqlite_path
     from engine.tracking import compare as cmp
 

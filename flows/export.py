@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from engine import checkpoint
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 from tasks.export import export_hf
 
 ITERATION_URI = re.compile(r"(?P<save>.+?)/+iter_(?P<n>\d{7})/*")

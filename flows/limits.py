@@ -29,9 +29,9 @@ from uuid import UUID
 
 import httpx
 
-from engine.checkpoint.writer import SaveInUse, writer_lock
+from engine.checkpoint.writer import writer_lock
 from engine.config import RunConfig
-from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+from engine.diagnosis import Diagnosis, DiagnosisError
 
 GPU_LIMIT = "rollflow-gpus"
 LEASE_S = 60.0  # the server's minimum lease

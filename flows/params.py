@@ -1,4 +1,4 @@
-"""The rl-train flow's parameters: a RunConfig, or a YAML file of flags (`config`) with `cfg` overrides on top.
+"""The rl-train flow's parameters (masked before they reach Prefect: SecretSafeFlow) and its run name: a RunConfig, or a YAML file of flags (`config`) with `cfg` overrides on top.
 
 A deployment sets `config: deployments/demo.yaml` (relative to its working directory, the repository root) and a
 run overrides single flags: `prefect deployment run rl-train/rl-train --params '{"cfg": {"num_rollout": 2}}'`.
@@ -15,11 +15,12 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Union
 
+from prefect import Flow
 from pydantic import Field
 
 from engine.config import RunConfig
 from engine.config.cli import load_yaml, make_config
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis, DiagnosisError
 
 CfgParam = Annotated[Union[dict[str, Any], RunConfig, None], Field(union_mode="left_to_right")]
 
@@ -68,3 +69,32 @@ def _run_config(cfg: dict[str, Any] | RunConfig | None, config: str | None) -> R
     else:
         overrides = {k.replace("-", "_"): v for k, v in (cfg or {}).items()}
     return make_config({**values, **overrides})
+
+
+class SecretSafeFlow(Flow):
+    """A flow whose parameters reach Prefect's database (and UI) with secrets masked: `--sglang-api-key`, the
+    password of `--mlflow-tracking-uri` and any value engine/tracking/secrets.py counts as secret become
+    `<redacted>`; the flow body still gets the real values (they never leave this process). A flow run started
+    from the UI or a deployment gets only what Prefect stored, so there the secrets come from the worker's
+    environment (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD; a run's engine token is made per run)."""
+
+    def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        from engine.tracking.secrets import redact
+
+        return redact(super().serialize_parameters(parameters))
+
+    def with_options(self, **kwargs: Any) -> "SecretSafeFlow":
+        new = super().with_options(**kwargs)
+        new.__class__ = SecretSafeFlow
+        return new
+
+
+def flow_run_name() -> str:
+    """`<experiment>/<run name>` (the experiment alone without --run-name), from the flow run's parameters."""
+    from prefect.runtime import flow_run
+
+    try:
+        cfg = run_config(flow_run.parameters.get("cfg"), flow_run.parameters.get("config"))
+    except DiagnosisError:  # the flow body raises it again: the run fails with the message instead of staying Pending
+        return "rollflow/invalid-config"
+    return f"{cfg.experiment_name}/{cfg.run_name}" if cfg.run_name else cfg.experiment_name

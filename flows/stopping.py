@@ -61,3 +61,12 @@ def sigterm_stops(grace_s: float = GRACE_S) -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, before)
         _requested.clear()
+
+
+def resume_point(cfg) -> str:
+    """Where the same command resumes after a stop: the iteration the checkpoint marker names."""
+    from engine import checkpoint
+
+    marker = checkpoint.read_marker(cfg.save) if cfg.save else None
+    return (f"the marker names iteration {marker}: the same command resumes at rollout {marker + 1}"
+            if marker is not None else "no checkpoint was written yet")

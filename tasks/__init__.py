@@ -1,14 +1,26 @@
-"""Prefect tasks, one module per stage: thin wrappers that call engine.stages, set retries, run names,
-timeouts and artifacts."""
+"""Prefect tasks, one module per stage: thin wrappers that call engine.stages and add what only Prefect has
+(retries, run names, artifacts). The stages themselves record their metrics and MLflow records."""
+from types import SimpleNamespace
+
+from engine.config import RunConfig
 from tasks.convert import convert
 from tasks.evaluate import evaluate
 from tasks.pack import pack
 from tasks.place import configured as place_for, place
 from tasks.preflight import preflight
-from tasks.rollout import configured as rollout_for, rollout
+from tasks.rollout import rollout
 from tasks.save import save
 from tasks.sync import sync
 from tasks.train import train
 
-__all__ = ["convert", "evaluate", "pack", "place", "place_for", "preflight", "rollout", "rollout_for", "save", "sync",
+
+def for_run(cfg: RunConfig) -> SimpleNamespace:
+    """Every task with this run's options: place with --placement-retries and its backoff, rollout with
+    --rollout-retries; the others as defined."""
+    return SimpleNamespace(preflight=preflight, place=place_for(cfg), convert=convert, evaluate=evaluate,
+                           rollout=rollout.with_options(retries=cfg.rollout_retries), pack=pack, train=train,
+                           save=save, sync=sync)
+
+
+__all__ = ["convert", "evaluate", "for_run", "pack", "place", "place_for", "preflight", "rollout", "save", "sync",
            "train"]

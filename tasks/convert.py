@@ -4,7 +4,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from tasks.common import diagnosed
+from flows import ui
 
 
 @task(name="convert", task_run_name="convert", cache_policy=NO_CACHE)
@@ -12,7 +12,7 @@ def convert(run: Run) -> int:
     """Load the starting weights (HF or the resumed checkpoint) everywhere; return the first rollout id.
 
     Fallbacks from damaged iterations and clean-ups of killed saves are logged and published as `resume`."""
-    with diagnosed(run):
+    with ui.diagnosed(run):
         start = stages.convert(run)
     logger = get_run_logger()
     for note in run.start.notes:

@@ -1,14 +1,14 @@
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from engine import stages
 from engine.config import RunConfig
-from engine.doctor.diagnosis import DiagnosisError, render_report
+from engine.diagnosis import DiagnosisError, render_report
 from engine.run import Run
 from engine.tracking import Tracker
-from tasks.common import backoff, retry_only_if_retryable
+from flows import ui
+from flows.policy import backoff, retry_only_if_retryable
 
 
 @task(name="place", task_run_name="place", cache_policy=NO_CACHE, retry_condition_fn=retry_only_if_retryable)
@@ -22,9 +22,7 @@ def place(cfg: RunConfig, tracker: Tracker | None = None) -> Run:
         return stages.place(cfg, tracker=tracker, flow_run_id=flow_run.id,
                             flow_run_url=url if url and url.startswith("http") else None)
     except DiagnosisError as e:
-        report = render_report(e.diagnoses)
-        create_markdown_artifact(key="doctor-report", markdown=f"# Doctor report\n\n```\n{report}\n```",
-                                 description="placement" + (" (will be retried)" if e.retryable else ""))
+        ui.doctor_report(render_report(e.diagnoses), "placement" + (" (will be retried)" if e.retryable else ""))
         raise
 
 

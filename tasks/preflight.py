@@ -1,10 +1,10 @@
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.config import RunConfig
-from engine.doctor.diagnosis import ConfigError, render_report
+from engine.diagnosis import ConfigError, render_report
+from flows import ui
 
 
 @task(name="preflight", task_run_name="preflight", cache_policy=NO_CACHE)
@@ -13,9 +13,8 @@ def preflight(cfg: RunConfig) -> list[dict]:
     try:
         diags = stages.preflight(cfg)
     except ConfigError as e:
-        create_markdown_artifact(key="doctor-report", markdown="# Doctor report\n\n```\n" + str(e) + "\n```",
-                                 description="preflight found errors")
+        ui.doctor_report(str(e), "preflight found errors")
         raise
     if diags:
-        create_markdown_artifact(key="doctor-report", markdown="```\n" + render_report(diags) + "\n```")
+        ui.doctor_report(render_report(diags), "preflight warnings")
     return [d.model_dump() for d in diags]

@@ -3,12 +3,13 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from tasks.common import diagnosed, publish, retry_unless_config_error
+from flows import ui
+from flows.policy import retry_unless_config_error
 
 
 @task(name="sync", task_run_name="sync-{rollout_id}", retries=1, retry_delay_seconds=2,
       retry_condition_fn=retry_unless_config_error, cache_policy=NO_CACHE)
 def sync(run: Run, rollout_id: int) -> dict[str, float]:
-    """Push the trainer's weights to every rollout engine (Ray's object store, or a versioned dir on disk)."""
-    with diagnosed(run):
-        return publish(run, rollout_id, stages.sync(run, rollout_id))
+    """Push the trainer's weights to every rollout engine (CUDA IPC, Ray's object store, or a versioned dir)."""
+    with ui.diagnosed(run):
+        return stages.sync(run, rollout_id)

@@ -4,15 +4,15 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from tasks.common import diagnosed, publish
+from flows import ui
 
 
-@task(name="train", task_run_name="train-{rollout_id}", cache_policy=NO_CACHE)
-def train(run: Run, rollout_id: int) -> dict[str, float]:
+@task(name="train", task_run_name="train-{packed.rollout_id}", cache_policy=NO_CACHE)
+def train(run: Run, packed: stages.PackedRollout) -> dict[str, float]:
     """num_steps_per_rollout optimizer steps on the train workers (not retried: the update is not idempotent)."""
     seen = len(run.diagnoses)
-    with diagnosed(run):
-        out = publish(run, rollout_id, stages.train(run, run.staged.pop(("packed", rollout_id))))
+    with ui.diagnosed(run):
+        out = stages.train(run, packed)
     new = run.diagnoses[seen:]
     for d in new:  # runtime warnings (RF09 grad-norm spike): in the task's log and as an artifact
         get_run_logger().warning(d.render())

@@ -302,7 +302,7 @@ def test_every_registered_check_code_is_in_the_catalog():
 def test_diagnosis_errors_survive_pickling():
     import pickle
 
-    from engine.doctor.diagnosis import ConfigError
+    from engine.diagnosis import ConfigError
 
     e = pickle.loads(pickle.dumps(ConfigError(Diagnosis(code="RF13", severity="error", what="w", fix="f"))))
     assert type(e) is ConfigError and e.codes == ["RF13"] and "fix: f" in str(e)
@@ -416,7 +416,7 @@ def _model_copy(tmp_path, tiny_model, name="model"):
 def _both(cfg, capsys, code: str, *needles: str):
     """The same diagnosis from `rollflow doctor` (exit 1) and from the train flow's first stage (preflight)."""
     from engine import stages
-    from engine.doctor.diagnosis import ConfigError
+    from engine.diagnosis import ConfigError
     from flows.cli import main
 
     argv = ["doctor", "--hf-checkpoint", cfg.hf_checkpoint, "--prompt-data", cfg.prompt_data] + \

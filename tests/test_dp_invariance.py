@@ -45,7 +45,7 @@ def one_step(cfg, samples) -> dict:
     try:
         group.set_rollout(per_rank, [s.scalar_reward for s in samples], need_ref=True)
         parts = group.train_step(0, 16)
-        per_rank_params = group._all("parameters")
+        per_rank_params = group._all(lambda w: w.parameters)
     finally:
         group.shutdown()
     m = reduce_metrics(parts)
@@ -107,7 +107,7 @@ def test_sharded_checkpoint_is_layout_free_and_the_sync_gathers_full_weights(ray
     try:
         two.set_rollout(per_rank, [s.scalar_reward for s in samples], need_ref=False)
         two.train_step(0, 16)
-        trained = two._all("parameters")[0]
+        trained = two._all(lambda w: w.parameters)[0]
         ref, mb = two.weights_ref()
         synced = ray.get(ref).tensors()
         files = two.save(str(tmp_path / "ck"))
@@ -119,7 +119,7 @@ def test_sharded_checkpoint_is_layout_free_and_the_sync_gathers_full_weights(ray
     one = TrainGroup(small_cfg(**base), train_iters=2, timeout_s=600, threads=1)
     try:
         one.load(str(tmp_path / "ck"))
-        resumed = one._all("parameters")[0]
+        resumed = one._all(lambda w: w.parameters)[0]
         exp_avg = ray.get(one.workers[0].__ray_call__.remote(
             lambda w: sorted(v["exp_avg"].abs().sum().item() for v in w.backend.optimizer.state.values())))
         one.save(str(tmp_path / "ck1"))  # DP = 1 writes the unsharded format ...
@@ -131,7 +131,7 @@ def test_sharded_checkpoint_is_layout_free_and_the_sync_gathers_full_weights(ray
     again = TrainGroup(cfg2, train_iters=2, timeout_s=600, threads=1)
     try:  # ... and DP = 2 shards it again
         again.load(str(tmp_path / "ck1"))
-        assert all(torch.equal(v, trained[k]) for k, v in again._all("parameters")[1].items())
+        assert all(torch.equal(v, trained[k]) for k, v in again._all(lambda w: w.parameters)[1].items())
         sharded = ray.get([w.__ray_call__.remote(lambda w: sorted(  # full_tensor: a collective, on both ranks
             v["exp_avg"].full_tensor().abs().sum().item() for v in w.backend.optimizer.state.values()))
             for w in again.workers])[0]

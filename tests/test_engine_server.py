@@ -190,7 +190,7 @@ def test_model_info_and_weight_version_endpoints(engine):
 def test_port_in_use_is_rf08_naming_the_holder(tiny_model, engine):
     import os
 
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
 
     state, url = engine
     port = int(url.rsplit(":", 1)[1])

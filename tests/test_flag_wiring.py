@@ -14,7 +14,7 @@ from train_fakes import fake_samples, pack
 
 from engine.config import RunConfig
 from engine.config.data import BUNDLED_MODEL, BUNDLED_TRAIN
-from engine.doctor.diagnosis import DiagnosisError
+from engine.diagnosis import DiagnosisError
 from engine.run import Run
 from engine.samples import Status
 
@@ -240,7 +240,7 @@ def test_update_weight_buffer_size_splits_the_buckets():
 
 # ---- the command line and tracking -----------------------------------------------------------------------------------
 def test_progress_flag_turns_the_bar_off():
-    from flows.train import progress_bar
+    from flows.ui import progress_bar
 
     assert progress_bar(RunConfig(progress=False), 0).disable
     bar = progress_bar(RunConfig(progress=True, num_rollout=4), 1)

@@ -269,7 +269,7 @@ def _errors(cfg):
 
 
 def test_a_resume_that_changes_kept_settings_fails_listing_them(trained):
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from flows.train import rl_train
 
     changed = trained["cfg"](num_rollout=2, n_samples_per_prompt=8, global_batch_size=32)
@@ -297,7 +297,7 @@ def test_a_resume_that_changes_kept_settings_fails_listing_them(trained):
 
 
 def test_an_unknown_allow_config_change_field_is_a_config_error(trained):
-    from engine.doctor.diagnosis import ConfigError
+    from engine.diagnosis import ConfigError
 
     with pytest.raises(ConfigError, match="--allow-config-change lr: not a setting a resume keeps"):
         trained["cfg"](allow_config_change=["lr"])
@@ -379,7 +379,7 @@ def test_rf09_reads_rows_across_the_whole_file(tiny_model, tmp_path):
 def test_a_save_that_cannot_be_written_fails_the_doctor_and_the_lock_naming_it(s3_server, tiny_model, tmp_path):
     from engine.checkpoint.writer import writer_lock
     from engine.config import RunConfig
-    from engine.doctor.diagnosis import ConfigError
+    from engine.diagnosis import ConfigError
 
     cfg = RunConfig(hf_checkpoint=tiny_model, save="s3://no-such-bucket-rf/run1")
     (d,) = [d for d in _doctor(cfg) if d.code == "STORAGE"]
@@ -420,7 +420,7 @@ def test_too_little_space_for_the_next_checkpoint_fails_the_doctor(small_disk, t
 def test_a_disk_that_fills_during_a_save_is_a_short_diagnosis_and_the_last_checkpoint_survives(
         small_disk, prefect_harness, trained):
     from engine import checkpoint
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from flows.train import rl_train
 
     disk = small_disk(16)  # one iteration of the tiny model (~10 MB) fits, two do not

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import RunConfig
-from engine.doctor.diagnosis import DiagnosisError
+from engine.diagnosis import DiagnosisError
 from flows import limits
 
 ROOT = Path(__file__).resolve().parents[1]

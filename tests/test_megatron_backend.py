@@ -122,3 +122,10 @@ def test_gpu_megatron_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
     exported = tmp_path / "export"
     mg.export_hf(str(exported))
     assert json.loads((exported / "config.json").read_text())["model_type"] == "qwen2"
+    # load_weights (the protocol's weights-only load): an HF directory as the reference, then as the policy
+    trained = mg.compute_log_probs(mbs)
+    mg.load_weights(str(exported), ref=True)  # the trained weights become the reference; the policy is unchanged
+    assert all(torch.equal(a, b) for a, b in zip(mg.compute_log_probs(mbs), trained))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(mg.compute_log_probs(mbs, ref=True), trained))
+    mg.load_weights(str(tmp_path / "hf"))  # the starting weights as the policy
+    assert max(float((a - b).abs().max()) for a, b in zip(mg.compute_log_probs(mbs), t_old)) < 1e-5

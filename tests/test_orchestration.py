@@ -133,7 +133,7 @@ def _place_only(cfg):
 
     @flow(name="place-only", flow_run_name=cfg.run_name)
     def place_only(cfg):
-        run = tasks.place_for(cfg)(cfg)
+        run = tasks.for_run(cfg).place(cfg)
         placed = run.placement.layout.bundles
         run.close()
         return placed

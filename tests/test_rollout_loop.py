@@ -107,7 +107,7 @@ def test_round_is_cut_and_later_groups_aborted_once_enough_pass(engine, draw):
 
 
 def test_filter_that_keeps_nothing_stops_after_the_dataset(engine, draw):
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
 
     with pytest.raises(DiagnosisError, match="kept 0 of 2 groups after drawing 4 prompts"):
         _run(engine, draw, batch_size=2, round_size=2, keep=lambda g: False, max_prompts=4)

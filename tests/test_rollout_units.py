@@ -223,7 +223,7 @@ def test_buckets_respect_the_size_and_send_tied_tensors_once():
 
 
 def test_a_bad_bucket_changes_nothing():
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from engine.weights import check_and_copy
 
     model = torch.nn.Linear(3, 2)
@@ -241,7 +241,7 @@ def test_a_bad_bucket_changes_nothing():
 
 
 def test_an_untied_lm_head_must_be_sent_a_tied_one_is_the_embedding():
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from engine.weights import check_and_copy, unique_tensors
 
     class LM(torch.nn.Module):

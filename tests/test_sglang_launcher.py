@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from engine.doctor.diagnosis import DiagnosisError
+from engine.diagnosis import DiagnosisError
 from engine.rollout.sglang import LaunchedEngine, sglang_command
 
 pytestmark = pytest.mark.slow

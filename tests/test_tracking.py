@@ -419,7 +419,7 @@ def test_samples_jsonl_has_one_line_per_sample_without_token_arrays():
 
 
 def test_failure_report_names_the_diagnosis_or_says_unclassified():
-    from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+    from engine.diagnosis import Diagnosis, DiagnosisError
     from engine.tracking.artifacts import failure_report
 
     code, md = failure_report(DiagnosisError(Diagnosis(code="RF13", severity="error", what="NaN at step 3",

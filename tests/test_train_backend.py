@@ -8,7 +8,7 @@ import torch
 from train_fakes import fake_samples, pack
 
 from engine.config import RunConfig
-from engine.doctor.diagnosis import DiagnosisError
+from engine.diagnosis import DiagnosisError
 from engine.train.checks import first_step_check, grad_norm_spike
 from engine.train.optim import lr_lambda
 

@@ -161,7 +161,7 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
 
     from engine import stages
     from engine.config import RunConfig
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from engine.modeling import eos_token_ids, load_tokenizer
     from engine.weights.sync import push_tensors
 

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from engine.checkpoint.layout import MANIFEST, MARKER, hf_files, is_hf_dir, iter_name, list_iterations, \
     marker_text, read_manifest, read_marker, sha256_file
 from engine.checkpoint.storage import Store, normalize
-from engine.doctor.diagnosis import ConfigError, Diagnosis, DiagnosisError
+from engine.diagnosis import ConfigError, Diagnosis, DiagnosisError
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engine.checkpoint.storage import Store
-from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+from engine.diagnosis import Diagnosis, DiagnosisError
 
 LOCK = ".rollflow-writer.json"
 HEARTBEAT_S = 30.0
@@ -204,7 +204,7 @@ def writer_lock(save: str | None, *, wait_s: float = 0.0, run: str = "",
     except SaveInUse:
         raise
     except Exception as e:  # noqa: BLE001 — a storage error (missing bucket, permissions): one line naming it
-        from engine.doctor.diagnosis import ConfigError, Diagnosis
+        from engine.diagnosis import ConfigError, Diagnosis
 
         problem = lock.store.write_problem() or f"{type(e).__name__}: {str(e)[:300]}"
         raise ConfigError(Diagnosis(code="STORAGE", severity="error",

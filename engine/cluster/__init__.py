@@ -6,7 +6,7 @@ one inductor cache corrupt it and fail with JSONDecodeError).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 WORKER_ENV_DEFAULTS = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -33,7 +33,7 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     connection: ray.init would otherwise wait for minutes. `auto` / `local` are left to Ray."""
     import socket
 
-    from engine.doctor.diagnosis import ConfigError, Diagnosis
+    from engine.diagnosis import ConfigError, Diagnosis
 
     if address in ("auto", "local") or ":" not in address:
         return
@@ -162,10 +162,11 @@ class TrainGroup:
         ray.get(self._ready, timeout=self.timeout_s)
         return self
 
-    def _all(self, method: str, *args, per_rank: list | None = None, **kwargs) -> list[Any]:
+    def _all(self, method: Callable[[Any], Any], *args, per_rank: list | None = None, **kwargs) -> list[Any]:
+        """method(worker) — e.g. `lambda w: w.train_step` — called on every worker (rank r first gets per_rank[r])."""
         import ray
 
-        refs = [getattr(w, method).remote(*((per_rank[r],) if per_rank is not None else ()), *args, **kwargs)
+        refs = [method(w).remote(*((per_rank[r],) if per_rank is not None else ()), *args, **kwargs)
                 for r, w in enumerate(self.workers)]
         return ray.get(refs, timeout=self.timeout_s)
 
@@ -173,23 +174,23 @@ class TrainGroup:
                     need_ref: bool) -> list[dict[str, float]]:
         """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches.
         Every rank also gets the rewards of the whole rollout (see engine.train.worker)."""
-        return self._all("set_rollout", rewards, need_ref, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
+        return self._all(lambda w: w.set_rollout, rewards, need_ref, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
-        return self._all("train_step", k, global_batch_size)
+        return self._all(lambda w: w.train_step, k, global_batch_size)
 
     def save(self, path: str, save_optim: bool = True) -> list[str]:
-        return [f for files in self._all("save", path, save_optim) for f in files]
+        return [f for files in self._all(lambda w: w.save, path, save_optim) for f in files]
 
     def load(self, path: str, load_optim: bool = True) -> None:
-        self._all("load", path, load_optim)
+        self._all(lambda w: w.load, path, load_optim)
 
     def load_weights(self, path: str, ref: bool = False) -> None:
         """Policy (ref=False) or reference weights from an HF dir or a checkpoint iteration, on every rank."""
-        self._all("load_weights", path, ref)
+        self._all(lambda w: w.load_weights, path, ref)
 
     def save_weights(self, path: str) -> str:
-        self._all("save_weights", path)
+        self._all(lambda w: w.save_weights, path)
         return path
 
     def weights_ref(self) -> tuple[Any, float]:
@@ -204,24 +205,24 @@ class TrainGroup:
     def ipc_export(self, dtype: str, bucket_bytes: int, exporters: set[int]) -> list[list]:
         """Per rank, the CUDA IPC buckets of its weights in `dtype` (empty for ranks not in `exporters`); the
         workers keep the memory until `ipc_release`."""
-        return self._all("ipc_export", dtype, bucket_bytes, per_rank=[r in exporters for r in range(len(self.workers))])
+        return self._all(lambda w: w.ipc_export, dtype, bucket_bytes, per_rank=[r in exporters for r in range(len(self.workers))])
 
     def ipc_release(self) -> None:
-        self._all("ipc_release")
+        self._all(lambda w: w.ipc_release)
 
     def score(self, mb) -> Any:
         """Log-probs [T] of one micro-batch under the policy (from a rank whose answer counts)."""
-        return next(lp for lp, counts in self._all("score", mb) if counts)
+        return next(lp for lp, counts in self._all(lambda w: w.score, mb) if counts)
 
     def offload(self) -> None:
-        self._all("offload")
+        self._all(lambda w: w.offload)
 
     def memory(self) -> list[dict[str, float]]:
         """Each worker's CUDA memory since the last call ({} on CPU): see engine.train.worker.gpu_memory."""
-        return self._all("memory")
+        return self._all(lambda w: w.memory)
 
     def export_hf(self, path: str) -> None:
-        self._all("export_hf", path)
+        self._all(lambda w: w.export_hf, path)
 
     def shutdown(self) -> None:
         import ray

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.doctor.diagnosis import ConfigError, Diagnosis, DiagnosisError
+from engine.diagnosis import ConfigError, Diagnosis, DiagnosisError
 
 ENGINE_GPU_FRACTION = 0.2
 CPU_ENGINE_CLAIM = 0.01

@@ -52,7 +52,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         self.batch  # raises an RF06 ConfigError with the working values
         unknown = [f for f in self.allow_config_change if f.replace("-", "_") not in RESUME_FIXED]
         if unknown:
-            from engine.doctor.diagnosis import ConfigError, Diagnosis
+            from engine.diagnosis import ConfigError, Diagnosis
 
             raise ConfigError(Diagnosis(
                 code="CONFIG", severity="error",
@@ -99,7 +99,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                           global_batch_size=self.global_batch_size,
                           num_steps_per_rollout=self.num_steps_per_rollout,
                           micro_batch_size=self.micro_batch_size, dp_size=self.dp_size,
-                          use_dynamic_batch_size=self.use_dynamic_batch_size)
+                          use_dynamic_batch_size=self.use_dynamic_batch_size,
+                          max_tokens_per_gpu=self.max_tokens_per_gpu, cp_size=self.context_parallel_size)
 
     def engine_dtype(self, device_type: str) -> str:
         """The built-in engine's dtype on `device_type` ("cuda" / "cpu"): --rollout-dtype, auto resolved."""

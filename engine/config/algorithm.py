@@ -4,7 +4,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from engine.config.base import Section
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 
 #: Estimators whose advantage is the group-normalised reward (no token-level reward shaping).
 GROUP_ESTIMATORS = ("grpo", "gspo", "cispo")

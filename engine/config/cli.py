@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from engine.config import SECTIONS, RunConfig
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 
 SGLANG_PREFIX = "--sglang-"
 

@@ -1,5 +1,5 @@
 """Ray and placement flags."""
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import Field
 

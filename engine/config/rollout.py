@@ -4,7 +4,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from engine.config.base import Section
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 
 
 class RolloutArgs(Section):

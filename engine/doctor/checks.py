@@ -4,13 +4,13 @@ The Environment is a view of the cluster and the files, so every check is testab
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from engine.checkpoint import MARKER
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
+from engine.packing.arithmetic import micro_batch_cap
 
 Check = Callable[["object", "Environment"], list[Diagnosis]]
 CHECKS: dict[str, list[Check]] = {}
@@ -173,7 +173,7 @@ def dynamic_batch_needs_cap(cfg, env: Environment) -> list[Diagnosis]:
                                f"--use-dynamic-batch-size: micro-batches hold --micro-batch-size "
                                f"{cfg.micro_batch_size} samples whatever their length",
                           fix="--use-dynamic-batch-size to pack by tokens under the cap, or drop --max-tokens-per-gpu")]
-    cap = (cfg.max_tokens_per_gpu or 0) * cp
+    cap = micro_batch_cap(cfg.max_tokens_per_gpu or 0, cp)
     if cfg.use_dynamic_batch_size and resp > cap:
         return [Diagnosis(code="RF03", severity="warning", facts=facts,
                           what=f"one response can reach rollout_max_response_len = {resp} tokens, more than the "

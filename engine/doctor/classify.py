@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import traceback
 
-from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+from engine.diagnosis import Diagnosis, DiagnosisError
 
 _OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: can't allocate memory|"
                   r"out of memory)", re.I)

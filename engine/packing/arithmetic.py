@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,18 @@ class BatchPlan:
     num_steps_per_rollout: int  # k = B·n / G
     train_iters: int  # num_rollout · k
     dp_size: int
+    token_cap: int | None = None  # tokens per micro-batch in dynamic mode (max_tokens_per_gpu·CP); None: static
 
     def describe(self) -> str:
         return (f"samples per rollout B·n = {self.samples_per_rollout}, global batch G = {self.global_batch_size}, "
                 f"steps per rollout k = {self.num_steps_per_rollout}, train_iters = {self.train_iters}, "
                 f"DP = {self.dp_size}")
+
+
+def micro_batch_cap(max_tokens_per_gpu: int | None, cp_size: int = 1) -> int | None:
+    """Tokens one micro-batch may hold in dynamic mode: max_tokens_per_gpu per CP rank, so max_tokens_per_gpu·CP
+    for the micro-batch the CP ranks share; None without a token budget (static micro-batches)."""
+    return max_tokens_per_gpu * cp_size if max_tokens_per_gpu is not None else None
 
 
 def _divisors(x: int) -> list[int]:
@@ -44,7 +51,8 @@ def working_global_batch_sizes(samples_per_rollout: int, *, micro_batch_size: in
 
 def batch_plan(*, rollout_batch_size: int, n_samples_per_prompt: int, num_rollout: int,
                global_batch_size: int | None, num_steps_per_rollout: int | None, micro_batch_size: int,
-               dp_size: int, use_dynamic_batch_size: bool = False) -> BatchPlan:
+               dp_size: int, use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
+               cp_size: int = 1) -> BatchPlan:
     """Derive (G, k, train_iters) from the flags, or raise an RF06 ConfigError with the working values."""
     bn = rollout_batch_size * n_samples_per_prompt  # e.g. 32·8 = 256 samples per rollout
     dynamic, mbs = use_dynamic_batch_size, micro_batch_size
@@ -95,7 +103,8 @@ def batch_plan(*, rollout_batch_size: int, n_samples_per_prompt: int, num_rollou
                    by_g, by_mbs, by_dyn)
     k = bn // g
     return BatchPlan(samples_per_rollout=bn, global_batch_size=g, num_steps_per_rollout=k,
-                     train_iters=num_rollout * k, dp_size=dp_size)
+                     train_iters=num_rollout * k, dp_size=dp_size,
+                     token_cap=micro_batch_cap(max_tokens_per_gpu, cp_size) if dynamic else None)
 
 
 def _other_fixes(bn: int, n: int, mbs: int, dp: int, dynamic: bool) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from itertools import chain
 
+from engine.packing.arithmetic import micro_batch_cap
 from engine.packing.balance import bin_sums, karmarkar_karp, rebalance
 
 
@@ -197,7 +198,7 @@ def build_dp_schedule(lengths: list[int], *, dp_size: int, global_batch_size: in
             raise ValueError(f"{name} has {len(xs)} entries for {n} samples")
     weight = list(flops) if flops is not None else [float(x) for x in lengths]
     cost = weight if balance_by_flops else [float(x) for x in lengths]  # what packing and splitting balance
-    cap = max_tokens_per_gpu * cp_size if max_tokens_per_gpu is not None else None
+    cap = micro_batch_cap(max_tokens_per_gpu, cp_size)
     steps = []
     for idx in _steps_of_trajectories(n, global_batch_size, rollout_ids):
         if cap is not None:

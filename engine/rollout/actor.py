@@ -54,19 +54,20 @@ class EngineActor:
         gpu_ids = [int(float(g)) for g in ray.get_gpu_ids()]
         base_gpu = gpu_ids[0] if gpu_ids else 0
         log = str(Path(self.spec.log_dir) / f"engine-{self.index}.log")
-        if self.spec.kind == "builtin":
+        if self.spec.kind == "builtin":  # the one place the engine kind is looked at
             url, ports, child = self._start_builtin(node, gpu_ids)
+            log = None  # in this actor's Ray log
         else:
             url, ports, child = self._start_sglang(node, base_gpu, log)
         self.info = {"url": url, "node": node, "node_id": ray.get_runtime_context().get_node_id(),
                      "pid": os.getpid(), "child_pid": child, "gpu_ids": gpu_ids,
-                     "base_gpu_id": base_gpu, "ports": ports, "log": log if self.spec.kind == "sglang" else None}
+                     "base_gpu_id": base_gpu, "ports": ports, "log": log}
         return self.info
 
     def _start_builtin(self, node: str, gpu_ids: list[int]) -> tuple[str, list[int], None]:
         import torch
 
-        from engine.doctor.diagnosis import DiagnosisError
+        from engine.diagnosis import DiagnosisError
         from engine.rollout.server import EngineState, ServerThread
 
         device = f"cuda:{gpu_ids[0]}" if gpu_ids and torch.cuda.is_available() else "cpu"
@@ -118,18 +119,15 @@ class EngineActor:
         """This engine's CUDA memory since the last call ({} on CPU): engine.gpu.gpu_memory."""
         return self.state.memory() if self.state is not None else {}
 
+    # self.server is a ServerThread (built-in) or a LaunchedEngine (SGLang): the same five methods, chosen in start()
     def alive(self) -> bool:
-        if self.spec.kind == "builtin":
-            return self.server is not None and self.server.thread.is_alive()
         return self.server is not None and self.server.alive()
 
     def diagnose(self) -> list[dict]:
-        if self.spec.kind != "sglang" or self.server is None:
-            return []
-        return [d.model_dump() for d in self.server.diagnose()]
+        return [d.model_dump() for d in self.server.diagnose()] if self.server is not None else []
 
     def log_tail(self, lines: int = 30) -> str:
-        return self.server.log_tail(lines) if self.spec.kind == "sglang" and self.server else ""
+        return self.server.log_tail(lines) if self.server is not None else ""
 
     def stop(self) -> None:
         if self.server is not None:

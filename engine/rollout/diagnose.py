@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from engine.doctor.diagnosis import Diagnosis
+from engine.diagnosis import Diagnosis
 
 #: SGLang's own default when --mem-fraction-static is not given depends on the GPU and the TP size; ~0.88 on 80 GB.
 SGLANG_MEM_FRACTION_HINT = 0.88

@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol
 import httpx
 
 from engine.data import PromptRow
-from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.rewards import RewardModel
 from engine.samples import Sample, Status
 

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine.doctor.diagnosis import Diagnosis
+from engine.diagnosis import Diagnosis
 
 PORT_RANGE = (30000, 60000)
 

@@ -506,7 +506,7 @@ class ServerThread:
         self.url = f"http://{host}:{port}"
 
     def start(self, timeout_s: float = 60.0) -> str:
-        from engine.doctor.diagnosis import DiagnosisError
+        from engine.diagnosis import DiagnosisError
         from engine.rollout.ports import is_port_free, port_in_use
 
         if not is_port_free(self.port, self.host):
@@ -520,6 +520,17 @@ class ServerThread:
                 raise TimeoutError(f"engine server on {self.url} did not start in {timeout_s}s")
             time.sleep(0.05)
         return self.url
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def log_tail(self, lines: int = 30) -> str:
+        """"": the built-in engine logs into its Ray actor's log, not a file of its own."""
+        return ""
+
+    def diagnose(self) -> list:
+        """[]: a failure of the built-in engine is a Python exception in the actor, diagnosed where it is raised."""
+        return []
 
     def stop(self) -> None:
         self.state.stop_generating()
@@ -552,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from engine.config.data import BUNDLED_MODEL
-    from engine.doctor.diagnosis import DiagnosisError
+    from engine.diagnosis import DiagnosisError
     from engine.rollout.ports import is_port_free, port_in_use
 
     p = argparse.ArgumentParser(prog="rollflow serve", description="The built-in engine: SGLang's HTTP API over a "

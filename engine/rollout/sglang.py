@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.doctor.diagnosis import ConfigError, Diagnosis, DiagnosisError
+from engine.diagnosis import ConfigError, Diagnosis, DiagnosisError
 from engine.rollout.diagnose import health_timeout, scan_engine_log
 
 #: Flags rollflow sets itself; passing them as --sglang-* would contradict the placement or the port allocator.

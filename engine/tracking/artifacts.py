@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from engine.doctor.diagnosis import DiagnosisError, render_report
+from engine.diagnosis import DiagnosisError, render_report
 from engine.samples import Sample
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

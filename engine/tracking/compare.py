@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from engine.doctor.diagnosis import ConfigError, Diagnosis
+from engine.diagnosis import ConfigError, Diagnosis
 from engine.tracking.metrics import better
 
 DEFAULT_METRICS = ["rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl", "eval/test_accuracy"]

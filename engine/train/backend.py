@@ -11,6 +11,7 @@ anything (the torch backend leaves them 0).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +19,27 @@ import torch
 from engine.packing.microbatch import MicroBatch
 
 
+#: --train-backend → the module whose `create(cfg, *, rank, world_size, master, train_iters, device)` builds it;
+#: a third backend is one module implementing TrainBackend, and one line here.
+BACKENDS = {"torch": "engine.train.torch_backend", "megatron": "engine.train.megatron_backend"}
+
+
+def create_backend(cfg, *, rank: int, world_size: int, master: str | None, train_iters: int,
+                   device: str) -> "TrainBackend":
+    """The --train-backend's backend for one rank (the one place the backend's name is looked at)."""
+    return importlib.import_module(BACKENDS[cfg.train_backend]).create(
+        cfg, rank=rank, world_size=world_size, master=master, train_iters=train_iters, device=device)
+
+
 class TrainBackend(Protocol):
+    #: the weights are sharded over ranks: model_state / save / export / ipc_export are collectives every rank joins
+    collective: bool
+    #: whether this rank's metric sums count (TP peers and earlier PP stages of a replica would count twice)
+    reports_metrics: bool
+
+    def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Σ ("sum") or max ("max") of a CPU tensor over the data-parallel ranks, returned on the CPU."""
+
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
         """Per-token log-probs [T] of each micro-batch under the policy (or the frozen reference), no grad,
         at the rollout temperature."""
@@ -45,6 +66,19 @@ class TrainBackend(Protocol):
 
     def export_hf(self, path: str) -> None:
         """Save a Hugging Face directory (config, weights, tokenizer) loadable by transformers."""
+
+    def onload(self) -> None:
+        """Back to the GPU after `offload` (a no-op when nothing was offloaded)."""
+
+    def offload(self) -> None:
+        """--offload-train: weights, gradients and optimizer state to host memory until `onload`."""
+
+    def ipc_export(self, dtype: str, bucket_bytes: int, *, export: bool):
+        """This rank's share of the HF-named weights as CUDA IPC buckets (engine.weights.ipc) when `export`, else
+        None; a collective when `collective`."""
+
+    def named_parameters_full(self) -> dict[str, torch.Tensor]:
+        """Parameters by name on the host (full for the torch backend; this rank's shards for Megatron)."""
 
 
 class CriticBackend(Protocol):

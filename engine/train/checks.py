@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from engine.doctor.diagnosis import Diagnosis
+from engine.diagnosis import Diagnosis
 
 #: max |Δ log-prob| (fp32) allowed between two forwards of the same weights: the same code on the same inputs
 #: is bit-identical on CPU; 1e-4 leaves room for kernel choice on GPU and is ~1000× below what a wrong or

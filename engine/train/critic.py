@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.algorithms import LossSpec, value_objective
-from engine.doctor.diagnosis import DiagnosisError
+from engine.diagnosis import DiagnosisError
 from engine.packing.microbatch import MicroBatch
 from engine.train.checks import nan_diagnosis
 from engine.train.forward import hidden_states, use_varlen_attention

@@ -97,6 +97,13 @@ def _finalize_grads_sum(model, num_tokens=None, **kw):
     finalize_model_grads(model, None, **kw)
 
 
+def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: int, device: str
+           ) -> "MegatronBackend":
+    """The Megatron backend of one rank (CUDA only: preflight refuses it elsewhere); joins TP / PP / DP groups."""
+    return MegatronBackend(cfg, rank=rank, world_size=world_size, train_iters=train_iters, master=master,
+                           params_dtype="bfloat16" if cfg.bf16 else "float32", kernels=Kernels.of(cfg))
+
+
 class MegatronBackend:
     def __init__(self, cfg, *, rank: int | None = None, world_size: int | None = None, train_iters: int = 1,
                  master: str | None = None, params_dtype: str = "bfloat16", kernels: Kernels = Kernels()):
@@ -392,7 +399,7 @@ class MegatronBackend:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips, or none does
         if bad.item():
             if self.cfg.check_for_nan_in_loss_and_grad:
-                from engine.doctor.diagnosis import DiagnosisError
+                from engine.diagnosis import DiagnosisError
                 from engine.train.checks import nan_diagnosis
 
                 # the fused log-prob pass gives no per-sample loss: this rank's samples are named
@@ -489,6 +496,31 @@ class MegatronBackend:
             set_rng_state(st["rng"])
         else:
             self.optimizer.reload_model_params()  # the fp32 main copy follows the loaded weights
+
+    @_on_own_stream
+    def load_weights(self, path: str, *, ref: bool = False) -> None:
+        """Policy (or reference) weights only: a Hugging Face directory (mapped and sharded as at start-up), or a
+        checkpoint iteration's model/ (this backend's dist_checkpointing layout). The reference is kept as this
+        rank's shards on the host, like the initial weights it replaces; the policy's fp32 main copy follows."""
+        from megatron.core import dist_checkpointing
+
+        from engine.train.megatron_model import load_hf_into
+        from engine.weights import load_weights_dir
+
+        root = Path(path)
+        params = dict(self.gpt.named_parameters())
+        current = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if ref else None
+        with torch.no_grad():
+            if (root / "config.json").is_file():
+                load_hf_into(self.gpt, self.config, load_weights_dir(root), self.shape, vocab_padded=self.vocab_padded)
+            else:
+                self.gpt.load_state_dict(dist_checkpointing.load(self.gpt.sharded_state_dict(), str(root / "model")))
+            if ref:
+                self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+                for n, p in params.items():
+                    p.copy_(current[n], non_blocking=True)
+        if not ref:
+            self.optimizer.reload_model_params()
 
     @_on_own_stream
     def export_hf(self, path: str) -> None:

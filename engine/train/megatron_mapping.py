@@ -21,37 +21,18 @@ tp_gather(tp_shard(x, r, p) for r) == x; shapes for GQA configs as above.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine.model_shape import ModelShape
+
 FAMILIES = ("qwen2", "qwen3", "llama")
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the mapping and the Megatron model need from an HF config.json."""
-
-    family: str  # "qwen2" | "qwen3" | "llama"
-    num_layers: int
-    hidden_size: int  # h
-    num_heads: int  # a
-    num_kv_heads: int  # g
-    head_dim: int  # d
-    ffn_hidden_size: int
-    vocab_size: int  # V (unpadded)
-    tie_embeddings: bool
-    qkv_bias: bool  # Qwen2: always; Llama / Qwen3: attention_bias
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    rope_scaling_factor: float | None = None  # Llama 3.1-style ("llama3") scaling; None = plain RoPE
-
-
 def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
-    """ModelShape of an HF config dict (config.json), old (`rope_theta`) or transformers-5 (`rope_parameters`)."""
+    """The ModelShape (engine.model_shape) of an HF config dict, old (`rope_theta`) or transformers-5
+    (`rope_parameters`), refused with NotImplementedError where this mapping cannot build the model."""
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise NotImplementedError(f"model_type {family!r}: the Megatron mapping covers {', '.join(FAMILIES)}")
@@ -59,29 +40,17 @@ def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         raise NotImplementedError("sliding-window attention (use_sliding_window: true) is not mapped")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
         raise NotImplementedError("only SwiGLU MLPs without bias are mapped (hidden_act silu, mlp_bias false)")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta") or 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    factor = None
-    if kind == "llama3":
+    shape = ModelShape.from_hf_config(cfg)
+    if shape.rope_type == "llama3":
         # Megatron's Llama-3 scaling hard-codes low/high frequency factors 1 / 4 and 8192 original positions.
+        rope = dict(shape.rope_scaling)
         want = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         got = {k: rope.get(k) for k in want}
         if any(got[k] is not None and float(got[k]) != v for k, v in want.items()):
             raise NotImplementedError(f"llama3 RoPE scaling with {got}: Megatron supports only {want}")
-        factor = float(rope["factor"])
-    elif kind != "default":
-        raise NotImplementedError(f"RoPE scaling {kind!r} is not mapped (default and llama3 are)")
-    heads = int(cfg["num_attention_heads"])
-    return ModelShape(
-        family=family, num_layers=int(cfg["num_hidden_layers"]), hidden_size=int(cfg["hidden_size"]),
-        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        ffn_hidden_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=family == "qwen3",
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), rope_scaling_factor=factor)
+    elif shape.rope_type != "default":
+        raise NotImplementedError(f"RoPE scaling {shape.rope_type!r} is not mapped (default and llama3 are)")
+    return shape
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:

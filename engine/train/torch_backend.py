@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from engine.algorithms import LossSpec, policy_objective
-from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
 from engine.train.checks import nan_diagnosis
 from engine.train.forward import packed_forward, use_varlen_attention
@@ -44,6 +44,16 @@ from engine.train.optim import gather_lists, make_optimizer, sync_and_clip
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
 TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
+
+
+def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: int, device: str) -> "TorchBackend":
+    """The torch backend of one rank: joins the process group (NCCL on CUDA, gloo on CPU) when DP > 1."""
+    import torch.distributed as dist
+
+    if world_size > 1:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master}", rank=rank,
+                                world_size=world_size)
+    return TorchBackend(cfg, rank=rank, world_size=world_size, train_iters=train_iters, device=device)
 
 
 class TorchBackend:
@@ -82,6 +92,19 @@ class TorchBackend:
     def collective(self) -> bool:
         """Sharded weights: model_state / save / export are collectives every rank must join."""
         return self.sharded
+
+    #: every rank is one DP replica: each rank's sums count
+    reports_metrics = True
+
+    def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Σ (or max) of a CPU tensor over the data-parallel ranks (the whole world: FSDP2 shards, nothing else)."""
+        import torch.distributed as dist
+
+        if self.world_size <= 1:
+            return x
+        y = x.to(self.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return y.cpu()
 
     # ---- reference model (frozen, for KL) -----------------------------------------------------------------
     @property

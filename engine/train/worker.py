@@ -31,10 +31,9 @@ class TrainWorker:
 
     def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master: str | None,
                  train_iters: int, threads: int):
-        import torch.distributed as dist
-
         from engine.config import RunConfig
-        from engine.train.torch_backend import TorchBackend, configure_threads
+        from engine.train.backend import create_backend
+        from engine.train.torch_backend import configure_threads
 
         configure_threads(threads)
         self.cfg = RunConfig(**cfg_dict)
@@ -42,19 +41,8 @@ class TrainWorker:
         self.device = worker_device()
         if self.device == "cuda":
             torch.cuda.set_device(0)
-        if self.cfg.train_backend == "megatron":
-            from engine.train.megatron_backend import MegatronBackend
-            from engine.train.megatron_model import Kernels
-
-            self.backend = MegatronBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
-                                           master=master, params_dtype="bfloat16" if self.cfg.bf16 else "float32",
-                                           kernels=Kernels.of(self.cfg))
-        else:
-            if world_size > 1:
-                dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=f"tcp://{master}",
-                                        rank=rank, world_size=world_size)
-            self.backend = TorchBackend(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
-                                        device=self.device)
+        self.backend = create_backend(self.cfg, rank=rank, world_size=world_size, master=master,
+                                      train_iters=train_iters, device=self.device)
         self.critic = None
         if self.cfg.advantage_estimator == "ppo":  # preflight: the critic runs on the torch backend only
             from engine.train.critic import TorchCritic
@@ -72,20 +60,11 @@ class TrainWorker:
     @property
     def reports(self) -> bool:
         """Whether this rank's sums count (TP / earlier PP peers of a Megatron replica would count twice)."""
-        return getattr(self.backend, "reports_metrics", True)
+        return self.backend.reports_metrics
 
     def _all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Σ (or max) over the data-parallel ranks: the whole world for torch, the DP group for megatron."""
-        import torch.distributed as dist
-
-        if self.cfg.train_backend == "megatron":
-            return self.backend.dp_all_reduce(x, op)
-        if self.world_size > 1:
-            dev = self.device if dist.get_backend() == "nccl" else "cpu"
-            y = x.to(dev)
-            dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-            return y.cpu()
-        return x
+        return self.backend.dp_all_reduce(x, op)
 
     def set_rollout(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool) -> dict[str, float]:
         """Store this rank's micro-batches (per step); compute log-probs, values and advantages before any update.

@@ -154,7 +154,7 @@ def check_names(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *, f
     """Every sent name must be a served parameter or buffer with the same shape; with `full`, every served
     parameter must be sent (a tied lm_head is the embedding: `named_parameters` lists the tensor once, as
     `unique_tensors` sends it). Anything else is RF14, listing the names: never a partial load."""
-    from engine.doctor.diagnosis import Diagnosis, DiagnosisError
+    from engine.diagnosis import Diagnosis, DiagnosisError
 
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
