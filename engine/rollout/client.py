@@ -1,4 +1,7 @@
-"""HTTP client for SGLang-API engines (built-in or SGLang); every call has its own deadline.
+"""The one HTTP client for SGLang-API engines (built-in or SGLang); every call has its own deadline.
+
+`EngineClient` for control calls and scoring (sync), `generate_async` for the rollout's many concurrent /generate
+requests on one shared httpx.AsyncClient (engine/rollout/loop.py).
 
 SGLang answers some control endpoints with plain text ("Cache flushed...") and others with JSON; both are read.
 """
@@ -16,6 +19,23 @@ class EngineError(RuntimeError):
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """SGLang's `--api-key` header (empty without a key)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _answers(r: httpx.Response, url: str) -> list[dict]:
+    """/generate's answer as a list (SGLang answers one object for a single input, a list for a batch)."""
+    if r.status_code >= 400:
+        raise EngineError(f"{url}/generate → HTTP {r.status_code}: {r.text[:300]}")
+    try:
+        out = r.json()
+    except ValueError:
+        raise EngineError(f"{url}/generate answered no JSON: {r.text[:300]}") from None
+    return out if isinstance(out, list) else [out]
+
+
+async def generate_async(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[dict]:
+    """POST /generate on the engine at `url` through a shared async client (its headers carry the API key).
+    Transport errors (a dead engine) propagate as httpx.TransportError for the caller's retry policy."""
+    return _answers(await http.post(url + "/generate", json=body), url)
 
 
 class EngineClient:
@@ -62,8 +82,9 @@ class EngineClient:
     def weight_version(self, timeout_s: float | None = None) -> str:
         return str(self.model_info(timeout_s).get("weight_version"))
 
-    def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> Any:
-        return self._post("/generate", body, timeout_s)
+    def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> list[dict]:
+        r = httpx.post(self.url + "/generate", json=body, timeout=timeout_s or self.timeout_s, headers=self.headers)
+        return _answers(r, self.url)
 
     def score(self, input_ids: list[list[int]], temperature: float, timeout_s: float | None = None
               ) -> list[list[float]]:

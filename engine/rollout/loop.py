@@ -28,6 +28,7 @@ import httpx
 
 from engine.data import PromptRow
 from engine.diagnosis import Diagnosis, DiagnosisError
+from engine.rollout.client import auth_headers, generate_async
 from engine.rewards import RewardModel
 from engine.samples import Sample, Status
 
@@ -122,8 +123,6 @@ class _Round:
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
         self.engines, self.reward_model, self.keep = engines, reward_model, keep
         self.sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
-        from engine.rollout.client import auth_headers
-
         self.headers = auth_headers(getattr(engines, "api_key", None))
         self.done: list[list[Sample] | None] = [None] * len(prompts)
         self.kept = [False] * len(prompts)
@@ -159,7 +158,7 @@ class _Round:
             self.outstanding[url] += self.n
             self.inflight[gi] = url
             try:
-                r = await client.post(url + "/generate", json=body)
+                return await generate_async(client, url, body)
             except httpx.TransportError as e:
                 if not self.engines.fault_tolerant:
                     raise EngineFailure(f"engine {url} failed during /generate ({type(e).__name__}: {e}); "
@@ -170,10 +169,6 @@ class _Round:
             finally:
                 self.outstanding[url] -= self.n
                 self.inflight.pop(gi, None)
-            if r.status_code >= 400:
-                raise RuntimeError(f"{url}/generate → HTTP {r.status_code}: {r.text[:300]}")
-            out = r.json()
-            return out if isinstance(out, list) else [out]
 
     def _samples(self, gi: int, outs: list[dict]) -> list[Sample]:
         p, group = self.prompts[gi], []
