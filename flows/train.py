@@ -1,7 +1,7 @@
 """rl-train: one flow run per training run; reads like slime's train.py — one loop over rollout ids.
 
-Prefect plumbing lives beside it in flows/: params (the flow's parameters, masked), policy (retry rules),
-limits (one writer per --save, GPU slots), stopping (SIGTERM), ui (artifacts, progress, doctor report).
+The flow's parameters are flows/params.py; Prefect plumbing that is neither flow nor task is plumbing/ (retry
+policy, limits, SIGTERM, UI).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from engine import stages
 from engine.config import RunConfig
 from engine.diagnosis import DiagnosisError
 from engine.tracking.record import finish, prefect_ui_url
-from flows import limits, policy, stopping, ui
+from plumbing import limits, policy, stopping, ui
 from flows.params import CfgParam, SecretSafeFlow, flow_run_name, run_config
 
 

@@ -4,7 +4,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from flows import ui
+from plumbing import ui
 
 
 @task(name="convert", task_run_name="convert", cache_policy=NO_CACHE)

@@ -2,7 +2,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from engine.convert import checkpoint_to_hf
-from flows.policy import retry_unless_config_error
+from plumbing.policy import retry_unless_config_error
 
 
 @task(name="export-hf", task_run_name="export-hf-{ckpt_step}", retries=2, retry_delay_seconds=5,

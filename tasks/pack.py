@@ -3,7 +3,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from flows import ui
+from plumbing import ui
 
 
 @task(name="pack", task_run_name="pack-{batch.rollout_id}", cache_policy=NO_CACHE)

@@ -7,8 +7,8 @@ from engine.config import RunConfig
 from engine.diagnosis import DiagnosisError, render_report
 from engine.run import Run
 from engine.tracking import Tracker
-from flows import ui
-from flows.policy import backoff, retry_only_if_retryable
+from plumbing import ui
+from plumbing.policy import backoff, retry_only_if_retryable
 
 
 @task(name="place", task_run_name="place", cache_policy=NO_CACHE, retry_condition_fn=retry_only_if_retryable)

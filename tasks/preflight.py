@@ -4,7 +4,7 @@ from prefect.cache_policies import NO_CACHE
 from engine import stages
 from engine.config import RunConfig
 from engine.diagnosis import ConfigError, render_report
-from flows import ui
+from plumbing import ui
 
 
 @task(name="preflight", task_run_name="preflight", cache_policy=NO_CACHE)

@@ -4,8 +4,8 @@ from prefect.context import TaskRunContext
 
 from engine import stages
 from engine.run import Run
-from flows import ui
-from flows.policy import retry_unless_config_error
+from plumbing import ui
+from plumbing.policy import retry_unless_config_error
 
 
 @task(name="rollout", task_run_name="rollout-{rollout_id}", retries=1, retry_delay_seconds=2,

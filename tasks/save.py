@@ -7,8 +7,8 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from flows import ui
-from flows.policy import retry_unless_config_error
+from plumbing import ui
+from plumbing.policy import retry_unless_config_error
 
 
 @task(name="save", task_run_name="save-{rollout_id}", retries=2, retry_delay_seconds=5,

@@ -3,8 +3,8 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from flows import ui
-from flows.policy import retry_unless_config_error
+from plumbing import ui
+from plumbing.policy import retry_unless_config_error
 
 
 @task(name="sync", task_run_name="sync-{rollout_id}", retries=1, retry_delay_seconds=2,

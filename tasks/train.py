@@ -4,7 +4,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
-from flows import ui
+from plumbing import ui
 
 
 @task(name="train", task_run_name="train-{packed.rollout_id}", cache_policy=NO_CACHE)

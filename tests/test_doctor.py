@@ -28,13 +28,16 @@ def one(diags: list[Diagnosis], code: str) -> Diagnosis:
     return found[0]
 
 
-def test_catalog_has_all_fourteen_codes_and_readme_matches():
-    from engine.doctor.catalog import END, START, catalog_markdown
+def test_catalog_has_all_fourteen_codes_and_the_docs_match():
+    from engine.doctor.catalog import END, SHORT_END, SHORT_START, START, catalog_markdown, catalog_short_markdown
 
     assert list(CATALOG) == [f"RF{i:02d}" for i in range(1, 15)]
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    block = readme.split(START, 1)[1].split(END, 1)[0]
-    assert block.strip() == catalog_markdown().strip(), "run: python -m engine.doctor.catalog --write README.md"
+    root = Path(__file__).parent.parent
+    block = (root / "docs" / "failures.md").read_text().split(START, 1)[1].split(END, 1)[0]
+    assert block.strip() == catalog_markdown().strip(), "run: python -m engine.doctor.catalog --write docs/failures.md"
+    short = (root / "README.md").read_text().split(SHORT_START, 1)[1].split(SHORT_END, 1)[0]
+    assert short.strip() == catalog_short_markdown().strip(), \
+        "run: python -m engine.doctor.catalog --write-short README.md"
 
 
 def test_the_default_config_has_no_error(tiny_model):

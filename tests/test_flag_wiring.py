@@ -240,7 +240,7 @@ def test_update_weight_buffer_size_splits_the_buckets():
 
 # ---- the command line and tracking -----------------------------------------------------------------------------------
 def test_progress_flag_turns_the_bar_off():
-    from flows.ui import progress_bar
+    from plumbing.ui import progress_bar
 
     assert progress_bar(RunConfig(progress=False), 0).disable
     bar = progress_bar(RunConfig(progress=True, num_rollout=4), 1)

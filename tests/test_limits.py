@@ -1,4 +1,4 @@
-"""flows/limits.py: the GPU slots as a Prefect global concurrency limit, and what a flow run holds.
+"""plumbing/limits.py: the GPU slots as a Prefect global concurrency limit, and what a flow run holds.
 
 The pure GPU arithmetic without Prefect; the slots against the session's Prefect test server (a real API server:
 leases). --save's writer lock itself: tests/test_writer_lock.py.
@@ -17,7 +17,7 @@ import pytest
 
 from engine.config import RunConfig
 from engine.diagnosis import DiagnosisError
-from flows import limits
+from plumbing import limits
 
 ROOT = Path(__file__).resolve().parents[1]
 

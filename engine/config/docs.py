@@ -1,4 +1,4 @@
-"""Markdown reference of every flag, generated from RunConfig (the README embeds it; a test keeps them equal)."""
+"""Markdown reference of every flag, generated from RunConfig (docs/flags.md embeds it; a test keeps them equal)."""
 from __future__ import annotations
 
 import sys
@@ -40,7 +40,7 @@ def embed(text: str, block: str, start: str = START, end: str = END) -> str:
 
 
 if __name__ == "__main__":
-    # python -m engine.config.docs [--write README.md]
+    # python -m engine.config.docs [--write docs/flags.md]
     if len(sys.argv) == 3 and sys.argv[1] == "--write":
         from pathlib import Path
 

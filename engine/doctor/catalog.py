@@ -1,8 +1,8 @@
 """The failure catalog: thirteen failures RL users hit most (the seed document) and one found by us (RF14), each with
 a stable code.
 
-The README's "When things go wrong" table is generated from CATALOG (`python -m engine.doctor.catalog --write
-README.md`), and a test keeps the two equal.
+The failure table of docs/failures.md is generated from CATALOG (`python -m engine.doctor.catalog --write
+docs/failures.md`), its short form the README's (`--write-short README.md`); tests keep them equal.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 START, END = "<!-- catalog:start -->", "<!-- catalog:end -->"
+SHORT_START, SHORT_END = "<!-- catalog-short:start -->", "<!-- catalog-short:end -->"
 
 
 @dataclass(frozen=True)
@@ -94,13 +95,24 @@ def catalog_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def catalog_short_markdown() -> str:
+    """One line per code (the README's table): the code, what the user sees, the cause."""
+    rows = ["| code | what you see | usual cause |", "|---|---|---|"]
+    for e in CATALOG.values():
+        rows.append(f"| {e.code} | {e.symptom} | {e.cause.split(':')[0].split(' (')[0]} |".replace("\n", " "))
+    return "\n".join(rows) + "\n"
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+    # python -m engine.doctor.catalog [--write docs/failures.md | --write-short README.md]
+    if len(sys.argv) == 3 and sys.argv[1] in ("--write", "--write-short"):
         from pathlib import Path
 
         from engine.config.docs import embed
 
         p = Path(sys.argv[2])
-        p.write_text(embed(p.read_text(), catalog_markdown(), START, END))
+        short = sys.argv[1] == "--write-short"
+        p.write_text(embed(p.read_text(), catalog_short_markdown() if short else catalog_markdown(),
+                           SHORT_START if short else START, SHORT_END if short else END))
     else:
         print(catalog_markdown())

@@ -1,6 +1,6 @@
 """Every metric a run logs to MLflow: its name, which direction is better, and what it means.
 
-The README's metric table is generated from `METRICS` (`python -m engine.tracking.metrics --write README.md`) and
+The metric table of docs/mlflow.md is generated from `METRICS` (`python -m engine.tracking.metrics --write docs/mlflow.md`) and
 a test keeps them equal; an integration test fails on a logged metric that is not listed here. Names are
 `<stage>/<what>`; `<key>` and `<i>` stand for a reward key and a GPU index. Steps are rollout ids, except `eval/*`
 (0 = before training, num_rollout = after) and `system/*` (seconds since the MLflow run was created).
@@ -122,7 +122,7 @@ def metrics_markdown() -> str:
 
 
 if __name__ == "__main__":
-    # python -m engine.tracking.metrics [--write README.md]
+    # python -m engine.tracking.metrics [--write docs/mlflow.md]
     if len(sys.argv) == 3 and sys.argv[1] == "--write":
         from pathlib import Path
 
