@@ -81,8 +81,8 @@ class ModelShape:
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta") or 10000.0)),
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
             rope_type=str(rope.get("rope_type", rope.get("type", "default"))),
-            rope_scaling=tuple(sorted((k, v) for k, v in rope.items()
-                                      if k not in ("rope_theta", "rope_type", "type") and not isinstance(v, (list, dict)))))
+            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if k not in ("rope_theta", "rope_type", "type")
+                                      and not isinstance(v, (list, dict)))))
 
 
 def read(model: str | Path) -> ModelShape:

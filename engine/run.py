@@ -1,4 +1,5 @@
-"""The live handles of one training run (engines, train workers, data, tracker) and how they are placed.
+"""One training run: the live handles `place` sets once (engines, train workers, data, tracker, how they are placed)
+and `state`, what changes while it trains (history, weight version, grad norms, runtime diagnoses).
 
 A plain object (not a dataclass) so Prefect passes it to tasks as an opaque handle and never walks into it.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +16,23 @@ from engine.checkpoint import StartPoint
 from engine.config import RunConfig
 
 
+@dataclass
+class RunState:
+    """What changes while the run trains; the checkpoint carries `history`, a resume restores it."""
+    history: dict[str, dict[int, float]] = field(default_factory=dict)  # metric → {step: value}
+    weight_version: int = 0  # the weights the engines serve (rollout id + 1 after that rollout's sync)
+    start_rollout_id: int = 0  # the first rollout this process runs (marker + 1 when resumed)
+    grad_norms: list[float] = field(default_factory=list)  # per optimizer step of this process (RF09's median)
+    diagnoses: list = field(default_factory=list)  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks
+    started_at: float = field(default_factory=time.time)
+
+
 class Run:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.plan = cfg.batch
         self.work_dir = Path(cfg.work_dir).resolve()
-        self.started_at = time.time()
+        self.state = RunState()
         self.tokenizer = None
         self.eos_ids: list[int] = []
         self.dataset = None
@@ -35,9 +48,6 @@ class Run:
         self.ref_dir: str | None = None  # reference weights to load (None: --hf-checkpoint's)
         self.store = None  # checkpoint.Store of --save (local or s3://)
         self.staging = self.work_dir / "ckpt-staging"  # local scratch for S3 uploads / downloads
-        self.start_rollout_id = 0
-        self.weight_version = 0
-        self.history: dict[str, dict[int, float]] = {}  # metric → {rollout_id: value}, carried in checkpoints
         self.flow_run_id: str | None = None
         self.flow_run_url: str | None = None
         self.cluster: dict[str, Any] = {}
@@ -47,8 +57,6 @@ class Run:
         # cuda_ipc | object_store | disk: place decides (stages.sync_transport); until then what the flag says
         self.sync_transport = "disk" if cfg.weight_sync_method == "disk" else "object_store"
         self.probe: list[list[int]] = []  # prompts every engine answers after a sync, scored by the trainer (RF14)
-        self.grad_norms: list[float] = []  # per optimizer step of this process (RF09's running median)
-        self.diagnoses: list = []  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks
 
     # ---- CPU threads: every engine and train worker gets an equal share of the cores ------------------------
     # (on a busy 2-core machine OpenMP with 2 threads per process was 3-4x slower than 1 thread: measured)
@@ -83,9 +91,14 @@ class Run:
 
         return origin_of(self.cfg.load, self.cfg.ckpt_step)
 
-    def record(self, metrics: dict[str, float], rollout_id: int) -> None:
+    @property
+    def history(self) -> dict[str, dict[int, float]]:
+        """Every metric recorded so far by step (state.history; read-only here: `record` writes)."""
+        return self.state.history
+
+    def record(self, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
-            self.history.setdefault(k, {})[rollout_id] = float(v)
+            self.state.history.setdefault(k, {})[step] = float(v)
 
     def close(self) -> None:
         from engine.cluster import shutdown

@@ -200,7 +200,8 @@ def launch_rollout_engines(run: Run) -> None:
     run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
                               runtime_env=cluster._threads_env(run.threads_per_process)).launch()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
-    run.engines.resync = lambda slots: push_weights(run, slots, run.weight_version) if run.weight_version else None
+    run.engines.resync = lambda slots: (push_weights(run, slots, run.state.weight_version)
+                                        if run.state.weight_version else None)
 
 
 def sync_transport(cfg: RunConfig, *, on_gpu: bool) -> str:
@@ -246,18 +247,18 @@ def convert(run: Run) -> int:
         run.train_group.load(s.local_dir, load_optim=run.cfg.load_optim)
         if s.manifest.get("data_state"):
             run.dataset.load_state(s.manifest["data_state"])
-        run.history = {k: {int(i): v for i, v in d.items()} for k, d in s.manifest.get("history", {}).items()}
+        run.state.history = {k: {int(i): v for i, v in d.items()} for k, d in s.manifest.get("history", {}).items()}
     elif s.kind == "hf":
         run.train_group.load_weights(s.local_dir)
     if run.ref_dir:
         run.train_group.load_weights(run.ref_dir, ref=True)
-    run.start_rollout_id = s.next_rollout_id
+    run.state.start_rollout_id = s.next_rollout_id
     if s.kind != "fresh":
         sync(run, s.next_rollout_id - 1)  # (offloads the trainer with --offload-train)
     elif run.cfg.offload_train:
         run.train_group.offload()
     shutil.rmtree(run.staging / "load", ignore_errors=True)  # loaded everywhere; S3 downloads are not needed
-    return run.start_rollout_id
+    return run.state.start_rollout_id
 
 
 # ---- rollout ---------------------------------------------------------------------------------------------------
@@ -409,7 +410,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
 
     RF01: on the run's first step the policy and the reference are the same weights (KL = 0, ratio = 1).
     RF14: before any update, the engine's log-probs of the rollout must match the trainer's (train/mismatch).
-    RF09: a step whose grad norm spikes is reported (a warning in run.diagnoses) with its sample ids.
+    RF09: a step whose grad norm spikes is reported (a warning in run.state.diagnoses) with its sample ids.
     """
     from engine.diagnosis import DiagnosisError
     from engine.train.backend import reduce_metrics
@@ -442,12 +443,12 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         m["loss"] = sum(p["loss_total"] for p in parts)
         if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
             raise DiagnosisError(d)
-        if (median := grad_norm_spike(run.grad_norms, m["grad_norm"])) is not None:
+        if (median := grad_norm_spike(run.state.grad_norms, m["grad_norm"])) is not None:
             ids = sorted(i for rank in per_rank_steps for mb in rank[k] for i in mb.sample_ids)
-            run.diagnoses.append(spike_diagnosis(step=len(run.grad_norms), rollout_id=rollout_id,
+            run.state.diagnoses.append(spike_diagnosis(step=len(run.state.grad_norms), rollout_id=rollout_id,
                                                  grad_norm=m["grad_norm"], median=median, sample_ids=ids))
             m["grad_norm_spikes"] = 1.0
-        run.grad_norms.append(m["grad_norm"])
+        run.state.grad_norms.append(m["grad_norm"])
         per_step.append(m)
     secs = time.perf_counter() - t0
     skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes"}
@@ -621,7 +622,7 @@ def sync(run: Run, rollout_id: int) -> dict[str, float]:
         if run.engines.released:
             run.engines.resume_memory()
         out = push_weights(run, run.engines.serving_slots(), version)
-        run.weight_version = version
+        run.state.weight_version = version
     out.update(probe_engines(run, version))
     if run.cfg.offload_train:
         run.train_group.offload()
@@ -685,7 +686,7 @@ def summary(run: Run) -> dict[str, Any]:
         "reward_last": sum(last) / len(last) if last else None,
         "test_accuracy_before": evaluated(run, 0),
         "test_accuracy_after": evaluated(run, run.cfg.num_rollout),
-        "wall_s": time.time() - run.started_at,
+        "wall_s": time.time() - run.state.started_at,
         "mlflow_run_id": run.tracker.run_id if run.tracker else None,
         "mlflow_tracking_uri": run.tracker.safe_uri if run.tracker else None,
         "mlflow_run_url": run.tracker.run_url() if run.tracker else None,

@@ -10,10 +10,10 @@ from plumbing import ui
 @task(name="train", task_run_name="train-{packed.rollout_id}", cache_policy=NO_CACHE)
 def train(run: Run, packed: stages.PackedRollout) -> dict[str, float]:
     """num_steps_per_rollout optimizer steps on the train workers (not retried: the update is not idempotent)."""
-    seen = len(run.diagnoses)
+    seen = len(run.state.diagnoses)
     with ui.diagnosed(run):
         out = stages.train(run, packed)
-    new = run.diagnoses[seen:]
+    new = run.state.diagnoses[seen:]
     for d in new:  # runtime warnings (RF09 grad-norm spike): in the task's log and as an artifact
         get_run_logger().warning(d.render())
     if new:

@@ -292,11 +292,11 @@ def test_grad_norm_spike_is_reported_with_the_step_samples(tiny_model):
 
     cfg = make_cfg(tiny_model, logprob_mismatch_threshold=1e3)  # fake engine log-probs (see above)
     run = stage_run(cfg, make_worker(cfg))
-    run.grad_norms = [1e-6] * 5  # a calm history; this step's norm is ≫ 10 × 1e-6
+    run.state.grad_norms = [1e-6] * 5  # a calm history; this step's norm is ≫ 10 × 1e-6
     out = train(run, packed_rollout(rollout_id=3))
-    (d,) = run.diagnoses
+    (d,) = run.state.diagnoses
     assert d.code == "RF09" and d.severity == "warning" and d.facts["sample_ids"] == list(range(8))
-    assert out["train/grad_norm_spikes"] == 1.0 and len(run.grad_norms) == 6
+    assert out["train/grad_norm_spikes"] == 1.0 and len(run.state.grad_norms) == 6
 
 
 def test_rf13_report_without_per_sample_losses_names_the_step_samples():

@@ -163,7 +163,7 @@ class TrainGroup:
         return self
 
     def _all(self, method: Callable[[Any], Any], *args, per_rank: list | None = None, **kwargs) -> list[Any]:
-        """method(worker) — e.g. `lambda w: w.train_step` — called on every worker (rank r first gets per_rank[r])."""
+        """method(worker), e.g. `lambda w: w.train_step`, called on every worker (rank r first gets per_rank[r])."""
         import ray
 
         refs = [method(w).remote(*((per_rank[r],) if per_rank is not None else ()), *args, **kwargs)
@@ -174,7 +174,8 @@ class TrainGroup:
                     need_ref: bool) -> list[dict[str, float]]:
         """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches.
         Every rank also gets the rewards of the whole rollout (see engine.train.worker)."""
-        return self._all(lambda w: w.set_rollout, rewards, need_ref, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
+        return self._all(lambda w: w.set_rollout, rewards, need_ref,
+                         per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
         return self._all(lambda w: w.train_step, k, global_batch_size)
@@ -205,7 +206,8 @@ class TrainGroup:
     def ipc_export(self, dtype: str, bucket_bytes: int, exporters: set[int]) -> list[list]:
         """Per rank, the CUDA IPC buckets of its weights in `dtype` (empty for ranks not in `exporters`); the
         workers keep the memory until `ipc_release`."""
-        return self._all(lambda w: w.ipc_export, dtype, bucket_bytes, per_rank=[r in exporters for r in range(len(self.workers))])
+        return self._all(lambda w: w.ipc_export, dtype, bucket_bytes,
+                         per_rank=[r in exporters for r in range(len(self.workers))])
 
     def ipc_release(self) -> None:
         self._all(lambda w: w.ipc_release)
