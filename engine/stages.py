@@ -682,6 +682,8 @@ def summary(run: Run) -> dict[str, Any]:
     last = [rewards[i] for i in ids[-3:]]
     return {
         "rollouts": len(ids),
+        "start_rollout": run.state.start_rollout_id,  # this process trained start_rollout .. num_rollout - 1
+        "num_rollout": run.cfg.num_rollout,
         "reward_first": sum(first) / len(first) if first else None,
         "reward_last": sum(last) / len(last) if last else None,
         "test_accuracy_before": evaluated(run, 0),

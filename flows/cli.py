@@ -39,9 +39,17 @@ def _print_summary(s: dict, cfg) -> None:
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     delta = (s["reward_last"] - s["reward_first"]) if s["reward_first"] is not None else None
+    start, total = s.get("start_rollout", 0), s.get("num_rollout", s["rollouts"])
+    if start >= total:
+        head = (f"rollflow: nothing to do: iteration {s.get('last_checkpoint')} is already saved and --num-rollout is "
+                f"{total} (raise --num-rollout to train on)")
+    else:
+        n = total - start
+        head = (f"rollflow: {n} rollout{'' if n == 1 else 's'} in {s['wall_s']:.0f}s"
+                + (f" (resumed at rollout {start} of {total})" if start else ""))
     lines = [
         "",
-        f"rollflow: {s['rollouts']} rollouts in {s['wall_s']:.0f}s",
+        head,
         f"  reward (mean of first 3 / last 3 rollouts): {s['reward_first']:.3f} → {s['reward_last']:.3f} "
         f"({delta:+.3f})" if delta is not None else "  reward: no rollouts ran",
         f"  test accuracy (greedy): {pct(s['test_accuracy_before'])} → {pct(s['test_accuracy_after'])}",
@@ -68,6 +76,9 @@ def cmd_train(argv: list[str]) -> int:
 
     from flows.train import rl_train
 
+    if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
+        print(f"rollflow train {cfg.experiment_name}: starting the Prefect API, then preflight, Ray, the engines and "
+              "the train workers …", file=sys.stderr, flush=True)
     try:
         result = rl_train(cfg)  # SIGTERM: the flow run ends Cancelled (flows/train.py)
     except CancelledRun as e:

@@ -170,10 +170,41 @@ class Progress:
                            markdown=iteration_markdown(run, rollout_id))
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{run.history['rollout/reward_mean'][rollout_id]:.3f}",
-                             loss=f"{run.history['train/loss'][rollout_id]:.4f}")
+                             loss=f"{run.history['train/loss'][rollout_id]:.3g}")
 
     def close(self) -> None:
         self.bar.close()
+
+
+class _DiagnosisFirst(logging.Filter):
+    """On the console handler: drop Prefect's records of a diagnosed failure (its traceback, the failed state),
+    which the CLI prints as the diagnosis at the end; the Prefect API and UI still get them in full."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], DiagnosisError):
+            return False
+        message = record.getMessage()
+        return not any(f"exception {name}" in message or f"{name}(" in message for name in _diagnosis_types())
+
+
+def _diagnosis_types() -> set[str]:
+    found, todo = set(), [DiagnosisError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def diagnosis_first() -> None:
+    """The terminal shows a diagnosed failure as the diagnosis alone (--debug: Prefect's tracebacks too)."""
+    import prefect.logging.handlers as handlers
+
+    for logger in (logging.getLogger(), logging.getLogger("prefect")):  # where Prefect's logging.yml puts it
+        for h in logger.handlers:
+            if isinstance(h, handlers.PrefectConsoleHandler) and not any(
+                    isinstance(f, _DiagnosisFirst) for f in h.filters):
+                h.addFilter(_DiagnosisFirst())
 
 
 def say_lost(tracker) -> None:

@@ -1,4 +1,6 @@
-from prefect import task
+import time
+
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
@@ -18,12 +20,18 @@ def place(cfg: RunConfig, tracker: Tracker | None = None) -> Run:
     Retried (see `configured`) only when the GPUs are busy (RF02 PlacementBusy); a topology that can never fit
     fails at once."""
     url = flow_run.ui_url  # "None/..." when no UI URL is configured (ephemeral API)
+    t0 = time.perf_counter()
     try:
-        return stages.place(cfg, tracker=tracker, flow_run_id=flow_run.id,
-                            flow_run_url=url if url and url.startswith("http") else None)
+        run = stages.place(cfg, tracker=tracker, flow_run_id=flow_run.id,
+                           flow_run_url=url if url and url.startswith("http") else None)
     except DiagnosisError as e:
         ui.doctor_report(render_report(e.diagnoses), "placement" + (" (will be retried)" if e.retryable else ""))
         raise
+    engines = run.engines.serving()
+    get_run_logger().info("place: %d rollout engine(s) at %s, %d train worker(s), %s; %.1f s", len(engines),
+                          ", ".join(engines), len(run.train_group.workers), run.start.describe(),
+                          time.perf_counter() - t0)
+    return run
 
 
 def configured(cfg: RunConfig):

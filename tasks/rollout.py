@@ -1,4 +1,4 @@
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
@@ -18,4 +18,9 @@ def rollout(run: Run, rollout_id: int) -> stages.RolloutBatch:
             stages.revive_engines(run)
         batch = stages.rollout(run, rollout_id)
     ui.samples(batch)
+    m = batch.metrics
+    get_run_logger().info("rollout-%d: reward %.3f, %d samples, response length %.1f, %.0f tok/s, %.2f s",
+                          rollout_id, m.get("rollout/reward_mean", float("nan")), sum(len(g) for g in batch.groups),
+                          m.get("rollout/response_len_mean", float("nan")), m.get("rollout/tokens_per_s", float("nan")),
+                          m.get("rollout/seconds", float("nan")))
     return batch

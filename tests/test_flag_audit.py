@@ -151,6 +151,7 @@ FLAG_TESTS = {
         "test_tracking_flow.py::test_run_started_while_mlflow_was_down_trains_and_delivers_everything",
     "summary_json": "test_flag_wiring.py::test_summary_json_is_written_by_rollflow_train",
     "progress": "test_flag_wiring.py::test_progress_flag_turns_the_bar_off",
+    "debug": "test_terminal.py::test_a_diagnosed_failure_shows_the_diagnosis_not_tracebacks",
 }
 
 

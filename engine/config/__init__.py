@@ -26,7 +26,7 @@ SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Checkp
             OrchestrationArgs, TrackingArgs]
 
 #: Fields that do not change what is trained (left out of the config hash).
-NON_SEMANTIC = {"summary_json", "progress", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
+NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
                 "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
                 "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",

@@ -36,3 +36,7 @@ class TrackingArgs(Section):
 
     progress: bool = True
     """Show a progress bar on the terminal."""
+
+    debug: bool = False
+    """Show Prefect's tracebacks on the terminal for a diagnosed failure too (without it the terminal shows the
+    diagnosis; the tracebacks stay in the Prefect UI's logs)."""

@@ -1,0 +1,42 @@
+"""What `rollflow train` prints on the terminal: a diagnosed failure as its diagnosis (tracebacks with --debug), and a
+finished run launched again as "nothing to do"."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow
+
+
+def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", "examples/demo.yaml",
+                           "--no-progress", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_diagnosed_failure_shows_the_diagnosis_not_tracebacks(tmp_path):
+    # every prompt is too long for a 2040-token response: preflight's DATA error, inside the flow
+    bad = ["--rollout-max-response-len", "2040", "--work-dir", str(tmp_path / "w"), "--save", str(tmp_path / "ck")]
+    r = train(*bad)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "Traceback" not in out and "Task run failed" not in out, out
+    assert out.count("[DATA error]") == 2 and "rollflow train stopped:" in out  # training and eval prompts
+    assert len(out.strip().splitlines()) <= 8, out
+    r = train(*bad, "--debug")
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" in out and "[DATA error]" in out, out
+
+
+def test_a_finished_run_launched_again_has_nothing_to_do(tmp_path):
+    args = ["--num-rollout", "1", "--eval-prompt-data", "", "--work-dir", str(tmp_path / "w"),
+            "--save", str(tmp_path / "ck")]
+    first = train(*args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "rollflow: 1 rollout in" in first.stdout
+    again = train(*args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to do: iteration 0 is already saved and --num-rollout is 1" in again.stdout, again.stdout
