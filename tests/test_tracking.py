@@ -72,6 +72,7 @@ class FakeMlflow:
     def __init__(self):
         self.down, self.calls = False, 0
         self.experiments: dict[str, str] = {}
+        self.experiment_tags: dict[str, dict[str, str]] = {}
         self.runs: dict[str, SimpleNamespace] = {}
         self.metrics: list = []
         self.artifacts: dict[str, bytes] = {}
@@ -89,12 +90,18 @@ class FakeMlflow:
 
     def get_experiment_by_name(self, name):
         self._hit()
-        return SimpleNamespace(experiment_id=self.experiments[name]) if name in self.experiments else None
+        eid = self.experiments.get(name)
+        return SimpleNamespace(experiment_id=eid, tags=self.experiment_tags[eid]) if eid is not None else None
 
-    def create_experiment(self, name, artifact_location=None):
+    def create_experiment(self, name, artifact_location=None, tags=None):
         self._hit()
         self.experiments[name] = str(len(self.experiments))
+        self.experiment_tags[self.experiments[name]] = dict(tags or {})
         return self.experiments[name]
+
+    def set_experiment_tag(self, eid, key, value):
+        self._hit()
+        self.experiment_tags[eid][key] = value
 
     def get_run(self, run_id):
         from mlflow.exceptions import MlflowException
@@ -224,7 +231,7 @@ def test_a_full_buffer_drops_and_counts_points(tmp_path):
 def test_resume_continues_the_run_tags_each_resume_and_never_rewrites_params(tmp_path):
     fake, clock = FakeMlflow(), Clock()
     rid = fake.add_run(params={"lr": "0.1", "num_rollout": "4"}, tags={"rollflow.resume.1": "{}"})
-    fake.experiments["exp"] = "0"
+    fake.experiments["exp"], fake.experiment_tags["0"] = "0", {}
     t = make_tracker(tmp_path, fake, clock)
     with pytest.warns(TrackingWarning, match="keeps its first values of \\['num_rollout'\\]"):
         got = t.start("r", rid, tags={}, params={"lr": 0.1, "num_rollout": 6, "new_flag": 1},
@@ -286,6 +293,19 @@ def test_sqlite_store_keeps_artifacts_beside_the_database(store):
     db_dir = Path(uri[len("sqlite:///"):]).parent
     assert (db_dir / "mlartifacts" / a / "artifacts" / "config.yaml").read_text() == "name: a\n"
     assert not (db_dir / "outbox-a").exists()  # the outbox is emptied once everything was sent
+
+
+def test_the_experiment_opens_in_mlflows_model_training_layout(store, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from engine.tracking import EXPERIMENT_KIND
+
+    uri = store[0]
+    client = MlflowClient(uri)
+    assert client.get_experiment_by_name("exp").tags[EXPERIMENT_KIND] == "custom_model_development"
+    bare = client.create_experiment("made-by-hand")  # an experiment without the tag gets it on first use
+    _log_run(uri, tmp_path, "c", 1e-4, [{0: 0.1}], experiment="made-by-hand")
+    assert client.get_experiment(bare).tags[EXPERIMENT_KIND] == "custom_model_development"
 
 
 def test_compare_counts_redone_steps_once_and_lists_the_differing_param(store):

@@ -72,6 +72,12 @@ def _mlflow_client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+#: MLflow opens an experiment in the layout its kind names: "custom_model_development" is the model-training
+#: layout (runs, metric charts); without the tag MLflow 3 guesses and may show the GenAI "Evaluations" layout
+EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_TAGS = {EXPERIMENT_KIND: "custom_model_development"}
+
+
 class Tracker:
     def __init__(self, uri: str, experiment_name: str, *, outbox: Path, artifact_location: str | None = None,
                  retry_interval: float = 30.0, max_buffered: int = 100_000,
@@ -241,7 +247,9 @@ class Tracker:
         if self.experiment_id is None:
             exp = self.client.get_experiment_by_name(self.experiment_name)
             self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
-                self.experiment_name, artifact_location=self.artifact_location)
+                self.experiment_name, artifact_location=self.artifact_location, tags=EXPERIMENT_TAGS)
+            if exp is not None and exp.tags.get(EXPERIMENT_KIND) is None:  # made by an older rollflow, or by hand
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, EXPERIMENT_TAGS[EXPERIMENT_KIND])
 
     def _open_run(self) -> None:
         if self.run_id or self._want is None:
