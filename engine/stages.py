@@ -648,22 +648,44 @@ def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
 EVAL_ACCURACY = "eval/test_accuracy"
 
 
+def should_eval(cfg: RunConfig, rollout_id: int) -> bool:
+    """--eval-interval: evaluate after this rollout (not after the last one: the final eval does)."""
+    done = rollout_id + 1
+    return cfg.eval_interval is not None and done % cfg.eval_interval == 0 and done < cfg.num_rollout
+
+
 def evaluate(run: Run, step: int) -> float | None:
-    """Greedy accuracy (mean reward, one sample per prompt) on the eval prompts, on the engines, published as
-    eval/test_accuracy at `step`: the number of rollouts trained before it (0 before training, --num-rollout
-    after). None without eval prompts. A resumed run finds the accuracy before training in its history."""
+    """Accuracy on the eval prompts, on the engines, published at `step` (the rollouts trained before it: 0 before
+    training, --num-rollout after, multiples of --eval-interval between): greedy with one sample per prompt, or the
+    mean of --n-samples-per-eval-prompt k samples with pass@k (eval_metrics). None without eval prompts; a step
+    already evaluated (a resumed run's history) is not evaluated again."""
     from engine.rollout.loop import generate_rollout
 
     if not run.eval_rows:
         return None
+    if (done := evaluated(run, step)) is not None:
+        return done
+    k = run.cfg.n_samples_per_eval_prompt
     rows = iter(run.eval_rows)
-    result = generate_rollout(lambda k: _prompts(run, [r for _, r in zip(range(k), rows)]), rollout_id=-1,
-                              batch_size=len(run.eval_rows), n=1, params=sampling_params(run, greedy=True),
+    # seeds of their own (rollout id -1 - step): never those of a training rollout, the same on a resume
+    result = generate_rollout(lambda n: _prompts(run, [r for _, r in zip(range(n), rows)]), rollout_id=-1 - step,
+                              batch_size=len(run.eval_rows), n=k, params=sampling_params(run, greedy=k == 1),
                               reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
                               concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout)
-    accuracy = sum(g[0].scalar_reward for g in result.groups) / len(result.groups)
-    publish(run, step, {EVAL_ACCURACY: accuracy})
-    return accuracy
+    metrics = eval_metrics([[s.scalar_reward for s in g] for g in result.groups])
+    publish(run, step, metrics)
+    return metrics[EVAL_ACCURACY]
+
+
+def eval_metrics(rewards: list[list[float]]) -> dict[str, float]:
+    """rewards[prompt][sample] → eval/test_accuracy (the mean reward); with k > 1 samples per prompt also
+    eval/mean_at_k (the same mean) and eval/pass_at_k (the mean over prompts of the best reward of k)."""
+    k = len(rewards[0])
+    mean = sum(sum(r) for r in rewards) / (k * len(rewards))
+    out = {EVAL_ACCURACY: mean}
+    if k > 1:
+        out.update({"eval/mean_at_k": mean, "eval/pass_at_k": sum(max(r) for r in rewards) / len(rewards)})
+    return out
 
 
 def evaluated(run: Run, step: int) -> float | None:

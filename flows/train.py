@@ -54,8 +54,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         t.preflight(cfg)
         run = t.place(cfg, tracker)
         start = t.convert(run)
-        if start == 0 and stages.evaluated(run, 0) is None:
-            t.evaluate(run, "before")
+        if start == 0:
+            t.evaluate(run, 0)
         progress = ui.Progress(cfg, start)
         for rollout_id in range(start, cfg.num_rollout):
             stopping.check()  # a SIGTERM stops the run here, between stages
@@ -68,9 +68,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 t.save(run, rollout_id)
             stopping.check()
             t.sync(run, rollout_id)
+            if stages.should_eval(cfg, rollout_id):
+                t.evaluate(run, rollout_id + 1)
             progress.done(run, rollout_id)
         progress.close()
-        t.evaluate(run, "after")
+        t.evaluate(run, cfg.num_rollout)
         finish(tracker, run.history)
         return stages.summary(run)
     except BaseException as e:

@@ -1,11 +1,17 @@
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engine import stages
 from engine.run import Run
+from plumbing import ui
 
 
-@task(name="evaluate", task_run_name="eval-{tag}", cache_policy=NO_CACHE)
-def evaluate(run: Run, tag: str) -> float | None:
-    """Greedy accuracy on the eval prompts: `before` training (step 0) or `after` it (step --num-rollout)."""
-    return stages.evaluate(run, 0 if tag == "before" else run.cfg.num_rollout)
+@task(name="evaluate", task_run_name="eval-{step}", cache_policy=NO_CACHE)
+def evaluate(run: Run, step: int) -> float | None:
+    """Accuracy on the eval prompts after `step` rollouts: 0 (before training), every --eval-interval, and
+    --num-rollout (after)."""
+    with ui.diagnosed(run):
+        accuracy = stages.evaluate(run, step)
+    if accuracy is not None:
+        get_run_logger().info("eval-%d: accuracy %.4f on %d prompts", step, accuracy, len(run.eval_rows))
+    return accuracy

@@ -185,7 +185,7 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
         assert client.read_deployment(fr.deployment_id).name == "rl-train"
 
         trs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        expected = ["preflight", "place", "convert", "eval-before", "eval-after", "save-1"] + [
+        expected = ["preflight", "place", "convert", "eval-0", "eval-2", "save-1"] + [
             f"{stage}-{i}" for i in range(2) for stage in ("rollout", "pack", "train", "sync")]
         assert sorted(t.name for t in trs) == sorted(expected)
         assert all(t.state.is_completed() for t in trs)

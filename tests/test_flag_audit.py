@@ -19,6 +19,8 @@ FLAG_TESTS = {
     "prompt_data": "test_doctor.py::test_a_prompt_file_that_is_not_utf8",
     "eval_prompt_data": "test_checkpoint_s3.py::test_rf01_on_an_empty_prefix_and_no_secret_anywhere",
     "eval_max_samples": "test_flag_wiring.py::test_place_flags",
+    "eval_interval": "test_flow.py::test_two_rollouts_end_to_end",
+    "n_samples_per_eval_prompt": "test_flow.py::test_two_rollouts_end_to_end",
     "input_key": "test_data.py::test_row_without_input_key_names_line",
     "label_key": "test_data.py::test_row_without_input_key_names_line",
     "metadata_key": "test_data.py::test_parquet_with_metadata_and_row_numbers",

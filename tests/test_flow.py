@@ -18,7 +18,7 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
     from engine import checkpoint
     from flows.train import rl_train
 
-    cfg = small_cfg()
+    cfg = small_cfg(eval_interval=1, n_samples_per_eval_prompt=2)  # evals after 0, 1 and 2 rollouts, 2 samples each
     result = rl_train(cfg)
 
     assert result["rollouts"] == 2
@@ -41,12 +41,12 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
     deadline = time.monotonic() + 30
     while True:
         fr, trs, arts = asyncio.run(read())
-        if (len(trs) == 13 and all(t.state.is_final() for t in trs)) or time.monotonic() > deadline:
+        if (len(trs) == 14 and all(t.state.is_final() for t in trs)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert fr.state.is_completed()
     names = sorted(t.name for t in trs)
-    expected = ["preflight", "place", "convert", "eval-before", "eval-after"] + [
+    expected = ["preflight", "place", "convert", "eval-0", "eval-1", "eval-2"] + [
         f"{stage}-{i}" for i in range(2) for stage in ("rollout", "pack", "train", "sync")] + ["save-1"]
     assert names == sorted(expected)
     assert all(t.state.is_completed() for t in trs)
@@ -70,6 +70,13 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == [0, 1], key
     assert run.info.status == "FINISHED"
+
+    # the eval curve: every --eval-interval, with mean@k and pass@k of k = --n-samples-per-eval-prompt samples
+    curve = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/test_accuracy")}
+    assert sorted(curve) == [0, 1, 2] and curve[2] == result["test_accuracy_after"]
+    mean = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/mean_at_k")}
+    best = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/pass_at_k")}
+    assert mean == curve and all(best[s] >= mean[s] for s in curve)
 
 
 def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, shared_ray, small_cfg, tmp_path):

@@ -314,3 +314,22 @@ def test_an_unknown_finish_reason_fails_the_sample_with_the_reason():
                                {**out, "meta_info": {**out["meta_info"], "finish_reason": {"type": "preempted"}}}])
     assert ok.status is Status.COMPLETED and "failure" not in ok.metadata
     assert odd.status is Status.FAILED and "preempted" in odd.metadata["failure"]
+
+
+def test_eval_metrics_mean_and_pass_at_k_in_closed_form():
+    from engine.stages import eval_metrics
+
+    greedy = eval_metrics([[1.0], [0.0], [1.0], [0.0]])
+    assert greedy == {"eval/test_accuracy": 0.5}  # one sample per prompt: no @k metrics
+    k3 = eval_metrics([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.5]])
+    assert k3["eval/mean_at_k"] == k3["eval/test_accuracy"] == pytest.approx(3.5 / 9)
+    assert k3["eval/pass_at_k"] == pytest.approx((1.0 + 0.0 + 1.0) / 3)
+
+
+def test_eval_interval_evaluates_between_rollouts_but_not_after_the_last():
+    from engine.config import RunConfig
+    from engine.stages import should_eval
+
+    cfg = RunConfig(num_rollout=6, eval_interval=2)
+    assert [r for r in range(6) if should_eval(cfg, r)] == [1, 3]  # after 2 and 4 rollouts; 6 is the final eval
+    assert not any(should_eval(RunConfig(num_rollout=6), r) for r in range(6))

@@ -25,7 +25,16 @@ class DataArgs(Section):
     """Held-out prompts for greedy accuracy before and after training (JSONL or Parquet); empty to skip."""
 
     eval_max_samples: int = Field(128, ge=1)
-    """At most this many eval prompts are scored (greedy)."""
+    """At most this many eval prompts are scored."""
+
+    eval_interval: Optional[int] = Field(None, ge=1)
+    """Also evaluate every N rollouts (after that rollout's weight sync; logged at step = rollouts trained), for an
+    eval curve; before and after training always (slime's flag)."""
+
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    """Samples per eval prompt: 1 = greedy (eval/test_accuracy); k > 1 = k samples at --rollout-temperature, logged
+    as eval/mean_at_k (their mean reward, also eval/test_accuracy) and eval/pass_at_k (the mean over prompts of the
+    best of k rewards: pass@k for 0/1 rewards)."""
 
     input_key: str = "prompt"
     """Row key holding the prompt (a string, or a list of chat messages)."""

@@ -87,8 +87,13 @@ METRICS: list[MetricDoc] = [
                                                "the peak of a shared GPU)"),
     MetricDoc("memory/<stage>_train_gib", None, "of which the train workers (max over them)"),
     MetricDoc("memory/<stage>_engine_gib", None, "of which the rollout engines (max over them)"),
-    MetricDoc("eval/test_accuracy", "max", "greedy accuracy on `--eval-prompt-data` (step 0 = before training, "
-                                           "step num_rollout = after)"),
+    MetricDoc("eval/test_accuracy", "max", "mean reward on `--eval-prompt-data`: greedy, or the mean of "
+                                           "`--n-samples-per-eval-prompt` samples (step = rollouts trained: 0 before "
+                                           "training, every `--eval-interval`, num_rollout after)"),
+    MetricDoc("eval/mean_at_k", "max", "with k = `--n-samples-per-eval-prompt` > 1: the mean reward of the k samples "
+                                       "per eval prompt"),
+    MetricDoc("eval/pass_at_k", "max", "with k > 1: the mean over eval prompts of the best of k rewards (pass@k for "
+                                       "0/1 rewards)"),
     MetricDoc("system/cpu_utilization_percentage", None, "CPU utilisation of the driver's node"),
     MetricDoc("system/system_memory_usage_megabytes", None, "memory in use on the driver's node, MiB"),
     MetricDoc("system/system_memory_usage_percentage", None, "memory in use on the driver's node, %"),
