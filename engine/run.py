@@ -27,6 +27,14 @@ class RunState:
     started_at: float = field(default_factory=time.time)
 
 
+def run_key(cfg: RunConfig) -> str:
+    """12 hex of --save (else the work dir): names what belongs to this run on a shared cluster (its placement
+    group, its Prefect artifacts), so a later attempt of the same run finds an earlier attempt's."""
+    import hashlib
+
+    return hashlib.sha256((cfg.save or str(Path(cfg.work_dir).resolve())).encode()).hexdigest()[:12]
+
+
 class Run:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -78,11 +86,7 @@ class Run:
 
     @property
     def key(self) -> str:
-        """12 hex of --save (else the work dir): names what belongs to this run on a shared cluster (its placement
-        group), so a later attempt of the same run finds an earlier attempt's leftovers."""
-        import hashlib
-
-        return hashlib.sha256((self.cfg.save or str(self.work_dir)).encode()).hexdigest()[:12]
+        return run_key(self.cfg)
 
     @property
     def origin(self) -> dict[str, Any]:

@@ -100,12 +100,14 @@ def _tracking_resume(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 # ---- track -----------------------------------------------------------------------------------------------------
-def track(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None) -> Tracker:
-    """Open the MLflow run first (the checkpoint manifest's run when resuming), so a failed preflight is recorded."""
+def track(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str | None = None,
+          run_name: str | None = None) -> Tracker:
+    """Open the MLflow run first (the checkpoint manifest's run when resuming), so a failed preflight is recorded.
+    A new MLflow run is named `run_name` (the flow run's name), else --run-name or `<experiment>-<date>-<time>`."""
     from engine.tracking.record import open_tracking
 
     return open_tracking(cfg, work_dir=Path(cfg.work_dir).resolve(), resume=_tracking_resume(cfg),
-                         flow_run_id=flow_run_id, flow_run_url=flow_run_url)
+                         flow_run_id=flow_run_id, flow_run_url=flow_run_url, run_name=run_name)
 
 
 def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | None = None,

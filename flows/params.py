@@ -90,11 +90,14 @@ class SecretSafeFlow(Flow):
 
 
 def flow_run_name() -> str:
-    """`<experiment>/<run name>` (the experiment alone without --run-name), from the flow run's parameters."""
+    """The name the MLflow run gets too (engine.tracking.record.run_name_of): --run-name, else
+    `<experiment>-<date>-<time>`; a resume renames the flow run after the MLflow run it continues."""
     from prefect.runtime import flow_run
+
+    from engine.tracking.record import run_name_of
 
     try:
         cfg = run_config(flow_run.parameters.get("cfg"), flow_run.parameters.get("config"))
     except DiagnosisError:  # the flow body raises it again: the run fails with the message instead of staying Pending
         return "rollflow/invalid-config"
-    return f"{cfg.experiment_name}/{cfg.run_name}" if cfg.run_name else cfg.experiment_name
+    return run_name_of(cfg)

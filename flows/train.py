@@ -47,16 +47,19 @@ rl_train = SecretSafeFlow(_rl_train, name="rl-train", flow_run_name=flow_run_nam
 def train(cfg: RunConfig) -> dict[str, Any]:
     """preflight → place → convert, then rollout → pack → train → save → sync per rollout id."""
     t = tasks.for_run(cfg)
-    tracker = stages.track(cfg, flow_run_id=str(flow_run.id), flow_run_url=prefect_ui_url(flow_run.id, flow_run.ui_url))
-    ui.mlflow_link(tracker)
-    run = None
+    tracker = stages.track(cfg, flow_run_id=str(flow_run.id), flow_run_url=prefect_ui_url(flow_run.id, flow_run.ui_url),
+                           run_name=flow_run.name)  # one name in Prefect and MLflow
+    ui.mlflow_link(cfg, tracker)
+    run = progress = None
     try:
         t.preflight(cfg)
         run = t.place(cfg, tracker)
         start = t.convert(run)
-        if start == 0:
+        if start:  # the MLflow run it continues keeps its name
+            ui.name_flow_run(f"{tracker.run_name} (resumed at rollout {start})")
+        else:
             t.evaluate(run, 0)
-        progress = ui.Progress(cfg, start)
+        progress = ui.Progress(run, start)
         for rollout_id in range(start, cfg.num_rollout):
             stopping.check()  # a SIGTERM stops the run here, between stages
             batch = t.rollout(run, rollout_id)
@@ -70,16 +73,18 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             t.sync(run, rollout_id)
             if stages.should_eval(cfg, rollout_id):
                 t.evaluate(run, rollout_id + 1)
-            progress.done(run, rollout_id)
-        progress.close()
+            progress.done(rollout_id)
         t.evaluate(run, cfg.num_rollout)
+        progress.close("finished")
         finish(tracker, run.history)
         return stages.summary(run)
     except BaseException as e:
+        if progress is not None:
+            progress.close(f"stopped ({type(e).__name__})")
         finish(tracker, run.history if run else {}, e)
         raise
     finally:
-        ui.say_lost(tracker)
+        ui.say_lost(cfg, tracker)
         ui.close()
         if run is not None:
             run.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import queue
+import re
 import threading
 import time
 import warnings
@@ -94,10 +95,19 @@ def close(timeout_s: float = 60.0) -> list[str]:
 
 
 # ---- artifacts ----------------------------------------------------------------------------------------------------
-def doctor_report(report: str, description: str) -> None:
+# Prefect's artifact keys are global: every key carries the run's identity (the experiment and 8 hex of --save, else
+# the work dir), so one key never mixes runs and a resumed run continues its own artifacts.
+def artifact_key(cfg: RunConfig, name: str) -> str:
+    from engine.run import run_key
+
+    experiment = re.sub(r"[^a-z0-9]+", "-", cfg.experiment_name.lower()).strip("-")[:40] or "run"
+    return f"{name}-{experiment}-{run_key(cfg)[:8]}"
+
+
+def doctor_report(cfg: RunConfig, report: str, description: str) -> None:
     """The `doctor-report` artifact: the doctor's rendered report (preflight, placement or a runtime failure)."""
-    create_markdown_artifact(key="doctor-report", markdown=f"# Doctor report\n\n```\n{report}\n```",
-                             description=description)
+    create_markdown_artifact(key=artifact_key(cfg, "doctor-report"),
+                             markdown=f"# Doctor report\n\n```\n{report}\n```", description=description)
 
 
 @contextmanager
@@ -111,7 +121,7 @@ def diagnosed(run: Run) -> Iterator[None]:
         if not diags:
             raise
         report = render_report(diags)
-        doctor_report(report, "runtime diagnosis")
+        doctor_report(run.cfg, report, "runtime diagnosis")
         if run.tracker is not None:
             run.tracker.log_text(report, "doctor/report.txt")
         if isinstance(e, DiagnosisError):
@@ -119,34 +129,99 @@ def diagnosed(run: Run) -> Iterator[None]:
         raise DiagnosisError(diags) from e
 
 
-def mlflow_link(tracker) -> None:
+def mlflow_link(cfg: RunConfig, tracker) -> None:
     if tracker.run_id:
-        create_link_artifact(key="mlflow-run", link=tracker.run_url(), link_text=f"MLflow run {tracker.run_id}")
+        create_link_artifact(key=artifact_key(cfg, "mlflow-run"), link=tracker.run_url(),
+                             link_text=f"MLflow run {tracker.run_name} ({tracker.run_id})")
 
 
-def samples(batch) -> None:
-    """A few of the rollout's samples as the `samples` table (2 of each of the first 4 groups)."""
-    preview = [{"prompt": str(s.prompt)[:200], "response": s.response[:200], "label": str(s.label),
-                "reward": round(s.scalar_reward, 4), "status": s.status.value}
-               for g in batch.groups[:4] for s in g[:2]]
-    publisher().submit("samples", create_table_artifact, key="samples", table=preview,
-                       description=f"sample rollouts of rollout {batch.rollout_id}")
+def name_flow_run(name: str) -> None:
+    """Rename this flow run (a resume takes the name of the MLflow run it continues)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if flow_run.id and flow_run.name != name:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=name)
+
+
+def _update(artifact_id, data: str, description: str | None = None) -> None:
+    """Replace an artifact's content in place (one card that changes, not one per rollout)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    with get_client(sync_client=True) as client:
+        client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description))
+
+
+def sample_rows(batch) -> list[dict[str, Any]]:
+    """2 samples of each of the first 4 groups: prompt and response (cut at 300 characters, lengths given), label,
+    reward, the group-normalised reward (GRPO's advantage), status and finish reason."""
+    rows = []
+    for g in batch.groups[:4]:
+        rewards = [s.scalar_reward for s in g]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5
+        for s in g[:2]:
+            fr = s.metadata.get("finish_reason") or {}
+            rows.append({"group": s.group_index, "prompt": str(s.prompt)[:300], "response": s.response[:300],
+                         "response tokens": s.response_length, "label": str(s.label),
+                         "reward": round(s.scalar_reward, 4),
+                         "advantage (group-normalised)": round((s.scalar_reward - mean) / (std + 1e-6), 4),
+                         "status": s.status.value, "finish": fr.get("type", "") if isinstance(fr, dict) else str(fr)})
+    return rows
 
 
 def iteration_markdown(run: Run, rollout_id: int) -> str:
     h = run.history
     get = lambda k: h.get(k, {}).get(rollout_id, float("nan"))  # noqa: E731
-    return (f"### rollout {rollout_id} of {run.cfg.num_rollout}\n\n| metric | value |\n|---|---|\n"
+    return (f"#### rollout {rollout_id} of {run.cfg.num_rollout}\n\n| metric | value |\n|---|---|\n"
             f"| reward mean | {get('rollout/reward_mean'):.4f} |\n| response length | "
-            f"{get('rollout/response_len_mean'):.1f} |\n| loss | {get('train/loss'):.5f} |\n"
-            f"| KL (to reference) | {get('train/kl'):.5f} |\n| grad norm | {get('train/grad_norm'):.4f} |\n"
+            f"{get('rollout/response_len_mean'):.1f} |\n| loss | {get('train/loss'):.4g} |\n"
+            f"| KL (to reference) | {get('train/kl'):.4g} |\n| grad norm | {get('train/grad_norm'):.4g} |\n"
             f"| train–inference mismatch, mean / max (RF14) | {get('train/mismatch'):.3g} / "
             f"{get('train/mismatch_max'):.3g} |\n"
-            f"| rollout tokens/s | {get('rollout/tokens_per_s'):.1f} |\n| rollout s | {get('rollout/seconds'):.2f} |\n"
-            f"| train s | {get('train/seconds'):.2f} |\n| sync s | {get('sync/seconds'):.2f} |\n"
+            f"| rollout tokens/s | {get('rollout/tokens_per_s'):.1f} |\n"
+            "| seconds: rollout / pack / train / save / sync | "
+            f"{get('rollout/seconds'):.2f} / {get('pack/seconds'):.2f} / {get('train/seconds'):.2f} / "
+            f"{h.get('save/seconds', {}).get(rollout_id, 0.0):.2f} / {get('sync/seconds'):.2f} |\n"
             + (f"| peak GPU GiB rollout / train / sync | {get('memory/rollout_peak_gib'):.2f} / "
                f"{get('memory/train_peak_gib'):.2f} / {get('memory/sync_peak_gib'):.2f} |\n"
                if "memory/rollout_peak_gib" in h else ""))
+
+
+def summary_markdown(run: Run, state: str, rollout_id: int | None = None) -> str:
+    """The run so far: reward first → latest, eval accuracy first → latest, wall time, links, the last rollout."""
+    h, cfg = run.history, run.cfg
+    rewards = [v for _, v in sorted(h.get("rollout/reward_mean", {}).items())]
+    evals = sorted(h.get("eval/test_accuracy", {}).items())
+    done = 0 if rollout_id is None else rollout_id + 1
+    lines = [f"### {run.tracker.run_name if run.tracker else cfg.experiment_name}: {state}, {done} of "
+             f"{cfg.num_rollout} rollouts", "", "| | |", "|---|---|"]
+    if rewards:
+        first, last = rewards[:3], rewards[-3:]
+        lines.append(f"| reward, mean of first 3 → last 3 rollouts | {sum(first) / len(first):.3f} → "
+                     f"{sum(last) / len(last):.3f} |")
+    if evals:
+        lines.append(f"| eval accuracy, step {evals[0][0]} → step {evals[-1][0]} | {100 * evals[0][1]:.1f}% → "
+                     f"{100 * evals[-1][1]:.1f}% |")
+    lines.append(f"| wall time | {time.time() - run.state.started_at:.0f} s |")
+    if run.tracker is not None and run.tracker.run_id:
+        lines.append(f"| MLflow run | [{run.tracker.run_name or run.tracker.run_id}]({run.tracker.run_url()}) |")
+    if cfg.save:
+        lines.append(f"| checkpoints | `{cfg.save}` |")
+    if rollout_id is not None:
+        lines += ["", iteration_markdown(run, rollout_id)]
+    return "\n".join(lines) + "\n"
+
+
+_progress: "Progress | None" = None  # the running flow's (one training run per process at a time)
+
+
+def samples(batch) -> None:
+    """The rollout's samples into the running flow's `samples` card."""
+    if _progress is not None:
+        _progress.rollout(batch)
 
 
 def progress_bar(cfg: RunConfig, start: int) -> tqdm:
@@ -156,24 +231,47 @@ def progress_bar(cfg: RunConfig, start: int) -> tqdm:
 
 
 class Progress:
-    """The rollouts done: the `progress` artifact, the `iteration` table of the last rollout, the terminal bar."""
+    """What the run shows while it trains, each one card updated in place: `progress` (rollouts done), `summary`
+    (the run so far and the last rollout), `samples` (the last rollout's samples); and the terminal bar."""
 
-    def __init__(self, cfg: RunConfig, start: int):
-        self.total = cfg.num_rollout
-        self.artifact = create_progress_artifact(progress=100.0 * start / self.total, key="progress",
-                                                 description="rollouts done")
+    def __init__(self, run: Run, start: int):
+        cfg = run.cfg
+        self.run, self.total = run, cfg.num_rollout
+        self.artifact = create_progress_artifact(progress=100.0 * start / self.total,
+                                                 key=artifact_key(cfg, "progress"), description="rollouts done")
+        first = summary_markdown(run, "training", start - 1 if start else None)
+        self.summary = create_markdown_artifact(key=artifact_key(cfg, "summary"), markdown=first,
+                                                description="the run so far (updated every rollout)")
+        self.samples = None
         self.bar = progress_bar(cfg, start)
+        global _progress
+        _progress = self
 
-    def done(self, run: Run, rollout_id: int) -> None:
+    def rollout(self, batch) -> None:
+        """The rollout's samples into the `samples` card (created by the first rollout)."""
+        from prefect.artifacts import TableArtifact
+
+        rows, what = sample_rows(batch), f"samples of rollout {batch.rollout_id}"
+        if self.samples is None:
+            self.samples = create_table_artifact(key=artifact_key(self.run.cfg, "samples"), table=rows,
+                                                 description=what)
+        else:
+            publisher().submit("samples", _update, self.samples, TableArtifact(table=rows).format(), what)
+
+    def done(self, rollout_id: int) -> None:
+        run = self.run
         publisher().submit("progress", update_progress_artifact, self.artifact, 100.0 * (rollout_id + 1) / self.total)
-        publisher().submit("iteration", create_markdown_artifact, key="iteration",
-                           markdown=iteration_markdown(run, rollout_id))
+        publisher().submit("summary", _update, self.summary, summary_markdown(run, "training", rollout_id))
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{run.history['rollout/reward_mean'][rollout_id]:.3f}",
                              loss=f"{run.history['train/loss'][rollout_id]:.3g}")
 
-    def close(self) -> None:
+    def close(self, state: str = "finished") -> None:
+        global _progress
+        _progress = None
         self.bar.close()
+        last = max(self.run.history.get("rollout/reward_mean", {}), default=None)
+        publisher().submit("summary", _update, self.summary, summary_markdown(self.run, state, last))
 
 
 class _DiagnosisFirst(logging.Filter):
@@ -207,10 +305,10 @@ def diagnosis_first() -> None:
                 h.addFilter(_DiagnosisFirst())
 
 
-def say_lost(tracker) -> None:
+def say_lost(cfg: RunConfig, tracker) -> None:
     """What MLflow never received, at the end of the run: a warning on the console and a Prefect artifact."""
     from engine.tracking import TrackingWarning
 
     if report := tracker.lost_report():
         warnings.warn(report, TrackingWarning, stacklevel=2)
-        create_markdown_artifact(key="mlflow-lost", markdown=f"**MLflow incomplete**: {report}")
+        create_markdown_artifact(key=artifact_key(cfg, "mlflow-lost"), markdown=f"**MLflow incomplete**: {report}")

@@ -19,5 +19,6 @@ def convert(run: Run) -> int:
         logger.warning(note)
     logger.info(run.start.describe())
     if run.start.kind != "fresh" or run.start.notes:
-        create_markdown_artifact(key="resume", markdown=run.start.markdown(), description=run.start.describe())
+        create_markdown_artifact(key=ui.artifact_key(run.cfg, "resume"), markdown=run.start.markdown(),
+                                 description=run.start.describe())
     return start

@@ -25,7 +25,7 @@ def place(cfg: RunConfig, tracker: Tracker | None = None) -> Run:
         run = stages.place(cfg, tracker=tracker, flow_run_id=flow_run.id,
                            flow_run_url=url if url and url.startswith("http") else None)
     except DiagnosisError as e:
-        ui.doctor_report(render_report(e.diagnoses), "placement" + (" (will be retried)" if e.retryable else ""))
+        ui.doctor_report(cfg, render_report(e.diagnoses), "placement" + (" (will be retried)" if e.retryable else ""))
         raise
     engines = run.engines.serving()
     get_run_logger().info("place: %d rollout engine(s) at %s, %d train worker(s), %s; %.1f s", len(engines),

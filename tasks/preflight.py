@@ -13,8 +13,8 @@ def preflight(cfg: RunConfig) -> list[dict]:
     try:
         diags = stages.preflight(cfg)
     except ConfigError as e:
-        ui.doctor_report(str(e), "preflight found errors")
+        ui.doctor_report(cfg, str(e), "preflight found errors")
         raise
     if diags:
-        ui.doctor_report(render_report(diags), "preflight warnings")
+        ui.doctor_report(cfg, render_report(diags), "preflight warnings")
     return [d.model_dump() for d in diags]

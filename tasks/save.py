@@ -20,9 +20,10 @@ def save(run: Run, rollout_id: int) -> str:
         report = stages.save(run, rollout_id)
     if report.deleted:
         get_run_logger().info("--keep-last-n %s deleted %s", run.cfg.keep_last_n, report.deleted)
-    create_markdown_artifact(key="checkpoint", markdown=report.markdown(),
+    create_markdown_artifact(key=ui.artifact_key(run.cfg, "checkpoint"), markdown=report.markdown(),
                              description=f"checkpoint of rollout {rollout_id}")
-    create_link_artifact(key="checkpoint-link", link=as_link(report.uri), link_text=f"iter {rollout_id}: {report.uri}")
+    create_link_artifact(key=ui.artifact_key(run.cfg, "checkpoint-link"), link=as_link(report.uri),
+                         link_text=f"iter {rollout_id}: {report.uri}")
     committed(run, rollout_id, report.uri)
     return report.uri
 

@@ -20,5 +20,6 @@ def train(run: Run, packed: stages.PackedRollout) -> dict[str, float]:
     for d in new:  # runtime warnings (RF09 grad-norm spike): in the task's log and as an artifact
         get_run_logger().warning(d.render())
     if new:
-        create_markdown_artifact(key="train-warnings", markdown="\n\n".join(f"```\n{d.render()}\n```" for d in new))
+        create_markdown_artifact(key=ui.artifact_key(run.cfg, "train-warnings"),
+                                 markdown="\n\n".join(f"```\n{d.render()}\n```" for d in new))
     return out

@@ -155,6 +155,8 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from engine.checkpoint.writer import LOCK
+    from engine.config import RunConfig
+    from plumbing.ui import artifact_key
     from flows.export import export_path
 
     procs = prefect_server
@@ -179,8 +181,9 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
         flow_run_id = UUID(re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1))
         fr = _wait_final(client, flow_run_id, deadline_s=300, logs=tmp_path)
         assert fr.state.is_completed(), f"{fr.state}\n" + (tmp_path / "worker.log").read_text()[-5000:]
-        # the file's values and the run's overrides both arrived: name from the file, sizes from cfg
-        assert fr.name == "demo-deployment/deploy-test"
+        # the file's values and the run's overrides both arrived: the name from cfg (the MLflow run's too), sizes from
+        # cfg, the experiment from the file (in the artifact keys)
+        assert fr.name == "deploy-test"
         assert fr.parameters["config"] == "deployments/demo.yaml" and fr.parameters["cfg"]["num_rollout"] == 2
         assert client.read_deployment(fr.deployment_id).name == "rl-train"
 
@@ -191,12 +194,14 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
         assert all(t.state.is_completed() for t in trs)
 
         arts = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id]
+        key = {name: artifact_key(RunConfig(experiment_name="demo-deployment", save=save), name)
+               for name in ("progress", "summary", "mlflow-run", "samples", "checkpoint")}
         keys = [a.key for a in arts]
-        assert keys.count("iteration") == 2 and {"progress", "mlflow-run", "samples", "checkpoint"} <= set(keys)
-        progress = next(a for a in arts if a.key == "progress")
+        assert all(keys.count(k) == 1 for k in key.values()), keys
+        progress = next(a for a in arts if a.key == key["progress"])
         assert float(progress.data) == 100.0
-        link = next(a for a in arts if a.key == "mlflow-run")
-        mlflow_run_id = re.search(r"MLflow run ([0-9a-f]{32})", link.data).group(1)
+        link = next(a for a in arts if a.key == key["mlflow-run"])
+        mlflow_run_id = re.search(r"([0-9a-f]{32})", link.data).group(1)
 
         # the run held --save's writer lock and released it
         assert not (Path(save) / LOCK).exists()

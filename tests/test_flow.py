@@ -51,19 +51,30 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
     assert names == sorted(expected)
     assert all(t.state.is_completed() for t in trs)
 
-    # what the UI shows: progress at 100%, one iteration summary and one samples table per rollout, the MLflow
-    # run and the checkpoint (the rollflow.checkpoint.committed event and its trigger: tests/test_deployment.py)
-    keys = [a.key for a in arts]
-    assert {"progress", "mlflow-run", "checkpoint", "checkpoint-link"} <= set(keys)
-    assert keys.count("iteration") == 2 and keys.count("samples") == 2
-    assert next(a for a in arts if a.key == "progress").data == 100.0
-    assert next(a for a in arts if a.key == "checkpoint-link").data.endswith("/ckpt/iter_0000001)")
+    # what the UI shows, each card once and updated in place, keys scoped to this run: progress at 100%, the
+    # summary (the run so far and the last rollout), the last rollout's samples, the MLflow run and the checkpoint
+    # (the rollflow.checkpoint.committed event and its trigger: tests/test_deployment.py)
+    from plumbing.ui import artifact_key
+
+    by_key = {}
+    for a in arts:
+        by_key.setdefault(a.key, []).append(a)
+    for name in ("progress", "summary", "samples", "mlflow-run", "checkpoint", "checkpoint-link"):
+        assert len(by_key.get(artifact_key(cfg, name), [])) == 1, (name, sorted(by_key))
+    suffix = artifact_key(cfg, "x")[1:]  # -<experiment>-<8 hex of --save>
+    assert all(k.endswith(suffix) for k in by_key), sorted(by_key)
+    assert by_key[artifact_key(cfg, "progress")][0].data == 100.0
+    summary = by_key[artifact_key(cfg, "summary")][0].data
+    assert "finished, 2 of 2 rollouts" in summary and "#### rollout 1 of 2" in summary and "eval accuracy" in summary
+    assert "samples of rollout 1" == by_key[artifact_key(cfg, "samples")][0].description
+    assert by_key[artifact_key(cfg, "checkpoint-link")][0].data.endswith("/ckpt/iter_0000001)")
 
     # MLflow: params are the config, one metric point per rollout
     client = MlflowClient(tracking_uri=result["mlflow_tracking_uri"])
     run = client.get_run(result["mlflow_run_id"])
     assert run.data.params["rollout_batch_size"] == "4" and run.data.params["lr"] == "0.0001"
     assert run.data.tags["prefect.flow_run_id"] == str(fr.id)
+    assert run.info.run_name == fr.name and fr.name.startswith("tests-")  # one name in both UIs
     for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl", "train/grad_norm",
                 "rollout/seconds", "train/seconds", "sync/seconds", "pack/efficiency", "pack/dp_imbalance",
                 "pack/micro_batches_per_rank"):
@@ -99,7 +110,7 @@ def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, sh
 
     async def read():
         async with get_client() as client:
-            frs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["tests/nan-run"])))
+            frs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["nan-run"])))
             fr = frs[-1]
             trs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
             arts = await client.read_artifacts()
@@ -109,4 +120,6 @@ def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, sh
     assert fr.state.is_failed()
     train = next(t for t in trs if t.name == "train-0")
     assert train.state.is_failed() and "RF13" in train.state.message
-    assert any(a.key == "doctor-report" and "RF13" in (a.data or "") for a in arts)
+    from plumbing.ui import artifact_key
+
+    assert any(a.key == artifact_key(cfg, "doctor-report") and "RF13" in (a.data or "") for a in arts)

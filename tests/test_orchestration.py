@@ -108,7 +108,7 @@ def test_a_config_error_is_not_retried_by_the_flow(prefect_harness, shared_ray, 
     with pytest.raises(DiagnosisError) as e:
         rl_train(cfg)
     assert e.value.codes == ["RF01"]
-    fr, _ = _flow_run_named("tests/config-error")
+    fr, _ = _flow_run_named("config-error")
     assert fr.state.is_failed() and fr.run_count == 1
 
 

@@ -82,9 +82,10 @@ class FakeMlflow:
         if self.down:
             raise ConnectionError("connection refused")
 
-    def add_run(self, params=None, tags=None) -> str:
+    def add_run(self, params=None, tags=None, run_name=None) -> str:
         rid = f"run{len(self.runs)}"
-        self.runs[rid] = SimpleNamespace(info=SimpleNamespace(run_id=rid, start_time=1_000, status="RUNNING"),
+        self.runs[rid] = SimpleNamespace(info=SimpleNamespace(run_id=rid, start_time=1_000, status="RUNNING",
+                                                              run_name=run_name or f"name-of-{rid}"),
                                          data=SimpleNamespace(params=dict(params or {}), tags=dict(tags or {})))
         return rid
 
@@ -114,7 +115,7 @@ class FakeMlflow:
 
     def create_run(self, experiment_id, run_name=None):
         self._hit()
-        return self.runs[self.add_run()]
+        return self.runs[self.add_run(run_name=run_name)]
 
     def search_runs(self, experiment_ids, filter_string="", max_results=1000):
         self._hit()

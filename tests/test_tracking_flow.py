@@ -167,6 +167,7 @@ def test_killed_and_resumed_run_is_one_mlflow_run(sqlite_runs):
     blobs = [json.dumps(p), json.dumps(t)] + [(art_dir / f).read_bytes().decode("latin-1") for f in files]
     assert not any(SECRET in b for b in blobs)
     assert SECRET not in r["resume_stdout"]
+    assert "rollflow: 2 rollouts in" in r["resume_stdout"] and "(resumed at rollout 2 of 4)" in r["resume_stdout"]
 
 
 def test_compare_shows_one_value_per_step_and_lr_as_the_difference(sqlite_runs, tmp_path, capsys):

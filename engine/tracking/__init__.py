@@ -91,6 +91,7 @@ class Tracker:
         self.experiment_id: str | None = None
         self.run_id: str | None = None
         self.run_start_s: float | None = None  # wall time the MLflow run was first created
+        self.run_name: str | None = None  # the MLflow run's name (a continued run keeps its own)
         self.sampler = None  # the SystemSampler feeding this tracker, if any
         self.created_s = time.time()
         self._want: dict[str, Any] | None = None  # what start() asked for, until the run is open
@@ -118,6 +119,7 @@ class Tracker:
         """
         with self._lock:
             self._want = {"run_name": run_name, "run_id": run_id, "resume": resume, "flow_run_id": flow_run_id}
+            self.run_name = run_name  # until MLflow says (a continued run keeps its own name)
             self._tags.update({k: redact_text(str(v)) for k, v in tags.items()})
             self._params.update({k: _param_value(v) for k, v in redact(params).items()})
         self.flush(force=True)
@@ -287,6 +289,7 @@ class Tracker:
                           f"(MLflow params are immutable); the new values are in the resume tag", TrackingWarning,
                           stacklevel=4)
         self.run_id, self.run_start_s = run.info.run_id, run.info.start_time / 1000.0
+        self.run_name = run.info.run_name or want["run_name"]
 
     def _send(self) -> None:
         """Each batch leaves the buffer only once MLflow accepted it, so a failure midway resends nothing twice."""

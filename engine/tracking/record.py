@@ -43,7 +43,9 @@ def prefect_ui_url(flow_run_id: str | None, ui_url: str | None) -> str | None:
 
 
 def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | None, flow_run_id: str | None,
-                  flow_run_url: str | None) -> Tracker:
+                  flow_run_url: str | None, run_name: str | None = None) -> Tracker:
+    """The run's Tracker with its MLflow run started (a new one named `run_name`, default run_name_of(cfg), or the
+    one a resume continues), its tags, params and config.yaml."""
     # MLflow reads these per request: one bounded attempt, the tracker buffers instead of retrying inline
     # (MLflow's defaults, 7 retries with backoff factor 2 and a 120 s timeout, would stall training for minutes).
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(cfg.mlflow_timeout)
@@ -71,7 +73,7 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
         if resume.get("parent_run_id"):  # a copy of another run's --save: a new run, shown under its parent
             tags.update({"rollflow.parent_run_id": resume["parent_run_id"], "mlflow.parentRunId":
                          resume["parent_run_id"], "rollflow.copied_from": resume.get("written_to", "")})
-    run_name = cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_name = run_name or run_name_of(cfg)
     manifest_run = (resume or {}).get("manifest", {}).get("mlflow_run_id")
     tracker.start(run_name, manifest_run, tags=tags, params=run_params(cfg), resume=resume_info,
                   flow_run_id=flow_run_id)
@@ -79,6 +81,11 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
     tracker.sampler = SystemSampler(tracker, cfg.system_metrics_interval).start() \
         if cfg.system_metrics_interval > 0 else None
     return tracker
+
+
+def run_name_of(cfg: RunConfig) -> str:
+    """A new run's name in MLflow and Prefect: --run-name, else `<experiment>-<date>-<time>`."""
+    return cfg.run_name or f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def should_log_samples(cfg: RunConfig, rollout_id: int) -> bool:
