@@ -417,9 +417,12 @@ def test_run_plots_are_pngs_of_the_history(tmp_path):
 
     hist = {"rollout/reward_mean": {i: i / 10 for i in range(12)}, "rollout/reward_std": {i: 0.1 for i in range(12)},
             "rollout/response_len_mean": {i: 5.0 - i / 4 for i in range(12)},
-            "rollout/response_len_max": {i: 8.0 for i in range(12)}}
+            "rollout/response_len_max": {i: 8.0 for i in range(12)},
+            "rollout/response_len_p10": {i: 2.0 for i in range(12)}, "rollout/response_len_p90": {i: 7.0 for i in range(12)},
+            "rollout/seconds": {i: 0.5 for i in range(12)}, "train/seconds": {i: 0.3 for i in range(12)},
+            "save/seconds": {5: 0.2, 11: 0.2}}
     plots = run_plots(hist)
-    assert sorted(plots) == ["plots/response_length.png", "plots/reward.png"]
+    assert sorted(plots) == ["plots/response_length.png", "plots/reward.png", "plots/stage_seconds.png"]
     for name, data in plots.items():
         assert_png(data, min_width=400)
     assert run_plots({}) == {}
@@ -437,6 +440,40 @@ def test_samples_jsonl_has_one_line_per_sample_without_token_arrays():
     assert rows[5] == {**rows[5], "index": 5, "group_index": 2, "prompt": "1+2=", "response": "3", "status": "completed",
                        "prompt_length": 2, "response_length": 2}
     assert "tokens" not in rows[0] and "rollout_log_probs" not in rows[0]
+
+
+def test_the_samples_table_is_what_mlflows_table_view_reads(tmp_path):
+    """Tracker.log_table writes what MlflowClient.log_table would: MLflow's own load_table reads it back."""
+    from mlflow.tracking import MlflowClient
+
+    from engine.samples import Sample, Status
+    from engine.tracking import LOGGED_ARTIFACTS, artifact_location_for
+    from engine.tracking.artifacts import SAMPLE_COLUMNS, samples_table
+
+    groups = [[Sample(index=g * 2 + j, group_index=g, rollout_id=4, prompt=f"1+{g}=", tokens=[1, 2, 3, 4],
+                      response_length=2, response=str(g + j), label=str(g + 1), reward=float(j), status=Status.COMPLETED,
+                      metadata={"finish_reason": {"type": "stop"}, "weight_version": "4"}) for j in range(2)]
+              for g in range(3)]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(uri, "tables", outbox=tmp_path / "outbox", artifact_location=artifact_location_for(uri))
+    t.start("r", None, tags={}, params={})
+    t.log_table(samples_table(groups), "samples/rollout_0000004.json")
+    t.log_table(samples_table(groups), "samples/rollout_0000005.json")
+    t.end()
+    import mlflow
+
+    client, before = MlflowClient(uri), mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)  # load_table searches runs through the fluent API's tracking URI
+    try:
+        df = client.load_table(client.get_experiment_by_name("tables").experiment_id, "samples/rollout_0000004.json",
+                               run_ids=[t.run_id])
+    finally:
+        mlflow.set_tracking_uri(before)
+    assert list(df.columns)[:len(SAMPLE_COLUMNS)] == SAMPLE_COLUMNS and len(df) == 6
+    assert list(df["advantage (group-normalised reward)"].round(3)) == [-0.707, 0.707] * 3  # (0 − ½) / std(0, 1)
+    assert list(df["finish_reason"]) == ["stop"] * 6 and list(df["response_tokens"]) == [2] * 6
+    tables = json.loads(client.get_run(t.run_id).data.tags[LOGGED_ARTIFACTS])
+    assert tables == [{"path": f"samples/rollout_000000{i}.json", "type": "table"} for i in (4, 5)]
 
 
 def test_failure_report_names_the_diagnosis_or_says_unclassified():

@@ -157,8 +157,12 @@ def test_killed_and_resumed_run_is_one_mlflow_run(sqlite_runs):
     art_dir = Path(run.info.artifact_uri.removeprefix("file://"))
     files = sorted(str(f.relative_to(art_dir)) for f in art_dir.rglob("*") if f.is_file())
     assert files == ["checkpoints/iter_0000001.json", "checkpoints/iter_0000003.json", "config.yaml",
-                     "plots/response_length.png", "plots/reward.png", "samples/rollout_0000000.jsonl",
-                     "samples/rollout_0000002.jsonl", "samples/rollout_0000003.jsonl"]
+                     "plots/response_length.png", "plots/reward.png", "plots/stage_seconds.png",
+                     "samples/rollout_0000000.json", "samples/rollout_0000000.jsonl", "samples/rollout_0000002.json",
+                     "samples/rollout_0000002.jsonl", "samples/rollout_0000003.json", "samples/rollout_0000003.jsonl"]
+    # the sample tables, in MLflow's table view: those of the killed attempt and of the resume
+    assert [x["path"] for x in json.loads(t["mlflow.loggedArtifacts"])] == [
+        f"samples/rollout_000000{i}.json" for i in (0, 2, 3)]
     rows = [json.loads(x) for x in (art_dir / "samples/rollout_0000002.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and {x["rollout_id"] for x in rows} == {2}  # B·n = 4·4
     assert json.loads((art_dir / "checkpoints/iter_0000003.json").read_text())["uri"] == t["rollflow.checkpoint.latest"]

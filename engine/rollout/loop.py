@@ -294,6 +294,17 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
     return RolloutResult(kept, {k: float(v) for k, v in stats.items()})
 
 
+def _quantile(xs: list[int], q: float) -> float:
+    """The q-quantile of xs, linear between order statistics (numpy's default); 0 for no samples."""
+    if not xs:
+        return 0.0
+    ys = sorted(xs)
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return float(ys[lo] + (ys[hi] - ys[lo]) * (pos - lo))
+
+
 def rollout_metrics(result: RolloutResult, seconds: float) -> dict[str, float]:
     samples = [s for g in result.groups for s in g]
     rewards = [s.scalar_reward for s in samples]
@@ -305,6 +316,7 @@ def rollout_metrics(result: RolloutResult, seconds: float) -> dict[str, float]:
         "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
         "rollout/response_len_mean": sum(lens) / n,
         "rollout/response_len_max": float(max(lens, default=0)),
+        **{f"rollout/response_len_p{q}": _quantile(lens, q / 100) for q in (10, 50, 90)},
         "rollout/truncated_share": sum(s.status == Status.TRUNCATED for s in samples) / n,
         "rollout/failed_share": sum(s.status in (Status.FAILED, Status.ABORTED) for s in samples) / n,
         "rollout/seconds": seconds,

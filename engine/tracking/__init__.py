@@ -75,6 +75,7 @@ def _mlflow_client(uri: str):
 #: MLflow opens an experiment in the layout its kind names: "custom_model_development" is the model-training
 #: layout (runs, metric charts); without the tag MLflow 3 guesses and may show the GenAI "Evaluations" layout
 EXPERIMENT_KIND = "mlflow.experimentKind"
+LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # MLflow's list of a run's table artifacts
 EXPERIMENT_TAGS = {EXPERIMENT_KIND: "custom_model_development"}
 
 
@@ -92,6 +93,7 @@ class Tracker:
         self.run_id: str | None = None
         self.run_start_s: float | None = None  # wall time the MLflow run was first created
         self.run_name: str | None = None  # the MLflow run's name (a continued run keeps its own)
+        self._tables: list[str] = []  # table artifacts of the run (the mlflow.loggedArtifacts tag)
         self.sampler = None  # the SystemSampler feeding this tracker, if any
         self.created_s = time.time()
         self._want: dict[str, Any] | None = None  # what start() asked for, until the run is open
@@ -144,6 +146,14 @@ class Tracker:
             self._metrics.extend(points)
         if flush:
             self.flush()
+
+    def log_table(self, table_json: str, artifact_file: str) -> None:
+        """A table MLflow's UI shows as one (what MlflowClient.log_table writes: pandas' "split" JSON, its path
+        listed in the run's `mlflow.loggedArtifacts` tag), through the same buffer as every artifact."""
+        self.log_text(table_json, artifact_file)
+        if artifact_file not in self._tables:
+            self._tables.append(artifact_file)
+        self.set_tags({LOGGED_ARTIFACTS: json.dumps([{"path": p, "type": "table"} for p in self._tables])})
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """A text artifact (secrets redacted), e.g. `config.yaml` or `samples/rollout_0000010.jsonl`."""
@@ -281,6 +291,10 @@ class Tracker:
         changed = {k: [old_params[k], v] for k, v in self._params.items() if k in old_params and old_params[k] != v}
         self._params = {k: v for k, v in self._params.items() if k not in old_params}
         if continued:
+            earlier = [t["path"] for t in json.loads(old_tags.get(LOGGED_ARTIFACTS, "[]")) if t.get("type") == "table"]
+            self._tables = earlier + [p for p in self._tables if p not in earlier]
+            if self._tables:
+                self._tags[LOGGED_ARTIFACTS] = json.dumps([{"path": p, "type": "table"} for p in self._tables])
             k = 1 + sum(t.startswith("rollflow.resume.") for t in old_tags)
             resume = want["resume"] or {"from_iteration": None, "flow_run_id": want["flow_run_id"]}
             self._tags[f"rollflow.resume.{k}"] = json.dumps({**resume, "changed_params": changed})

@@ -33,14 +33,38 @@ def samples_jsonl(groups: list[list[Sample]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SAMPLE_COLUMNS = ["rollout_id", "group", "index", "prompt", "response", "label", "reward",
+                  "advantage (group-normalised reward)", "response_tokens", "prompt_tokens", "finish_reason", "status",
+                  "weight_version"]
+
+
+def samples_table(groups: list[list[Sample]]) -> str:
+    """Every sample of the rollout as a table for MLflow's table view (pandas' "split" JSON, as log_table writes):
+    prompt, response, label, reward, GRPO's advantage (the reward normalised within its group), lengths, finish
+    reason, status, the weight version that generated it."""
+    data = []
+    for g in groups:
+        rewards = [s.scalar_reward for s in g]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5
+        for s in g:
+            fr = s.metadata.get("finish_reason")
+            data.append([s.rollout_id, s.group_index, s.index, str(s.prompt), s.response, str(s.label),
+                         s.scalar_reward, (s.scalar_reward - mean) / (std + 1e-6), s.response_length,
+                         s.prompt_length, fr.get("type") if isinstance(fr, dict) else fr, s.status.value,
+                         s.metadata.get("weight_version")])
+    return json.dumps({"columns": SAMPLE_COLUMNS, "data": data}, default=str, ensure_ascii=False)
+
+
 def _series(history: dict[str, dict[int, float]], key: str) -> tuple[list[int], list[float]]:
     pts = sorted(history.get(key, {}).items())
     return [s for s, _ in pts], [v for _, v in pts]
 
 
 def plot_curves(history: dict[str, dict[int, float]], keys: list[str], *, title: str, ylabel: str,
-                band: tuple[str, str] | None = None) -> bytes:
-    """PNG of `keys` over rollout ids; `band = (mean_key, std_key)` shades mean ± std."""
+                band: tuple[str, str] | None = None, between: tuple[str, str] | None = None) -> bytes:
+    """PNG of `keys` over rollout ids; `band = (mean_key, std_key)` shades mean ± std, `between = (low_key,
+    high_key)` shades the area between two curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,6 +81,11 @@ def plot_curves(history: dict[str, dict[int, float]], keys: list[str], *, title:
             if len(std) == len(mean):
                 ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                                 alpha=0.2, label=f"{band[0]} ± std")
+        if between:
+            xs, low = _series(history, between[0])
+            _, high = _series(history, between[1])
+            if len(low) == len(high):
+                ax.fill_between(xs, low, high, alpha=0.2, label=f"{between[0]} … {between[1]}")
         ax.set(title=title, xlabel="rollout id", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
@@ -75,9 +104,40 @@ def run_plots(history: dict[str, dict[int, float]]) -> dict[str, bytes]:
                                               ylabel="reward", band=("rollout/reward_mean", "rollout/reward_std"))
     if history.get("rollout/response_len_mean"):
         out["plots/response_length.png"] = plot_curves(
-            history, ["rollout/response_len_mean", "rollout/response_len_max"], title="response length over rollouts",
-            ylabel="tokens")
+            history, ["rollout/response_len_mean", "rollout/response_len_p50", "rollout/response_len_max"],
+            title="response length over rollouts (shaded: 10th to 90th percentile)", ylabel="tokens",
+            between=("rollout/response_len_p10", "rollout/response_len_p90"))
+    if history.get("rollout/seconds"):
+        out["plots/stage_seconds.png"] = plot_stacked(
+            history, [f"{s}/seconds" for s in ("rollout", "pack", "train", "save", "sync")],
+            title="where each rollout's time goes", ylabel="seconds")
     return out
+
+
+def plot_stacked(history: dict[str, dict[int, float]], keys: list[str], *, title: str, ylabel: str) -> bytes:
+    """PNG of one stacked bar per rollout id, a segment per key (a key missing at a rollout counts 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = sorted({i for k in keys for i in history.get(k, {})})
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    try:
+        bottom = [0.0] * len(xs)
+        for key in keys:
+            ys = [history.get(key, {}).get(i, 0.0) for i in xs]
+            if any(ys):
+                ax.bar(xs, ys, bottom=bottom, width=0.8, label=key)
+                bottom = [b + y for b, y in zip(bottom, ys)]
+        ax.set(title=title, xlabel="rollout id", ylabel=ylabel)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(loc="best", fontsize=8)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
 
 
 def failure_report(exc: BaseException) -> tuple[str, str]:

@@ -1,9 +1,10 @@
 """Every metric a run logs to MLflow: its name, which direction is better, and what it means.
 
-The metric table of docs/mlflow.md is generated from `METRICS` (`python -m engine.tracking.metrics --write docs/mlflow.md`) and
-a test keeps them equal; an integration test fails on a logged metric that is not listed here. Names are
-`<stage>/<what>`; `<key>` and `<i>` stand for a reward key and a GPU index. Steps are rollout ids, except `eval/*`
-(0 = before training, num_rollout = after) and `system/*` (seconds since the MLflow run was created).
+The metric table of docs/mlflow.md is generated from `METRICS` (`python -m engine.tracking.metrics --write
+docs/mlflow.md`) and a test keeps them equal; an integration test fails on a logged metric that is not listed here.
+Names are `<stage>/<what>`; `<key>`, `<i>` and `<q>` stand for a reward key, a GPU index and a percentile. Steps are
+rollout ids, except `eval/*` (rollouts trained: 0 = before training, num_rollout = after) and `system/*` (seconds
+since the MLflow run was created).
 `better` drives `rollflow compare`'s "best" column: "max", "min", or None (no best: a count or a setting).
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/reward_<key>_mean", "max", "mean of one key of a dict reward (a custom reward returning a dict)"),
     MetricDoc("rollout/response_len_mean", None, "response tokens per sample, mean"),
     MetricDoc("rollout/response_len_max", None, "response tokens per sample, max"),
+    MetricDoc("rollout/response_len_p<q>", None, "response tokens per sample, the q-th percentile (q = 10, 50, 90): "
+                                                 "the distribution per rollout, also drawn in plots/response_length.png"),
     MetricDoc("rollout/truncated_share", "min", "share of samples that hit `--rollout-max-response-len` (high → RF10)"),
     MetricDoc("rollout/failed_share", "min", "share of samples that failed (reward error, engine abort)"),
     MetricDoc("rollout/seconds", "min", "rollout stage wall time"),
@@ -103,7 +106,7 @@ METRICS: list[MetricDoc] = [
 ]
 
 _PATTERNS = [(re.compile("^" + re.escape(m.name).replace("<key>", ".+").replace("<i>", r"\d+")
-                         .replace("<stage>", "(rollout|train|sync)") + "$"), m) for m in METRICS]
+                         .replace("<stage>", "(rollout|train|sync)").replace("<q>", r"\d+") + "$"), m) for m in METRICS]
 
 
 def describe(name: str) -> MetricDoc | None:

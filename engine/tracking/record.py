@@ -112,6 +112,8 @@ def log_rollout(tracker: Tracker, cfg: RunConfig, rollout_id: int, groups: list,
     if should_log_samples(cfg, rollout_id):
         _safely("samples", lambda: tracker.log_text(art.samples_jsonl(groups),
                                                     f"samples/rollout_{rollout_id:07d}.jsonl"))
+        _safely("samples table", lambda: tracker.log_table(art.samples_table(groups),
+                                                           f"samples/rollout_{rollout_id:07d}.json"))
         _safely("plots", lambda: log_plots(tracker, history))
 
 
