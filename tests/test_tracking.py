@@ -418,7 +418,8 @@ def test_run_plots_are_pngs_of_the_history(tmp_path):
     hist = {"rollout/reward_mean": {i: i / 10 for i in range(12)}, "rollout/reward_std": {i: 0.1 for i in range(12)},
             "rollout/response_len_mean": {i: 5.0 - i / 4 for i in range(12)},
             "rollout/response_len_max": {i: 8.0 for i in range(12)},
-            "rollout/response_len_p10": {i: 2.0 for i in range(12)}, "rollout/response_len_p90": {i: 7.0 for i in range(12)},
+            "rollout/response_len_p10": {i: 2.0 for i in range(12)},
+            "rollout/response_len_p90": {i: 7.0 for i in range(12)},
             "rollout/seconds": {i: 0.5 for i in range(12)}, "train/seconds": {i: 0.3 for i in range(12)},
             "save/seconds": {5: 0.2, 11: 0.2}}
     plots = run_plots(hist)
@@ -451,7 +452,8 @@ def test_the_samples_table_is_what_mlflows_table_view_reads(tmp_path):
     from engine.tracking.artifacts import SAMPLE_COLUMNS, samples_table
 
     groups = [[Sample(index=g * 2 + j, group_index=g, rollout_id=4, prompt=f"1+{g}=", tokens=[1, 2, 3, 4],
-                      response_length=2, response=str(g + j), label=str(g + 1), reward=float(j), status=Status.COMPLETED,
+                      response_length=2, response=str(g + j), label=str(g + 1), reward=float(j),
+                      status=Status.COMPLETED,
                       metadata={"finish_reason": {"type": "stop"}, "weight_version": "4"}) for j in range(2)]
               for g in range(3)]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

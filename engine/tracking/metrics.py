@@ -26,8 +26,9 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/reward_<key>_mean", "max", "mean of one key of a dict reward (a custom reward returning a dict)"),
     MetricDoc("rollout/response_len_mean", None, "response tokens per sample, mean"),
     MetricDoc("rollout/response_len_max", None, "response tokens per sample, max"),
-    MetricDoc("rollout/response_len_p<q>", None, "response tokens per sample, the q-th percentile (q = 10, 50, 90): "
-                                                 "the distribution per rollout, also drawn in plots/response_length.png"),
+    MetricDoc("rollout/response_len_p<q>", None, "response tokens per sample, the q-th percentile (q = 10, 50, "
+                                                 "90): the distribution per rollout, drawn in "
+                                                 "plots/response_length.png"),
     MetricDoc("rollout/truncated_share", "min", "share of samples that hit `--rollout-max-response-len` (high → RF10)"),
     MetricDoc("rollout/failed_share", "min", "share of samples that failed (reward error, engine abort)"),
     MetricDoc("rollout/seconds", "min", "rollout stage wall time"),
