@@ -6,7 +6,10 @@ BIN := $(VENV)/bin
 # GPU machines: `make setup TORCH_SPEC=torch` (or your CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast clean
+# The browser tests drive Debian's Chromium (tests/test_ui_browser.py): installed once, as root or with sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup browser demo test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -20,7 +23,11 @@ demo: setup
 	rm -rf runs/demo
 	$(BIN)/rollflow train --config examples/demo.yaml
 
-test: setup
+browser:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

@@ -23,10 +23,13 @@ log = logging.getLogger("rollflow")
 
 
 def publish(run: Run, step: int, metrics: dict[str, float]) -> dict[str, float]:
-    """A stage's metrics: into the run's history (carried by checkpoints) and MLflow at `step` (the rollout id)."""
+    """A stage's metrics: into the run's history (carried by checkpoints) and MLflow at `step` (the rollout id),
+    with MLflow copies of the headline ones (engine.tracking.metrics.overview)."""
+    from engine.tracking.metrics import overview
+
     run.record(metrics, step)
     if run.tracker is not None:
-        run.tracker.log_metrics(metrics, step=step)
+        run.tracker.log_metrics({**metrics, **overview(metrics, run.history, step)}, step=step)
     return metrics
 
 

@@ -150,8 +150,9 @@ def _update(artifact_id, data: str, description: str | None = None) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactUpdate
 
-    with get_client(sync_client=True) as client:
-        client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description))
+    update = ArtifactUpdate(data=data, description=description) if description else ArtifactUpdate(data=data)
+    with get_client(sync_client=True) as client:  # a description left unset keeps the card's own
+        client.update_artifact(artifact_id, update)
 
 
 def sample_rows(batch) -> list[dict[str, Any]]:

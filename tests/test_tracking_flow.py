@@ -307,7 +307,8 @@ def test_run_started_while_mlflow_was_down_trains_and_delivers_everything(prefec
     assert {"config.yaml", "plots", "samples", "checkpoints"} <= names
     assert {f.path for f in client.list_artifacts(run.info.run_id, "checkpoints")} == {
         f"checkpoints/iter_{i:07d}.json" for i in range(3)}
-    assert result["mlflow_run_url"] == f"{uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert result["mlflow_run_url"] == (f"{uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+                                        "/model-metrics?workflowType=machine_learning")
 
 
 def test_run_with_mlflow_down_throughout_still_trains_and_says_what_was_lost(prefect_harness, shared_ray,

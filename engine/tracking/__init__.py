@@ -59,11 +59,13 @@ def artifact_location_for(uri: str) -> str | None:
 
 
 def run_ui_url(uri: str, experiment_id: str | None, run_id: str | None) -> str | None:
-    """The run's page in the MLflow UI: the server itself, or `mlflow ui` on its default port for a local store."""
+    """The run's metric charts in the MLflow UI (the server itself, or `mlflow ui` on its default port for a local
+    store), in MLflow 3's "Model training" layout: without `workflowType` MLflow opens its GenAI layout, and switching
+    layouts there leaves the run."""
     if not (experiment_id and run_id):
         return None
     base = redact_text(uri.rstrip("/")) if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?workflowType=machine_learning"
 
 
 def _mlflow_client(uri: str):

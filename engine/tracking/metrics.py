@@ -21,6 +21,16 @@ class MetricDoc(NamedTuple):
 
 
 METRICS: list[MetricDoc] = [
+    MetricDoc("0-overview/1-reward_mean", "max", "copy of rollout/reward_mean: the `0-overview` section, what says "
+                                                 "whether training works, is the first of MLflow's chart page"),
+    MetricDoc("0-overview/2-eval_accuracy", "max", "copy of eval/test_accuracy"),
+    MetricDoc("0-overview/3-response_len_mean", None, "copy of rollout/response_len_mean"),
+    MetricDoc("0-overview/4-kl", None, "copy of train/kl"),
+    MetricDoc("0-overview/5-entropy", None, "copy of train/entropy"),
+    MetricDoc("0-overview/6-grad_norm", None, "copy of train/grad_norm"),
+    MetricDoc("0-overview/7-mismatch", "min", "copy of train/mismatch (RF14)"),
+    MetricDoc("0-overview/8-step_seconds", "min", "the rollout's whole step: rollout + pack + train + save + sync "
+                                                  "seconds"),
     MetricDoc("rollout/reward_mean", "max", "mean reward of the rollout's B·n samples"),
     MetricDoc("rollout/reward_std", None, "standard deviation of those rewards (0 → GRPO has no signal)"),
     MetricDoc("rollout/reward_<key>_mean", "max", "mean of one key of a dict reward (a custom reward returning a dict)"),
@@ -108,6 +118,24 @@ METRICS: list[MetricDoc] = [
 
 _PATTERNS = [(re.compile("^" + re.escape(m.name).replace("<key>", ".+").replace("<i>", r"\d+")
                          .replace("<stage>", "(rollout|train|sync)").replace("<q>", r"\d+") + "$"), m) for m in METRICS]
+
+
+#: MLflow's chart page sorts its sections by name: the `0-overview/` section, copies of what says whether training
+#: works, comes first (before eval/, memory/, pack/, rollout/, …), so reward is the first chart a run shows.
+#: Inside a section MLflow sorts charts by name too: the digits keep this order.
+OVERVIEW = {"rollout/reward_mean": "1-reward_mean", "eval/test_accuracy": "2-eval_accuracy",
+            "rollout/response_len_mean": "3-response_len_mean", "train/kl": "4-kl", "train/entropy": "5-entropy",
+            "train/grad_norm": "6-grad_norm", "train/mismatch": "7-mismatch"}
+STAGE_SECONDS = ("rollout", "pack", "train", "save", "sync")
+
+
+def overview(metrics: dict[str, float], history: dict[str, dict[int, float]], step: int) -> dict[str, float]:
+    """The `0-overview/` copies of the headline metrics among `metrics`; with the sync (the rollout's last stage)
+    also its whole step time, the sum of the stage seconds at `step`."""
+    out = {f"0-overview/{short}": metrics[name] for name, short in OVERVIEW.items() if name in metrics}
+    if "sync/seconds" in metrics:
+        out["0-overview/8-step_seconds"] = sum(history.get(f"{s}/seconds", {}).get(step, 0.0) for s in STAGE_SECONDS)
+    return out
 
 
 def describe(name: str) -> MetricDoc | None:
