@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# A fresh demo each time: its checkpoints go (else it would resume, with nothing left to do); earlier demo runs stay
+# in runs/demo/mlflow.db, so the links their Prefect flow runs hold keep working.
 demo: setup
-	rm -rf runs/demo
+	rm -rf runs/demo/checkpoints
 	$(BIN)/rollflow train --config examples/demo.yaml
 
 browser:

@@ -3,7 +3,7 @@ run against both, then Debian's Chromium (driven by Playwright) opens the two pa
 
     python bench/ui_screenshots.py --out bench/results/ui [--num-rollout 40] [--eval-interval 10]
 
-Writes mlflow_run.png, prefect_flow_run.png, prefect_artifacts.png and ui.json (what was read off each page: the
+Writes mlflow_run.png, prefect_flow_run.png, prefect_artifacts.png, prefect_summary.png and ui.json (what was read off each page: the
 MLflow layout, its chart sections in order and the first chart; the Prefect task runs and artifact cards) under
 --out. tests/test_ui_browser.py runs the same functions on 3 rollouts. Needs /usr/bin/chromium (Debian's
 `chromium`, installed by `make test`) and the `playwright` Python package (the dev extra; no browser download).
@@ -141,6 +141,11 @@ def read_prefect(page, url: str, shot: Path, artifacts_shot: Path) -> dict:
     page.wait_for_timeout(3000)
     cards = sorted({x for x in _lines(page) if re.fullmatch(r"[a-z0-9-]+-[0-9a-f]{8}", x)})
     page.screenshot(path=str(artifacts_shot))
+    summary = next((c for c in cards if c.startswith("summary-")), None)
+    if summary:  # the summary card's own page: the run so far and the last rollout
+        page.get_by_text(summary, exact=True).first.click()
+        page.wait_for_timeout(3000)
+        page.screenshot(path=str(artifacts_shot.with_name("prefect_summary.png")))
     return {"url": url, "lines": head, "state": "Completed" if "Completed" in head else "?", "tasks": tasks,
             "artifacts": cards,
             "screenshot": shot.name, "artifacts_screenshot": artifacts_shot.name}

@@ -44,7 +44,7 @@ class Run:
         self.tokenizer = None
         self.eos_ids: list[int] = []
         self.dataset = None
-        self.eval_rows: list = []
+        self.eval_sets: dict[str, list] = {}  # --eval-prompt-data: name → rows
         self.reward_model = None
         self.engines = None  # engine.rollout.engines.EngineGroup
         self.placement = None  # engine.cluster.placement.Placement

@@ -130,10 +130,10 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
                         metadata_key=cfg.metadata_key)
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
-    if cfg.eval_prompt_data:
-        run.eval_rows = load_prompts(cfg.eval_prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
-                                     metadata_key=cfg.metadata_key,
-                                     flag="--eval-prompt-data")[: cfg.eval_max_samples]
+    run.eval_sets = {name: load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key,
+                                        metadata_key=cfg.metadata_key,
+                                        flag="--eval-prompt-data")[: cfg.eval_max_samples]
+                     for name, path in cfg.eval_sets}
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
     run.probe = probe_prompts(run)
 
@@ -226,7 +226,7 @@ def probe_prompts(run: Run, k: int = 16) -> list[list[int]]:
     answer to each and the trainer scores those answers (RF14, `probe_engines`)."""
     from engine.modeling import render_prompt
 
-    rows = (run.eval_rows or run.dataset.rows)[:k]
+    rows = (next(iter(run.eval_sets.values()), None) or run.dataset.rows)[:k]
     return [render_prompt(run.tokenizer, row.prompt, run.cfg.apply_chat_template) for row in rows]
 
 
@@ -650,7 +650,9 @@ def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------------
-EVAL_ACCURACY = "eval/test_accuracy"
+def eval_accuracy_key(cfg: RunConfig) -> str:
+    """The run's headline accuracy: that of its first eval set (eval/test_accuracy for a single path)."""
+    return f"eval/{cfg.eval_sets[0][0]}_accuracy" if cfg.eval_sets else "eval/test_accuracy"
 
 
 def should_eval(cfg: RunConfig, rollout_id: int) -> bool:
@@ -660,36 +662,39 @@ def should_eval(cfg: RunConfig, rollout_id: int) -> bool:
 
 
 def evaluate(run: Run, step: int) -> float | None:
-    """Accuracy on the eval prompts, on the engines, published at `step` (the rollouts trained before it: 0 before
+    """Accuracy on each eval set, on the engines, published at `step` (the rollouts trained before it: 0 before
     training, --num-rollout after, multiples of --eval-interval between): greedy with one sample per prompt, or the
-    mean of --n-samples-per-eval-prompt k samples with pass@k (eval_metrics). None without eval prompts; a step
-    already evaluated (a resumed run's history) is not evaluated again."""
+    mean of --n-samples-per-eval-prompt k samples with pass@k (eval_metrics). Returns the headline (first set's)
+    accuracy; None without eval prompts. A step already evaluated (a resumed run's history) is not evaluated again."""
     from engine.rollout.loop import generate_rollout
 
-    if not run.eval_rows:
+    if not run.eval_sets:
         return None
     if (done := evaluated(run, step)) is not None:
         return done
     k = run.cfg.n_samples_per_eval_prompt
-    rows = iter(run.eval_rows)
-    # seeds of their own (rollout id -1 - step): never those of a training rollout, the same on a resume
-    result = generate_rollout(lambda n: _prompts(run, [r for _, r in zip(range(n), rows)]), rollout_id=-1 - step,
-                              batch_size=len(run.eval_rows), n=k, params=sampling_params(run, greedy=k == 1),
-                              reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
-                              concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout)
-    metrics = eval_metrics([[s.scalar_reward for s in g] for g in result.groups])
-    publish(run, step, metrics)
-    return metrics[EVAL_ACCURACY]
+    for name, eval_rows in run.eval_sets.items():
+        rows = iter(eval_rows)
+        # seeds of their own (rollout id -1 - step): never those of a training rollout, the same on a resume
+        result = generate_rollout(lambda n: _prompts(run, [r for _, r in zip(range(n), rows)]),
+                                  rollout_id=-1 - step, batch_size=len(eval_rows), n=k,
+                                  params=sampling_params(run, greedy=k == 1),
+                                  reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
+                                  concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout)
+        publish(run, step, eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups]))
+    return evaluated(run, step)
 
 
-def eval_metrics(rewards: list[list[float]]) -> dict[str, float]:
-    """rewards[prompt][sample] → eval/test_accuracy (the mean reward); with k > 1 samples per prompt also
-    eval/mean_at_k (the same mean) and eval/pass_at_k (the mean over prompts of the best reward of k)."""
+def eval_metrics(name: str, rewards: list[list[float]]) -> dict[str, float]:
+    """rewards[prompt][sample] of eval set `name` → eval/<name>_accuracy (the mean reward); with k > 1 samples per
+    prompt also eval/<name>_mean_at_k (the same mean) and eval/<name>_pass_at_k (the mean over prompts of the best
+    reward of k)."""
     k = len(rewards[0])
     mean = sum(sum(r) for r in rewards) / (k * len(rewards))
-    out = {EVAL_ACCURACY: mean}
+    out = {f"eval/{name}_accuracy": mean}
     if k > 1:
-        out.update({"eval/mean_at_k": mean, "eval/pass_at_k": sum(max(r) for r in rewards) / len(rewards)})
+        out.update({f"eval/{name}_mean_at_k": mean,
+                    f"eval/{name}_pass_at_k": sum(max(r) for r in rewards) / len(rewards)})
     return out
 
 
@@ -698,7 +703,7 @@ def evaluated(run: Run, step: int) -> float | None:
     those of rollflow 0.1 keep the accuracy before training as eval/test_accuracy_before at step -1)."""
     if step == 0 and (old := run.history.get("eval/test_accuracy_before", {}).get(-1)) is not None:
         return old
-    return run.history.get(EVAL_ACCURACY, {}).get(step)
+    return run.history.get(eval_accuracy_key(run.cfg), {}).get(step)
 
 
 # ---- summary ---------------------------------------------------------------------------------------------------

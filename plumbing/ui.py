@@ -132,7 +132,8 @@ def diagnosed(run: Run) -> Iterator[None]:
 def mlflow_link(cfg: RunConfig, tracker) -> None:
     if tracker.run_id:
         create_link_artifact(key=artifact_key(cfg, "mlflow-run"), link=tracker.run_url(),
-                             link_text=f"MLflow run {tracker.run_name} ({tracker.run_id})")
+                             link_text=f"MLflow run {tracker.run_name} ({tracker.run_id})",
+                             description="this run's metric charts, sample tables, plots and checkpoint records")
 
 
 def name_flow_run(name: str) -> None:
@@ -195,7 +196,9 @@ def summary_markdown(run: Run, state: str, rollout_id: int | None = None) -> str
     """The run so far: reward first → latest, eval accuracy first → latest, wall time, links, the last rollout."""
     h, cfg = run.history, run.cfg
     rewards = [v for _, v in sorted(h.get("rollout/reward_mean", {}).items())]
-    evals = sorted(h.get("eval/test_accuracy", {}).items())
+    from engine.stages import eval_accuracy_key
+
+    evals = sorted(h.get(eval_accuracy_key(cfg), {}).items())
     done = 0 if rollout_id is None else rollout_id + 1
     lines = [f"### {run.tracker.run_name if run.tracker else cfg.experiment_name}: {state}, {done} of "
              f"{cfg.num_rollout} rollouts", "", "| | |", "|---|---|"]
@@ -204,7 +207,8 @@ def summary_markdown(run: Run, state: str, rollout_id: int | None = None) -> str
         lines.append(f"| reward, mean of first 3 → last 3 rollouts | {sum(first) / len(first):.3f} → "
                      f"{sum(last) / len(last):.3f} |")
     if evals:
-        lines.append(f"| eval accuracy, step {evals[0][0]} → step {evals[-1][0]} | {100 * evals[0][1]:.1f}% → "
+        name = eval_accuracy_key(cfg)[len("eval/"):-len("_accuracy")]
+        lines.append(f"| eval accuracy ({name}), step {evals[0][0]} → {evals[-1][0]} | {100 * evals[0][1]:.1f}% → "
                      f"{100 * evals[-1][1]:.1f}% |")
     lines.append(f"| wall time | {time.time() - run.state.started_at:.0f} s |")
     if run.tracker is not None and run.tracker.run_id:

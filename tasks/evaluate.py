@@ -13,5 +13,7 @@ def evaluate(run: Run, step: int) -> float | None:
     with ui.diagnosed(run):
         accuracy = stages.evaluate(run, step)
     if accuracy is not None:
-        get_run_logger().info("eval-%d: accuracy %.4f on %d prompts", step, accuracy, len(run.eval_rows))
+        get_run_logger().info("eval-%d: %s", step, ", ".join(
+            f"{name} accuracy {run.history[f'eval/{name}_accuracy'][step]:.4f} on {len(rows)} prompts"
+            for name, rows in run.eval_sets.items()))
     return accuracy

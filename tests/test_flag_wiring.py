@@ -125,7 +125,7 @@ def test_place_flags(tmp_path, monkeypatch):
     assert seen["train"]["timeout_s"] == 77.0 and seen["train"]["threads"] == 2
     order = [r.row for r in run.dataset.next_batch(5)]
     assert run.dataset.shuffle and order != [1, 2, 3, 4, 5] and run.dataset.seed == 11  # shuffled, by --seed
-    assert len(run.eval_rows) == 3  # --eval-max-samples
+    assert len(run.eval_sets["test"]) == 3  # --eval-max-samples
     from engine.rewards import f1_reward
     assert run.reward_model.builtin is f1_reward
     assert seen["health"] == {"interval_s": 4.0, "timeout_s": 5.0, "first_wait_s": 6.0}

@@ -18,7 +18,11 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
     from engine import checkpoint
     from flows.train import rl_train
 
-    cfg = small_cfg(eval_interval=1, n_samples_per_eval_prompt=2)  # evals after 0, 1 and 2 rollouts, 2 samples each
+    from engine.config.data import BUNDLED_TEST
+
+    # evals after 0, 1 and 2 rollouts, 2 samples each, on two named sets (the second: 8 rows of the same file)
+    cfg = small_cfg(eval_interval=1, n_samples_per_eval_prompt=2,
+                    eval_prompt_data=["arith", BUNDLED_TEST, "arith8", f"{BUNDLED_TEST}@[0:8]"])
     result = rl_train(cfg)
 
     assert result["rollouts"] == 2
@@ -82,12 +86,15 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
         assert sorted(m.step for m in hist) == [0, 1], key
     assert run.info.status == "FINISHED"
 
-    # the eval curve: every --eval-interval, with mean@k and pass@k of k = --n-samples-per-eval-prompt samples
-    curve = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/test_accuracy")}
-    assert sorted(curve) == [0, 1, 2] and curve[2] == result["test_accuracy_after"]
-    mean = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/mean_at_k")}
-    best = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/pass_at_k")}
-    assert mean == curve and all(best[s] >= mean[s] for s in curve)
+    # the eval curves: every --eval-interval and per named set, with mean@k and pass@k of k samples per prompt
+    for name in ("arith", "arith8"):
+        curve = {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"eval/{name}_accuracy")}
+        assert sorted(curve) == [0, 1, 2], name
+        mean = {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"eval/{name}_mean_at_k")}
+        best = {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"eval/{name}_pass_at_k")}
+        assert mean == curve and all(best[s] >= mean[s] for s in curve), name
+    first = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/arith_accuracy")}
+    assert first[2] == result["test_accuracy_after"]  # the first set is the run's headline accuracy
 
 
 def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, shared_ray, small_cfg, tmp_path):

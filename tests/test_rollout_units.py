@@ -319,11 +319,29 @@ def test_an_unknown_finish_reason_fails_the_sample_with_the_reason():
 def test_eval_metrics_mean_and_pass_at_k_in_closed_form():
     from engine.stages import eval_metrics
 
-    greedy = eval_metrics([[1.0], [0.0], [1.0], [0.0]])
+    greedy = eval_metrics("test", [[1.0], [0.0], [1.0], [0.0]])
     assert greedy == {"eval/test_accuracy": 0.5}  # one sample per prompt: no @k metrics
-    k3 = eval_metrics([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.5]])
-    assert k3["eval/mean_at_k"] == k3["eval/test_accuracy"] == pytest.approx(3.5 / 9)
-    assert k3["eval/pass_at_k"] == pytest.approx((1.0 + 0.0 + 1.0) / 3)
+    k3 = eval_metrics("aime", [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.5]])
+    assert k3["eval/aime_mean_at_k"] == k3["eval/aime_accuracy"] == pytest.approx(3.5 / 9)
+    assert k3["eval/aime_pass_at_k"] == pytest.approx((1.0 + 0.0 + 1.0) / 3)
+
+
+def test_eval_sets_are_one_path_or_named_pairs():
+    from pydantic import ValidationError
+
+    from engine.config import RunConfig
+    from engine.config.cli import parse_args
+    from engine.stages import eval_accuracy_key
+
+    assert RunConfig(eval_prompt_data="t.jsonl").eval_sets == [("test", "t.jsonl")]  # a YAML string, as before
+    assert RunConfig(eval_prompt_data="").eval_sets == [] and RunConfig(eval_prompt_data=None).eval_sets == []
+    cfg = parse_args(["--eval-prompt-data", "aime", "a.jsonl", "gsm8k", "g.jsonl"])  # slime's NAME PATH pairs
+    assert cfg.eval_sets == [("aime", "a.jsonl"), ("gsm8k", "g.jsonl")]
+    assert eval_accuracy_key(cfg) == "eval/aime_accuracy"
+    with pytest.raises(ValidationError, match="NAME PATH pairs"):
+        RunConfig(eval_prompt_data=["aime", "a.jsonl", "gsm8k"])
+    with pytest.raises(ValidationError, match="distinct word"):
+        RunConfig(eval_prompt_data=["a b", "a.jsonl", "c", "c.jsonl"])
 
 
 def test_eval_interval_evaluates_between_rollouts_but_not_after_the_last():

@@ -177,7 +177,7 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
         return trainer.compute_log_probs([mb])[0]
 
     tok = load_tokenizer(tiny_model)
-    run = SimpleNamespace(cfg=cfg, tokenizer=tok, eos_ids=eos_token_ids(tiny_model, tok), eval_rows=rows,
+    run = SimpleNamespace(cfg=cfg, tokenizer=tok, eos_ids=eos_token_ids(tiny_model, tok), eval_sets={"test": rows},
                           dataset=None, engine_dtype="float32", train_dtype="float32",
                           train_group=SimpleNamespace(score=score),
                           engines=SimpleNamespace(serving=lambda: [url], api_key=KEY))

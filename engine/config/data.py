@@ -1,7 +1,7 @@
 """Model, data and reward flags."""
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from engine import PROJECT_ROOT
 from engine.config.base import Section
@@ -21,20 +21,45 @@ class DataArgs(Section):
     prompt_data: str = BUNDLED_TRAIN
     """Training prompts: a JSONL or Parquet file; `path@[a:b]` takes rows a..b-1 (default: the bundled arithmetic task)."""
 
-    eval_prompt_data: Optional[str] = BUNDLED_TEST
-    """Held-out prompts for greedy accuracy before and after training (JSONL or Parquet); empty to skip."""
+    eval_prompt_data: Optional[list[str]] = [BUNDLED_TEST]
+    """Held-out prompts scored before and after training (and every --eval-interval): one JSONL or Parquet file
+    (metrics eval/test_*), or NAME PATH pairs as slime takes them (`--eval-prompt-data aime aime.jsonl gsm8k
+    gsm8k.jsonl`: eval/aime_*, eval/gsm8k_*; the first set is the run's headline accuracy); empty to skip."""
 
     eval_max_samples: int = Field(128, ge=1)
-    """At most this many eval prompts are scored."""
+    """At most this many prompts of each eval set are scored."""
 
     eval_interval: Optional[int] = Field(None, ge=1)
     """Also evaluate every N rollouts (after that rollout's weight sync; logged at step = rollouts trained), for an
     eval curve; before and after training always (slime's flag)."""
 
     n_samples_per_eval_prompt: int = Field(1, ge=1)
-    """Samples per eval prompt: 1 = greedy (eval/test_accuracy); k > 1 = k samples at --rollout-temperature, logged
-    as eval/mean_at_k (their mean reward, also eval/test_accuracy) and eval/pass_at_k (the mean over prompts of the
+    """Samples per eval prompt: 1 = greedy (eval/<set>_accuracy); k > 1 = k samples at --rollout-temperature, logged
+    as eval/<set>_mean_at_k (their mean reward, also the accuracy) and eval/<set>_pass_at_k (the mean over prompts of the
     best of k rewards: pass@k for 0/1 rewards)."""
+
+    @field_validator("eval_prompt_data", mode="before")
+    @classmethod
+    def _eval_sets(cls, v):
+        """A single path (a YAML string, older configs) is one set; "" or nothing is none."""
+        if isinstance(v, str):
+            v = [v]
+        v = [x for x in (v or []) if x != ""]
+        if len(v) > 1 and len(v) % 2:
+            raise ValueError(f"--eval-prompt-data takes one path or NAME PATH pairs; got {len(v)} values {v}: "
+                             "add the missing name or path")
+        names = v[0::2] if len(v) > 1 else []
+        bad = [n for n in names if not n.replace("_", "").replace("-", "").isalnum()]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"--eval-prompt-data names {names}: each a distinct word of letters, digits, _ or - "
+                             "(it names the metrics eval/<name>_accuracy)")
+        return v or None
+
+    @property
+    def eval_sets(self) -> list[tuple[str, str]]:
+        """(name, path) of every eval set: one path is named "test"."""
+        v = self.eval_prompt_data or []
+        return [("test", v[0])] if len(v) == 1 else list(zip(v[0::2], v[1::2]))
 
     input_key: str = "prompt"
     """Row key holding the prompt (a string, or a list of chat messages)."""

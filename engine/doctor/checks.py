@@ -400,9 +400,9 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
 
     load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
                  metadata_key=cfg.metadata_key)
-    if cfg.eval_prompt_data:
-        load_prompts(cfg.eval_prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
-                     metadata_key=cfg.metadata_key, flag="--eval-prompt-data")
+    for _, path in cfg.eval_sets:
+        load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
+                     flag="--eval-prompt-data")
     return []
 
 
@@ -480,7 +480,7 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
         overhead = len(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
                                                add_generation_prompt=True).encode())
     out = []
-    for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
+    for flag, path in [("--prompt-data", cfg.prompt_data)] + [("--eval-prompt-data", p) for _, p in cfg.eval_sets]:
         if not path:
             continue
         rows = load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key, flag=flag)

@@ -2,7 +2,8 @@
 
 The metric table of docs/mlflow.md is generated from `METRICS` (`python -m engine.tracking.metrics --write
 docs/mlflow.md`) and a test keeps them equal; an integration test fails on a logged metric that is not listed here.
-Names are `<stage>/<what>`; `<key>`, `<i>` and `<q>` stand for a reward key, a GPU index and a percentile. Steps are
+Names are `<stage>/<what>`; `<key>`, `<i>`, `<q>` and `<set>` stand for a reward key, a GPU index, a percentile and
+an eval set's name. Steps are
 rollout ids, except `eval/*` (rollouts trained: 0 = before training, num_rollout = after) and `system/*` (seconds
 since the MLflow run was created).
 `better` drives `rollflow compare`'s "best" column: "max", "min", or None (no best: a count or a setting).
@@ -23,7 +24,7 @@ class MetricDoc(NamedTuple):
 METRICS: list[MetricDoc] = [
     MetricDoc("0-overview/1-reward_mean", "max", "copy of rollout/reward_mean: the `0-overview` section, what says "
                                                  "whether training works, is the first of MLflow's chart page"),
-    MetricDoc("0-overview/2-eval_accuracy", "max", "copy of eval/test_accuracy"),
+    MetricDoc("0-overview/2-eval_<set>_accuracy", "max", "copy of eval/<set>_accuracy"),
     MetricDoc("0-overview/3-response_len_mean", None, "copy of rollout/response_len_mean"),
     MetricDoc("0-overview/4-kl", None, "copy of train/kl"),
     MetricDoc("0-overview/5-entropy", None, "copy of train/entropy"),
@@ -101,13 +102,14 @@ METRICS: list[MetricDoc] = [
                                                "the peak of a shared GPU)"),
     MetricDoc("memory/<stage>_train_gib", None, "of which the train workers (max over them)"),
     MetricDoc("memory/<stage>_engine_gib", None, "of which the rollout engines (max over them)"),
-    MetricDoc("eval/test_accuracy", "max", "mean reward on `--eval-prompt-data`: greedy, or the mean of "
-                                           "`--n-samples-per-eval-prompt` samples (step = rollouts trained: 0 before "
-                                           "training, every `--eval-interval`, num_rollout after)"),
-    MetricDoc("eval/mean_at_k", "max", "with k = `--n-samples-per-eval-prompt` > 1: the mean reward of the k samples "
-                                       "per eval prompt"),
-    MetricDoc("eval/pass_at_k", "max", "with k > 1: the mean over eval prompts of the best of k rewards (pass@k for "
-                                       "0/1 rewards)"),
+    MetricDoc("eval/<set>_accuracy", "max", "mean reward on eval set <set> (`test` for one `--eval-prompt-data` "
+                                            "path, else its NAME): greedy, or the mean of `--n-samples-per-eval-prompt`"
+                                            " samples (step = rollouts trained: 0 before training, every "
+                                            "`--eval-interval`, num_rollout after)"),
+    MetricDoc("eval/<set>_mean_at_k", "max", "with k = `--n-samples-per-eval-prompt` > 1: the mean reward of the k "
+                                             "samples per prompt of eval set <set>"),
+    MetricDoc("eval/<set>_pass_at_k", "max", "with k > 1: the mean over the set's prompts of the best of k rewards "
+                                             "(pass@k for 0/1 rewards)"),
     MetricDoc("system/cpu_utilization_percentage", None, "CPU utilisation of the driver's node"),
     MetricDoc("system/system_memory_usage_megabytes", None, "memory in use on the driver's node, MiB"),
     MetricDoc("system/system_memory_usage_percentage", None, "memory in use on the driver's node, %"),
@@ -117,15 +119,16 @@ METRICS: list[MetricDoc] = [
 ]
 
 _PATTERNS = [(re.compile("^" + re.escape(m.name).replace("<key>", ".+").replace("<i>", r"\d+")
-                         .replace("<stage>", "(rollout|train|sync)").replace("<q>", r"\d+") + "$"), m) for m in METRICS]
+                         .replace("<stage>", "(rollout|train|sync)").replace("<q>", r"\d+")
+                         .replace("<set>", r"[\w-]+") + "$"), m) for m in METRICS]
 
 
 #: MLflow's chart page sorts its sections by name: the `0-overview/` section, copies of what says whether training
 #: works, comes first (before eval/, memory/, pack/, rollout/, …), so reward is the first chart a run shows.
 #: Inside a section MLflow sorts charts by name too: the digits keep this order.
-OVERVIEW = {"rollout/reward_mean": "1-reward_mean", "eval/test_accuracy": "2-eval_accuracy",
-            "rollout/response_len_mean": "3-response_len_mean", "train/kl": "4-kl", "train/entropy": "5-entropy",
-            "train/grad_norm": "6-grad_norm", "train/mismatch": "7-mismatch"}
+OVERVIEW = {"rollout/reward_mean": "1-reward_mean", "rollout/response_len_mean": "3-response_len_mean",
+            "train/kl": "4-kl", "train/entropy": "5-entropy", "train/grad_norm": "6-grad_norm",
+            "train/mismatch": "7-mismatch"}  # and 2-eval_<set>_accuracy for every eval set
 STAGE_SECONDS = ("rollout", "pack", "train", "save", "sync")
 
 
@@ -133,6 +136,8 @@ def overview(metrics: dict[str, float], history: dict[str, dict[int, float]], st
     """The `0-overview/` copies of the headline metrics among `metrics`; with the sync (the rollout's last stage)
     also its whole step time, the sum of the stage seconds at `step`."""
     out = {f"0-overview/{short}": metrics[name] for name, short in OVERVIEW.items() if name in metrics}
+    out.update({f"0-overview/2-eval_{name[5:]}": v for name, v in metrics.items()
+                if name.startswith("eval/") and name.endswith("_accuracy")})
     if "sync/seconds" in metrics:
         out["0-overview/8-step_seconds"] = sum(history.get(f"{s}/seconds", {}).get(step, 0.0) for s in STAGE_SECONDS)
     return out
