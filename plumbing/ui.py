@@ -159,17 +159,15 @@ def _update(artifact_id, data: str, description: str | None = None) -> None:
 def sample_rows(batch) -> list[dict[str, Any]]:
     """2 samples of each of the first 4 groups: prompt and response (cut at 300 characters, lengths given), label,
     reward, the group-normalised reward (GRPO's advantage), status and finish reason."""
+    from engine.tracking.artifacts import group_advantages
+
     rows = []
     for g in batch.groups[:4]:
-        rewards = [s.scalar_reward for s in g]
-        mean = sum(rewards) / len(rewards)
-        std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5
-        for s in g[:2]:
+        for s, advantage in list(zip(g, group_advantages(g)))[:2]:
             fr = s.metadata.get("finish_reason") or {}
             rows.append({"group": s.group_index, "prompt": str(s.prompt)[:300], "response": s.response[:300],
                          "response tokens": s.response_length, "label": str(s.label),
-                         "reward": round(s.scalar_reward, 4),
-                         "advantage (group-normalised)": round((s.scalar_reward - mean) / (std + 1e-6), 4),
+                         "reward": round(s.scalar_reward, 4), "advantage (group-normalised)": round(advantage, 4),
                          "status": s.status.value, "finish": fr.get("type", "") if isinstance(fr, dict) else str(fr)})
     return rows
 

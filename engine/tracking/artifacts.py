@@ -38,19 +38,24 @@ SAMPLE_COLUMNS = ["rollout_id", "group", "index", "prompt", "response", "label",
                   "weight_version"]
 
 
+def group_advantages(group: list[Sample]) -> list[float]:
+    """GRPO's advantage of each sample: its reward normalised within its group, (r − mean) / (std + 1e-6)."""
+    rewards = [s.scalar_reward for s in group]
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
 def samples_table(groups: list[list[Sample]]) -> str:
     """Every sample of the rollout as a table for MLflow's table view (pandas' "split" JSON, as log_table writes):
     prompt, response, label, reward, GRPO's advantage (the reward normalised within its group), lengths, finish
     reason, status, the weight version that generated it."""
     data = []
     for g in groups:
-        rewards = [s.scalar_reward for s in g]
-        mean = sum(rewards) / len(rewards)
-        std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5
-        for s in g:
+        for s, advantage in zip(g, group_advantages(g)):
             fr = s.metadata.get("finish_reason")
             data.append([s.rollout_id, s.group_index, s.index, str(s.prompt), s.response, str(s.label),
-                         s.scalar_reward, (s.scalar_reward - mean) / (std + 1e-6), s.response_length,
+                         s.scalar_reward, advantage, s.response_length,
                          s.prompt_length, fr.get("type") if isinstance(fr, dict) else fr, s.status.value,
                          s.metadata.get("weight_version")])
     return json.dumps({"columns": SAMPLE_COLUMNS, "data": data}, default=str, ensure_ascii=False)
@@ -61,10 +66,8 @@ def _series(history: dict[str, dict[int, float]], key: str) -> tuple[list[int], 
     return [s for s, _ in pts], [v for _, v in pts]
 
 
-def plot_curves(history: dict[str, dict[int, float]], keys: list[str], *, title: str, ylabel: str,
-                band: tuple[str, str] | None = None, between: tuple[str, str] | None = None) -> bytes:
-    """PNG of `keys` over rollout ids; `band = (mean_key, std_key)` shades mean ± std, `between = (low_key,
-    high_key)` shades the area between two curves."""
+def _png(draw, *, title: str, ylabel: str) -> bytes:
+    """A 700×400 PNG: draw(ax) on fresh axes, then the title, labels, grid and legend every run plot has."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,6 +75,22 @@ def plot_curves(history: dict[str, dict[int, float]], keys: list[str], *, title:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     try:
+        draw(ax)
+        ax.set(title=title, xlabel="rollout id", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def plot_curves(history: dict[str, dict[int, float]], keys: list[str], *, title: str, ylabel: str,
+                band: tuple[str, str] | None = None, between: tuple[str, str] | None = None) -> bytes:
+    """PNG of `keys` over rollout ids; `band = (mean_key, std_key)` shades mean ± std, `between = (low_key,
+    high_key)` shades the area between two curves."""
+    def draw(ax):
         for key in keys:
             xs, ys = _series(history, key)
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
@@ -86,14 +105,8 @@ def plot_curves(history: dict[str, dict[int, float]], keys: list[str], *, title:
             _, high = _series(history, between[1])
             if len(low) == len(high):
                 ax.fill_between(xs, low, high, alpha=0.2, label=f"{between[0]} … {between[1]}")
-        ax.set(title=title, xlabel="rollout id", ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
+
+    return _png(draw, title=title, ylabel=ylabel)
 
 
 def run_plots(history: dict[str, dict[int, float]]) -> dict[str, bytes]:
@@ -116,28 +129,17 @@ def run_plots(history: dict[str, dict[int, float]]) -> dict[str, bytes]:
 
 def plot_stacked(history: dict[str, dict[int, float]], keys: list[str], *, title: str, ylabel: str) -> bytes:
     """PNG of one stacked bar per rollout id, a segment per key (a key missing at a rollout counts 0)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     xs = sorted({i for k in keys for i in history.get(k, {})})
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    try:
+
+    def draw(ax):
         bottom = [0.0] * len(xs)
         for key in keys:
             ys = [history.get(key, {}).get(i, 0.0) for i in xs]
             if any(ys):
                 ax.bar(xs, ys, bottom=bottom, width=0.8, label=key)
                 bottom = [b + y for b, y in zip(bottom, ys)]
-        ax.set(title=title, xlabel="rollout id", ylabel=ylabel)
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(loc="best", fontsize=8)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
+
+    return _png(draw, title=title, ylabel=ylabel)
 
 
 def failure_report(exc: BaseException) -> tuple[str, str]:
