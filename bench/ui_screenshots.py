@@ -3,8 +3,8 @@ run against both, then Debian's Chromium (driven by Playwright) opens the two pa
 
     python bench/ui_screenshots.py --out bench/results/ui [--num-rollout 40] [--eval-interval 10]
 
-Writes mlflow_run.png, prefect_flow_run.png, prefect_artifacts.png, prefect_summary.png and ui.json (what was read off each page: the
-MLflow layout, its chart sections in order and the first chart; the Prefect task runs and artifact cards) under
+Writes mlflow_run.png, prefect_flow_run.png, prefect_artifacts.png, prefect_summary.png and ui.json (what was read
+off each page: the MLflow layout, its chart sections in order and the first chart; the Prefect task runs and artifact cards) under
 --out. tests/test_ui_browser.py runs the same functions on 3 rollouts. Needs /usr/bin/chromium (Debian's
 `chromium`, installed by `make test`) and the `playwright` Python package (the dev extra; no browser download).
 """

@@ -1,4 +1,5 @@
-"""The rl-train flow's parameters (masked before they reach Prefect: SecretSafeFlow) and its run name: a RunConfig, or a YAML file of flags (`config`) with `cfg` overrides on top.
+"""The rl-train flow's parameters (masked before they reach Prefect: SecretSafeFlow) and its run name: a RunConfig,
+or a YAML file of flags (`config`) with `cfg` overrides on top.
 
 A deployment sets `config: deployments/demo.yaml` (relative to its working directory, the repository root) and a
 run overrides single flags: `prefect deployment run rl-train/rl-train --params '{"cfg": {"num_rollout": 2}}'`.

@@ -217,8 +217,10 @@ def test_sync_flags(tmp_path, monkeypatch):
     from engine.weights import sync
 
     seen: dict = {}
-    monkeypatch.setattr(sync, "push_object_store", lambda slots, ref, version, timeout_s, api_key=None: seen.update(os=timeout_s))
-    monkeypatch.setattr(sync, "push_ipc", lambda slots, buckets, version, timeout_s, api_key=None: seen.update(ipc=timeout_s))
+    monkeypatch.setattr(sync, "push_object_store",
+                        lambda slots, ref, version, timeout_s, api_key=None: seen.update(os=timeout_s))
+    monkeypatch.setattr(sync, "push_ipc",
+                        lambda slots, buckets, version, timeout_s, api_key=None: seen.update(ipc=timeout_s))
     group = SimpleNamespace(weights_ref=lambda: ("ref", 1.0), ipc_release=lambda: None,
                             ipc_export=lambda dtype, size, exporters: seen.update(bucket=size) or [[]])
     run = _run(tmp_path, weight_sync_timeout=33.0, update_weight_buffer_size=8 * 2**20)

@@ -34,9 +34,9 @@ class DataArgs(Section):
     eval curve; before and after training always (slime's flag)."""
 
     n_samples_per_eval_prompt: int = Field(1, ge=1)
-    """Samples per eval prompt: 1 = greedy (eval/<set>_accuracy); k > 1 = k samples at --rollout-temperature, logged
-    as eval/<set>_mean_at_k (their mean reward, also the accuracy) and eval/<set>_pass_at_k (the mean over prompts of the
-    best of k rewards: pass@k for 0/1 rewards)."""
+    """Samples per eval prompt: 1 = greedy (eval/<set>_accuracy); k > 1 = k samples at --rollout-temperature,
+    logged as eval/<set>_mean_at_k (their mean reward, also the accuracy) and eval/<set>_pass_at_k (the mean over
+    prompts of the best of k rewards: pass@k for 0/1 rewards)."""
 
     @field_validator("eval_prompt_data", mode="before")
     @classmethod
