@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,10 +42,8 @@ sys.path.insert(0, str(ROOT))
 from engine.config.data import BUNDLED_MODEL  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.rollout.ports import free_loopback_port  # noqa: E402
+free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 def make_50m(path: Path) -> str:

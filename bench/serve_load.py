@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,10 +43,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {"content-type": "application/json"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.rollout.ports import free_loopback_port  # noqa: E402
+free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 def hostile_requests(weight_dir: Path, outside: Path) -> dict[str, tuple[str, str, dict, bytes]]:

@@ -16,23 +16,20 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from engine.rollout.ports import free_loopback_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 class Processes:

@@ -1,19 +1,16 @@
 """The built-in engine over real HTTP: SGLang's fields, log-probs vs a direct forward, stops, batching."""
 from __future__ import annotations
 
-import socket
 
 import httpx
 import pytest
 import torch
 
 from engine.rollout.server import EngineState, ServerThread
+from engine.rollout.ports import free_loopback_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,14 @@ import httpx
 import pytest
 
 from engine.rollout.server import EngineState, ServerThread
+from engine.rollout.ports import free_loopback_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 @pytest.fixture(scope="module")

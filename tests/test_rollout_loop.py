@@ -2,7 +2,6 @@
 dynamic filter, a failing engine with and without fault tolerance, the deadline."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -10,12 +9,10 @@ from engine.rollout.loop import EngineFailure, Prompt, RolloutTimeout, SamplingP
     generate_rollout, rollout_metrics
 from engine.rollout.server import EngineState, ServerThread
 from engine.samples import Status
+from engine.rollout.ports import free_loopback_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ crashing SGLang prints, or never becomes healthy.
 """
 from __future__ import annotations
 
-import socket
 import sys
 
 import httpx
@@ -14,14 +13,12 @@ import pytest
 
 from engine.diagnosis import DiagnosisError
 from engine.rollout.sglang import LaunchedEngine, sglang_command
+from engine.rollout.ports import free_loopback_port
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 @pytest.fixture

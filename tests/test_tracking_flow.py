@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine.config.data import BUNDLED_TRAIN
+from engine.rollout.ports import free_loopback_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,10 +203,7 @@ def test_compare_shows_one_value_per_step_and_lr_as_the_difference(sqlite_runs, 
 
 
 # ---- a real MLflow server behind a gate -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 class Gate:

@@ -1,7 +1,6 @@
 """Weight sync trainer → engine over real HTTP: after a sync the engine's log-probs equal the trainer's (1e-4)."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
@@ -9,16 +8,14 @@ import pytest
 import torch
 
 from engine.rollout.server import EngineState, ServerThread
+from engine.rollout.ports import free_loopback_port
 
 SEQ_TEXT = "<|im_start|>user\n57+38=<|im_end|>\n<|im_start|>assistant\n95<|im_end|>"
 KEY = "sync-test-key"  # a run's engines answer only to its own token; weights need one
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_loopback_port  # engine/rollout/ports.py
 
 
 @pytest.fixture(scope="module")

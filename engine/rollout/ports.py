@@ -22,6 +22,13 @@ from engine.diagnosis import Diagnosis
 PORT_RANGE = (30000, 60000)
 
 
+def free_loopback_port() -> int:
+    """A port free on 127.0.0.1 now, picked by the OS: for the servers a test or a benchmark starts on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def is_port_free(port: int, host: str = "0.0.0.0") -> bool:
     """True when `port` can be bound on `host` (0.0.0.0 — the strictest check — by default)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
