@@ -12,6 +12,7 @@ from prefect import get_run_logger
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Cancelled
+from prefect.utilities.annotations import quote
 
 import tasks
 from engine import stages
@@ -54,27 +55,28 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     try:
         t.preflight(cfg)
         run = t.place(cfg, tracker)
-        start = t.convert(run)
+        r = quote(run)  # every task gets the run, but Prefect's graph draws the data (batch, packed), not run edges
+        start = t.convert(r)
         if start:  # the MLflow run it continues keeps its name
             ui.name_flow_run(f"{tracker.run_name} (resumed at rollout {start})")
         else:
-            t.evaluate(run, 0)
+            t.evaluate(r, 0)
         progress = ui.Progress(run, start)
         for rollout_id in range(start, cfg.num_rollout):
             stopping.check()  # a SIGTERM stops the run here, between stages
-            batch = t.rollout(run, rollout_id)
+            batch = t.rollout(r, rollout_id)
             stopping.check()
-            packed = t.pack(run, batch)
-            t.train(run, packed)
+            packed = t.pack(r, batch)
+            t.train(r, packed)
             stopping.check()
             if stages.should_save(cfg, rollout_id):
-                t.save(run, rollout_id)
+                t.save(r, rollout_id)
             stopping.check()
-            t.sync(run, rollout_id)
+            t.sync(r, rollout_id)
             if stages.should_eval(cfg, rollout_id):
-                t.evaluate(run, rollout_id + 1)
+                t.evaluate(r, rollout_id + 1)
             progress.done(rollout_id)
-        t.evaluate(run, cfg.num_rollout)
+        t.evaluate(r, cfg.num_rollout)
         progress.close("finished")
         finish(tracker, run.history)
         return stages.summary(run)

@@ -54,6 +54,12 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
         f"{stage}-{i}" for i in range(2) for stage in ("rollout", "pack", "train", "sync")] + ["save-1"]
     assert names == sorted(expected)
     assert all(t.state.is_completed() for t in trs)
+    # the graph draws the iteration's data: rollout → pack → train, and no edge from `place` to every task
+    name_of = {t.id: t.name for t in trs}
+    upstream = {t.name: sorted(name_of[x.id] for xs in t.task_inputs.values() for x in xs if x.input_type == "task_run")
+                for t in trs}
+    assert upstream["pack-1"] == ["rollout-1"] and upstream["train-1"] == ["pack-1"], upstream
+    assert upstream["rollout-1"] == upstream["sync-1"] == upstream["eval-2"] == [], upstream
 
     # what the UI shows, each card once and updated in place, keys scoped to this run: progress at 100%, the
     # summary (the run so far and the last rollout), the last rollout's samples, the MLflow run and the checkpoint
