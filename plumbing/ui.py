@@ -131,19 +131,25 @@ def diagnosed(run: Run) -> Iterator[None]:
 
 def mlflow_link(cfg: RunConfig, tracker) -> None:
     if tracker.run_id:
-        create_link_artifact(key=artifact_key(cfg, "mlflow-run"), link=tracker.run_url(),
-                             link_text=f"MLflow run {tracker.run_name} ({tracker.run_id})",
-                             description="this run's metric charts, sample tables, plots and checkpoint records")
+        publisher().submit("mlflow-run", create_link_artifact, key=artifact_key(cfg, "mlflow-run"),
+                           link=tracker.run_url(), link_text=f"MLflow run {tracker.run_name} ({tracker.run_id})",
+                           description="this run's metric charts, sample tables, plots and checkpoint records")
 
 
 def name_flow_run(name: str) -> None:
-    """Rename this flow run (a resume takes the name of the MLflow run it continues)."""
-    from prefect.client.orchestration import get_client
+    """Rename this flow run (a resume takes the name of the MLflow run it continues); best effort, like every UI
+    update: a failure is a warning, never the run's."""
     from prefect.runtime import flow_run
 
     if flow_run.id and flow_run.name != name:
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run.id, name=name)
+        publisher().submit("flow run name", _rename, flow_run.id, name)
+
+
+def _rename(flow_run_id, name: str) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run_id, name=name)
 
 
 def _update(artifact_id, data: str, description: str | None = None) -> None:
