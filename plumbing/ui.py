@@ -303,15 +303,18 @@ def _diagnosis_types() -> set[str]:
     return found
 
 
-def diagnosis_first() -> None:
-    """The terminal shows a diagnosed failure as the diagnosis alone (--debug: Prefect's tracebacks too)."""
+def diagnosis_first(on: bool) -> None:
+    """The terminal shows a diagnosed failure as the diagnosis alone; off (--debug), Prefect's tracebacks too. Set per
+    flow run: the console handler is the process's, shared by every run it starts."""
     import prefect.logging.handlers as handlers
 
     for logger in (logging.getLogger(), logging.getLogger("prefect")):  # where Prefect's logging.yml puts it
         for h in logger.handlers:
-            if isinstance(h, handlers.PrefectConsoleHandler) and not any(
-                    isinstance(f, _DiagnosisFirst) for f in h.filters):
-                h.addFilter(_DiagnosisFirst())
+            if isinstance(h, handlers.PrefectConsoleHandler):
+                for f in [f for f in h.filters if isinstance(f, _DiagnosisFirst)]:
+                    h.removeFilter(f)
+                if on:
+                    h.addFilter(_DiagnosisFirst())
 
 
 def say_lost(cfg: RunConfig, tracker) -> None:

@@ -5,10 +5,6 @@ leases). --save's writer lock itself: tests/test_writer_lock.py.
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path

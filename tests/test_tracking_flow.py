@@ -77,8 +77,6 @@ def kill_group(proc: subprocess.Popen) -> None:
 def sqlite_runs(prefect_harness, tmp_path_factory):
     """Run a (lr 1e-4): SIGKILLed after rollout 2 was logged (last checkpoint: 1), then the same command again.
     Run b (lr 3e-4): one plain run. Both in one work dir (one SQLite store), experiment `cmp`."""
-    from mlflow.tracking import MlflowClient
-
     tmp = tmp_path_factory.mktemp("sqlite_runs")
     cfg_a = tiny_yaml(tmp, run_name="lr-1e-4", save=str(tmp / "ckpt-a"), save_interval=2,
                       summary_json=str(tmp / "a.json"))
