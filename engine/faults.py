@@ -19,6 +19,10 @@ The built-in rollout engine has faults of its own, counted in /generate requests
     ROLLFLOW_ENGINE_FAULT=exit@20                     the engine process dies (os._exit) on request 20
 (`engine_fault(index)`, once per ROLLFLOW_FAULT_STATE like the others: the engine that replaces it runs clean.)
 
+A node can be made blind to the driver's files (engine/cluster/nodes.py), set in THAT node's environment:
+    ROLLFLOW_HIDDEN_PATHS=/data/run:/models         rollflow's visibility checks on this node treat paths under
+                                                    these prefixes as absent (a node that does not mount them)
+
 Unset (the default) this module does nothing: `at` is one dict lookup. SIGKILL, not an exception: no `finally`,
 no atexit, no flush — the process vanishes as it does on an OOM kill or a preempted node.
 """

@@ -48,6 +48,7 @@ class Run:
         self.reward_model = None
         self.engines = None  # engine.rollout.engines.EngineGroup
         self.placement = None  # engine.cluster.placement.Placement
+        self.train_placement = None  # CPU train workers over several nodes (stages.place_train_workers)
         self.ports = None  # the cluster's port registry (a Ray actor)
         self.sample_filter = None  # --dynamic-sampling-filter-path, loaded
         self.train_group = None
@@ -128,3 +129,7 @@ class Run:
     def _stop_train(self) -> None:
         if self.train_group:
             self.train_group.shutdown()
+        if self.train_placement is not None and (self.cfg.ray_address or not self.owns_ray):
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.train_placement.pg)

@@ -125,8 +125,8 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     run.flow_run_id, run.flow_run_url = flow_run_id, flow_run_url
     run.work_dir.mkdir(parents=True, exist_ok=True)
     resolve_start(run)
-    run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
-    run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
+    run.tokenizer = load_tokenizer(cfg.model_dir)
+    run.eos_ids = eos_token_ids(cfg.model_dir, run.tokenizer)
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
                         metadata_key=cfg.metadata_key)
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
@@ -145,7 +145,7 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
                                                   "save": checkpoint.normalize(cfg.save)})
 
     run.owns_ray = not cluster.connected()  # a Ray connection made by the caller is left open by run.close()
-    run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus)
+    run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus, cfg.ray_code)
     fits_cluster(cfg)
     try:
         # Engines and train workers start side by side: each imports torch and loads the model (seconds).
@@ -155,10 +155,11 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
             run.engines.wait_started()
         run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
                                              timeout_s=cfg.train_step_timeout, threads=run.train_threads,
-                                             placement=run.placement, registry=run.ports, wait=False)
+                                             placement=place_train_workers(run), registry=run.ports, wait=False)
         run.engines.wait_started()
         watch_rollout_engines(run)
         run.train_group.wait_ready()
+        check_disk_sync(run)
     except BaseException:
         run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
         raise
@@ -207,6 +208,49 @@ def launch_rollout_engines(run: Run) -> None:
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
     run.engines.resync = lambda slots: (push_weights(run, slots, run.state.weight_version)
                                         if run.state.weight_version else None)
+
+
+def place_train_workers(run: Run):
+    """Where the train ranks go: the GPU layout's bundles (run.placement), or on CPU over --actor-num-nodes > 1
+    nodes a group of their own (`cpu_train_layout`, run.train_placement); None: anywhere on the cluster."""
+    from engine.cluster.placement import cpu_train_layout, group_name, place as place_group, remove_leftovers
+
+    cfg = run.cfg
+    if run.placement.layout.train_bundles:
+        return run.placement
+    layout = cpu_train_layout(nodes=cfg.actor_num_nodes, per_node=cfg.actor_num_gpus_per_node)
+    if layout is None:
+        return None
+    name = group_name(run.key) + "-train"
+    remove_leftovers(name)
+    run.train_placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
+    return run.train_placement
+
+
+def check_disk_sync(run: Run) -> None:
+    """--weight-sync-method disk only where it is proven to work: train rank 0 writes <work_dir>/weights/vN and
+    every engine loads it, so rank 0 and every engine must see the driver's directory (a probe file, never
+    assumed). Else a ConfigError naming the nodes that do not."""
+    import ray
+
+    from engine.cluster.nodes import Probe
+
+    if run.sync_transport != "disk":
+        return
+    where = run.work_dir / "weights"
+    with Probe(where) as p:
+        rank0 = run.train_group.seeing(str(where / "v000000"))[0]
+        engines = ray.get([s.actor.sees.remote(p.file, p.token) for s in run.engines.slots], timeout=60)
+    blind = ([f"train rank 0 on {run.train_group.nodes[0]['node_ip']}"] if not rank0 else []) + \
+        [f"rollout engine {s.index} on {s.info.get('node')}" for s, ok in zip(run.engines.slots, engines) if not ok]
+    if blind:
+        raise ConfigError(Diagnosis(
+            code="CONFIG", severity="error",
+            what=f"--weight-sync-method disk: {', '.join(blind)} do(es) not see the driver's {where} (a probe file "
+                 "written there is not visible on that node), so the engines could not load what rank 0 writes",
+            fix="--weight-sync-method tensor (weights through Ray's object store, any node; the built-in engine), "
+                "or a --work-dir on a filesystem every node mounts at the same path",
+            facts={"field": "weight_sync_method", "value": "disk", "blind": blind, "path": str(where)}))
 
 
 def sync_transport(cfg: RunConfig, *, on_gpu: bool) -> str:
@@ -394,7 +438,7 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     if [s.index for s in samples] != list(range(len(samples))):
         raise ValueError("Sample.index must be the sample's position in the rollout (group_index·n + j)")
     lengths = [len(s.tokens) for s in samples]
-    flops = flops_per_sample(lengths, model_shape(cfg.hf_checkpoint))
+    flops = flops_per_sample(lengths, model_shape(cfg.model_dir))
     max_tokens = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None  # preflight: dynamic ⇒ set (RF03)
     steps = build_dp_schedule(lengths, dp_size=plan.dp_size, global_batch_size=plan.global_batch_size,
                               cp_size=cfg.context_parallel_size, max_tokens_per_gpu=max_tokens,
@@ -490,7 +534,7 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
 
     def write_state(path: str) -> None:
         run.train_group.save(path, save_optim=cfg.save_optim)
-        copy_hf_config(cfg.hf_checkpoint, Path(path) / "hf_config")
+        copy_hf_config(cfg.model_dir, Path(path) / "hf_config")
         if cfg.save_hf:
             run.train_group.export_hf(str(Path(path) / "hf"))
 
@@ -707,6 +751,17 @@ def evaluated(run: Run, step: int) -> float | None:
 
 
 # ---- summary ---------------------------------------------------------------------------------------------------
+def placement_info(run: Run) -> dict[str, Any]:
+    """Where the run's processes are: each train rank's node (ip, id, pid), the rendezvous address, the directories
+    some ranks did not see (their files went through Ray's object store), each engine's node and URL."""
+    tg, eng = run.train_group, run.engines
+    return {"master": getattr(tg, "master", None),
+            "train": list(getattr(tg, "nodes", []) or []),
+            "shipped_dirs": dict(getattr(tg, "blind", {}) or {}),  # dir → ranks that got its files via Ray
+            "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
+                         "url": s.url} for s in getattr(eng, "slots", [])]}
+
+
 def summary(run: Run) -> dict[str, Any]:
     rewards = run.history.get("rollout/reward_mean", {})
     ids = sorted(rewards)
@@ -731,6 +786,7 @@ def summary(run: Run) -> dict[str, Any]:
         "last_checkpoint": checkpoint.read_marker(run.store) if run.store else None,
         "started_from": run.start.describe() if run.start else None,
         "weight_sync": run.sync_transport,
+        "placement": placement_info(run),
         "engine_dtype": run.engine_dtype,
         # every metric by rollout id (what MLflow got), so a script can read the run from this one file
         "history": {k: {str(i): v for i, v in sorted(d.items())} for k, d in sorted(run.history.items())},

@@ -28,9 +28,11 @@ def place(cfg: RunConfig, tracker: Tracker | None = None) -> Run:
         ui.doctor_report(cfg, render_report(e.diagnoses), "placement" + (" (will be retried)" if e.retryable else ""))
         raise
     engines = run.engines.serving()
-    get_run_logger().info("place: %d rollout engine(s) at %s, %d train worker(s), %s; %.1f s", len(engines),
-                          ", ".join(engines), len(run.train_group.workers), run.start.describe(),
-                          time.perf_counter() - t0)
+    ranks = [n.get("node_ip", "?") for n in run.train_group.nodes]
+    get_run_logger().info("place: %d rollout engine(s) at %s, %d train worker(s) on %s%s, %s; %.1f s", len(engines),
+                          ", ".join(engines), len(run.train_group.workers), ", ".join(ranks) or "?",
+                          f" (rendezvous {run.train_group.master})" if run.train_group.master else "",
+                          run.start.describe(), time.perf_counter() - t0)
     return run
 
 

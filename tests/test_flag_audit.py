@@ -125,7 +125,8 @@ FLAG_TESTS = {
     "allow_config_change": "test_hostile_inputs.py::test_a_resume_that_changes_kept_settings_fails_listing_them",
     # cluster
     "ray_address": "test_flag_wiring.py::test_the_doctor_reads_the_cluster_ray_address_names",
-    "actor_num_nodes": "test_doctor.py::test_rf02_colocated_topology_larger_than_cluster",
+    "ray_code": "test_multinode.py::test_code_is_shipped_with_the_job_runtime_env",
+    "actor_num_nodes": "test_multinode.py::test_dp2_over_two_nodes_matches_one_node_and_resumes",
     "actor_num_gpus_per_node": "test_dp_invariance.py::test_one_step_is_the_same_for_dp_1_2_4",
     "colocate": "test_rollout_units.py::test_colocated_engines_share_the_train_bundles",
     "rollout_num_gpus": "test_rollout_units.py::test_decoupled_engines_follow_the_train_bundles",

@@ -95,12 +95,13 @@ def test_place_flags(tmp_path, monkeypatch):
 
     seen: dict = {}
     monkeypatch.setattr(cluster, "connected", lambda: False)
-    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus: seen.update(address=address,
-                                                                                   num_cpus=num_cpus) or {"CPU": 2})
+    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus, ray_code: seen.update(
+        address=address, num_cpus=num_cpus, ray_code=ray_code) or {"CPU": 2})
     monkeypatch.setattr(stages, "fits_cluster", lambda cfg: None)
 
     def launch(run):
         run.engines = SimpleNamespace(wait_started=lambda: None)
+        run.placement = SimpleNamespace(layout=SimpleNamespace(train_bundles=[]))  # CPU engines only
     monkeypatch.setattr(stages, "launch_rollout_engines", launch)
 
     class FakeTrainGroup:
@@ -116,12 +117,14 @@ def test_place_flags(tmp_path, monkeypatch):
 
     cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, prompt_data=BUNDLED_TRAIN, eval_prompt_data=BUNDLED_TEST,
                     eval_max_samples=3, seed=11,
-                    work_dir=str(tmp_path / "w"), ray_address="auto", num_cpus=3, train_step_timeout=77.0,
+                    work_dir=str(tmp_path / "w"), ray_address="auto", ray_code="image", num_cpus=3,
+                    train_step_timeout=77.0,
                     train_threads=2, rollout_shuffle=True, rm_type="f1", use_fault_tolerance=True,
                     rollout_health_check_interval=4.0, rollout_health_check_timeout=5.0,
                     rollout_health_check_first_wait=6.0)
     run = stages.place(cfg, tracker=SimpleNamespace(run_id=None))
-    assert seen["address"] == "auto" and seen["num_cpus"] == 3
+    assert seen["address"] == "auto" and seen["num_cpus"] == 3 and seen["ray_code"] == "image"
+    assert seen["train"]["placement"] is None  # one node on CPU: the workers are not placed
     assert seen["train"]["timeout_s"] == 77.0 and seen["train"]["threads"] == 2
     order = [r.row for r in run.dataset.next_batch(5)]
     assert run.dataset.shuffle and order != [1, 2, 3, 4, 5] and run.dataset.seed == 11  # shuffled, by --seed

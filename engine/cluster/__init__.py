@@ -5,8 +5,12 @@ one inductor cache corrupt it and fail with JSONDecodeError).
 """
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 from typing import Any, Callable
+
+log = logging.getLogger("rollflow.cluster")
 
 WORKER_ENV_DEFAULTS = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -51,8 +55,23 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
                                 facts={"field": "ray_address", "value": address}))
 
 
-def connect(address: str | None, num_cpus: int | None = None) -> dict[str, Any]:
-    """Join `address` or start a local cluster; returns the cluster's resources."""
+#: rollflow's packages, shipped to the nodes of a joined cluster with --ray-code ship (runtime_env py_modules)
+PACKAGES = ("engine", "flows", "tasks", "plumbing")
+
+
+def code_runtime_env(ray_code: str = "ship") -> dict[str, Any]:
+    """The job's runtime_env: the worker env, plus rollflow's packages as `py_modules` when shipping (Ray uploads
+    each once per content hash into the cluster's store; every node unpacks it before a worker starts)."""
+    env: dict[str, Any] = {"env_vars": worker_env()}
+    if ray_code == "ship":
+        root = Path(__file__).resolve().parents[2]
+        env["py_modules"] = [str(root / p) for p in PACKAGES]
+        env["excludes"] = ["__pycache__", "*.pyc"]
+    return env
+
+
+def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship") -> dict[str, Any]:
+    """Join `address` (shipping the code as `ray_code` says) or start a local cluster; returns its resources."""
     import ray
 
     if address and not ray.is_initialized():
@@ -62,6 +81,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> dict[str, Any]:
                                       runtime_env={"env_vars": worker_env()})
         if address:
             kwargs["address"] = address
+            kwargs["runtime_env"] = code_runtime_env(ray_code)
         else:
             kwargs["num_cpus"] = num_cpus or os.cpu_count()
         _keeping_sigterm(lambda: ray.init(**kwargs))
@@ -120,10 +140,10 @@ class TrainGroup:
     def __init__(self, cfg, *, train_iters: int, timeout_s: float, threads: int, placement=None, registry=None,
                  wait: bool = True):
         """Start the workers; with wait=False return at once and call `wait_ready` later (the caller starts
-        other actors meanwhile)."""
+        other actors meanwhile). `placement`: a GPU layout's placement group (rank r on bundle
+        `layout.train_bundles[r]`) or the CPU train group of `train_placement` (several nodes); None: anywhere."""
         import ray
 
-        from engine.rollout.ports import allocate_ports
         from engine.train.worker import TrainWorker
 
         self.timeout_s = timeout_s
@@ -134,10 +154,6 @@ class TrainGroup:
         # Megatron shards the model over ranks, the torch backend over DP ranks (FSDP2): gathering the weights is
         # then a collective every rank joins
         self.collective = cfg.train_backend == "megatron" or world > 1
-        master = None
-        if world > 1:  # gloo's rendezvous port comes from the cluster's one allocator too (RF08)
-            node = ray.util.get_node_ip_address()
-            master = f"127.0.0.1:{allocate_ports(reserve_fn(registry or port_registry()), node, 1)[0]}"
         gpus = 1 if cfg.train_backend == "megatron" else 0
         cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(TrainWorker)
         cfg_dict = cfg.model_dump()
@@ -146,20 +162,30 @@ class TrainGroup:
         def where(r: int) -> dict:  # a GPU layout puts rank r on bundle r (colocated: 0.8 of it, see placement.py)
             if lay is None or not lay.train_bundles:
                 return {}
-            return {"num_gpus": lay.train_gpu_fraction, "scheduling_strategy": placement.strategy(lay.train_bundles[r])}
+            return {"num_gpus": lay.train_gpu_fraction, "num_cpus": lay.train_cpu,
+                    "scheduling_strategy": placement.strategy(lay.train_bundles[r])}
 
         self.workers = [cls.options(runtime_env=_threads_env(threads), **where(r)).remote(
-            cfg_dict, rank=r, world_size=world, master=master, train_iters=train_iters, threads=threads)
+            cfg_dict, rank=r, world_size=world, master=None, train_iters=train_iters, threads=threads, lazy=True)
             for r in range(world)]
-        self._ready = [w.__ray_ready__.remote() for w in self.workers]
+        # The rendezvous is rank 0's node address and a port of that node from the cluster's one allocator (RF08):
+        # rank 0 picks it once it runs there, and every rank's setup waits for that answer (Ray passes the ref on).
+        self.master = self.workers[0].rendezvous.remote(registry or port_registry()) if world > 1 else None
+        self._ready = [w.setup.remote(self.master) for w in self.workers]
+        self.nodes: list[dict[str, Any]] = []  # per rank: node_ip, node_id, pid (wait_ready fills it)
+        self._seen: dict[str, list[bool]] = {}  # directory → per rank: its node sees it (`seeing`)
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> "TrainGroup":
-        """Wait (at most timeout_s) until every worker has built its backend and loaded the model."""
+        """Wait (at most timeout_s) until every worker has joined the group, built its backend and loaded the
+        model; `nodes` then says where each rank runs and `master` is the rendezvous address."""
         import ray
 
-        ray.get(self._ready, timeout=self.timeout_s)
+        if not self.nodes:
+            self.nodes = ray.get(self._ready, timeout=self.timeout_s)
+            if self.master is not None:
+                self.master = ray.get(self.master, timeout=self.timeout_s)
         return self
 
     def _all(self, method: Callable[[Any], Any], *args, per_rank: list | None = None, **kwargs) -> list[Any]:
@@ -180,15 +206,54 @@ class TrainGroup:
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
         return self._all(lambda w: w.train_step, k, global_batch_size)
 
+    # ---- directories: nothing assumed shared (engine/cluster/nodes.py) ----------------------------------------
+    def seeing(self, path: str) -> list[bool]:
+        """Per rank: whether its node sees the driver's directory `path`'s parent (probed once per parent)."""
+        from engine.cluster.nodes import Probe
+
+        parent = str(Path(path).resolve().parent)
+        if parent not in self._seen:
+            with Probe(parent) as p:
+                self._seen[parent] = self._all(lambda w: w.sees, p.file, p.token)
+            if blind := [r for r, ok in enumerate(self._seen[parent]) if not ok]:
+                log.info("train rank(s) %s do not see %s (nodes %s): their files go through Ray's object store",
+                         blind, parent, sorted({self.nodes[r]["node_ip"] for r in blind} if self.nodes else ()))
+        return self._seen[parent]
+
+    @property
+    def blind(self) -> dict[str, list[int]]:
+        """Directory → the ranks that did not see it (their files went through Ray's object store)."""
+        return {d: [r for r, ok in enumerate(seen) if not ok] for d, seen in self._seen.items() if not all(seen)}
+
+    def _shipped(self, path: str) -> list[bool]:
+        return [not s for s in self.seeing(path)]
+
     def save(self, path: str, save_optim: bool = True) -> list[str]:
-        return [f for files in self._all(lambda w: w.save, path, save_optim) for f in files]
+        """The ranks write `path`; a rank whose node does not see it returns its files, written here."""
+        from engine.cluster.nodes import unpack_dir
+
+        outs = self._all(lambda w: w.save_to, path, save_optim, per_rank=self._shipped(path))
+        for out in outs:
+            if out["blobs"]:
+                unpack_dir(out["blobs"], path)
+        return [f for out in outs for f in out["files"]]
+
+    def _files_for(self, path: str) -> list:
+        """Per rank: None (its node sees `path`) or a reference to `path`'s files in Ray's object store."""
+        import ray
+
+        from engine.cluster.nodes import pack_dir
+
+        ship = self._shipped(path)
+        ref = ray.put(pack_dir(path)) if any(ship) else None
+        return [ref if s else None for s in ship]
 
     def load(self, path: str, load_optim: bool = True) -> None:
-        self._all(lambda w: w.load, path, load_optim)
+        self._all(lambda w: w.load_from, path, load_optim, per_rank=self._files_for(path))
 
     def load_weights(self, path: str, ref: bool = False) -> None:
         """Policy (ref=False) or reference weights from an HF dir or a checkpoint iteration, on every rank."""
-        self._all(lambda w: w.load_weights, path, ref)
+        self._all(lambda w: w.load_weights_from, path, ref, per_rank=self._files_for(path))
 
     def save_weights(self, path: str) -> str:
         self._all(lambda w: w.save_weights, path)
@@ -224,7 +289,11 @@ class TrainGroup:
         return self._all(lambda w: w.memory)
 
     def export_hf(self, path: str) -> None:
-        self._all(lambda w: w.export_hf, path)
+        from engine.cluster.nodes import unpack_dir
+
+        for blobs in self._all(lambda w: w.export_hf_to, path, per_rank=self._shipped(path)):
+            if blobs:
+                unpack_dir(blobs, path)
 
     def shutdown(self) -> None:
         import ray

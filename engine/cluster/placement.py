@@ -11,7 +11,8 @@ colocated the trainer holds the rest of the same bundle (1 − 0.2 = 0.8).
 
 CPU layout (the cluster has no GPUs, or --rollout-num-gpus 0): one bundle {"CPU": CPU_ENGINE_CLAIM} per engine
 (--rollout-num-engines). The claim is nominal — engines and trainers share the cores by thread counts (engine/run.py)
-— but it pins each engine to a slot that a restart reuses.
+— but it pins each engine to a slot that a restart reuses. CPU train workers are unplaced on one node; with
+--actor-num-nodes N > 1 they get a group of their own (`cpu_train_layout`): N bundles, STRICT_SPREAD.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class Layout:
     gpus_per_engine: int = 0  # 0 = CPU engines
     engine_gpu_fraction: float = 0.0
     train_gpu_fraction: float = 0.0
+    train_cpu: float = 0.0  # CPUs each train rank claims inside its bundle (CPU train groups over several nodes)
+    strategy: str = "PACK"  # Ray's placement strategy for the bundles
 
     @property
     def num_engines(self) -> int:
@@ -67,6 +70,18 @@ def rollout_layout(*, cluster_gpus: float, train_gpus: int, colocate: bool, roll
                   train_bundles=list(range(train_gpus)), gpus_per_engine=gpus_per_engine,
                   engine_gpu_fraction=ENGINE_GPU_FRACTION,
                   train_gpu_fraction=1.0 - ENGINE_GPU_FRACTION if colocate else 1.0)
+
+
+def cpu_train_layout(*, nodes: int, per_node: int) -> Layout | None:
+    """CPU train workers over `nodes` > 1 Ray nodes: one bundle {"CPU": per_node} per node, STRICT_SPREAD (no two
+    on one node), rank r on bundle r // per_node claiming 1 CPU of it: each node's ranks sit together and
+    --actor-num-nodes is honoured, as slime does per GPU node. None on one node (the workers share its cores,
+    unplaced; engine/run.py splits the threads)."""
+    if nodes <= 1:
+        return None
+    return Layout(bundles=[{"CPU": float(per_node)} for _ in range(nodes)], engine_bundles=[],
+                  train_bundles=[r // per_node for r in range(nodes * per_node)], train_cpu=1.0,
+                  strategy="STRICT_SPREAD")
 
 
 @dataclass
@@ -127,7 +142,7 @@ def place(layout: Layout, *, timeout_s: float = 300.0, name: str | None = None) 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pg = placement_group(layout.bundles, strategy="PACK", name=name or "")
+    pg = placement_group(layout.bundles, strategy=layout.strategy, name=name or "")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

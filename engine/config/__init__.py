@@ -27,7 +27,7 @@ SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Checkp
 
 #: Fields that do not change what is trained (left out of the config hash).
 NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
-                "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
+                "ray_code", "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
                 "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "update_weight_buffer_size",
@@ -117,6 +117,14 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         if self.logprob_mismatch_threshold is not None:
             return self.logprob_mismatch_threshold
         return 0.05 if self.bf16 or engine_dtype != "float32" else 1e-3
+
+    @property
+    def model_dir(self) -> str:
+        """--hf-checkpoint as a local directory on this node: itself, or for s3:// this node's cached copy
+        (engine/cluster/nodes.py:local_model; downloaded on first use)."""
+        from engine.cluster.nodes import local_model
+
+        return local_model(self.hf_checkpoint)
 
     def config_hash(self) -> str:
         """sha256 (16 hex) of the fields that change what is trained (secrets masked: a new engine key is no new

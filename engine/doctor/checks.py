@@ -30,6 +30,7 @@ class Environment:
     gpus: float = 0.0  # GPUs in the Ray cluster (or on this machine, for the local cluster a run starts)
     cpus: float = 0.0
     gpus_per_node: list[float] = field(default_factory=list)
+    cpus_per_node: list[float] = field(default_factory=list)
     source: str = "this machine"
     worker_env: dict[str, str] = field(default_factory=dict)  # env every Ray worker gets
 
@@ -48,7 +49,7 @@ class Environment:
         except Exception:
             pass
         return Environment(gpus=float(gpus), cpus=float(os.cpu_count() or 1), gpus_per_node=[float(gpus)],
-                           source="this machine", worker_env=worker_env())
+                           cpus_per_node=[float(os.cpu_count() or 1)], source="this machine", worker_env=worker_env())
 
     @staticmethod
     def for_config(cfg) -> "Environment":
@@ -70,11 +71,12 @@ class Environment:
         try:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             per_node = [float(n["Resources"].get("GPU", 0.0)) for n in nodes]
-            cpus = sum(float(n["Resources"].get("CPU", 0.0)) for n in nodes)
+            cpus_per_node = [float(n["Resources"].get("CPU", 0.0)) for n in nodes]
         finally:
             if not ctx:
                 ray.shutdown()
-        return Environment(gpus=sum(per_node), cpus=cpus, gpus_per_node=per_node,
+        return Environment(gpus=sum(per_node), cpus=sum(cpus_per_node), gpus_per_node=per_node,
+                           cpus_per_node=cpus_per_node,
                            source=f"Ray cluster {address}", worker_env=worker_env())
 
 
@@ -333,7 +335,7 @@ def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
     prompts start with the BOS the tokenizer would add to text (a warning)."""
     from engine.modeling import load_tokenizer, read_model_json, render_prompt
 
-    path = Path(cfg.hf_checkpoint)
+    path = Path(cfg.model_dir)
     if read_model_json(path, "config.json") is None:  # (raises for invalid JSON, naming the file)
         return [Diagnosis(code="MODEL", severity="error",
                           what=f"--hf-checkpoint {path}: no config.json (not a Hugging Face model directory)",
@@ -376,7 +378,7 @@ def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
 def model_has_stop(cfg, env: Environment) -> list[Diagnosis]:
     from engine.modeling import read_model_json
 
-    path = Path(cfg.hf_checkpoint)
+    path = Path(cfg.model_dir)
     if not (path / "config.json").is_file():
         return []  # model_dir_usable reports it
     ids = []
@@ -446,7 +448,7 @@ def checkpoint_bytes(cfg, store) -> tuple[int | None, str]:
         m = checkpoint.read_manifest(store, it)
         if m and m.get("files"):
             return sum(int(f.get("size", 0)) for f in m["files"].values()), f"the size of iter_{it:07d}"
-    numel = weight_numel(cfg.hf_checkpoint)
+    numel = weight_numel(cfg.model_dir)
     if numel is None:
         return None, ""
     per = 4 * (3 if cfg.save_optim else 1) + (2 if cfg.save_hf and cfg.bf16 else 4 if cfg.save_hf else 0)
@@ -461,7 +463,7 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
     from engine.data import load_prompts
     from engine.modeling import load_tokenizer, read_model_json, render_prompt
 
-    ctx = (read_model_json(cfg.hf_checkpoint, "config.json") or {}).get("max_position_embeddings")
+    ctx = (read_model_json(cfg.model_dir, "config.json") or {}).get("max_position_embeddings")
     if not isinstance(ctx, int):
         return []
     room = ctx - cfg.rollout_max_response_len
@@ -472,7 +474,7 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
                           fix=f"--rollout-max-response-len below {ctx}, leaving room for the longest prompt",
                           facts={"context": ctx})]
     try:
-        tok = load_tokenizer(cfg.hf_checkpoint)
+        tok = load_tokenizer(cfg.model_dir)
     except Exception:  # noqa: BLE001 — model_dir_usable reports it
         return []
     overhead = 0
@@ -511,9 +513,19 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
 def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
     """Colocated: GPUs ≥ nodes × gpus_per_node; decoupled: ≥ that + rollout GPUs; each train node fits on a node."""
     out = []
-    if env.gpus <= 0:
-        return out  # CPU mode: train workers and engines are CPU processes, nothing waits for GPUs
     n, g = cfg.actor_num_nodes, cfg.actor_num_gpus_per_node
+    if env.gpus <= 0:  # CPU mode: one node's workers share its cores; several nodes need a CPU per rank on each
+        fit = sum(1 for c in env.cpus_per_node if c >= g)
+        if n > 1 and env.cpus_per_node and fit < n:
+            out.append(Diagnosis(code="RF02", severity="error",
+                                 what=f"--actor-num-nodes {n} puts {g} train worker(s) (--actor-num-gpus-per-node) "
+                                      f"on each of {n} different nodes, each worker holding one CPU, but only {fit} "
+                                      f"of {env.source}'s nodes have {g} CPU(s) (CPUs per node: "
+                                      f"{[int(c) for c in env.cpus_per_node]}): Ray would wait forever",
+                                 fix=f"--actor-num-nodes {max(1, fit)} or add nodes",
+                                 facts={"need_nodes": n, "fitting_nodes": fit,
+                                        "cpus_per_node": env.cpus_per_node}))
+        return out
     train = n * g
     rollout = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else \
         cfg.rollout_num_engines * cfg.rollout_num_gpus_per_engine
@@ -551,8 +563,8 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
 def model_name_consistent(cfg, env: Environment) -> list[Diagnosis]:
     from engine.modeling import read_model_json
 
-    path = Path(cfg.hf_checkpoint) / "config.json"
-    config = read_model_json(cfg.hf_checkpoint, "config.json")
+    path = Path(cfg.model_dir) / "config.json"
+    config = read_model_json(cfg.model_dir, "config.json")
     if config is None:
         return []  # model_dir_usable reports it
     model_type = config.get("model_type")
@@ -654,7 +666,7 @@ def pretemplated_data_matches_model(cfg, env: Environment) -> list[Diagnosis]:
                           fix="--no-apply-chat-template, or store plain prompts / chat messages in the data")]
     from engine.modeling import load_tokenizer
 
-    tok = load_tokenizer(cfg.hf_checkpoint)
+    tok = load_tokenizer(cfg.model_dir)
     if not tok.chat_template:
         return []
     probe = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,

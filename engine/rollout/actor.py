@@ -50,7 +50,13 @@ class EngineActor:
     def start(self) -> dict[str, Any]:
         import ray
 
+        from dataclasses import replace
+
+        from engine.cluster.nodes import local_model, require_model
+
         node = ray.util.get_node_ip_address()
+        self.spec = replace(self.spec, model_path=local_model(self.spec.model_path))  # s3://: this node's copy
+        require_model(self.spec.model_path, who=f"rollout engine {self.index}")
         gpu_ids = [int(float(g)) for g in ray.get_gpu_ids()]
         base_gpu = gpu_ids[0] if gpu_ids else 0
         log = str(Path(self.spec.log_dir) / f"engine-{self.index}.log")
@@ -114,6 +120,13 @@ class EngineActor:
         if self.state is None:
             raise RuntimeError("CUDA IPC weights reach only the built-in engine; SGLang loads them from disk")
         return self.state.update_from_ipc(buckets, version)
+
+    @staticmethod
+    def sees(file: str, token: str) -> bool:
+        """Whether this engine's node sees the driver's probe file (engine/cluster/nodes.py)."""
+        from engine.cluster.nodes import sees
+
+        return sees(file, token)
 
     def memory(self) -> dict[str, float]:
         """This engine's CUDA memory since the last call ({} on CPU): engine.gpu.gpu_memory."""

@@ -30,25 +30,20 @@ class TrainWorker:
     """Holds a backend (and PPO's critic) and the current rollout's micro-batches with their log-probs."""
 
     def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master: str | None,
-                 train_iters: int, threads: int):
+                 train_iters: int, threads: int, lazy: bool = False):
+        """Build the backend now (master: the rank-0 rendezvous `host:port`), or with `lazy` only when `setup` is
+        called: a group learns its master address from rank 0's node (`rendezvous`) after the actors exist."""
         from engine.config import RunConfig
-        from engine.train.backend import create_backend
         from engine.train.torch_backend import configure_threads
 
         configure_threads(threads)
         self.cfg = RunConfig(**cfg_dict)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.train_iters = rank, world_size, train_iters
         self.device = worker_device()
         if self.device == "cuda":
             torch.cuda.set_device(0)
-        self.backend = create_backend(self.cfg, rank=rank, world_size=world_size, master=master,
-                                      train_iters=train_iters, device=self.device)
+        self.backend = None
         self.critic = None
-        if self.cfg.advantage_estimator == "ppo":  # preflight: the critic runs on the torch backend only
-            from engine.train.critic import TorchCritic
-
-            self.critic = TorchCritic(self.cfg, rank=rank, world_size=world_size, train_iters=train_iters,
-                                      device=self.device)
         self.steps: list[list[MicroBatch]] = []
         self.old: list[list[torch.Tensor]] = []
         self.ref: list[list[torch.Tensor]] | None = None
@@ -56,6 +51,49 @@ class TrainWorker:
         self.returns: list[list[torch.Tensor]] = []
         self.step_tokens: list[float] = []
         self._ipc = None  # the IPC buckets of a sync in progress (engine/weights/ipc.py)
+        if not lazy:
+            self.setup(master)
+
+    def setup(self, master: str | None) -> dict[str, Any]:
+        """Join the process group at `master` (world > 1), build the backend (and PPO's critic), load the model.
+        Returns where this rank runs (`where`)."""
+        from engine.cluster.nodes import require_model
+        from engine.train.backend import create_backend
+
+        if self.cfg.hf_checkpoint.startswith("s3://"):  # this node's cached copy; the backends read files
+            self.cfg = self.cfg.model_copy(update={"hf_checkpoint": self.cfg.model_dir})
+        require_model(self.cfg.hf_checkpoint, who=f"train rank {self.rank}")
+        self.backend = create_backend(self.cfg, rank=self.rank, world_size=self.world_size, master=master,
+                                      train_iters=self.train_iters, device=self.device)
+        if self.cfg.advantage_estimator == "ppo":  # preflight: the critic runs on the torch backend only
+            from engine.train.critic import TorchCritic
+
+            self.critic = TorchCritic(self.cfg, rank=self.rank, world_size=self.world_size,
+                                      train_iters=self.train_iters, device=self.device)
+        return self.where()
+
+    @staticmethod
+    def where() -> dict[str, Any]:
+        """This process's Ray node (id and IP; None outside Ray) and pid."""
+        import os
+
+        import ray
+
+        if not ray.is_initialized():
+            return {"node_ip": None, "node_id": None, "pid": os.getpid()}
+        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+    def rendezvous(self, registry) -> str:
+        """Rank 0: `host:port` of the process group's store on THIS node (its IP, a port the cluster's registry
+        handed out for this node and that is free here). Every rank connects to it, from whichever node."""
+        import ray
+
+        from engine.rollout.ports import allocate_ports
+
+        node = ray.util.get_node_ip_address()
+        (port,) = allocate_ports(lambda n, k: ray.get(registry.reserve.remote(n, k)), node, 1)
+        return f"[{node}]:{port}" if ":" in node else f"{node}:{port}"
 
     @property
     def reports(self) -> bool:
@@ -173,6 +211,45 @@ class TrainWorker:
 
     def load_weights(self, path: str, ref: bool = False) -> None:
         self.backend.load_weights(path, ref=ref)
+
+    # ---- the same, on a node that does not see the driver's directory (engine/cluster/nodes.py) ------------------
+    @staticmethod
+    def sees(file: str, token: str) -> bool:
+        from engine.cluster.nodes import sees
+
+        return sees(file, token)
+
+    def save_to(self, ship: bool, path: str, save_optim: bool = True) -> dict[str, Any]:
+        """`save` into `path`, or with `ship` into a node-local directory whose files are returned ("blobs")."""
+        from engine.cluster.nodes import written
+
+        if not ship:
+            return {"files": self.save(path, save_optim), "blobs": None}
+        files, blobs = written(lambda d: self.save(d, save_optim))
+        return {"files": files, "blobs": blobs}
+
+    def export_hf_to(self, ship: bool, path: str) -> dict[str, bytes] | None:
+        from engine.cluster.nodes import written
+
+        if not ship:
+            self.export_hf(path)
+            return None
+        return written(self.export_hf)[1]
+
+    def load_from(self, files: dict[str, bytes] | None, path: str, load_optim: bool = True) -> None:
+        """`load(path)`, or from a node-local copy of `files` (the directory's files, from the object store)."""
+        from engine.cluster.nodes import local_copy
+
+        if files is None:
+            return self.load(path, load_optim)
+        local_copy(files, lambda d: self.load(d, load_optim))
+
+    def load_weights_from(self, files: dict[str, bytes] | None, path: str, ref: bool = False) -> None:
+        from engine.cluster.nodes import local_copy
+
+        if files is None:
+            return self.load_weights(path, ref)
+        local_copy(files, lambda d: self.load_weights(d, ref))
 
     def _state(self) -> dict[str, torch.Tensor]:
         """The policy's full weights on rank 0 ({} elsewhere); every rank joins when the backend is collective."""

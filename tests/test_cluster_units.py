@@ -1,0 +1,136 @@
+"""Multi-node pieces without a cluster: the CPU train layout, the CPU topology check, what a node sees."""
+from __future__ import annotations
+
+import pytest
+
+
+def test_cpu_train_layout_one_bundle_per_node_strict_spread():
+    from engine.cluster.placement import cpu_train_layout
+
+    assert cpu_train_layout(nodes=1, per_node=4) is None  # one node: unplaced, the ranks share its cores
+    lay = cpu_train_layout(nodes=3, per_node=2)
+    assert lay.strategy == "STRICT_SPREAD" and lay.bundles == [{"CPU": 2.0}] * 3
+    assert lay.train_bundles == [0, 0, 1, 1, 2, 2] and lay.train_cpu == 1.0 and lay.engine_bundles == []
+
+
+def test_cpu_topology_needs_enough_nodes(small_cfg):
+    from engine.doctor.checks import Environment, topology_fits_cluster
+
+    cfg = small_cfg(actor_num_nodes=3, actor_num_gpus_per_node=2, rollout_batch_size=6, micro_batch_size=1)
+    env = Environment(cpus=6, cpus_per_node=[0, 4, 2, 1], source="Ray cluster x:6379")
+    (d,) = topology_fits_cluster(cfg, env)
+    assert d.code == "RF02" and "--actor-num-nodes 3" in d.what and "only 2 of" in d.what
+    assert d.fix.startswith("--actor-num-nodes 2")
+    assert topology_fits_cluster(cfg, Environment(cpus=8, cpus_per_node=[2, 2, 4])) == []
+    assert topology_fits_cluster(small_cfg(), env) == []  # one node: nothing to place
+
+
+def test_probe_sees_and_hidden_paths(tmp_path, monkeypatch):
+    from engine.cluster import nodes
+
+    with nodes.Probe(tmp_path / "d") as p:
+        assert nodes.sees(p.file, p.token)
+        assert not nodes.sees(p.file, "another run's token")
+        monkeypatch.setenv(nodes.HIDDEN_ENV, f"/elsewhere:{tmp_path}")
+        assert not nodes.sees(p.file, p.token) and not nodes.visible(tmp_path / "d")
+        monkeypatch.setenv(nodes.HIDDEN_ENV, f"{tmp_path}-sibling")  # a prefix of the name is not the directory
+        assert nodes.sees(p.file, p.token)
+    assert not (tmp_path / "d").joinpath(p.file).exists()
+
+
+def test_require_model_names_node_and_fix(tmp_path, tiny_model, monkeypatch):
+    from engine.cluster import nodes
+    from engine.diagnosis import ConfigError
+
+    nodes.require_model(tiny_model, who="rollout engine 0")
+    monkeypatch.setenv(nodes.HIDDEN_ENV, tiny_model)
+    with pytest.raises(ConfigError) as e:
+        nodes.require_model(tiny_model, who="train rank 1")
+    (d,) = e.value.diagnoses
+    assert f"--hf-checkpoint {tiny_model} is not there on node" in d.what and "train rank 1" in d.what
+    assert d.facts["field"] == "hf_checkpoint" and d.facts["value"] == tiny_model and d.facts["node"]
+
+
+def test_pack_written_and_local_copy_round_trip(tmp_path):
+    from engine.cluster import nodes
+
+    def write(d):
+        (tmp_path / "seen").write_text(d)
+        import pathlib
+        pathlib.Path(d, "model").mkdir()
+        pathlib.Path(d, "model", "w.bin").write_bytes(b"\x00\x01")
+        pathlib.Path(d, "state.pt").write_bytes(b"s")
+        return ["model/w.bin", "state.pt"]
+
+    out, files = nodes.written(write)
+    assert out == ["model/w.bin", "state.pt"] and files == {"model/w.bin": b"\x00\x01", "state.pt": b"s"}
+    import os
+    assert not os.path.exists((tmp_path / "seen").read_text())  # the node-local directory is gone
+    nodes.unpack_dir(files, tmp_path / "ckpt")
+    assert nodes.pack_dir(tmp_path / "ckpt") == files
+    assert nodes.local_copy(files, lambda d: sorted(nodes.pack_dir(d))) == ["model/w.bin", "state.pt"]
+
+
+# ---- a model in S3: one copy per node ---------------------------------------------------------------------------
+def _upload(fs, src: str, dst: str) -> None:
+    import os
+
+    for f in sorted(os.listdir(src)):
+        if os.path.isfile(os.path.join(src, f)):
+            fs.put_file(os.path.join(src, f), f"{dst}/{f}")
+
+
+def test_s3_model_is_downloaded_once_per_node_and_again_when_it_changes(s3_bucket, tiny_model, tmp_path,
+                                                                         monkeypatch):
+    import fsspec
+
+    from engine.cluster import nodes
+    from engine.diagnosis import ConfigError
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    uri = f"{s3_bucket}/models/tiny"
+    _upload(fs, tiny_model, uri)
+    monkeypatch.setenv(nodes.MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(nodes, "_local_models", {})
+    local = nodes.local_model(uri)
+    assert local.startswith(str(tmp_path / "cache")) and (tmp_path / "cache").joinpath(local, ".complete").is_file()
+    import filecmp
+    import os
+    same = [f for f in os.listdir(tiny_model) if os.path.isfile(os.path.join(tiny_model, f))]
+    match, mismatch, errors = filecmp.cmpfiles(tiny_model, local, same, shallow=False)
+    assert sorted(match) == sorted(same) and not mismatch and not errors
+    stamp = os.stat(os.path.join(local, ".complete")).st_mtime_ns
+    monkeypatch.setattr(nodes, "_local_models", {})  # another process of the node: finds the copy, no download
+    assert nodes.local_model(uri) == local and os.stat(os.path.join(local, ".complete")).st_mtime_ns == stamp
+    fs.pipe_file(f"{uri}/extra.txt", b"changed")  # the model changed in S3: a new copy
+    monkeypatch.setattr(nodes, "_local_models", {})
+    again = nodes.local_model(uri)
+    assert again != local and open(os.path.join(again, "extra.txt")).read() == "changed"
+    assert nodes.local_model(tiny_model) == tiny_model  # a path is used as it is
+    with pytest.raises(ConfigError) as e:
+        nodes.local_model(f"{s3_bucket}/models/nothing-here")
+    (d,) = e.value.diagnoses
+    assert "has no config.json (0 objects under it)" in d.what and d.facts["field"] == "hf_checkpoint"
+
+
+@pytest.mark.slow
+def test_a_run_from_an_s3_model(s3_bucket, tiny_model, tmp_path, monkeypatch, small_cfg, prefect_harness):
+    import fsspec
+    import ray
+
+    from engine.cluster import nodes
+    from flows.train import rl_train
+
+    if ray.is_initialized():  # the run starts its own cluster: its workers get this process's S3 settings
+        ray.shutdown()
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    uri = f"{s3_bucket}/tiny-qwen2-arith"
+    _upload(fs, tiny_model, uri)
+    monkeypatch.setenv(nodes.MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(nodes, "_local_models", {})
+    out = rl_train(small_cfg(hf_checkpoint=uri, num_rollout=1, eval_prompt_data=[]))
+    assert out["rollouts"] == 1 and out["last_checkpoint"] == 0
+    (copy,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # one copy: driver, engine, rank 0
+    assert (copy / ".complete").is_file() and (copy / "config.json").is_file()
+    from engine.checkpoint.layout import read_manifest
+    assert read_manifest(str(tmp_path / "ckpt"), 0)["hf_checkpoint"] == uri  # the run records the URI, not a copy
