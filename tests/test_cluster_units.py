@@ -111,26 +111,3 @@ def test_s3_model_is_downloaded_once_per_node_and_again_when_it_changes(s3_bucke
         nodes.local_model(f"{s3_bucket}/models/nothing-here")
     (d,) = e.value.diagnoses
     assert "has no config.json (0 objects under it)" in d.what and d.facts["field"] == "hf_checkpoint"
-
-
-@pytest.mark.slow
-def test_a_run_from_an_s3_model(s3_bucket, tiny_model, tmp_path, monkeypatch, small_cfg, prefect_harness):
-    import fsspec
-    import ray
-
-    from engine.cluster import nodes
-    from flows.train import rl_train
-
-    if ray.is_initialized():  # the run starts its own cluster: its workers get this process's S3 settings
-        ray.shutdown()
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    uri = f"{s3_bucket}/tiny-qwen2-arith"
-    _upload(fs, tiny_model, uri)
-    monkeypatch.setenv(nodes.MODEL_CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(nodes, "_local_models", {})
-    out = rl_train(small_cfg(hf_checkpoint=uri, num_rollout=1, eval_prompt_data=[]))
-    assert out["rollouts"] == 1 and out["last_checkpoint"] == 0
-    (copy,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # one copy: driver, engine, rank 0
-    assert (copy / ".complete").is_file() and (copy / "config.json").is_file()
-    from engine.checkpoint.layout import read_manifest
-    assert read_manifest(str(tmp_path / "ckpt"), 0)["hf_checkpoint"] == uri  # the run records the URI, not a copy

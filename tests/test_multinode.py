@@ -5,9 +5,9 @@ CPU nodes on 127.0.0.2-4): the rl-train flow joins it with --ray-address like a 
   the third, the ranks meet at rank 0's node address (not the driver's), and its metrics and weights match the
   same run on one node within 1e-6 — trained for 2 rollouts, then resumed to 3.
 - No filesystem is shared: every worker node hides the driver's run directories (ROLLFLOW_HIDDEN_PATHS, see
-  engine/cluster/nodes.py), so checkpoints are written and read back through Ray's object store; a model only
-  the driver sees, and disk weight sync to engines that do not see the driver's directory, fail at placement
-  with the node and the fix.
+  engine/cluster/nodes.py), so checkpoints are written and read back through Ray's object store; the model comes
+  from S3 (a local server on 127.0.0.1) into each node's own cache, once; a model only the driver sees, and disk
+  weight sync to engines that do not see the driver's directory, fail at placement with the node and the fix.
 - The code reaches the nodes through the job's runtime_env (`--ray-code ship`), merged with each actor's env.
 """
 from __future__ import annotations
@@ -45,8 +45,15 @@ def baseline(tmp_path_factory, tiny_model, prefect_harness):
 
 
 @pytest.fixture(scope="module")
-def cluster(baseline, driver_only):
-    """Head (no CPUs: the driver's node runs nothing) + three 1-CPU nodes on loopback addresses."""
+def node_caches(tmp_path_factory) -> Path:
+    """Each node's model cache: <this>/<node ip>/ (ROLLFLOW_MODEL_CACHE in the node's environment)."""
+    return tmp_path_factory.mktemp("node-caches")
+
+
+@pytest.fixture(scope="module")
+def cluster(baseline, driver_only, node_caches, s3_server):
+    """Head (no CPUs: the driver's node runs nothing) + three 1-CPU nodes on loopback addresses, each with its own
+    model cache and the S3 settings (of the local S3 server) in its environment, as a node's role would give."""
     import ray
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
@@ -60,7 +67,9 @@ def cluster(baseline, driver_only):
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
         for ip in NODES:
-            c.add_node(num_cpus=1, node_ip_address=ip, env_vars={"ROLLFLOW_HIDDEN_PATHS": str(driver_only)})
+            c.add_node(num_cpus=1, node_ip_address=ip, env_vars={
+                "ROLLFLOW_HIDDEN_PATHS": str(driver_only), "ROLLFLOW_MODEL_CACHE": str(node_caches / ip),
+                **s3_server})
         c.wait_for_nodes()
         yield c
         if ray.is_initialized():
@@ -91,15 +100,37 @@ def _weights(ckpt: Path, iteration: int) -> dict:
     return load_weights_dir(ckpt / f"iter_{iteration:07d}" / "model")
 
 
-def test_dp2_over_two_nodes_matches_one_node_and_resumes(cluster, baseline, driver_only, tiny_model):
+def _copies(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / ".complete").is_file()) if root.exists() else []
+
+
+def test_dp2_over_two_nodes_matches_one_node_and_resumes(cluster, baseline, driver_only, tiny_model, node_caches,
+                                                         s3_bucket, tmp_path, monkeypatch):
+    """The model comes from S3 (the baseline read the same files from disk): each node downloads it once."""
+    import fsspec
+
+    from engine.cluster import nodes
     from flows.train import rl_train
 
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    model = f"{s3_bucket}/tiny-qwen2-arith"
+    for f in sorted(Path(tiny_model).iterdir()):
+        if f.is_file():
+            fs.put_file(str(f), f"{model}/{f.name}")
+    monkeypatch.setenv(nodes.MODEL_CACHE_ENV, str(tmp_path / "driver-cache"))
+    monkeypatch.setattr(nodes, "_local_models", {})
     single, single_work = baseline
     work = driver_only / "multi"
-    cfg = _cfg(tiny_model, work, num_rollout=2, ray_address=cluster.address, actor_num_nodes=2,
+    cfg = _cfg(model, work, num_rollout=2, ray_address=cluster.address, actor_num_nodes=2,
                actor_num_gpus_per_node=1)
     first = rl_train(cfg)
+    stamps = {ip: [(c / ".complete").stat().st_mtime_ns for c in _copies(node_caches / ip)] for ip in NODES}
     resumed = rl_train(cfg.model_copy(update={"num_rollout": 3}))
+
+    # one copy of the model per node (two ranks and an engine: all three nodes) and on the driver, not fetched again
+    assert all(len(v) == 1 for v in stamps.values()), stamps
+    assert {ip: [(c / ".complete").stat().st_mtime_ns for c in _copies(node_caches / ip)] for ip in NODES} == stamps
+    assert len(_copies(tmp_path / "driver-cache")) == 1
 
     for out in (first, resumed):
         p = out["placement"]

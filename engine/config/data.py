@@ -13,7 +13,7 @@ BUNDLED_TEST = str(PROJECT_ROOT / "examples" / "data" / "arith" / "test.jsonl")
 
 class DataArgs(Section):
     hf_checkpoint: str = BUNDLED_MODEL
-    """Hugging Face model directory: the policy's initial weights, tokenizer and chat template (default: the bundled tiny Qwen2 model)."""
+    """Hugging Face model directory: the policy's initial weights, tokenizer and chat template (default: the bundled tiny Qwen2 model). On a cluster every node reads the same path, or give `s3://bucket/prefix`: each node (and the driver) downloads it once into its cache, $ROLLFLOW_MODEL_CACHE or ~/.cache/rollflow/models (docs/cluster.md)."""
 
     model_name: Optional[str] = None
     """Architecture name (e.g. qwen2, llama) so workers need not infer it from files (RF04)."""
