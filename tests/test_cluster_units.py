@@ -38,6 +38,25 @@ def test_probe_sees_and_hidden_paths(tmp_path, monkeypatch):
     assert not (tmp_path / "d").joinpath(p.file).exists()
 
 
+def test_probe_of_a_read_only_directory_compares_its_entries(tmp_path, monkeypatch):
+    import os
+
+    from engine.cluster import nodes
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    (d / "latest_checkpointed_iteration.txt").write_text("3\n")
+    other = tmp_path / "other"  # a namesake elsewhere (another node's own disk) with other content
+    other.mkdir()
+    (other / "latest_checkpointed_iteration.txt").write_text("12\n")
+    monkeypatch.setattr(nodes.Path, "write_text", lambda *a, **k: (_ for _ in ()).throw(PermissionError("ro")))
+    p = nodes.Probe(d)
+    assert not p.written and p.file == str(d) and nodes.sees(p.file, p.token)
+    p.remove()
+    assert os.listdir(d) == ["latest_checkpointed_iteration.txt"]  # nothing written, nothing removed
+    assert not nodes.sees(str(other), p.token)
+
+
 def test_require_model_names_node_and_fix(tmp_path, tiny_model, monkeypatch):
     from engine.cluster import nodes
     from engine.diagnosis import ConfigError

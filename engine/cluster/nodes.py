@@ -67,19 +67,34 @@ def require_model(path: str, *, flag: str = "--hf-checkpoint", who: str) -> None
         facts={"field": flag.lstrip("-").replace("-", "_"), "value": path, "node": ip, "who": who}))
 
 
+def _fingerprint(directory: str | os.PathLike) -> str:
+    """The names and sizes of a directory's entries, hashed: the same directory seen from two nodes."""
+    import hashlib
+
+    entries = sorted((e.name, e.stat().st_size if e.is_file() else -1) for e in os.scandir(directory))
+    return "dir:" + hashlib.sha256(repr(entries).encode()).hexdigest()
+
+
 class Probe:
     """A token file the driver writes into `directory`; `sees(file, token)` on a node says whether that node reads
-    the same directory. Removed by `remove` (or as a context manager)."""
+    the same directory. Removed by `remove` (or as a context manager). A directory the driver cannot write (a
+    read-only --load mount) is probed by its entries' names and sizes instead."""
 
     def __init__(self, directory: str | os.PathLike):
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        self.token = secrets.token_hex(16)
-        self.file = str(d / f".rollflow-probe-{self.token[:8]}")
-        Path(self.file).write_text(self.token)
+        self.written = False
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            self.token = secrets.token_hex(16)
+            self.file = str(d / f".rollflow-probe-{self.token[:8]}")
+            Path(self.file).write_text(self.token)
+            self.written = True
+        except OSError:
+            self.file, self.token = str(d), _fingerprint(d)
 
     def remove(self) -> None:
-        Path(self.file).unlink(missing_ok=True)
+        if self.written:
+            Path(self.file).unlink(missing_ok=True)
 
     def __enter__(self) -> "Probe":
         return self
@@ -91,6 +106,8 @@ class Probe:
 def sees(file: str, token: str) -> bool:
     """On a node: whether `file` is visible here with `token` in it (the driver's file, not a namesake)."""
     try:
+        if token.startswith("dir:"):
+            return visible(file) and _fingerprint(file) == token
         return visible(file) and Path(file).read_text() == token
     except OSError:
         return False
