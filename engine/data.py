@@ -60,11 +60,20 @@ def _read_rows(path: Path, flag: str) -> list[tuple[int, Any]]:
 def load_prompts(spec: str, *, input_key: str, label_key: str | None, metadata_key: str | None = None,
                  flag: str = "--prompt-data") -> list[PromptRow]:
     """Read and validate every row; a bad row is an error naming its line number and the key."""
+    from engine.cluster.nodes import local_file
+
     m = _SLICE.match(spec)
-    path = Path(m["path"] if m else spec)
+    name = m["path"] if m else spec  # as the user wrote it, for messages
+    try:
+        path = Path(local_file(name))  # s3://bucket/key: this machine's cached copy
+    except Exception as e:  # a missing object, credentials, the endpoint
+        raise _data_error(f"{flag} {name}: cannot be read ({type(e).__name__}: {e})",
+                          f"pass an existing .jsonl or .parquet object or file to {flag}; for S3 check the key and "
+                          "this machine's credentials (AWS_* or its role; AWS_ENDPOINT_URL_S3 for other stores)",
+                          path=name) from None
     if not path.is_file():
-        raise _data_error(f"{flag} {path}: no such file", f"pass an existing .jsonl or .parquet file to {flag}",
-                          path=str(path))
+        raise _data_error(f"{flag} {name}: no such file", f"pass an existing .jsonl or .parquet file to {flag}",
+                          path=name)
     rows = _read_rows(path, flag)
     if m:
         a = int(m["a"]) if m["a"] else None
@@ -73,25 +82,25 @@ def load_prompts(spec: str, *, input_key: str, label_key: str | None, metadata_k
     out = []
     for lineno, obj in rows:
         if not isinstance(obj, dict):
-            raise _data_error(f"{flag} {path}: line {lineno} is a {type(obj).__name__}, not an object",
+            raise _data_error(f"{flag} {name}: line {lineno} is a {type(obj).__name__}, not an object",
                               "write one JSON object per line", path=str(path), line=lineno)
         if input_key not in obj:
-            raise _data_error(f"{flag} {path}: line {lineno} has no key {input_key!r} (keys: {sorted(obj)})",
+            raise _data_error(f"{flag} {name}: line {lineno} has no key {input_key!r} (keys: {sorted(obj)})",
                               f"--input-key one of {sorted(obj)}, or fix line {lineno}", path=str(path),
                               line=lineno)
         if label_key and label_key not in obj:
-            raise _data_error(f"{flag} {path}: line {lineno} has no key {label_key!r} (keys: {sorted(obj)})",
+            raise _data_error(f"{flag} {name}: line {lineno} has no key {label_key!r} (keys: {sorted(obj)})",
                               f"--label-key one of {sorted(obj)}, or fix line {lineno}", path=str(path),
                               line=lineno)
         meta = obj.get(metadata_key) if metadata_key else None
         if meta is not None and not isinstance(meta, dict):
-            raise _data_error(f"{flag} {path}: line {lineno} has {metadata_key!r} = {str(meta)[:60]!r}, a "
+            raise _data_error(f"{flag} {name}: line {lineno} has {metadata_key!r} = {str(meta)[:60]!r}, a "
                               f"{type(meta).__name__}, not an object", f"--metadata-key a key holding an object "
                               f"(e.g. {{\"source\": \"gsm8k\"}}), or fix line {lineno}", path=str(path), line=lineno)
         prompt = obj[input_key]
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in prompt))):
-            raise _data_error(f"{flag} {path}: line {lineno} has {input_key!r} = {str(prompt)[:60]!r}: neither text "
+            raise _data_error(f"{flag} {name}: line {lineno} has {input_key!r} = {str(prompt)[:60]!r}: neither text "
                               "nor a list of chat messages ({\"role\", \"content\"})",
                               f"fix line {lineno}", path=str(path), line=lineno)
         out.append(PromptRow(lineno, prompt, obj.get(label_key) if label_key else None, dict(meta or {})))

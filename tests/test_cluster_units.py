@@ -130,3 +130,25 @@ def test_s3_model_is_downloaded_once_per_node_and_again_when_it_changes(s3_bucke
         nodes.local_model(f"{s3_bucket}/models/nothing-here")
     (d,) = e.value.diagnoses
     assert "has no config.json (0 objects under it)" in d.what and d.facts["field"] == "hf_checkpoint"
+
+
+def test_s3_prompt_data_is_read_through_the_cache(s3_bucket, tmp_path, monkeypatch):
+    import fsspec
+
+    from engine.cluster import nodes
+    from engine.config.data import BUNDLED_TRAIN
+    from engine.data import load_prompts
+    from engine.diagnosis import ConfigError
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.put_file(BUNDLED_TRAIN, f"{s3_bucket}/data/train.jsonl")
+    monkeypatch.setenv(nodes.MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    rows = load_prompts(f"{s3_bucket}/data/train.jsonl@[0:3]", input_key="prompt", label_key="label")
+    local = load_prompts(BUNDLED_TRAIN, input_key="prompt", label_key="label")[:3]
+    assert [(r.prompt, r.label) for r in rows] == [(r.prompt, r.label) for r in local]
+    (copy,) = (tmp_path / "cache" / "files").glob("*-train.jsonl")
+    assert copy.read_bytes() == open(BUNDLED_TRAIN, "rb").read()
+    with pytest.raises(ConfigError) as e:
+        load_prompts(f"{s3_bucket}/data/nope.jsonl", input_key="prompt", label_key="label", flag="--prompt-data")
+    (d,) = e.value.diagnoses
+    assert d.what.startswith(f"--prompt-data {s3_bucket}/data/nope.jsonl: cannot be read (FileNotFoundError")

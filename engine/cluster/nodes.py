@@ -212,3 +212,30 @@ def local_model(uri: str) -> str:
                                                         "seconds": time.perf_counter() - t0}))
     _local_models[uri] = str(dest)
     return str(dest)
+
+
+def local_file(uri: str) -> str:
+    """A local path holding the file at `uri`: `uri` itself unless it is s3://, else this node's cached copy
+    (<cache root>/files/<key>-<name>, keyed by the URI, the object's size and ETag; downloaded now when missing)."""
+    import fcntl
+    import hashlib
+
+    from fsspec.core import url_to_fs
+
+    if not str(uri).startswith("s3://"):
+        return uri
+    fs, path = url_to_fs(uri, use_listings_cache=False)
+    info = fs.info(path)  # FileNotFoundError for a missing object
+    key = hashlib.sha256(repr((uri, info.get("size"), info.get("ETag"))).encode()).hexdigest()[:16]
+    root = model_cache_root() / "files"
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root / f"{key}-{path.rsplit('/', 1)[-1]}"
+    with open(root / f"{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not dest.is_file():
+            part = dest.with_name(dest.name + ".part")
+            fs.get_file(path, str(part))
+            if part.stat().st_size != int(info.get("size") or 0):
+                raise OSError(f"download of {uri} into {part} is incomplete")
+            os.replace(part, dest)
+    return str(dest)

@@ -19,7 +19,7 @@ class DataArgs(Section):
     """Architecture name (e.g. qwen2, llama) so workers need not infer it from files (RF04)."""
 
     prompt_data: str = BUNDLED_TRAIN
-    """Training prompts: a JSONL or Parquet file; `path@[a:b]` takes rows a..b-1 (default: the bundled arithmetic task)."""
+    """Training prompts: a JSONL or Parquet file, or an s3:// object (fetched once into the cache of docs/cluster.md); `path@[a:b]` takes rows a..b-1 (default: the bundled arithmetic task)."""
 
     eval_prompt_data: Optional[list[str]] = [BUNDLED_TEST]
     """Held-out prompts scored before and after training (and every --eval-interval): one JSONL or Parquet file
