@@ -6,7 +6,7 @@
   plus what the recipe relies on (the Prefect sidecar shares the head's /tmp/ray, secrets only by reference).
 - Slurm: deployments/slurm/rollflow.sbatch run by bash with a fake `srun` and `scontrol` on PATH that record the
   commands they receive.
-- Prefect: deployments/prefect-cluster.yaml read by Prefect's own prefect.yaml model, its job variables by the
+- Prefect: deployments/prefect/cluster.yaml read by Prefect's own prefect.yaml model, its job variables by the
   process worker's job configuration, its parameters by rl-train's.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "deployments" / "kuberay" / "raycluster.yaml"
 SBATCH = ROOT / "deployments" / "slurm" / "rollflow.sbatch"
-CLUSTER_DEPLOYMENTS = ROOT / "deployments" / "prefect-cluster.yaml"
+CLUSTER_DEPLOYMENTS = ROOT / "deployments" / "prefect" / "cluster.yaml"
 
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _GROUP = {"rayStartParams": _STR_MAP, "template": {"type": "object"}, "serviceType": {"type": "string"},
