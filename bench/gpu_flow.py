@@ -47,8 +47,12 @@ def machine() -> dict:
 
 
 def random_model(shape: str, path: Path) -> Path:
-    """A random Qwen2 of the Qwen2.5-0.5B / 1.5B shape with the bundled tokenizer and chat template (bf16)."""
+    """A random Qwen2 of the Qwen2.5-0.5B / 1.5B shape with the bundled tokenizer and chat template (bf16); seeded,
+    so a later call (a resumed run) builds the same model, and kept when already there."""
     import torch
+
+    if (path / "model.safetensors").is_file() or any(path.glob("*.safetensors")):
+        return path
 
     from gpu_megatron import QWEN2_05B, QWEN25_15B, make_hf_model
 
@@ -59,7 +63,12 @@ def random_model(shape: str, path: Path) -> Path:
     return path
 
 
-def run(tag: str, args: list[str], out: Path, timeout_s: float, meta: dict) -> dict:
+def run(tag: str, args: list[str], out: Path, timeout_s: float, meta: dict, term_after_s: float | None = None,
+        part: str = "") -> dict:
+    """`rollflow train ARGS` with its own work dir; after term_after_s a SIGTERM (the flow stops between stages and
+    keeps its checkpoint: the same command resumes), after timeout_s a SIGKILL."""
+    import signal
+
     work = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / tag
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -68,14 +77,26 @@ def run(tag: str, args: list[str], out: Path, timeout_s: float, meta: dict) -> d
            "--summary-json", str(summary)]
     env = {**os.environ, "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO"}  # task runs and their times in the log
     shown = "rollflow train " + " ".join(args)
-    print(f"[{time.strftime('%H:%M:%S')}] {tag}: {shown}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {tag}{part}: {shown}", flush=True)
     t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        rc, log = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, log = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    logf = work / "console.log"
+    with open(logf, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            rc = proc.wait(timeout=term_after_s or timeout_s)
+        except subprocess.TimeoutExpired:
+            if term_after_s:
+                proc.send_signal(signal.SIGTERM)
+                print(f"[{time.strftime('%H:%M:%S')}] {tag}: SIGTERM after {term_after_s:g} s", flush=True)
+            try:
+                rc = proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = 124
+                proc.wait()
+    log = logf.read_text(errors="replace")
     wall = time.perf_counter() - t0
+    tag = tag + part
     (out / f"gpu_flow_{tag}.log").write_text(log[-200_000:])
     res = {"tag": tag, "command": shown, "machine": machine(), "wall_s": round(wall, 1), **meta}
     if rc != 0 or not summary.is_file():
@@ -125,6 +146,10 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--write", default=None, help="report: copy the JSON files and write gpu_flow.md here")
     p.add_argument("--extra", default="", help="more `rollflow train` flags, one string")
+    p.add_argument("--term-after", type=float, default=None,
+                   help="SIGTERM the run after this many seconds (it stops between stages; the same command resumes "
+                        "from its --save, kept in $BENCH_WORK/ck_<tag> for shapes)")
+    p.add_argument("--part", default="", help="suffix of this call's result files (a run split over calls)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,14 +163,18 @@ def main() -> int:
     elif a.mode == "shape":
         model = random_model(a.shape, Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / f"qwen2_{a.shape}")
         n = a.num_rollout or 3
-        run(f"{a.shape.replace('.', '')}_{a.backend}_{precision}",
-            ["--hf-checkpoint", str(model), "--apply-chat-template", "--rm-type", "exact_match",
+        tag = f"{a.shape.replace('.', '')}_{a.backend}_{precision}"
+        ck = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / f"ck_{tag}"
+        run(tag,
+            ["--hf-checkpoint", str(model), "--apply-chat-template", "--rm-type", "exact_match", "--save", str(ck),
+             "--keep-last-n", "1",
              "--eval-prompt-data", "", "--rollout-batch-size", "64", "--n-samples-per-prompt", "8",
              "--rollout-max-response-len", "1024", "--rollout-max-truncated-share", "1", "--num-rollout", str(n),
              "--global-batch-size", "512", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
              "--rollout-concurrency", "512", "--sglang-max-running-requests", "512", "--lr", "1e-6", *common],
             out, a.timeout, {"train_backend": a.backend, "precision": precision,
-                             "model": f"random Qwen2, Qwen2.5-{a.shape.upper()} shape"})
+                             "model": f"random Qwen2, Qwen2.5-{a.shape.upper()} shape"},
+            term_after_s=a.term_after, part=a.part)
     else:
         rows = [json.loads(f.read_text()) for f in sorted(out.glob("gpu_flow_*.json"))]
         lines = ["| run | state | rollouts | accuracy | mismatch mean (max over rollouts) | peak GiB rollout/train/sync "
