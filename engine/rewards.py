@@ -173,10 +173,13 @@ BUILTIN = {"exact_match": exact_match, "math": math_reward, "f1": f1_reward}
 
 # ---- custom functions ------------------------------------------------------------------------------------------
 def load_function(path: str, flag: str) -> Callable:
-    """`pkg.module:function` or `path/to/file.py:function`; a bad path is a ConfigError naming `flag`."""
+    """`pkg.module:function`, slime's `pkg.module.function`, or `path/to/file.py:function`; a bad path is a
+    ConfigError naming `flag`."""
     mod_name, sep, fn_name = path.rpartition(":")
+    if not sep and not path.endswith(".py"):
+        mod_name, sep, fn_name = path.rpartition(".")
     if not sep or not mod_name or not fn_name:
-        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{flag} {path!r} is not module:function",
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{flag} {path!r} is not module:function (or module.function)",
                                     fix=f"{flag} my_pkg.module:function (or path/to/file.py:function)"))
     try:
         if mod_name.endswith(".py"):

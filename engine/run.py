@@ -51,6 +51,8 @@ class Run:
         self.train_placement = None  # CPU train workers over several nodes (stages.place_train_workers)
         self.ports = None  # the cluster's port registry (a Ray actor)
         self.sample_filter = None  # --dynamic-sampling-filter-path, loaded
+        self.hooks = None  # engine.rollout.hooks.Hooks: slime's hook flags, loaded by stages.place
+        self.data_source = None  # --data-source-path's object, else the prompt file's rows (stages.data_source)
         self.train_group = None
         self.tracker = None
         self.start = StartPoint("fresh")  # set by stages.place: fresh, HF weights or a verified iteration

@@ -29,6 +29,7 @@ class Sample:
     rollout_log_probs: list[float] = field(default_factory=list)  # [R] log π_engine(a|s) at the rollout temperature
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+    remove_sample: bool = False  # set by --rollout-sample-filter-path: kept out of the loss (slime's field)
 
     @property
     def prompt_length(self) -> int:

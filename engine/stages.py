@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,7 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
                                         flag="--eval-prompt-data")[: cfg.eval_max_samples]
                      for name, path in cfg.eval_sets}
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
+    load_hooks(run)
     run.probe = probe_prompts(run)
 
     run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
@@ -166,6 +168,28 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     return run
 
 
+def hook_args(run: Run, rollout_id: int, *, evaluation: bool = False):
+    """`args` of the user hooks (engine/rollout/hooks.py): the flags, the tokenizer, the sampling params."""
+    from engine.rollout.hooks import HookArgs
+
+    return HookArgs(run.cfg, tokenizer=run.tokenizer, sampling_params=sampling_params(run).to_sglang(None),
+                    rollout_id=rollout_id, evaluation=evaluation)
+
+
+def load_hooks(run: Run) -> None:
+    """slime's hook flags (a bad path fails here, at start, naming the flag) and the data source."""
+    from engine.modeling import render_prompt
+    from engine.rollout.filters import load_filter
+    from engine.rollout.hooks import Hooks, load_data_source
+
+    cfg = run.cfg
+    run.hooks = Hooks.load(cfg)
+    run.sample_filter = (load_filter(cfg.dynamic_sampling_filter_path, hook_args(run, -1))
+                         if cfg.dynamic_sampling_filter_path else None)
+    run.data_source = load_data_source(cfg, hook_args(run, -1),
+                                       lambda prompt: render_prompt(run.tokenizer, prompt, cfg.apply_chat_template))
+
+
 def fits_cluster(cfg: RunConfig) -> None:
     """RF02 against the cluster just joined (preflight saw only this machine, or the cluster a moment ago): a
     topology that can never fit fails here, in seconds, with the formula and the numbers — not after a timeout."""
@@ -182,10 +206,8 @@ def launch_rollout_engines(run: Run) -> None:
     from engine import cluster
     from engine.cluster.placement import group_name, place as place_group, remove_leftovers, rollout_layout
     from engine.rollout.engines import EngineGroup, engine_spec
-    from engine.rollout.filters import load_filter
 
     cfg = run.cfg
-    run.sample_filter = load_filter(cfg.dynamic_sampling_filter_path) if cfg.dynamic_sampling_filter_path else None
     run.ports = cluster.port_registry()
     layout = rollout_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.train_world_size,
                             colocate=cfg.colocate, rollout_num_gpus=cfg.rollout_num_gpus,
@@ -295,7 +317,7 @@ def convert(run: Run) -> int:
     if s.kind == "checkpoint":
         run.train_group.load(s.local_dir, load_optim=run.cfg.load_optim)
         if s.manifest.get("data_state"):
-            run.dataset.load_state(s.manifest["data_state"])
+            data_source(run).load_state(s.manifest["data_state"])
         run.state.history = {k: {int(i): v for i, v in d.items()} for k, d in s.manifest.get("history", {}).items()}
     elif s.kind == "hf":
         run.train_group.load_weights(s.local_dir)
@@ -359,6 +381,73 @@ def _prompts(run: Run, rows: list):
     return [Prompt(r, render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template)) for r in rows]
 
 
+def data_source(run: Run):
+    """--data-source-path's object, else the prompt file's rows (slime's data source interface: get_samples)."""
+    from engine.modeling import render_prompt
+    from engine.rollout.hooks import PromptDataSource
+
+    if getattr(run, "data_source", None) is None:
+        run.data_source = PromptDataSource(
+            run.dataset, lambda r: render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template),
+            run.cfg.n_samples_per_prompt)
+    return run.data_source
+
+
+def _draw(run: Run, k: int) -> list:
+    """The next k prompts: rows of --prompt-data, or groups from --data-source-path (given to a generate hook)."""
+    from engine.data import PromptRow
+    from engine.rollout.hooks import HookError, PromptDataSource
+    from engine.rollout.loop import Prompt
+
+    src = data_source(run)
+    if isinstance(src, PromptDataSource):
+        return _prompts(run, run.dataset.next_batch(k))
+    out = []
+    for g in src.get_samples(k):
+        if len(g) != run.cfg.n_samples_per_prompt:
+            raise HookError.of("--data-source-path", run.cfg.data_source_path,
+                               f"handed out a group of {len(g)} samples; --n-samples-per-prompt is "
+                               f"{run.cfg.n_samples_per_prompt}")
+        s = g[0]
+        row = PromptRow(row=int(s.metadata.get("row", 0)), prompt=s.prompt, label=s.label, metadata=dict(s.metadata))
+        ids = list(s.tokens)
+        out.append(Prompt(row, ids, samples=g))
+    return out
+
+
+def custom_rollout(run: Run, rollout_id: int, args) -> Any:
+    """--rollout-function-path: slime's contract, checked (B groups of n final samples; unscored ones are scored
+    by the run's reward)."""
+    from engine.rollout.hooks import EngineClient, HookError, RolloutFnTrainOutput, call_hook, check_sample
+    from engine.rollout.loop import RolloutResult
+
+    cfg, flag, path = run.cfg, "--rollout-function-path", run.cfg.rollout_function_path
+    engine = EngineClient(None, run.engines, rid_prefix=f"rf{rollout_id}-{uuid.uuid4().hex[:6]}-",
+                          timeout_s=cfg.rollout_timeout) if hasattr(run.engines, "serving") else None
+    out = call_hook(flag, path, run.hooks.rollout, args.with_engine(engine), rollout_id, data_source(run),
+                    evaluation=False)
+    groups, extra = (out.samples, out.metrics or {}) if isinstance(out, RolloutFnTrainOutput) or hasattr(
+        out, "samples") else (out, {})
+    B, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
+    if not isinstance(groups, list) or len(groups) != B or not all(isinstance(g, list) and len(g) == n
+                                                                     for g in groups):
+        shape = [len(g) if isinstance(g, list) else type(g).__name__ for g in groups][:8] \
+            if isinstance(groups, list) else type(groups).__name__
+        raise HookError.of(flag, path, f"returned groups {shape}; expected --rollout-batch-size {B} groups of "
+                                       f"--n-samples-per-prompt {n} Samples")
+    for gi, g in enumerate(groups):
+        for j, smp in enumerate(g):
+            check_sample(smp, flag, path)
+            smp.index, smp.group_index, smp.rollout_id = gi * n + j, gi, rollout_id
+        if any(smp.reward is None for smp in g):
+            run.reward_model.score_group([smp for smp in g if smp.reward is None])
+    metrics = {k: float(v) for k, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    result = RolloutResult(groups, {"drawn": float(B), "filtered": 0.0, "aborted": 0.0, "rounds": 1.0,
+                                    "retried_requests": 0.0})
+    result.extra_metrics = metrics
+    return result
+
+
 def revive_engines(run: Run) -> None:
     """Before a retried rollout: restart the engines that died or stopped answering (they get the current weights)."""
     if revived := run.engines.revive(run.cfg.rollout_health_check_timeout):
@@ -372,19 +461,33 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     from engine.rollout.loop import generate_rollout, rollout_metrics
     from engine.samples import Status
 
+    from engine.rollout.hooks import Hooks, PromptDataSource, apply_reward_post_process, apply_sample_filter
+
     cfg = run.cfg
     t0 = time.perf_counter()
-    position = run.dataset.state()
+    src = data_source(run)
+    position = src.state()
     params = sampling_params(run)
     keep = run.sample_filter
+    hooks = getattr(run, "hooks", None) or Hooks()
+    args = hook_args(run, rollout_id)
     try:
-        result = generate_rollout(lambda k: _prompts(run, run.dataset.next_batch(k)), rollout_id=rollout_id,
-                                  batch_size=cfg.rollout_batch_size, n=cfg.n_samples_per_prompt, params=params,
-                                  reward_model=run.reward_model, seed=cfg.seed, engines=run.engines,
-                                  round_size=cfg.over_sampling_batch_size if keep else None, keep=keep,
-                                  concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout,
-                                  max_prompts=len(run.dataset.rows) if keep else None)
+        if hooks.rollout is not None:
+            result = custom_rollout(run, rollout_id, args)
+        else:
+            result = generate_rollout(lambda k: _draw(run, k), rollout_id=rollout_id,
+                                      batch_size=cfg.rollout_batch_size, n=cfg.n_samples_per_prompt, params=params,
+                                      reward_model=run.reward_model, seed=cfg.seed, engines=run.engines,
+                                      round_size=cfg.over_sampling_batch_size if keep else None, keep=keep,
+                                      concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout,
+                                      max_prompts=len(run.dataset.rows) if keep and isinstance(src, PromptDataSource)
+                                      else None, generate=hooks.generate, hook_args=args,
+                                      hook_path=cfg.custom_generate_function_path or "")
         samples = [s for g in result.groups for s in g]
+        removed = (apply_sample_filter(hooks.sample_filter, cfg.rollout_sample_filter_path, args, result.groups)
+                   if hooks.sample_filter is not None else 0)
+        if hooks.post_process is not None:
+            apply_reward_post_process(hooks.post_process, cfg.custom_reward_post_process_path, args, samples)
         diag = truncation_diagnosis(sum(s.status == Status.TRUNCATED for s in samples), len(samples),
                                     max_response_len=cfg.rollout_max_response_len,
                                     stop_token_ids=params.stop_token_ids, stop=params.stop,
@@ -392,13 +495,15 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
         if diag is not None:
             raise DiagnosisError(diag)
     except BaseException:
-        run.dataset.load_state(position)  # a retried rollout takes the same prompts
+        src.load_state(position)  # a retried rollout takes the same prompts
         raise
     faults.at("after_rollout", rollout_id)
     if cfg.colocate:
         run.engines.release_memory()  # the trainer needs the GPUs now; sync() resumes
+    hook_metrics = {**getattr(result, "extra_metrics", {}),
+                    **({"rollout/removed_samples": float(removed)} if hooks.sample_filter is not None else {})}
     metrics = publish(run, rollout_id, {**rollout_metrics(result, time.perf_counter() - t0),
-                                        **gpu_memory_metrics(run, "rollout")})
+                                        **gpu_memory_metrics(run, "rollout"), **hook_metrics})
     if run.tracker is not None:
         from engine.tracking.record import log_rollout
 
@@ -413,9 +518,10 @@ class PackedRollout(Handoff):
     _payload = ("per_rank_steps", "rewards")
 
     def __init__(self, rollout_id: int, per_rank_steps: list[list[list[MicroBatch]]], metrics: dict[str, float],
-                 rewards: list[float] | None = None):
+                 rewards: list[float] | None = None, rewards_normalized: bool = False):
         self.rollout_id, self.per_rank_steps, self.metrics = rollout_id, per_rank_steps, metrics
         self.rewards = rewards if rewards is not None else []
+        self.rewards_normalized = rewards_normalized  # --custom-reward-post-process-path's rewards: used as they are
 
 
 def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
@@ -449,8 +555,11 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     cap = plan.token_cap
     metrics = {f"pack/{k}": v for k, v in schedule_stats(steps, lengths, flops, cap).items()}
     metrics["pack/seconds"] = time.perf_counter() - t0
+    post = [getattr(s, "advantage_reward", None) for s in samples]
+    normalized = bool(samples) and all(r is not None for r in post)
     return PackedRollout(batch.rollout_id, per_rank, publish(run, batch.rollout_id, metrics),
-                         rewards=[s.scalar_reward for s in samples])
+                         rewards=post if normalized else [s.scalar_reward for s in samples],
+                         rewards_normalized=normalized)
 
 
 # ---- train -----------------------------------------------------------------------------------------------------
@@ -468,9 +577,11 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     cfg = run.cfg
     t0 = time.perf_counter()
     rollout_id = packed.rollout_id
+    normalized = getattr(packed, "rewards_normalized", False)
     per_rank_steps, rewards = packed.take()
     # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
-    facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=True))
+    facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=True,
+                                                       normalized=normalized))
     mismatch = {"train/mismatch": facts["mismatch"], "train/mismatch_max": facts["mismatch_max"]}
     trained = sum(float(mb.loss_mask.sum()) for rank in per_rank_steps for step in rank for mb in step)
     if d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=facts["mismatch"],
@@ -524,7 +635,7 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
     from engine.convert import copy_hf_config
 
     cfg = run.cfg
-    manifest = {"data_state": run.dataset.state(), "mlflow_run_id": run.tracker.run_id if run.tracker else None,
+    manifest = {"data_state": data_source(run).state(), "mlflow_run_id": run.tracker.run_id if run.tracker else None,
                 "prefect_flow_run_id": run.flow_run_id, "config_hash": cfg.config_hash(), "origin": run.origin,
                 "history": {k: {str(i): v for i, v in d.items()} for k, d in run.history.items()},
                 "train_backend": cfg.train_backend, "resumable": cfg.save_optim, "seed": cfg.seed,
@@ -724,7 +835,10 @@ def evaluate(run: Run, step: int) -> float | None:
                                   rollout_id=-1 - step, batch_size=len(eval_rows), n=k,
                                   params=sampling_params(run, greedy=k == 1),
                                   reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
-                                  concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout)
+                                  concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout,
+                                  generate=getattr(getattr(run, "hooks", None), "generate", None),
+                                  hook_args=hook_args(run, -1 - step, evaluation=True),
+                                  hook_path=run.cfg.custom_generate_function_path or "")
         publish(run, step, eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups]))
     return evaluated(run, step)
 

@@ -179,8 +179,8 @@ class InProcessGroup:
     def __init__(self, worker):
         self.worker = worker
 
-    def set_rollout(self, per_rank_steps, rewards, need_ref):
-        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref)]
+    def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False):
+        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized)]
 
     def train_step(self, k, global_batch_size):
         return [self.worker.train_step(k, global_batch_size)]

@@ -125,24 +125,28 @@ def masked_whiten(x: torch.Tensor, stats: torch.Tensor, *, eps: float = 1e-8) ->
 def compute_advantages(estimator: str, *, rewards: torch.Tensor, n_samples_per_prompt: int,
                        sample_ids: list[int], cu_seqlens: torch.Tensor, loss_mask: torch.Tensor,
                        kl: torch.Tensor, values: torch.Tensor | None = None, gamma: float = 1.0,
-                       lambd: float = 1.0, kl_coef: float = 0.0, std_normalization: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       lambd: float = 1.0, kl_coef: float = 0.0, std_normalization: bool = True,
+                       rewards_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns [T] of one packed micro-batch (0 where loss_mask is 0).
 
     rewards: [N] every sample of the rollout, indexed by Sample.index (groups of n contiguous);
     sample_ids: [S] the Sample.index of each sample in the micro-batch; loss_mask, kl, values: [T] flat,
     aligned with the tokens (entry t is about predicting token t; kl = kl(log π_old, log π_ref)).
     Returns equal advantages and returns except for PPO, whose returns are the critic's targets.
+    rewards_normalized: the rewards come from --custom-reward-post-process-path, which replaces the group
+    normalisation (slime's contract): GRPO-family and REINFORCE++-baseline take them as they are.
     """
+    group = (lambda std: rewards.float()) if rewards_normalized else (
+        lambda std: grpo_advantages(rewards, n_samples_per_prompt, std_normalization=std))
     ids = torch.as_tensor(sample_ids, dtype=torch.long)
     mask = to_rows(loss_mask, cu_seqlens)  # [S, L]
     kl_rows = to_rows(kl, cu_seqlens) * mask  # [S, L]
     if estimator in ("grpo", "gspo", "cispo"):
-        score = grpo_advantages(rewards, n_samples_per_prompt, std_normalization=std_normalization)[ids]  # [S]
+        score = group(std_normalization)[ids]  # [S]
         adv = score[:, None].expand_as(mask)  # [S, L]
         ret = adv
     elif estimator == "reinforce_plus_plus_baseline":
-        centred = grpo_advantages(rewards, n_samples_per_prompt, std_normalization=False)[ids]  # [S]
+        centred = group(False)[ids]  # [S]
         adv = ret = reinforce_plus_plus_baseline_advantages(centred, kl_rows, kl_coef=kl_coef)
     elif estimator == "reinforce_plus_plus":
         adv = ret = reinforce_plus_plus_returns(rewards.float()[ids], kl_rows, mask, kl_coef=kl_coef, gamma=gamma)

@@ -62,7 +62,22 @@ class RolloutArgs(Section):
     """Prompts drawn per sampling round when a dynamic filter is set (≥ --rollout-batch-size); rounds repeat until B groups pass."""
 
     dynamic_sampling_filter_path: Optional[str] = None
-    """Group filter `module:function` (fn(samples) -> bool), e.g. engine.rollout.filters:check_reward_nonzero_std (drop groups whose rewards all agree)."""
+    """Group filter (slime's hook): fn(args, samples) or fn(samples) -> bool | DynamicFilterOutput, e.g. engine.rollout.filters:check_reward_nonzero_std (drop groups whose rewards all agree)."""
+
+    rollout_function_path: Optional[str] = None
+    """A whole custom rollout (slime's hook): fn(args, rollout_id, data_source, evaluation=False) -> RolloutFnTrainOutput | list of B groups of n Samples (engine/rollout/hooks.py). Default: the built-in rollout."""
+
+    custom_generate_function_path: Optional[str] = None
+    """Per-sample generation (slime's hook), e.g. multi-turn with tools: async fn(args, sample, sampling_params) -> Sample; may call args.engine several times; tool tokens get loss_mask 0."""
+
+    custom_reward_post_process_path: Optional[str] = None
+    """Reward post-processing (slime's hook): fn(args, samples) -> (raw_rewards, rewards); the rewards replace GRPO's group normalisation as the advantage estimator's input."""
+
+    rollout_sample_filter_path: Optional[str] = None
+    """After the rollout (slime's hook): fn(args, groups) sets sample.remove_sample = True on samples to keep out of the loss (they still count in the group's reward normalisation)."""
+
+    data_source_path: Optional[str] = None
+    """Where prompts come from (slime's hook): a class built as cls(args) with get_samples(num_prompts) -> list of groups of n Samples; state_dict() / load_state_dict(d) make it resumable. Default: --prompt-data."""
 
     rollout_max_truncated_share: float = Field(0.9, ge=0.0, le=1.0)
     """A rollout where more than this share of samples hit --rollout-max-response-len fails with RF10 (1 = never)."""
@@ -106,6 +121,17 @@ class RolloutArgs(Section):
                 what=f"--over-sampling-batch-size {self.over_sampling_batch_size} is below --rollout-batch-size "
                      f"{self.rollout_batch_size}: a sampling round must draw at least B prompts",
                 fix=f"--over-sampling-batch-size {2 * self.rollout_batch_size} (or drop it)"))
+        if self.rollout_function_path:
+            unused = [f for f, v in (("--custom-generate-function-path", self.custom_generate_function_path),
+                                     ("--dynamic-sampling-filter-path", self.dynamic_sampling_filter_path),
+                                     ("--over-sampling-batch-size", self.over_sampling_batch_size)) if v]
+            if unused:
+                errors.append(Diagnosis(
+                    code="CONFIG", severity="error",
+                    what=f"--rollout-function-path {self.rollout_function_path!r} replaces the built-in rollout, which is "
+                         f"what reads {', '.join(unused)}: they would do nothing",
+                    fix=f"drop {', '.join(unused)} (your rollout function can read its own settings from args), or "
+                        "drop --rollout-function-path"))
         if self.weight_sync_method == "tensor" and self.rollout_engine == "sglang":
             errors.append(Diagnosis(
                 code="CONFIG", severity="error",

@@ -47,13 +47,14 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
     for s, a in zip(samples, advantages):
         L, R = len(s.tokens), s.response_length
         P = L - R
-        trained = s.status in (Status.COMPLETED, Status.TRUNCATED)
+        # failed samples, and those --rollout-sample-filter-path removed, are never trained
+        trained = s.status in (Status.COMPLETED, Status.TRUNCATED) and not s.remove_sample
         if trained and (len(s.loss_mask) != R or len(s.rollout_log_probs) != R):
             raise ValueError(f"sample {s.index}: response_length {R} but {len(s.loss_mask)} loss-mask entries and "
                              f"{len(s.rollout_log_probs)} rollout log-probs (one per response token expected)")
         toks += s.tokens
         pos += list(range(L))
-        mask += [0.0] * P + ([float(m) for m in s.loss_mask] if trained else [0.0] * R)  # failed: never trained
+        mask += [0.0] * P + ([float(m) for m in s.loss_mask] if trained else [0.0] * R)
         adv += [0.0] * P + [float(a)] * R
         rlp += [0.0] * P + (list(s.rollout_log_probs) if trained else [0.0] * R)
         cu.append(cu[-1] + L)

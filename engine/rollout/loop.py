@@ -58,6 +58,7 @@ class SamplingParams:
 class Prompt:
     row: PromptRow
     ids: list[int]  # [P] rendered prompt token ids
+    samples: list[Sample] | None = None  # the group a --data-source-path class handed out (a generate hook gets them)
 
 
 class EnginePool(Protocol):
@@ -118,8 +119,10 @@ class _Round:
 
     def __init__(self, prompts: list[Prompt], *, first_draw: int, needed: int, rollout_id: int, nonce: str, n: int,
                  params: SamplingParams, seed: int, engines: EnginePool, reward_model: RewardModel,
-                 keep: Callable[[list[Sample]], bool] | None, concurrency: int):
+                 keep: Callable[[list[Sample]], bool] | None, concurrency: int,
+                 generate: Callable | None = None, hook_args: Any = None, hook_path: str = ""):
         self.prompts, self.first_draw, self.needed, self.n = prompts, first_draw, needed, n
+        self.generate, self.hook_args, self.hook_path = generate, hook_args, hook_path
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
         self.engines, self.reward_model, self.keep = engines, reward_model, keep
         self.sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
@@ -129,6 +132,7 @@ class _Round:
         self.cutoff = len(prompts)  # groups at or after it are not needed
         self.outstanding: dict[str, int] = {}
         self.inflight: dict[int, str] = {}  # group → engine url
+        self.hook_urls: dict[int, set[str]] = {}  # group → engines a generate hook sent its requests to
         self.retries = 0
         self.tasks: list[asyncio.Task] = []
 
@@ -141,10 +145,51 @@ class _Round:
             self.outstanding.setdefault(u, 0)
         return min(urls, key=lambda u: self.outstanding[u]) if urls else None  # ties: first in order
 
-    async def _post(self, client: httpx.AsyncClient, gi: int) -> list[dict]:
+    def _seeds(self, gi: int) -> list[int | None]:
         draw = self.first_draw + gi
-        seeds = [sample_seed(self.seed, self.rollout_id, draw * self.n + j) if self.params.temperature > 0 else None
-                 for j in range(self.n)]
+        return [sample_seed(self.seed, self.rollout_id, draw * self.n + j) if self.params.temperature > 0 else None
+                for j in range(self.n)]
+
+    def _urls(self, gi: int) -> set[str]:
+        return ({self.inflight[gi]} if gi in self.inflight else set()) | self.hook_urls.get(gi, set())
+
+    async def _hooked(self, client: httpx.AsyncClient, gi: int) -> list[Sample]:
+        """The group through --custom-generate-function-path: one call per sample, concurrently (the engine
+        batches them), each with its own sampling seed; what comes back is checked (hooks.check_sample)."""
+        import copy
+
+        from engine.rollout.hooks import EngineClient, accepts, call_async_hook, check_sample, new_samples
+
+        flag, fn, p = "--custom-generate-function-path", self.generate, self.prompts[gi]
+        draw = self.first_draw + gi
+        if p.samples is not None:
+            group = [copy.deepcopy(s) for s in p.samples]
+            for s in group:
+                s.tokens = s.tokens or list(p.ids)
+        else:
+            group = new_samples(p.ids, p.row, n=self.n, group_index=gi, rollout_id=self.rollout_id, draw_index=draw)
+        engine = EngineClient(client, self.engines, self.outstanding, rid_prefix=self.rid(gi),
+                              on_send=lambda url: self.hook_urls.setdefault(gi, set()).add(url))
+        args = self.hook_args.with_engine(engine)
+        kw = {"evaluation": args.evaluation} if accepts(fn, "evaluation") else {}
+        prompt_ids = [list(s.tokens) for s in group]
+
+        async def one(j: int, s: Sample) -> Sample:
+            out = await call_async_hook(flag, self.hook_path, fn, args, s, self.params.to_sglang(seeds[j]), **kw)
+            return check_sample(out, flag, self.hook_path, prompt_ids=prompt_ids[j])
+
+        seeds = self._seeds(gi)
+        try:
+            done = await asyncio.gather(*(one(j, s) for j, s in enumerate(group)))
+        finally:
+            self.retries += engine.retries
+        for j, s in enumerate(done):
+            s.index, s.group_index, s.rollout_id = gi * self.n + j, gi, self.rollout_id
+            s.metadata = {**s.metadata, "draw_index": draw}
+        return list(done)
+
+    async def _post(self, client: httpx.AsyncClient, gi: int) -> list[dict]:
+        seeds = self._seeds(gi)
         body = {"input_ids": [self.prompts[gi].ids] * self.n, "return_logprob": True,
                 "rid": [f"{self.rid(gi)}{j}" for j in range(self.n)],
                 "sampling_params": [self.params.to_sglang(s) for s in seeds]}
@@ -194,10 +239,12 @@ class _Round:
         async with self.sem:
             if gi >= self.cutoff:
                 return
-            outs = await self._post(client, gi)
+            if self.generate is not None:
+                group = await self._hooked(client, gi)
+            else:
+                group = self._samples(gi, await self._post(client, gi))
             if gi >= self.cutoff:  # the round was cut while this group ran
                 return
-            group = self._samples(gi, outs)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.reward_model.score_group, group)
             keep = True if self.keep is None else await loop.run_in_executor(None, self.keep, group)
@@ -218,8 +265,8 @@ class _Round:
         cut, self.cutoff = gi + 1, gi + 1
         late = [g for g in range(cut, len(self.prompts)) if not self.tasks[g].done()]
         for g in late:
-            if g in self.inflight:  # tell its engine: SGLang (and the built-in engine) match rids by prefix
-                await self._abort(self.inflight[g], self.rid(g))
+            for url in self._urls(g):  # tell its engines: SGLang (and the built-in engine) match rids by prefix
+                await self._abort(url, self.rid(g))
             self.tasks[g].cancel()
 
     async def _abort(self, url: str, rid: str) -> None:
@@ -245,19 +292,22 @@ class _Round:
                         if not t.cancelled() and t.exception() is not None:
                             raise t.exception()
             finally:
-                left_over = dict(self.inflight)  # requests still on an engine (error or deadline)
+                left_over = {gi: self._urls(gi) for gi, t in enumerate(self.tasks) if not t.done()}
                 for t in self.tasks:
                     t.cancel()
                 await asyncio.gather(*self.tasks, return_exceptions=True)
-                for gi, url in left_over.items():
-                    await self._abort(url, self.rid(gi))
+                for gi, urls in left_over.items():  # requests still on an engine (error or deadline)
+                    for url in urls:
+                        await self._abort(url, self.rid(gi))
 
 
 def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, batch_size: int, n: int,
                      params: SamplingParams, reward_model: RewardModel, seed: int, engines: EnginePool,
                      round_size: int | None = None, keep: Callable[[list[Sample]], bool] | None = None,
-                     concurrency: int = 64, timeout_s: float = 600.0, max_prompts: int | None = None) -> RolloutResult:
-    """`batch_size` kept groups of n samples, in draw order. `draw(k)` returns the next k prompts of the data."""
+                     concurrency: int = 64, timeout_s: float = 600.0, max_prompts: int | None = None,
+                     generate: Callable | None = None, hook_args: Any = None, hook_path: str = "") -> RolloutResult:
+    """`batch_size` kept groups of n samples, in draw order. `draw(k)` returns the next k prompts of the data.
+    `generate`: a --custom-generate-function-path hook called per sample with `hook_args` (engine/rollout/hooks.py)."""
     round_size = round_size or batch_size
     nonce = uuid.uuid4().hex[:6]  # rids of a redone rollout never collide with a previous attempt's
     deadline = time.monotonic() + timeout_s
@@ -274,7 +324,7 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
         prompts = draw(round_size)
         rnd = _Round(prompts, first_draw=stats["drawn"], needed=batch_size - len(kept), rollout_id=rollout_id,
                      nonce=nonce, n=n, params=params, seed=seed, engines=engines, reward_model=reward_model,
-                     keep=keep, concurrency=concurrency)
+                     keep=keep, concurrency=concurrency, generate=generate, hook_args=hook_args, hook_path=hook_path)
         asyncio.run(rnd.run(deadline - time.monotonic()))
         finished = [g for g in range(rnd.cutoff) if rnd.done[g] is not None]
         kept += [rnd.done[g] for g in finished if rnd.kept[g]]

@@ -50,6 +50,10 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/groups_aborted", None, "groups cut off (aborted) once enough groups had passed the filter"),
     MetricDoc("rollout/retried_requests", "min", "group requests resent after an engine failed "
                                                  "(`--use-fault-tolerance`)"),
+    MetricDoc("rollout/removed_samples", None, "samples `--rollout-sample-filter-path` kept out of the loss "
+                                               "(`remove_sample`)"),
+    MetricDoc("<any numeric metric a --rollout-function-path returns>", None, "logged as the function names it "
+              "(slime's RolloutFnTrainOutput.metrics), e.g. `rollout/my_metric`"),
     MetricDoc("pack/seconds", "min", "pack stage wall time (advantages, DP schedule, micro-batches)"),
     MetricDoc("pack/micro_batches", None, "micro-batches in the rollout, all ranks"),
     MetricDoc("pack/micro_batches_per_rank", None, "micro-batches per DP rank"),

@@ -104,10 +104,12 @@ class TrainWorker:
         """Σ (or max) over the data-parallel ranks: the whole world for torch, the DP group for megatron."""
         return self.backend.dp_all_reduce(x, op)
 
-    def set_rollout(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool) -> dict[str, float]:
+    def set_rollout(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool,
+                    normalized: bool = False) -> dict[str, float]:
         """Store this rank's micro-batches (per step); compute log-probs, values and advantages before any update.
 
-        rewards: [N] the scalar reward of every sample of the rollout, indexed by Sample.index.
+        rewards: [N] the scalar reward of every sample of the rollout, indexed by Sample.index; `normalized`: they
+        are --custom-reward-post-process-path's, used as they are (no GRPO group normalisation).
         Returns facts for the driver: `ref_logp_maxdiff` (max |log π_old − log π_ref| on trained tokens, RF01),
         the train–inference mismatch |log π_engine − log π_old| on trained tokens as `mismatch_sum` /
         `mismatch_count` / `mismatch_max` (RF14), and this rank's token count.
@@ -132,7 +134,8 @@ class TrainWorker:
                     cfg.advantage_estimator, rewards=reward_t, n_samples_per_prompt=cfg.n_samples_per_prompt,
                     sample_ids=mb.sample_ids, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask, kl=kl_t,
                     values=self.values[k][j] if self.critic else None, gamma=cfg.gamma, lambd=cfg.lambd,
-                    kl_coef=cfg.kl_coef, std_normalization=not cfg.disable_grpo_std_normalization)
+                    kl_coef=cfg.kl_coef, std_normalization=not cfg.disable_grpo_std_normalization,
+                    rewards_normalized=normalized)
                 mb.advantages = adv
                 rets.append(ret)
             self.returns.append(rets)

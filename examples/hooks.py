@@ -1,0 +1,100 @@
+"""One runnable example per custom-rollout hook (slime's flags and contracts; docs/hooks.md). Each runs on the demo
+task from the repo root, e.g.
+
+    rollflow train --config examples/demo.yaml --num-rollout 5 --custom-reward-post-process-path examples/hooks.py:leave_one_out
+
+(--custom-generate-function-path has its own example: examples/tool_calc.py with examples/tool.yaml.)
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+from engine.rollout.hooks import DynamicFilterOutput, RolloutFnTrainOutput
+from engine.samples import Sample, Status
+
+
+# --custom-reward-post-process-path examples/hooks.py:leave_one_out
+def leave_one_out(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """RLOO's baseline instead of GRPO's normalisation: each reward minus the mean of the other n − 1 of its group.
+    Returns (raw_rewards, rewards); the rewards are what the advantage estimator starts from."""
+    n = args.n_samples_per_prompt
+    raw = [s.scalar_reward for s in samples]
+    out = []
+    for i, r in enumerate(raw):
+        group = raw[i - i % n: i - i % n + n]
+        out.append(r - (sum(group) - r) / max(n - 1, 1))
+    return raw, out
+
+
+# --dynamic-sampling-filter-path examples/hooks.py:some_right_some_wrong --over-sampling-batch-size 16
+def some_right_some_wrong(args, group: list[Sample]) -> DynamicFilterOutput:
+    """DAPO's dynamic sampling: a group whose rewards all agree teaches GRPO nothing (all advantages 0)."""
+    rewards = {s.scalar_reward for s in group}
+    return DynamicFilterOutput(keep=len(rewards) > 1, reason=None if len(rewards) > 1 else "all_equal")
+
+
+# --rollout-sample-filter-path examples/hooks.py:drop_truncated
+def drop_truncated(args, groups: list[list[Sample]]) -> None:
+    """Keep samples that hit the length limit out of the loss (they still count in their group's baseline)."""
+    for group in groups:
+        for s in group:
+            if s.status == Status.TRUNCATED:
+                s.remove_sample = True
+
+
+# --data-source-path examples/hooks.py:AdditionCurriculum
+class AdditionCurriculum:
+    """Prompts made on the fly instead of read from --prompt-data: additions whose operands grow with the number
+    of prompts handed out (a curriculum). state_dict / load_state_dict make it resumable: the checkpoint keeps it."""
+
+    def __init__(self, args):
+        self.args, self.drawn = args, 0
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        groups = []
+        for _ in range(num_samples):
+            rng = random.Random(f"{self.args.seed}:{self.drawn}")
+            top = min(99, 9 + self.drawn // 4)  # one-digit sums first
+            a, b = rng.randint(0, top), rng.randint(0, top)
+            self.drawn += 1
+            prompt = f"{a}+{b}="
+            groups.append([Sample(index=0, group_index=0, rollout_id=-1, prompt=prompt, label=str(a + b),
+                                  metadata={"top": top}) for _ in range(self.args.n_samples_per_prompt)])
+        return groups  # tokens left empty: the prompt is rendered (chat template) by the rollout
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = int(state["drawn"])
+
+
+# --rollout-function-path examples/hooks.py:rollout
+def rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutFnTrainOutput:
+    """A whole rollout written by hand: B groups of n samples, every sample one /generate on the engines (in
+    flight together, so the engine batches them), scored here. What the built-in rollout does, minus over-sampling,
+    as a starting point for your own."""
+    tok, n = args.tokenizer, args.n_samples_per_prompt
+    groups = data_source.get_samples(args.rollout_batch_size)
+
+    async def one(s: Sample, seed: int) -> Sample:
+        out = await args.engine.generate(s.tokens, {**args.sampling_params, "sampling_seed": seed})
+        triples = out["meta_info"]["output_token_logprobs"]
+        new = [int(t[1]) for t in triples]
+        s.tokens = s.tokens + new
+        s.response_length, s.loss_mask = len(new), [1] * len(new)
+        s.rollout_log_probs = [float(t[0]) for t in triples]
+        s.response = tok.decode(new, skip_special_tokens=True)
+        s.status = Status.TRUNCATED if out["meta_info"]["finish_reason"]["type"] == "length" else Status.COMPLETED
+        s.reward = float(s.response.strip() == str(s.label).strip())
+        return s
+
+    async def everything():
+        return await asyncio.gather(*(one(s, (args.seed * 1_000_003 + rollout_id * 7919 + i * n + j) % 2**32)
+                                      for i, g in enumerate(groups) for j, s in enumerate(g)))
+
+    flat = asyncio.run(everything())
+    groups = [flat[i * n:(i + 1) * n] for i in range(len(groups))]
+    right = sum(s.reward for s in flat) / len(flat)
+    return RolloutFnTrainOutput(samples=groups, metrics={"rollout/custom_accuracy": right})

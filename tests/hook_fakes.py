@@ -1,0 +1,127 @@
+"""Hooks for tests/test_hooks.py, loaded by path as a user's would be (`hook_fakes:two_turns`)."""
+from __future__ import annotations
+
+from engine.rollout.hooks import DynamicFilterOutput, RolloutFnTrainOutput
+from engine.samples import Sample, Status
+
+TOOL_TEXT = "<out>7</out>"
+CALLS: list[dict] = []  # what the hooks saw, for assertions
+
+
+async def two_turns(args, sample, sampling_params):
+    """Model turn (≤ 3 tokens), a fixed tool output (mask 0), model turn again: the multi-turn contract."""
+    tok = args.tokenizer
+    CALLS.append({"seed": sampling_params.get("sampling_seed"), "rollout_id": args.rollout_id,
+                  "n": args.n_samples_per_prompt})
+    first = await args.engine.generate(sample.tokens, {**sampling_params, "max_new_tokens": 3, "stop_token_ids": []})
+    t1 = [int(t[1]) for t in first["meta_info"]["output_token_logprobs"]]
+    l1 = [float(t[0]) for t in first["meta_info"]["output_token_logprobs"]]
+    tool = tok.encode(TOOL_TEXT, add_special_tokens=False)
+    second = await args.engine.generate(sample.tokens + t1 + tool,
+                                        {**sampling_params, "max_new_tokens": 3, "stop_token_ids": []})
+    t2 = [int(t[1]) for t in second["meta_info"]["output_token_logprobs"]]
+    l2 = [float(t[0]) for t in second["meta_info"]["output_token_logprobs"]]
+    sample.tokens = sample.tokens + t1 + tool + t2
+    sample.response_length = len(t1) + len(tool) + len(t2)
+    sample.loss_mask = [1] * len(t1) + [0] * len(tool) + [1] * len(t2)
+    sample.rollout_log_probs = l1 + [0.0] * len(tool) + l2
+    sample.response = tok.decode(t1) + TOOL_TEXT + tok.decode(t2)
+    sample.status = Status.COMPLETED
+    sample.metadata["turns"] = (len(t1), len(tool), len(t2))
+    return sample
+
+
+async def raises(args, sample, sampling_params):
+    raise KeyError("the tool server's reply had no 'result'")
+
+
+async def short_mask(args, sample, sampling_params):
+    out = await args.engine.generate(sample.tokens, sampling_params)
+    new = [int(t[1]) for t in out["meta_info"]["output_token_logprobs"]]
+    sample.tokens += new
+    sample.response_length = len(new)
+    sample.loss_mask = [1] * (len(new) - 1)  # one short
+    sample.rollout_log_probs = [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
+    sample.status = Status.COMPLETED
+    return sample
+
+
+async def fan_out(args, sample, sampling_params):
+    return [sample, sample]
+
+
+def slime_filter(args, samples):
+    """slime's filter signature: (args, samples) -> DynamicFilterOutput."""
+    keep = len({s.scalar_reward for s in samples}) > 1
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "zero_std")
+
+
+def broken_filter(args, samples):
+    return 1 / 0
+
+
+def drop_truncated(args, groups):
+    """--rollout-sample-filter-path: truncated samples stay out of the loss."""
+    for g in groups:
+        for s in g:
+            s.remove_sample = s.status == Status.TRUNCATED
+
+
+def broken_sample_filter(args, groups):
+    return groups.samples  # a list has no .samples
+
+
+def minus_one(args, samples):
+    """--custom-reward-post-process-path: raw rewards, and raw − 1 as the advantage input."""
+    raw = [s.scalar_reward for s in samples]
+    return raw, [r - 1.0 for r in raw]
+
+
+def wrong_count(args, samples):
+    return [0.0], [0.0]
+
+
+def fixed_rollout(args, rollout_id, data_source, evaluation=False):
+    """--rollout-function-path without an engine: B groups of n fixed samples from the data source's prompts."""
+    groups = data_source.get_samples(args.rollout_batch_size)
+    for g in groups:
+        for j, s in enumerate(g):
+            s.tokens = s.tokens + [48 + j]
+            s.response_length, s.loss_mask, s.rollout_log_probs = 1, [1], [-0.5]
+            s.response, s.status = str(j), Status.COMPLETED
+            s.reward = None if j == 0 else float(j)  # None: scored by the run's reward
+    return RolloutFnTrainOutput(samples=groups, metrics={"rollout/custom_metric": 3.0, "note": "text dropped"})
+
+
+def short_rollout(args, rollout_id, data_source, evaluation=False):
+    return data_source.get_samples(args.rollout_batch_size)[:1]
+
+
+class CountingSource:
+    """--data-source-path: prompts made on the fly, resumable through state_dict / load_state_dict."""
+
+    def __init__(self, args):
+        self.args, self.next = args, 0
+
+    def get_samples(self, num_samples):
+        tok, out = self.args.tokenizer, []
+        for _ in range(num_samples):
+            a = self.next
+            self.next += 1
+            prompt = f"{a}+1="
+            ids = tok.encode(prompt, add_special_tokens=False)
+            out.append([Sample(index=0, group_index=0, rollout_id=-1, prompt=prompt, tokens=list(ids),
+                               label=str(a + 1), metadata={"source": "counting"})
+                        for _ in range(self.args.n_samples_per_prompt)])
+        return out
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, d):
+        self.next = d["next"]
+
+
+class WrongGroups(CountingSource):
+    def get_samples(self, num_samples):
+        return [g[:1] for g in super().get_samples(num_samples)]

@@ -1,0 +1,246 @@
+"""slime's hook flags through the rollout stage, over real HTTP against the built-in engine: a multi-turn generate
+hook (tool tokens masked, the engine's log-probs for the model's tokens), the other hooks' contracts, and every
+hook's failure path (a HookError naming the flag, the function and the traceback; never retried)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import hook_fakes
+import pytest
+import torch
+
+from engine.config import RunConfig
+from engine.config.data import BUNDLED_TRAIN
+from engine.diagnosis import ConfigError
+from engine.rollout.hooks import HookError
+from engine.rollout.loop import StaticEngines
+from engine.rollout.ports import free_loopback_port
+from engine.rollout.server import EngineState, ServerThread
+from engine.samples import Status
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model):
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8, deterministic=True)
+    server = ServerThread(state, "127.0.0.1", free_loopback_port())
+    yield server.start()
+    server.stop()
+
+
+def make_run(tmp_path, url, **over):
+    from engine.data import PromptDataset, load_prompts
+    from engine.modeling import eos_token_ids, load_tokenizer
+    from engine.rewards import RewardModel
+    from engine.run import Run
+    from engine.stages import load_hooks
+
+    base = dict(prompt_data=BUNDLED_TRAIN, eval_prompt_data="", work_dir=str(tmp_path / "w"), rollout_batch_size=2,
+                n_samples_per_prompt=2, rollout_max_response_len=16, apply_chat_template=True)
+    cfg = RunConfig(**{**base, **over})
+    run = Run(cfg)
+    run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
+    run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
+    run.dataset = PromptDataset(load_prompts(cfg.prompt_data, input_key="prompt", label_key="label"), shuffle=False,
+                                seed=0)
+    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
+    run.engines = StaticEngines([url]) if url else SimpleNamespace(release_memory=lambda: None)
+    load_hooks(run)
+    return run
+
+
+def rollout(run, rollout_id=0):
+    from engine import stages
+
+    return stages.rollout(run, rollout_id)
+
+
+# ---- --custom-generate-function-path: multi-turn with a tool ------------------------------------------------------
+def test_multi_turn_sample_masks_the_tool_and_keeps_the_engines_logprobs(tmp_path, engine_url, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from engine.packing.microbatch import make_micro_batch
+    from engine.train.forward import packed_forward
+
+    hook_fakes.CALLS.clear()
+    run = make_run(tmp_path, engine_url, custom_generate_function_path="hook_fakes:two_turns",
+                   rollout_batch_size=2, n_samples_per_prompt=3)
+    batch = rollout(run, rollout_id=5)
+    samples = [s for g in batch.groups for s in g]
+    assert len(samples) == 6 and [s.index for s in samples] == list(range(6))
+    assert len(hook_fakes.CALLS) == 6 and {c["rollout_id"] for c in hook_fakes.CALLS} == {5}
+    assert len({c["seed"] for c in hook_fakes.CALLS}) == 6  # a sampling seed of its own per sample
+    tool = run.tokenizer.encode(hook_fakes.TOOL_TEXT, add_special_tokens=False)
+    for s in samples:
+        n1, nt, n2 = s.metadata["turns"]
+        assert nt == len(tool) and s.response_length == n1 + nt + n2
+        assert s.tokens[s.prompt_length + n1:s.prompt_length + n1 + nt] == tool
+        assert s.loss_mask == [1] * n1 + [0] * nt + [1] * n2
+        assert s.metadata["draw_index"] == s.group_index and s.reward is not None
+
+    # the engine's log-probs are those of the model's own tokens: the trainer's forward of the whole sample agrees
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    mb = make_micro_batch(samples, [0.0] * len(samples))
+    with torch.no_grad():
+        lp, _ = packed_forward(model, mb)
+    trained = mb.loss_mask.bool()
+    assert int(trained.sum()) == sum(sum(s.loss_mask) for s in samples)
+    assert torch.allclose(lp[trained], mb.rollout_log_probs[trained], atol=2e-4)
+    assert float(lp[~trained].abs().sum()) == 0.0  # tool and prompt tokens: no log-prob, no loss
+
+
+def test_generate_hook_failures_name_the_hook_and_are_not_retried(tmp_path, engine_url):
+    from plumbing.policy import retry_unless_config_error
+
+    run = make_run(tmp_path, engine_url, custom_generate_function_path="hook_fakes:raises")
+    position = run.dataset.state()
+    with pytest.raises(HookError) as e:
+        rollout(run)
+    msg = str(e.value)
+    assert "--custom-generate-function-path 'hook_fakes:raises' raised KeyError" in msg
+    assert "hook_fakes.py" in msg and "in raises" in msg  # the hook's own traceback
+    assert run.dataset.state() == position  # a rerun takes the same prompts
+    state = SimpleNamespace(result=lambda: (_ for _ in ()).throw(e.value))
+    assert retry_unless_config_error(None, None, state) is False
+
+    with pytest.raises(HookError, match="1 loss-mask entries for response_length 2|loss-mask entries for response"):
+        rollout(make_run(tmp_path, engine_url, custom_generate_function_path="hook_fakes:short_mask",
+                         rollout_max_response_len=2))
+    with pytest.raises(HookError, match="returned a list instead of a Sample"):
+        rollout(make_run(tmp_path, engine_url, custom_generate_function_path="hook_fakes:fan_out"))
+
+
+def test_a_hook_path_that_does_not_load_fails_at_start(tmp_path):
+    with pytest.raises(ConfigError, match="--custom-generate-function-path 'hook_fakes:nope' cannot be loaded"):
+        make_run(tmp_path, None, custom_generate_function_path="hook_fakes:nope")
+    with pytest.raises(ConfigError, match="--rollout-function-path .* replaces the built-in rollout"):
+        RunConfig(rollout_function_path="hook_fakes:fixed_rollout",
+                  custom_generate_function_path="hook_fakes:two_turns")
+
+
+def test_slime_dotted_paths_load():
+    from engine.rewards import load_function
+
+    assert load_function("hook_fakes.minus_one", "--x") is hook_fakes.minus_one
+    assert load_function("hook_fakes:minus_one", "--x") is hook_fakes.minus_one
+
+
+# ---- --dynamic-sampling-filter-path with slime's signature -------------------------------------------------------
+def test_slime_style_dynamic_filter_and_its_failure(tmp_path, engine_url):
+    run = make_run(tmp_path, engine_url, dynamic_sampling_filter_path="hook_fakes:slime_filter",
+                   over_sampling_batch_size=4, rollout_temperature=1.0)
+    batch = rollout(run)
+    for g in batch.groups:  # every kept group has rewards that differ
+        assert len({s.scalar_reward for s in g}) > 1
+    with pytest.raises(HookError, match="--dynamic-sampling-filter-path 'hook_fakes:broken_filter' raised "
+                                        "ZeroDivisionError"):
+        rollout(make_run(tmp_path, engine_url, dynamic_sampling_filter_path="hook_fakes:broken_filter"))
+
+
+# ---- --rollout-sample-filter-path --------------------------------------------------------------------------------
+def test_removed_samples_stay_out_of_the_loss(tmp_path, engine_url):
+    from engine.packing.microbatch import make_micro_batch
+
+    run = make_run(tmp_path, engine_url, rollout_sample_filter_path="hook_fakes:drop_truncated",
+                   rollout_max_response_len=3, n_samples_per_prompt=4, rollout_max_truncated_share=1.0,
+                   rollout_batch_size=4)
+    batch = rollout(run)
+    samples = [s for g in batch.groups for s in g]
+    removed = [s for s in samples if s.remove_sample]
+    assert removed == [s for s in samples if s.status == Status.TRUNCATED] and removed
+    assert len(removed) < len(samples)  # two-digit answers ("42<|im_end|>") fit in 3 tokens
+    assert batch.metrics["rollout/removed_samples"] == len(removed)
+    mb = make_micro_batch(samples, [1.0] * len(samples))
+    for s, (a, b) in zip(samples, zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist())):
+        assert float(mb.loss_mask[a:b].sum()) == (0 if s.remove_sample else sum(s.loss_mask))
+
+    with pytest.raises(HookError, match="--rollout-sample-filter-path 'hook_fakes:broken_sample_filter' raised "
+                                        "AttributeError"):
+        rollout(make_run(tmp_path, engine_url, rollout_sample_filter_path="hook_fakes:broken_sample_filter"))
+
+
+# ---- --custom-reward-post-process-path ---------------------------------------------------------------------------
+def test_post_processed_rewards_replace_the_group_normalisation(tmp_path, engine_url):
+    from engine import stages
+    from engine.algorithms.advantages import compute_advantages
+
+    run = make_run(tmp_path, engine_url, custom_reward_post_process_path="hook_fakes:minus_one")
+    batch = rollout(run)
+    samples = [s for g in batch.groups for s in g]
+    assert [s.advantage_reward for s in samples] == [s.scalar_reward - 1.0 for s in samples]
+    run.plan = run.cfg.batch
+    packed = stages.pack(run, batch)
+    assert packed.rewards_normalized and packed.rewards == [s.scalar_reward - 1.0 for s in samples]
+    # the estimator takes them as they are: advantage of every response token = the post-processed reward
+    mb = packed.per_rank_steps[0][0][0]
+    adv, _ = compute_advantages("grpo", rewards=torch.tensor(packed.rewards), n_samples_per_prompt=2,
+                                sample_ids=mb.sample_ids, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
+                                kl=torch.zeros(mb.num_tokens), rewards_normalized=True)
+    for i, (a, b) in zip(mb.sample_ids, zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist())):
+        m = mb.loss_mask[a:b].bool()
+        assert torch.all(adv[a:b][m] == packed.rewards[i])
+
+    with pytest.raises(HookError, match="returned 1 rewards for 4 samples"):
+        rollout(make_run(tmp_path, engine_url, custom_reward_post_process_path="hook_fakes:wrong_count"))
+
+
+# ---- --rollout-function-path -------------------------------------------------------------------------------------
+def test_custom_rollout_function_contract(tmp_path):
+    run = make_run(tmp_path, None, rollout_function_path="hook_fakes:fixed_rollout", n_samples_per_prompt=3)
+    batch = rollout(run, rollout_id=4)
+    assert [[s.index for s in g] for g in batch.groups] == [[0, 1, 2], [3, 4, 5]]
+    assert all(s.rollout_id == 4 for g in batch.groups for s in g)
+    # the unscored samples got the run's reward (exact match of "0" against the label), the others kept theirs
+    assert [g[0].reward for g in batch.groups] == [float(g[0].label == "0") for g in batch.groups]
+    assert [s.reward for g in batch.groups for s in g[1:]] == [1.0, 2.0, 1.0, 2.0]
+    assert batch.metrics["rollout/custom_metric"] == 3.0 and "note" not in batch.metrics
+    assert run.dataset.state()["offset"] == 2  # it drew B prompts from the data source
+
+    with pytest.raises(HookError, match="returned groups \\[3\\]; expected --rollout-batch-size 2 groups"):
+        rollout(make_run(tmp_path, None, rollout_function_path="hook_fakes:short_rollout",
+                         n_samples_per_prompt=3))
+
+
+# ---- --data-source-path ------------------------------------------------------------------------------------------
+def test_custom_data_source_feeds_the_rollout_and_is_checkpointed(tmp_path, engine_url):
+    from engine import stages
+
+    run = make_run(tmp_path, engine_url, data_source_path="hook_fakes:CountingSource")
+    batch = rollout(run)
+    assert [g[0].prompt for g in batch.groups] == ["0+1=", "1+1="]
+    assert all(s.metadata["source"] == "counting" for g in batch.groups for s in g)
+    assert stages.data_source(run).state() == {"next": 2}  # what the checkpoint manifest keeps (data_state)
+    stages.data_source(run).load_state({"next": 7})
+    assert [g[0].prompt for g in rollout(run).groups] == ["7+1=", "8+1="]
+
+    run = make_run(tmp_path, engine_url, data_source_path="hook_fakes:WrongGroups")
+    with pytest.raises(HookError, match="handed out a group of 1 samples; --n-samples-per-prompt is 2"):
+        rollout(run)
+    assert stages.data_source(run).state() == {"next": 0}  # restored for the next attempt
+
+
+# ---- the README's examples (examples/hooks.py), each through the rollout stage ------------------------------------
+def test_the_example_hooks_run(tmp_path, engine_url):
+    from pathlib import Path
+
+    ex = Path(__file__).parent.parent / "examples" / "hooks.py"
+    run = make_run(tmp_path, engine_url, rollout_function_path=f"{ex}:rollout",
+                   data_source_path=f"{ex}:AdditionCurriculum", custom_reward_post_process_path=f"{ex}:leave_one_out",
+                   rollout_sample_filter_path=f"{ex}:drop_truncated", rollout_batch_size=3, n_samples_per_prompt=3,
+                   rollout_max_response_len=4)
+    batch = rollout(run, rollout_id=1)
+    samples = [s for g in batch.groups for s in g]
+    assert [g[0].metadata["top"] for g in batch.groups] == [9, 9, 9] and len(samples) == 9
+    for g in batch.groups:
+        assert all(s.prompt == g[0].prompt and s.tokens[:s.prompt_length] == g[0].tokens[:g[0].prompt_length]
+                   for s in g)
+        a, b = (int(x) for x in g[0].prompt[:-1].split("+"))
+        assert g[0].label == str(a + b) and max(a, b) <= 9
+        r = [s.scalar_reward for s in g]
+        assert [s.advantage_reward for s in g] == pytest.approx([r[i] - (sum(r) - r[i]) / 2 for i in range(3)])
+    assert all(s.remove_sample == (s.status == Status.TRUNCATED) for s in samples)
+    assert 0.0 <= batch.metrics["rollout/custom_accuracy"] <= 1.0
+    assert run.data_source.state() == {"drawn": 3}
+
+    run = make_run(tmp_path, engine_url, dynamic_sampling_filter_path=f"{ex}:some_right_some_wrong",
+                   over_sampling_batch_size=4)
+    assert all(len({s.scalar_reward for s in g}) > 1 for g in rollout(run).groups)
