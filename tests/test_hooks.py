@@ -244,3 +244,22 @@ def test_the_example_hooks_run(tmp_path, engine_url):
     run = make_run(tmp_path, engine_url, dynamic_sampling_filter_path=f"{ex}:some_right_some_wrong",
                    over_sampling_batch_size=4)
     assert all(len({s.scalar_reward for s in g}) > 1 for g in rollout(run).groups)
+
+
+def test_trajectories_are_in_flight_together_and_the_engine_batches_them(tmp_path, tiny_model):
+    """Every sample of a group, and several groups, run their hook concurrently: the engine (batching, not the
+    deterministic one-request-per-batch mode) sees requests of different trajectories in one batch."""
+    import httpx
+
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8, deterministic=False)
+    server = ServerThread(state, "127.0.0.1", free_loopback_port())
+    url = server.start()
+    try:
+        run = make_run(tmp_path, url, custom_generate_function_path="hook_fakes:two_turns", rollout_batch_size=4,
+                       n_samples_per_prompt=4)
+        assert len([s for g in rollout(run).groups for s in g]) == 16
+        sizes = httpx.get(url + "/server_info").json()["batch_sizes"]
+    finally:
+        server.stop()
+    assert sum(sizes) == 32  # 16 trajectories × 2 engine calls, one row each
+    assert max(sizes) > 1 and len(sizes) < 32
