@@ -2,6 +2,7 @@
 
     python bench/gpu_flow.py demo --backend torch --out DIR               # examples/demo.yaml, 40 rollouts
     python bench/gpu_flow.py demo --backend megatron --bf16 --out DIR
+    python bench/gpu_flow.py tool --backend megatron --bf16 --out DIR     # examples/tool.yaml (multi-turn, tool)
     python bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out DIR   # random Qwen2, 3 rollouts of
     python bench/gpu_flow.py shape --shape 1.5b --backend torch --bf16 --out DIR   # 64 prompts × 8 × ≤1,024 tokens
     python bench/gpu_flow.py report --out DIR --write bench/results       # any machine: copy + a markdown table
@@ -132,12 +133,13 @@ def digest(s: dict) -> dict:
         "sync_gb_per_s": mean("sync/gb_per_s"), "sync_mb": mean("sync/mb"),
         "rollout_tokens_per_s": mean("rollout/tokens_per_s"), "train_tokens_per_s": mean("train/tokens_per_s"),
         "response_len_mean": mean("rollout/response_len_mean"), "reward_mean": per("rollout/reward_mean"),
+        **({"tool_calls_mean": per("rollout/reward_tool_calls_mean")} if "rollout/reward_tool_calls_mean" in h else {}),
     }
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["demo", "shape", "report"])
+    p.add_argument("mode", choices=["demo", "tool", "shape", "report"])
     p.add_argument("--backend", default="torch", choices=["torch", "megatron"])
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
@@ -160,6 +162,12 @@ def main() -> int:
         run(f"demo_{a.backend}_{precision}", ["--config", "examples/demo.yaml", *common, "--num-rollout", str(n),
                                                 "--save", f"/tmp/rollflow_gpu_flow/ck_{a.backend}"], out, a.timeout,
             {"train_backend": a.backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"})
+    elif a.mode == "tool":  # the multi-turn tool example: a generate hook, tool tokens masked out of the loss
+        n = a.num_rollout or 30
+        run(f"tool_{a.backend}_{precision}", ["--config", "examples/tool.yaml", *common, "--num-rollout", str(n),
+                                                "--save", f"/tmp/rollflow_gpu_flow/ck_tool_{a.backend}"], out,
+            a.timeout, {"train_backend": a.backend, "precision": precision,
+                        "model": "bundled tool-use tiny Qwen2 (examples/tiny-qwen2-calc)"})
     elif a.mode == "shape":
         model = random_model(a.shape, Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / f"qwen2_{a.shape}")
         n = a.num_rollout or 3
