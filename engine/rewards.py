@@ -9,7 +9,8 @@
   with HotpotQA's rule for yes / no / noanswer labels, as slime's `f1`: {"score": F1, "precision": P, "recall": R}
   (the score is what trains; P and R are logged as rollout/reward_precision_mean, …).
 - custom: `fn(sample) -> float | dict` (sync or async; the samples of a group are scored concurrently when async),
-  or with `--group-rm` `fn(samples) -> list[float | dict]`.
+  or with `--group-rm` `fn(samples) -> list[float | dict]`; slime's `fn(args, sample)` / `fn(args, samples)` too
+  (args: engine.rollout.hooks.HookArgs).
 
 A reward function that raises, or returns something that is not a number (or a dict of numbers), marks its sample
 FAILED with the reason in `metadata["failure"]`; it never crashes the run. A NaN / Inf reward is kept: the train
@@ -201,6 +202,13 @@ def load_function(path: str, flag: str) -> Callable:
     return fn
 
 
+def _takes_args(fn: Callable) -> bool:
+    """slime's `fn(args, sample)` rather than rollflow's `fn(sample)`: two required positional parameters."""
+    from engine.rollout.hooks import takes_args
+
+    return takes_args(fn, 1)
+
+
 def load_custom(path: str) -> Callable:
     return load_function(path, "--custom-rm-path")
 
@@ -243,7 +251,13 @@ class RewardModel:
             raise ConfigError(Diagnosis(code="CONFIG", severity="error",
                                         what="--group-rm needs --custom-rm-path (the built-in rewards are per sample)",
                                         fix="drop --group-rm, or --custom-rm-path my_rm:score_group"))
-        self.custom = load_custom(custom_rm_path) if custom_rm_path else None
+        custom = load_custom(custom_rm_path) if custom_rm_path else None
+        self.args = None  # slime's reward functions take `args` first: engine.rollout.hooks.HookArgs, set by place
+        if custom is not None and _takes_args(custom):
+            self.custom = lambda x: custom(self.args, x)
+            self.custom_is_async = inspect.iscoroutinefunction(custom)
+        else:
+            self.custom, self.custom_is_async = custom, inspect.iscoroutinefunction(custom)
         self.builtin = BUILTIN[rm_type] if rm_type and not custom_rm_path else None
         self.group_rm = group_rm
 
@@ -265,7 +279,7 @@ class RewardModel:
             for s, r in zip(live, checked):
                 s.reward = r
             return
-        if self.custom is not None and inspect.iscoroutinefunction(self.custom):
+        if self.custom is not None and self.custom_is_async:
             async def all_of_group():
                 return await asyncio.gather(*[self.custom(s) for s in live], return_exceptions=True)
 

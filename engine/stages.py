@@ -186,6 +186,7 @@ def load_hooks(run: Run) -> None:
     run.hooks = Hooks.load(cfg)
     run.sample_filter = (load_filter(cfg.dynamic_sampling_filter_path, hook_args(run, -1))
                          if cfg.dynamic_sampling_filter_path else None)
+    run.reward_model.args = hook_args(run, -1)  # for slime-style reward functions fn(args, sample)
     run.data_source = load_data_source(cfg, hook_args(run, -1),
                                        lambda prompt: render_prompt(run.tokenizer, prompt, cfg.apply_chat_template))
 

@@ -125,3 +125,27 @@ class CountingSource:
 class WrongGroups(CountingSource):
     def get_samples(self, num_samples):
         return [g[:1] for g in super().get_samples(num_samples)]
+
+
+def raising_rollout(args, rollout_id, data_source, evaluation=False):
+    raise ValueError("boom in the rollout")
+
+
+def raising_post_process(args, samples):
+    raise ValueError("boom in the post-process")
+
+
+class RaisingSource(CountingSource):
+    def get_samples(self, num_samples):
+        raise ValueError("boom in the data source")
+
+
+class RaisingInit:
+    def __init__(self, args):
+        raise ValueError("boom building the data source")
+
+
+async def slime_reward(args, sample, **kwargs):
+    """slime's custom reward signature: (args, sample)."""
+    assert args.n_samples_per_prompt >= 1  # the run's flags are there
+    return float(sample.response.strip() == sample.label) + 10.0

@@ -263,3 +263,27 @@ def test_trajectories_are_in_flight_together_and_the_engine_batches_them(tmp_pat
         server.stop()
     assert sum(sizes) == 32  # 16 trajectories × 2 engine calls, one row each
     assert max(sizes) > 1 and len(sizes) < 32
+
+
+@pytest.mark.parametrize("flag,path,boom", [
+    ("rollout_function_path", "hook_fakes:raising_rollout", "ValueError: boom in the rollout"),
+    ("custom_reward_post_process_path", "hook_fakes:raising_post_process", "ValueError: boom in the post-process"),
+    ("data_source_path", "hook_fakes:RaisingSource", "ValueError: boom in the data source"),
+])
+def test_every_hook_that_raises_is_a_hook_error_naming_it(tmp_path, engine_url, flag, path, boom):
+    from engine.rollout.hooks import HOOK_FLAGS
+
+    with pytest.raises(HookError) as e:
+        rollout(make_run(tmp_path, engine_url, **{flag: path}))
+    assert f"{HOOK_FLAGS[flag]} {path!r} raised {boom}" in str(e.value) and "Traceback" in str(e.value)
+    assert e.value.codes == ["HOOK"] and not e.value.retryable
+
+
+def test_a_data_source_that_cannot_be_built_fails_at_start(tmp_path):
+    with pytest.raises(HookError, match="--data-source-path 'hook_fakes:RaisingInit' raised ValueError: boom building"):
+        make_run(tmp_path, None, data_source_path="hook_fakes:RaisingInit")
+
+
+def test_slime_style_reward_functions_get_args(tmp_path, engine_url):
+    batch = rollout(make_run(tmp_path, engine_url, custom_rm_path="hook_fakes:slime_reward"))
+    assert all(s.reward == 10.0 + float(s.response.strip() == s.label) for g in batch.groups for s in g)

@@ -175,12 +175,13 @@ def load_hook(cfg: Any, key: str) -> Callable | None:
 
 
 def _positional(fn: Callable) -> int:
+    """Required positional parameters (0 when the signature cannot tell: `*args`, or not inspectable)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
-        return 2
+        return 0
     if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return 2
+        return 0
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
