@@ -136,6 +136,14 @@ class EngineClient:
         """Abort one request, or every request whose rid starts with `rid` (SGLang matches by prefix); all if None."""
         return self._post("/abort_request", {"rid": rid} if rid else {"abort_all": True})
 
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """SGLang's /pause_generation: with mode "abort" every request in flight returns now (finish_reason abort,
+        its tokens so far) and new ones wait for /continue_generation."""
+        return self._post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._post("/continue_generation", {})
+
     def release_memory(self) -> dict:
         return self._post("/release_memory_occupation", {})
 

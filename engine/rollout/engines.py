@@ -171,6 +171,16 @@ class EngineGroup:
             time.sleep(0.1)
         return self.serving()
 
+    # ---- pause (partial rollouts) ------------------------------------------------------------------------------
+    def pause_generation(self) -> int:
+        """/pause_generation (mode abort) on every serving engine; returns how many requests were aborted. Call
+        under `lock`, and continue_generation() after the weight update."""
+        return sum(int(self.client(url).pause_generation().get("aborted", 0)) for url in self.serving())
+
+    def continue_generation(self) -> None:
+        for url in self.serving():
+            self.client(url).continue_generation()
+
     # ---- memory (colocated runs) -----------------------------------------------------------------------------
     def release_memory(self) -> None:
         with self.lock:

@@ -60,6 +60,7 @@ class GenResult:
     input_logprobs: list[float | None] | None = None  # [P - start] (None for the first prompt token)
     input_start: int = 0
     input_ids: list[int] = field(default_factory=list)  # [P] the prompt
+    weight_version: str | None = None  # the weights the batch ran under (stamped under the generator's lock)
 
 
 def _cache_of(out) -> Any:
@@ -104,6 +105,7 @@ class Generator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self.aborts = AbortBook()
         self.lock = threading.Lock()  # weight updates vs generation
+        self.version = "default"  # SGLang's weight_version of the served weights (set under `lock`)
         self.busy_since: float | None = None  # monotonic time the running batch started (None: idle)
         self.last_step = 0.0  # monotonic time of the last decode step (the server's watchdog reads it)
         # transformers ≥ 5.2x renamed `past_key_values` to `cache`; accept both.
@@ -118,7 +120,10 @@ class Generator:
         with self.lock:
             self.busy_since = time.monotonic()
             try:
-                return self._generate(reqs)
+                out = self._generate(reqs)
+                for r in out:
+                    r.weight_version = self.version
+                return out
             finally:
                 self.busy_since = None
 

@@ -149,11 +149,21 @@ class EngineState:
         self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device)
         self.limits = Limits(context_len=int(getattr(model.config, "max_position_embeddings", None) or 2**31),
                              vocab_size=int(model.config.vocab_size), max_inputs=max(4 * max_batch, 64))
-        self.weight_version = "default"  # SGLang's initial weight_version
         self.released = False
+        self.unpaused: asyncio.Event | None = None  # cleared by /pause_generation: new /generate requests wait
         self.batch_window_s, self.max_batch, self.deterministic = batch_window_s, max_batch, deterministic
         self.batch_gap_s = batch_gap_s
         self.scheduler: BatchingScheduler | None = None
+
+    @property
+    def weight_version(self) -> str:
+        """SGLang's weight_version ("default" until the first update names one). Kept by the generator and set
+        under its lock, so a batch reports the version it actually ran under."""
+        return self.generator.version
+
+    @weight_version.setter
+    def weight_version(self, v: str) -> None:
+        self.generator.version = v
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -290,7 +300,7 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
 
 #: endpoints that replace the served weights or free its memory (need the admin key, else the API key)
 ADMIN = ("/update_weights_from_disk", "/update_weights_from_tensor", "/release_memory_occupation",
-         "/resume_memory_occupation")
+         "/resume_memory_occupation", "/pause_generation", "/continue_generation")
 PUBLIC = ("/health", "/health_generate")
 WEIGHTS_BODY_BYTES = 8 * 2**30  # a raw safetensors update may carry a whole model
 
@@ -302,6 +312,8 @@ def create_app(state: EngineState):
                                             isolate=state.deterministic, gap_s=state.batch_gap_s,
                                             max_queued=state.max_queued)
         state.scheduler.start()
+        state.unpaused = asyncio.Event()
+        state.unpaused.set()
         yield
 
     app = FastAPI(title="rollflow built-in engine", lifespan=lifespan)
@@ -394,6 +406,8 @@ def create_app(state: EngineState):
             reqs, batched = to_requests(body, state.tokenize, state.default_max_new, state.limits)
         except (ProtocolError, TypeError, ValueError) as e:
             return _err(400, f"{type(e).__name__}: {e}")
+        if not state.unpaused.is_set():  # /pause_generation: held until /continue_generation, as SGLang does
+            await state.unpaused.wait()
         try:
             results = await state.scheduler.submit(reqs)
         except QueueFull as e:
@@ -404,7 +418,7 @@ def create_app(state: EngineState):
         want = body.get("return_logprob")
         wants = want if isinstance(want, list) else [bool(want)] * len(results)
         dt = time.perf_counter() - t0
-        out = [to_response(r, bool(w), state.weight_version, dt) for r, w in zip(results, wants)]
+        out = [to_response(r, bool(w), r.weight_version or state.weight_version, dt) for r, w in zip(results, wants)]
         return out if batched else out[0]
 
     async def small_body(request: Request) -> dict[str, Any] | JSONResponse:
@@ -422,6 +436,31 @@ def create_app(state: EngineState):
             return body
         n = state.generator.aborts.abort(None if body.get("abort_all") else (body.get("rid") or None))
         return {"success": True, "aborted": n}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        """SGLang's pause (mode "abort"): every request queued or running returns now with finish_reason abort and
+        the tokens it has, and new /generate requests wait until /continue_generation (a weight update in between
+        is what partial rollouts continue under). SGLang's "retract" and "in_place" keep requests inside the engine
+        (KV cache and all); the built-in engine has no such state to keep and refuses them."""
+        body = await small_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        mode = body.get("mode", "abort")
+        if mode != "abort":
+            return _err(400, f"mode {mode!r}: the built-in engine pauses with mode 'abort' only (requests return "
+                             "their tokens so far; the client continues them)")
+        state.unpaused.clear()
+        n = state.generator.aborts.abort(None)
+        return {"success": True, "message": f"Generation paused; {n} request(s) aborted", "aborted": n}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        body = await small_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        state.unpaused.set()
+        return {"success": True, "message": "Generation continued"}
 
     @app.post("/flush_cache")
     @app.get("/flush_cache")
