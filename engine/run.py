@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,12 @@ class RunState:
     """What changes while the run trains; the checkpoint carries `history`, a resume restores it."""
     history: dict[str, dict[int, float]] = field(default_factory=dict)  # metric → {step: value}
     weight_version: int = 0  # the weights the engines serve (rollout id + 1 after that rollout's sync)
+    data_positions: dict = field(default_factory=dict)  # rollout id → the data source's state when it started
+    partial: dict = field(default_factory=dict)  # --partial-rollout: rollout id in flight → its PartialBuffer
+    resume_partial: dict = field(default_factory=dict)  # rollout id → (data position, PartialBuffer) from a checkpoint
+    loop_started: float = 0.0  # perf_counter when the loop over rollout ids began
+    done_at: dict = field(default_factory=dict)  # rollout id → seconds into the loop when it finished training
+    loop_seconds: float | None = None  # its wall time (the summary's loop_wall_s: async vs sync, bench/async.py)
     start_rollout_id: int = 0  # the first rollout this process runs (marker + 1 when resumed)
     grad_norms: list[float] = field(default_factory=list)  # per optimizer step of this process (RF09's median)
     diagnoses: list = field(default_factory=list)  # runtime warnings (Diagnosis, e.g. RF09), published by the tasks
@@ -38,6 +45,7 @@ def run_key(cfg: RunConfig) -> str:
 class Run:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self._history_lock = threading.RLock()
         self.plan = cfg.batch
         self.work_dir = Path(cfg.work_dir).resolve()
         self.state = RunState()
@@ -104,8 +112,14 @@ class Run:
         return self.state.history
 
     def record(self, metrics: dict[str, float], step: int) -> None:
-        for k, v in metrics.items():
-            self.state.history.setdefault(k, {})[step] = float(v)
+        with self._history_lock:  # async mode: a rollout ahead publishes while the flow trains and saves
+            for k, v in metrics.items():
+                self.state.history.setdefault(k, {})[step] = float(v)
+
+    def history_copy(self) -> dict[str, dict[int, float]]:
+        """A snapshot of the history, safe to iterate while stages running in other threads record."""
+        with self._history_lock:
+            return {k: dict(d) for k, d in self.state.history.items()}
 
     def close(self) -> None:
         from engine.cluster import shutdown

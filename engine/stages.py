@@ -4,6 +4,7 @@ place → convert → [rollout → pack → train → save → sync] per rollout
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -319,6 +320,8 @@ def convert(run: Run) -> int:
         run.train_group.load(s.local_dir, load_optim=run.cfg.load_optim)
         if s.manifest.get("data_state"):
             data_source(run).load_state(s.manifest["data_state"])
+        if run.cfg.partial_rollout:
+            read_partial(run, s.local_dir)
         run.state.history = {k: {int(i): v for i, v in d.items()} for k, d in s.manifest.get("history", {}).items()}
     elif s.kind == "hf":
         run.train_group.load_weights(s.local_dir)
@@ -472,6 +475,9 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     keep = run.sample_filter
     hooks = getattr(run, "hooks", None) or Hooks()
     args = hook_args(run, rollout_id)
+    version = run.state.weight_version  # what the engines serve as this rollout starts (async: older than the trainer)
+    run.state.data_positions[rollout_id] = position
+    partial = partial_buffer(run, rollout_id, position) if cfg.partial_rollout else None
     try:
         if hooks.rollout is not None:
             result = custom_rollout(run, rollout_id, args)
@@ -483,8 +489,11 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                                       concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout,
                                       max_prompts=len(run.dataset.rows) if keep and isinstance(src, PromptDataSource)
                                       else None, generate=hooks.generate, hook_args=args,
-                                      hook_path=cfg.custom_generate_function_path or "")
+                                      hook_path=cfg.custom_generate_function_path or "", partial=partial)
         samples = [s for g in result.groups for s in g]
+        for smp in samples:
+            if smp.metadata.get("weight_version") in (None, ""):
+                smp.metadata["weight_version"] = str(version)
         removed = (apply_sample_filter(hooks.sample_filter, cfg.rollout_sample_filter_path, args, result.groups)
                    if hooks.sample_filter is not None else 0)
         if hooks.post_process is not None:
@@ -498,6 +507,7 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     except BaseException:
         src.load_state(position)  # a retried rollout takes the same prompts
         raise
+    run.state.partial.pop(rollout_id, None)  # done: its samples travel on to pack and train
     faults.at("after_rollout", rollout_id)
     if cfg.colocate:
         run.engines.release_memory()  # the trainer needs the GPUs now; sync() resumes
@@ -510,6 +520,47 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
 
         log_rollout(run.tracker, cfg, rollout_id, result.groups, run.history)  # sample JSONL + plots, when due
     return RolloutBatch(rollout_id, result.groups, metrics)
+
+
+PARTIAL_FILE = "rollout_buffer.json"
+
+
+def partial_buffer(run: Run, rollout_id: int, position: Any):
+    """--partial-rollout: the buffer of rollout `rollout_id`, registered for checkpoint snapshots — the one a
+    checkpoint saved while this rollout was in flight, when the rollout starts from the same data position (so
+    draw index d is the same prompt), else a new one (a retried rollout keeps its own)."""
+    from engine.rollout.loop import PartialBuffer
+
+    if (buf := run.state.partial.get(rollout_id)) is not None:
+        return buf
+    saved_at, buf = run.state.resume_partial.pop(rollout_id, (None, None))
+    if buf is not None and saved_at != position:
+        log.warning("rollout %d: the checkpoint's partial samples were drawn from another data position; "
+                    "generating the rollout afresh", rollout_id)
+        buf = None
+    if buf is not None:
+        log.info("rollout %d: continuing %d samples kept by the checkpoint (--partial-rollout)", rollout_id, len(buf))
+    run.state.partial[rollout_id] = buf = buf or PartialBuffer(rollout_id)
+    return buf
+
+
+def write_partial(run: Run, rollout_id: int, path: str) -> None:
+    """Into the checkpoint of `rollout_id`: how far the rollouts after it, in flight now, got (--partial-rollout)."""
+    ahead = {i: b for i, b in list(run.state.partial.items()) if i > rollout_id and len(b)}
+    if not ahead:
+        return
+    snaps = [{**b.snapshot(), "data_position": run.state.data_positions.get(i)} for i, b in sorted(ahead.items())]
+    (Path(path) / PARTIAL_FILE).write_text(json.dumps({"rollouts": snaps}))
+
+
+def read_partial(run: Run, local_dir: str) -> None:
+    from engine.rollout.loop import PartialBuffer
+
+    f = Path(local_dir) / PARTIAL_FILE
+    if f.exists():
+        for snap in json.loads(f.read_text())["rollouts"]:
+            run.state.resume_partial[int(snap["rollout_id"])] = (snap.get("data_position"),
+                                                                 PartialBuffer.from_snapshot(snap))
 
 
 # ---- pack ------------------------------------------------------------------------------------------------------
@@ -542,6 +593,7 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     t0 = time.perf_counter()
     (groups,) = batch.take()
     samples = [s for g in groups for s in g]
+    stale = staleness_guard(run, batch.rollout_id, samples)
     if [s.index for s in samples] != list(range(len(samples))):
         raise ValueError("Sample.index must be the sample's position in the rollout (group_index·n + j)")
     lengths = [len(s.tokens) for s in samples]
@@ -558,9 +610,41 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     metrics["pack/seconds"] = time.perf_counter() - t0
     post = [getattr(s, "advantage_reward", None) for s in samples]
     normalized = bool(samples) and all(r is not None for r in post)
-    return PackedRollout(batch.rollout_id, per_rank, publish(run, batch.rollout_id, metrics),
-                         rewards=post if normalized else [s.scalar_reward for s in samples],
-                         rewards_normalized=normalized)
+    packed = PackedRollout(batch.rollout_id, per_rank, publish(run, batch.rollout_id, {**metrics, **stale}),
+                           rewards=post if normalized else [s.scalar_reward for s in samples],
+                           rewards_normalized=normalized)
+    packed.staleness_max = int(stale.get("async/staleness_max", 0))
+    return packed
+
+
+def sample_version(s: Sample) -> int:
+    """The oldest weight version that generated a sample's tokens (SGLang's weight_version: "default" = the
+    starting weights, 0; a partial rollout continued under newer weights lists each in `weight_versions`)."""
+    vs = list(s.metadata.get("weight_versions") or []) or [s.metadata.get("weight_version")]
+    out = []
+    for v in vs:
+        try:
+            out.append(int(v))
+        except (TypeError, ValueError):
+            out.append(0)
+    return min(out)
+
+
+def staleness_guard(run: Run, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+    """Staleness of each sample = the trainer's version (rollout_id: the steps trained before this one) − the
+    version that generated it. Above the bound (--async-mode: one-step 1, bounded --max-staleness) a sample is
+    never trained on (remove_sample). Metrics only in async mode (on-policy runs are 0 by construction)."""
+    if run.cfg.async_mode == "off" or not samples:  # on-policy by construction: a sync precedes every rollout
+        return {}
+    bound = run.cfg.staleness_bound
+    st = [max(0, rollout_id - sample_version(s)) for s in samples]
+    dropped = 0
+    for s, k in zip(samples, st):
+        if k > bound:
+            s.remove_sample = True
+            dropped += 1
+    return {"async/staleness_mean": sum(st) / len(st), "async/staleness_max": float(max(st)),
+            "async/stale_dropped": float(dropped)}
 
 
 # ---- train -----------------------------------------------------------------------------------------------------
@@ -585,10 +669,15 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
                                                        normalized=normalized))
     mismatch = {"train/mismatch": facts["mismatch"], "train/mismatch_max": facts["mismatch_max"]}
     trained = sum(float(mb.loss_mask.sum()) for rank in per_rank_steps for step in rank for mb in step)
-    if d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=facts["mismatch"],
+    if "mis_masked_share" in facts:
+        mismatch["train/mis_masked_share"] = facts["mis_masked_share"]
+    # RF14 compares the engine with the same weights; a stale batch (async) differs by its policy's updates on
+    # purpose — there the probe after each sync (sync/probe_mismatch) is the RF14 check
+    on_policy = getattr(packed, "staleness_max", 0) == 0
+    if on_policy and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=facts["mismatch"],
                                worst=facts["mismatch_max"], tokens=trained,
                                threshold=cfg.mismatch_threshold(run.engine_dtype), engine_dtype=run.engine_dtype,
-                               train_dtype=run.train_dtype):
+                               train_dtype=run.train_dtype)):
         publish(run, rollout_id, mismatch)  # the numbers reach MLflow with the failure
         raise DiagnosisError(d)
     first = run.start.next_rollout_id == 0 and rollout_id == 0  # policy = reference on this step
@@ -636,9 +725,12 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
     from engine.convert import copy_hf_config
 
     cfg = run.cfg
-    manifest = {"data_state": data_source(run).state(), "mlflow_run_id": run.tracker.run_id if run.tracker else None,
+    # async: a rollout already drawn ahead of this checkpoint is redone on resume, from where it started
+    nxt = run.state.data_positions.get(rollout_id + 1)
+    manifest = {"data_state": nxt if nxt is not None else data_source(run).state(),
+                "mlflow_run_id": run.tracker.run_id if run.tracker else None,
                 "prefect_flow_run_id": run.flow_run_id, "config_hash": cfg.config_hash(), "origin": run.origin,
-                "history": {k: {str(i): v for i, v in d.items()} for k, d in run.history.items()},
+                "history": {k: {str(i): v for i, v in d.items()} for k, d in run.history_copy().items()},
                 "train_backend": cfg.train_backend, "resumable": cfg.save_optim, "seed": cfg.seed,
                 "settings": cfg.fixed_settings(), "save": checkpoint.normalize(cfg.save),
                 "rng": "per-rank python/numpy/torch RNG states in optim/state.pt; rollout sampling seeds are "
@@ -647,6 +739,8 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
     def write_state(path: str) -> None:
         run.train_group.save(path, save_optim=cfg.save_optim)
         copy_hf_config(cfg.model_dir, Path(path) / "hf_config")
+        if cfg.partial_rollout:
+            write_partial(run, rollout_id, path)  # listed in the manifest and checksummed like every file
         if cfg.save_hf:
             run.train_group.export_hf(str(Path(path) / "hf"))
 
@@ -774,16 +868,26 @@ def probe_engines(run: Run, version: int, max_new_tokens: int = 16) -> dict[str,
     return {"sync/probe_mismatch": max(means, default=0.0)}
 
 
-def sync(run: Run, rollout_id: int) -> dict[str, float]:
+def sync(run: Run, rollout_id: int, pause: bool = False) -> dict[str, float]:
     """Trainer → every serving engine: weights of version rollout_id + 1 (a restarting engine waits for the lock
-    and then gets them from its resync), then the RF14 probe; with --offload-train the trainer then leaves the GPU."""
+    and then gets them from its resync), then the RF14 probe; with --offload-train the trainer then leaves the GPU.
+    pause (--partial-rollout with a rollout in flight): the engines abort what they generate and hold new requests
+    (/pause_generation) until the new weights are in (/continue_generation); the rollout continues its samples."""
     t0 = time.perf_counter()
     version = rollout_id + 1
+    paused = {}
     with run.engines.lock:
         if run.engines.released:
             run.engines.resume_memory()
-        out = push_weights(run, run.engines.serving_slots(), version)
-        run.state.weight_version = version
+        if pause:
+            paused = {"sync/paused_requests": float(run.engines.pause_generation())}
+        try:
+            out = push_weights(run, run.engines.serving_slots(), version)
+            run.state.weight_version = version
+        finally:
+            if pause:
+                run.engines.continue_generation()
+    out.update(paused)
     out.update(probe_engines(run, version))
     if run.cfg.offload_train:
         run.train_group.offload()
@@ -891,6 +995,10 @@ def summary(run: Run) -> dict[str, Any]:
         "test_accuracy_before": evaluated(run, 0),
         "test_accuracy_after": evaluated(run, run.cfg.num_rollout),
         "wall_s": time.time() - run.state.started_at,
+        # the loop over rollout ids alone (no start-up, no first / last evaluation): async vs sync compares this
+        "loop_wall_s": run.state.loop_seconds,
+        "rollout_done_s": {str(i): round(v, 3) for i, v in sorted(run.state.done_at.items())},
+        "async_mode": run.cfg.async_mode,
         "mlflow_run_id": run.tracker.run_id if run.tracker else None,
         "mlflow_tracking_uri": run.tracker.safe_uri if run.tracker else None,
         "mlflow_run_url": run.tracker.run_url() if run.tracker else None,
@@ -904,5 +1012,5 @@ def summary(run: Run) -> dict[str, Any]:
         "placement": placement_info(run),
         "engine_dtype": run.engine_dtype,
         # every metric by rollout id (what MLflow got), so a script can read the run from this one file
-        "history": {k: {str(i): v for i, v in sorted(d.items())} for k, d in sorted(run.history.items())},
+        "history": {k: {str(i): v for i, v in sorted(d.items())} for k, d in sorted(run.history_copy().items())},
     }

@@ -5,6 +5,7 @@ policy, limits, SIGTERM, UI).
 """
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from typing import Any
 
@@ -44,6 +45,68 @@ rl_train = SecretSafeFlow(_rl_train, name="rl-train", flow_run_name=flow_run_nam
                           validate_parameters=True)
 
 
+def _async_loop(t, r, run, start: int, progress) -> None:
+    """--async-mode one-step / bounded: rollouts run ahead of training on the engines while the trainer trains.
+
+    K = the staleness bound (one-step 1, bounded --max-staleness). Rollout j may start once the engines serve
+    weights of version ≥ j − K (version v = the weights after v train steps), so every sample of rollout j is at
+    most K versions older than the step that trains it (stages.staleness_guard enforces it). The engines get the
+    newest weights whenever no rollout is in flight (a sync never waits on generation, and generation never runs on
+    half-updated weights). With --partial-rollout the sync comes right after each step instead: the engines pause
+    (abort) what they generate, take the weights and continue, and the rollout continues those samples under the
+    new version; the checkpoint saved next keeps how far they got. Each id still has one rollout-{id}, pack-{id}
+    and train-{id} task; a sync is named by the step whose weights it pushes. Evaluations run on synced engines.
+    """
+    cfg = run.cfg
+    K, N = cfg.staleness_bound, cfg.num_rollout
+    inflight: dict = {}  # rollout id → its task's future
+    launched = start
+
+    def launch() -> None:
+        nonlocal launched
+        while launched < N and launched - K <= run.state.weight_version:
+            inflight[launched] = t.rollout.submit(r, launched)
+            launched += 1
+
+    def sync_if_idle(trained: int) -> None:
+        """The newest weights to idle engines (`trained` steps done), then any evaluation due at that version."""
+        if not inflight and run.state.weight_version < trained:
+            stopping.check()
+            t.sync(r, trained - 1)
+            if stages.should_eval(cfg, trained - 1) and trained < N:
+                t.evaluate(r, trained)
+
+    def sync_now(trained: int) -> None:
+        """--partial-rollout: the new weights right after the step, pausing the rollouts in flight (their samples
+        continue under them), then any evaluation due, then the rollouts the new version allows."""
+        stopping.check()
+        t.sync(r, trained - 1, pause=bool(inflight))
+        if stages.should_eval(cfg, trained - 1) and trained < N:
+            t.evaluate(r, trained)
+        launch()
+
+    try:
+        launch()
+        for rollout_id in range(start, N):
+            stopping.check()
+            batch = inflight.pop(rollout_id).result()
+            sync_if_idle(rollout_id)
+            launch()
+            stopping.check()
+            packed = t.pack(r, batch)
+            t.train(r, packed)
+            if cfg.partial_rollout and rollout_id + 1 < N:
+                sync_now(rollout_id + 1)
+            stopping.check()
+            if stages.should_save(cfg, rollout_id):
+                t.save(r, rollout_id)
+            progress.done(rollout_id)
+        sync_if_idle(N)
+    finally:
+        for f in inflight.values():  # a failed step: let rollouts in flight end before the run closes
+            f.wait(timeout=30)
+
+
 def train(cfg: RunConfig) -> dict[str, Any]:
     """preflight → place → convert, then rollout → pack → train → save → sync per rollout id."""
     t = tasks.for_run(cfg)
@@ -61,7 +124,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         else:
             t.evaluate(r, 0)
         progress = ui.Progress(run, start)
-        for rollout_id in range(start, cfg.num_rollout):
+        run.state.loop_started = time.perf_counter()
+        if cfg.async_mode != "off":
+            _async_loop(t, r, run, start, progress)
+        for rollout_id in range(start, cfg.num_rollout) if cfg.async_mode == "off" else ():
             stopping.check()  # a SIGTERM stops the run here, between stages
             batch = t.rollout(r, rollout_id)
             stopping.check()
@@ -75,6 +141,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             if stages.should_eval(cfg, rollout_id):
                 t.evaluate(r, rollout_id + 1)
             progress.done(rollout_id)
+        run.state.loop_seconds = time.perf_counter() - run.state.loop_started
         t.evaluate(r, cfg.num_rollout)
         progress.close("finished")
         finish(tracker, run.history)

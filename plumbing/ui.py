@@ -269,6 +269,8 @@ class Progress:
 
     def done(self, rollout_id: int) -> None:
         run = self.run
+        if run.state.loop_started:  # seconds into the loop when each rollout id finished training (bench/async.py)
+            run.state.done_at[rollout_id] = time.perf_counter() - run.state.loop_started
         publisher().submit("progress", update_progress_artifact, self.artifact, 100.0 * (rollout_id + 1) / self.total)
         publisher().submit("summary", _update, self.summary, summary_markdown(run, "training", rollout_id))
         self.bar.update(1)

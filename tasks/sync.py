@@ -9,7 +9,8 @@ from plumbing.policy import retry_unless_config_error
 
 @task(name="sync", task_run_name="sync-{rollout_id}", retries=1, retry_delay_seconds=2,
       retry_condition_fn=retry_unless_config_error, cache_policy=NO_CACHE)
-def sync(run: Run, rollout_id: int) -> dict[str, float]:
-    """Push the trainer's weights to every rollout engine (CUDA IPC, Ray's object store, or a versioned dir)."""
+def sync(run: Run, rollout_id: int, pause: bool = False) -> dict[str, float]:
+    """Push the trainer's weights to every rollout engine (CUDA IPC, Ray's object store, or a versioned dir);
+    pause: generations in flight are paused around it and continue under the new weights (--partial-rollout)."""
     with ui.diagnosed(run):
-        return stages.sync(run, rollout_id)
+        return stages.sync(run, rollout_id, pause)

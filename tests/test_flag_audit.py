@@ -108,6 +108,9 @@ FLAG_TESTS = {
     "disable_grpo_std_normalization": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
     "normalize_advantages": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
     "use_tis": "test_objective.py::test_policy_objective_closed_form_with_every_term",
+    "use_mis": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",
+    "mis_low": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",
+    "mis_high": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",
     "tis_clip": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "tis_clip_low": "test_flag_wiring.py::test_tis_clip_low_bounds_the_importance_weight_from_below",
     "calculate_per_token_loss": "test_train_backend.py::test_per_token_loss_needs_and_uses_the_global_token_count",
@@ -146,6 +149,9 @@ FLAG_TESTS = {
         "test_orchestration.py::test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step",
     "flow_retry_delay":
         "test_orchestration.py::test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step",
+    "async_mode": "test_async.py::test_one_step_async_flow_overlaps_rollout_and_train",
+    "max_staleness": "test_async.py::test_samples_older_than_the_bound_are_never_trained",
+    "partial_rollout": "test_resume_faults.py::test_async_sigkill_at_every_boundary_then_every_rollout_trained_once",
     # tracking
     "work_dir": "test_tracking_flow.py::test_a_run_failing_preflight_is_a_failed_mlflow_run_with_the_doctor_report",
     "experiment_name": "test_flow_params.py::test_overrides_win_over_the_file_and_the_file_over_defaults",

@@ -88,3 +88,34 @@ def test_sigkill_during_an_s3_save_then_same_weights(launch_env, baseline, tmp_p
     log = (tmp_path / "s3" / "log.txt").read_text()
     assert s3_server["AWS_SECRET_ACCESS_KEY"] not in log
     assert checkpoint.list_iterations(url) == [0, 1, 2]
+
+
+def test_async_sigkill_at_every_boundary_then_every_rollout_trained_once(launch_env, tmp_path):
+    """--async-mode one-step --partial-rollout under the same five SIGKILLs: rollout i+1 is in flight while step i
+    trains and saves, so a resume redraws it from where it started (the checkpoint's data position) and continues
+    what the checkpoint kept of it. Weights differ from a synchronous run by design (staleness); what must hold:
+    every launch but the last killed, every iteration complete, each rollout id trained exactly once in the final
+    lineage (the optimizer's step count), one MLflow run."""
+    import torch
+
+    env, extra = launch_env
+    save = tmp_path / "ckpt"
+    run = faulted_run("async", CHAIN, N, tmp_path, str(save), env,
+                      [*extra, "--async-mode", "one-step", "--partial-rollout"])
+    fired = CHAIN.split(",")
+    assert sorted(run["fired"]) == sorted(fired) and [x["rc"] for x in run["launches"]] == [-9] * len(fired) + [0]
+    its = run["fingerprint"]["iterations"]
+    assert sorted(its) == list(range(N)) and all("problem" not in v for v in its.values()), its
+    (mlrun,) = run["mlflow"]
+    assert mlrun["status"] == "FINISHED" and len(mlrun["resume_tags"]) == len(fired)
+    assert {v["mlflow_run_id"] for v in its.values()} == {mlrun["run_id"]}
+    last = save / checkpoint.iter_name(N - 1)
+    state = torch.load(last / "optim" / "state.pt", weights_only=False)
+    assert state["steps_done"] == N * 2  # --num-steps-per-rollout 2: no rollout trained twice, none skipped
+    manifest = json.loads((last / "manifest.json").read_text())
+    assert sorted(map(int, manifest["history"]["train/loss"])) == list(range(N))
+    assert sorted(map(int, manifest["history"]["async/staleness_max"])) == list(range(N))
+    assert all(v <= 1 for v in manifest["history"]["async/staleness_max"].values())
+    assert "sync/paused_requests" in manifest["history"]  # --partial-rollout: syncs pause the rollout in flight
+    summary = json.loads((tmp_path / "async" / "work" / "summary.json").read_text())
+    assert summary["rollouts"] == N and summary["async_mode"] == "one-step"

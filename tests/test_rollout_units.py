@@ -303,17 +303,20 @@ def test_sample_from_dict_keeps_keys_it_does_not_know():
 
 def test_an_unknown_finish_reason_fails_the_sample_with_the_reason():
     from engine.data import PromptRow
-    from engine.rollout.loop import Prompt, SamplingParams, _Round
+    from engine.rollout.loop import Partial, Prompt, SamplingParams, _Round
     from engine.samples import Status
 
     rnd = _Round([Prompt(PromptRow(prompt="1+1=", label="2", metadata={}, row=0), [5, 6])], first_draw=0, needed=1,
-                 rollout_id=0, nonce="x", n=2, params=SamplingParams(max_new_tokens=4), seed=0, engines=None,
+                 rollout_id=0, nonce="x", n=3, params=SamplingParams(max_new_tokens=4), seed=0, engines=None,
                  reward_model=None, keep=None, concurrency=2)
     out = {"text": "2", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7, None]]}}
-    ok, odd = rnd._samples(0, [{**out, "meta_info": {**out["meta_info"], "finish_reason": {"type": "stop"}}},
-                               {**out, "meta_info": {**out["meta_info"], "finish_reason": {"type": "preempted"}}}])
-    assert ok.status is Status.COMPLETED and "failure" not in ok.metadata
+    rows = [Partial() for _ in range(3)]
+    for row, reason in zip(rows, ("stop", "preempted", "abort")):
+        rnd._extend(row, {**out, "meta_info": {**out["meta_info"], "finish_reason": {"type": reason}}})
+    ok, odd, aborted = rnd._samples(0, rows)
+    assert ok.status is Status.COMPLETED and "failure" not in ok.metadata and ok.tokens == [5, 6, 7]
     assert odd.status is Status.FAILED and "preempted" in odd.metadata["failure"]
+    assert aborted.status is Status.ABORTED  # without --partial-rollout an abort ends the sample
 
 
 def test_eval_metrics_mean_and_pass_at_k_in_closed_form():

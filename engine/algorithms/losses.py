@@ -99,6 +99,14 @@ def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, *,
     return clamped, (clamped != w).float()
 
 
+def mis_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, *, low: float = 0.5,
+             high: float = 2.0) -> torch.Tensor:
+    """Masked importance sampling (IcePop): 1 where low ≤ π_old,train / π_rollout ≤ high, else 0 — such a token's
+    loss is dropped (not re-weighted), and it leaves the aggregation's token counts. Constants: no gradient."""
+    w = torch.exp(old_log_probs.float() - rollout_log_probs.float())  # [T]
+    return ((w >= low) & (w <= high)).to(old_log_probs.dtype)
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
                value_clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped value loss: max((V − R)², (V_old + clip(V − V_old, ±c) − R)²), as slime (no ½ factor)."""

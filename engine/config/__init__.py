@@ -50,6 +50,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         self.batch  # raises an RF06 ConfigError with the working values
+        self._async_consistent()
         unknown = [f for f in self.allow_config_change if f.replace("-", "_") not in RESUME_FIXED]
         if unknown:
             from engine.diagnosis import ConfigError, Diagnosis
@@ -60,6 +61,45 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 fix=f"name fields of {', '.join(RESUME_FIXED)} (other flags may change on resume anyway)",
                 facts={"field": "allow_config_change", "value": unknown}))
         return self
+
+    def _async_consistent(self) -> None:
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        errors = []
+        if self.async_mode != "off" and self.colocate:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--async-mode {self.async_mode} with --colocate: the engines and the trainer share the GPUs and "
+                     "take turns on them (the engines release their memory while the trainer trains), so rollout "
+                     "and training cannot overlap",
+                fix="drop --colocate and give the engines their own GPUs (--rollout-num-gpus), or --async-mode off",
+                facts={"field": "async_mode", "value": self.async_mode}))
+        if self.max_staleness is not None and self.async_mode != "bounded":
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--max-staleness {self.max_staleness} bounds --async-mode bounded; with --async-mode "
+                     f"{self.async_mode} it would do nothing (off: 0, one-step: 1)",
+                fix=f"--async-mode bounded --max-staleness {self.max_staleness}, or drop --max-staleness",
+                facts={"field": "max_staleness", "value": self.max_staleness}))
+        if self.partial_rollout and self.async_mode == "off":
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what="--partial-rollout pauses rollouts in flight at a weight sync; with --async-mode off no rollout "
+                     "is in flight at a sync",
+                fix="--async-mode one-step (or bounded) --partial-rollout, or drop --partial-rollout",
+                facts={"field": "partial_rollout", "value": True}))
+        hooked = [f for f in ("rollout_function_path", "custom_generate_function_path") if getattr(self, f)]
+        if self.partial_rollout and hooked:
+            flag = "--" + hooked[0].replace("_", "-")
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--partial-rollout with {flag}: partial samples are continued by the built-in rollout loop; "
+                     "a custom rollout or generate function makes its own engine calls and would get the paused "
+                     "requests back as aborted",
+                fix=f"drop --partial-rollout (async modes work without it), or drop {flag}",
+                facts={"field": "partial_rollout", "value": True}))
+        if errors:
+            raise ConfigError(errors)
 
     def fixed_settings(self) -> dict[str, Any]:
         """RESUME_FIXED's values, as the checkpoint manifest records them (G and k as the run uses them: an unset

@@ -54,6 +54,15 @@ class AlgorithmArgs(Section):
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the TIS weight."""
 
+    use_mis: bool = False
+    """Masked importance sampling (IcePop-style): tokens whose π_train_old / π_rollout falls outside [--mis-low, --mis-high] are masked out of the loss (and its token counts); the others keep their weight (with --use-tis, truncated)."""
+
+    mis_low: float = Field(0.5, gt=0)
+    """Lower bound of the MIS ratio: tokens below it are masked."""
+
+    mis_high: float = Field(2.0, gt=0)
+    """Upper bound of the MIS ratio: tokens above it are masked."""
+
     calculate_per_token_loss: bool = False
     """Average the loss over all trained tokens of the step instead of per-sample token means averaged over samples."""
 
@@ -85,6 +94,9 @@ class AlgorithmArgs(Section):
             raise err(f"--disable-grpo-std-normalization has no effect with --advantage-estimator "
                       f"{self.advantage_estimator} (it applies to {', '.join(GROUP_ESTIMATORS)})",
                       "drop --disable-grpo-std-normalization", field="disable_grpo_std_normalization")
+        if self.mis_low >= self.mis_high:
+            raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
+                      "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)
         if self.tis_clip_low > self.tis_clip:
             raise err(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}",
                       f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",

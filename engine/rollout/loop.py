@@ -96,6 +96,66 @@ def sample_seed(seed: int, rollout_id: int, index: int) -> int:
 _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
+MAX_SEGMENTS = 16  # a partial rollout continues an aborted sample at most this many times
+
+
+@dataclass
+class Partial:
+    """One sample's generation so far. Without --partial-rollout one request makes it; with it, a request aborted
+    by a pause (a weight sync) leaves `finish_reason` None and the sample is continued from its tokens, each
+    segment under the weights then served (`versions`)."""
+    ids: list[int] = field(default_factory=list)  # [R] response tokens so far
+    logprobs: list[float] = field(default_factory=list)  # [R] the engine's log-probs of them
+    text: str = ""
+    versions: list = field(default_factory=list)  # the weight_version of each segment
+    finish_reason: dict | None = None  # None: not finished yet
+    lengths: list[int] = field(default_factory=list)  # tokens of each segment
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ids": self.ids, "logprobs": self.logprobs, "text": self.text, "versions": self.versions,
+                "finish_reason": self.finish_reason, "lengths": self.lengths}
+
+    def copy(self) -> "Partial":
+        return Partial(list(self.ids), list(self.logprobs), self.text, list(self.versions), self.finish_reason,
+                       list(self.lengths))
+
+
+class PartialBuffer:
+    """A rollout's samples as far as they got, by (draw index, j): shared by the rollout's thread, which updates
+    it as requests return, and the driver, which writes a snapshot into the checkpoint taken while the rollout is
+    in flight (--partial-rollout), so that a resumed run continues those samples instead of redrawing them."""
+
+    def __init__(self, rollout_id: int, rows: dict[tuple[int, int], Partial] | None = None):
+        import threading
+
+        self.rollout_id, self._rows, self._lock = rollout_id, dict(rows or {}), threading.Lock()
+
+    def get(self, draw: int, j: int) -> Partial:
+        with self._lock:
+            p = self._rows.get((draw, j))
+            return p.copy() if p else Partial()
+
+    def put(self, draw: int, j: int, p: Partial) -> None:
+        with self._lock:
+            self._rows[(draw, j)] = p.copy()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"rollout_id": self.rollout_id,
+                    "rows": [{"draw": d, "j": j, **p.to_json()} for (d, j), p in sorted(self._rows.items())]}
+
+    @classmethod
+    def from_snapshot(cls, snap: dict[str, Any]) -> "PartialBuffer":
+        rows = {(int(r["draw"]), int(r["j"])): Partial(list(r["ids"]), [float(x) for x in r["logprobs"]],
+                                                        r.get("text", ""), list(r.get("versions", [])),
+                                                        r.get("finish_reason"), list(r.get("lengths", [])))
+                for r in snap.get("rows", [])}
+        return cls(int(snap["rollout_id"]), rows)
+
+
 class RolloutTimeout(TimeoutError):
     """The rollout did not finish within --rollout-timeout (retryable)."""
 
@@ -120,8 +180,10 @@ class _Round:
     def __init__(self, prompts: list[Prompt], *, first_draw: int, needed: int, rollout_id: int, nonce: str, n: int,
                  params: SamplingParams, seed: int, engines: EnginePool, reward_model: RewardModel,
                  keep: Callable[[list[Sample]], bool] | None, concurrency: int,
-                 generate: Callable | None = None, hook_args: Any = None, hook_path: str = ""):
+                 generate: Callable | None = None, hook_args: Any = None, hook_path: str = "",
+                 partial: PartialBuffer | None = None):
         self.prompts, self.first_draw, self.needed, self.n = prompts, first_draw, needed, n
+        self.partial, self.continued = partial, 0
         self.generate, self.hook_args, self.hook_path = generate, hook_args, hook_path
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
         self.engines, self.reward_model, self.keep = engines, reward_model, keep
@@ -188,11 +250,51 @@ class _Round:
             s.metadata = {**s.metadata, "draw_index": draw}
         return list(done)
 
-    async def _post(self, client: httpx.AsyncClient, gi: int) -> list[dict]:
+    def _params(self, gi: int, j: int, row: Partial, seed0: int | None) -> dict[str, Any]:
+        """Sampling params of sample j's next segment: the first uses the sample's seed; a continuation (a partial
+        rollout) a seed of its own and the tokens still allowed."""
+        segment = len(row.versions)
+        seed = seed0 if segment == 0 or seed0 is None else \
+            sample_seed(self.seed, self.rollout_id, ((self.first_draw + gi) * self.n + j) * MAX_SEGMENTS + segment)
+        d = self.params.to_sglang(seed)
+        d["max_new_tokens"] = self.params.max_new_tokens - len(row.ids)
+        return d
+
+    def _extend(self, row: Partial, o: dict) -> None:
+        meta = o.get("meta_info", {})
+        triples = meta.get("output_token_logprobs") or []
+        new = [int(t[1]) for t in triples] if triples else [int(t) for t in o.get("output_ids", [])]
+        row.ids += new
+        row.lengths.append(len(new))
+        row.logprobs += [float(t[0]) for t in triples]
+        row.text += o.get("text", "")
+        row.versions.append(meta.get("weight_version"))
+        fr = meta.get("finish_reason") or {}
+        if fr.get("type") == "abort" and self.partial is not None and len(row.versions) < MAX_SEGMENTS:
+            if len(row.ids) < self.params.max_new_tokens:
+                return  # paused at a weight sync: continued under the new weights
+            fr = {"type": "length", "length": self.params.max_new_tokens}
+        row.finish_reason = fr
+
+    async def _post(self, client: httpx.AsyncClient, gi: int) -> list[Partial]:
+        """The group's n samples: one batched /generate, then (partial rollout) one per round of continuations."""
+        draw, prompt = self.first_draw + gi, self.prompts[gi].ids
         seeds = self._seeds(gi)
-        body = {"input_ids": [self.prompts[gi].ids] * self.n, "return_logprob": True,
-                "rid": [f"{self.rid(gi)}{j}" for j in range(self.n)],
-                "sampling_params": [self.params.to_sglang(s) for s in seeds]}
+        rows = [self.partial.get(draw, j) if self.partial is not None else Partial() for j in range(self.n)]
+        while todo := [j for j in range(self.n) if rows[j].finish_reason is None]:
+            if gi >= self.cutoff:  # the round was cut: no continuation (_one drops the group)
+                break
+            self.continued += sum(bool(rows[j].versions) for j in todo)
+            body = {"input_ids": [prompt + rows[j].ids for j in todo], "return_logprob": True,
+                    "rid": [f"{self.rid(gi)}{j}" for j in todo],
+                    "sampling_params": [self._params(gi, j, rows[j], seeds[j]) for j in todo]}
+            for j, o in zip(todo, await self._send(client, gi, body, len(todo))):
+                self._extend(rows[j], o)
+                if self.partial is not None:
+                    self.partial.put(draw, j, rows[j])
+        return rows
+
+    async def _send(self, client: httpx.AsyncClient, gi: int, body: dict, count: int) -> list[dict]:
         while True:
             url = self._pick()
             if url is None:
@@ -200,7 +302,7 @@ class _Round:
                     raise EngineFailure("no rollout engine is serving")
                 await asyncio.sleep(0.2)  # the health monitor is restarting them; the rollout deadline bounds this
                 continue
-            self.outstanding[url] += self.n
+            self.outstanding[url] += count
             self.inflight[gi] = url
             try:
                 return await generate_async(client, url, body)
@@ -212,24 +314,24 @@ class _Round:
                 self.retries += 1
                 continue
             finally:
-                self.outstanding[url] -= self.n
+                self.outstanding[url] -= count
                 self.inflight.pop(gi, None)
 
-    def _samples(self, gi: int, outs: list[dict]) -> list[Sample]:
+    def _samples(self, gi: int, rows: list[Partial]) -> list[Sample]:
         p, group = self.prompts[gi], []
-        for j, o in enumerate(outs):
-            meta = o.get("meta_info", {})
-            triples = meta.get("output_token_logprobs") or []
-            resp = [int(t[1]) for t in triples] if triples else [int(t) for t in o.get("output_ids", [])]
-            fr = meta.get("finish_reason") or {}
+        for j, row in enumerate(rows):
+            fr = row.finish_reason or {}
             status = _STATUS.get(fr.get("type"), Status.FAILED)
+            versions = {"weight_versions": list(row.versions), "segment_lengths": list(row.lengths)} \
+                if len(row.versions) > 1 else {}
             group.append(Sample(
                 index=gi * self.n + j, group_index=gi, rollout_id=self.rollout_id, prompt=p.row.prompt,
-                tokens=list(p.ids) + resp, response_length=len(resp), response=o.get("text", ""),
-                label=p.row.label, loss_mask=[1] * len(resp), rollout_log_probs=[float(t[0]) for t in triples],
+                tokens=list(p.ids) + row.ids, response_length=len(row.ids), response=row.text,
+                label=p.row.label, loss_mask=[1] * len(row.ids), rollout_log_probs=list(row.logprobs),
                 status=status,
                 metadata={**p.row.metadata, "row": p.row.row, "draw_index": self.first_draw + gi,
-                          "finish_reason": fr, "weight_version": meta.get("weight_version")}))
+                          "finish_reason": fr, "weight_version": row.versions[0] if row.versions else None,
+                          **versions}))
             if fr.get("type") not in _STATUS:  # see _STATUS
                 group[-1].metadata["failure"] = (f"the engine's finish_reason {fr!r} is none of stop / length / "
                                                  "abort: the sample is not trained on")
@@ -305,14 +407,19 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
                      params: SamplingParams, reward_model: RewardModel, seed: int, engines: EnginePool,
                      round_size: int | None = None, keep: Callable[[list[Sample]], bool] | None = None,
                      concurrency: int = 64, timeout_s: float = 600.0, max_prompts: int | None = None,
-                     generate: Callable | None = None, hook_args: Any = None, hook_path: str = "") -> RolloutResult:
+                     generate: Callable | None = None, hook_args: Any = None, hook_path: str = "",
+                     partial: PartialBuffer | None = None) -> RolloutResult:
     """`batch_size` kept groups of n samples, in draw order. `draw(k)` returns the next k prompts of the data.
-    `generate`: a --custom-generate-function-path hook called per sample with `hook_args` (engine/rollout/hooks.py)."""
+    `generate`: a --custom-generate-function-path hook called per sample with `hook_args` (engine/rollout/hooks.py).
+    `partial` (--partial-rollout): samples aborted by a pause are continued, and the buffer records how far every
+    sample got (it may start non-empty: a resumed run's samples from the checkpoint)."""
     round_size = round_size or batch_size
     nonce = uuid.uuid4().hex[:6]  # rids of a redone rollout never collide with a previous attempt's
     deadline = time.monotonic() + timeout_s
     kept: list[list[Sample]] = []
     stats = {"drawn": 0, "filtered": 0, "aborted": 0, "rounds": 0, "retried_requests": 0}
+    if partial is not None:
+        stats["continued"] = 0
     while len(kept) < batch_size:
         if max_prompts is not None and stats["drawn"] >= max_prompts:
             raise DiagnosisError(Diagnosis(
@@ -324,7 +431,8 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
         prompts = draw(round_size)
         rnd = _Round(prompts, first_draw=stats["drawn"], needed=batch_size - len(kept), rollout_id=rollout_id,
                      nonce=nonce, n=n, params=params, seed=seed, engines=engines, reward_model=reward_model,
-                     keep=keep, concurrency=concurrency, generate=generate, hook_args=hook_args, hook_path=hook_path)
+                     keep=keep, concurrency=concurrency, generate=generate, hook_args=hook_args, hook_path=hook_path,
+                     partial=partial)
         asyncio.run(rnd.run(deadline - time.monotonic()))
         finished = [g for g in range(rnd.cutoff) if rnd.done[g] is not None]
         kept += [rnd.done[g] for g in finished if rnd.kept[g]]
@@ -333,6 +441,8 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
         stats["aborted"] += len(prompts) - rnd.cutoff
         stats["rounds"] += 1
         stats["retried_requests"] += rnd.retries
+        if partial is not None:
+            stats["continued"] += rnd.continued
     for gi, group in enumerate(kept):  # positions in the returned rollout
         for j, s in enumerate(group):
             s.group_index, s.index = gi, gi * n + j
@@ -375,6 +485,7 @@ def rollout_metrics(result: RolloutResult, seconds: float) -> dict[str, float]:
         "rollout/groups_filtered": result.stats["filtered"],
         "rollout/groups_aborted": result.stats["aborted"],
         "rollout/retried_requests": result.stats["retried_requests"],
+        **({"rollout/continued_samples": result.stats["continued"]} if "continued" in result.stats else {}),
     }
     keys = {k for s in samples if isinstance(s.reward, dict) for k in s.reward}
     for k in sorted(keys):

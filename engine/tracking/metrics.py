@@ -50,6 +50,14 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/groups_aborted", None, "groups cut off (aborted) once enough groups had passed the filter"),
     MetricDoc("rollout/retried_requests", "min", "group requests resent after an engine failed "
                                                  "(`--use-fault-tolerance`)"),
+    MetricDoc("rollout/continued_samples", None, "`--partial-rollout`: sample segments continued after a pause "
+                                                 "(a weight sync aborted them mid-generation)"),
+    MetricDoc("async/staleness_mean", "min", "`--async-mode`: mean over the rollout's samples of (steps the trainer "
+                                             "has taken − the weight version that generated the sample)"),
+    MetricDoc("async/staleness_max", "min", "`--async-mode`: the largest staleness of a sample of the rollout (never "
+                                            "above the bound for a trained sample)"),
+    MetricDoc("async/stale_dropped", "min", "`--async-mode`: samples older than the bound (one-step 1, bounded "
+                                            "`--max-staleness`), kept out of the loss"),
     MetricDoc("rollout/removed_samples", None, "samples `--rollout-sample-filter-path` kept out of the loss "
                                                "(`remove_sample`)"),
     MetricDoc("<any numeric metric a --rollout-function-path returns>", None, "logged as the function names it "
@@ -80,6 +88,8 @@ METRICS: list[MetricDoc] = [
                                        "trainer before the update (train–inference mismatch; above "
                                        "`--logprob-mismatch-threshold` → RF14)"),
     MetricDoc("train/mismatch_max", "min", "largest \\|log π_engine − log π_trainer\\| of one trained token"),
+    MetricDoc("train/mis_masked_share", "min", "`--use-mis`: share of the trained tokens masked because π_old / "
+                                               "π_engine left [`--mis-low`, `--mis-high`]"),
     MetricDoc("train/grad_norm", None, "gradient norm before clipping, mean over the rollout's optimizer steps"),
     MetricDoc("train/grad_norm_max", None, "largest gradient norm of the rollout's optimizer steps"),
     MetricDoc("train/lr", None, "learning rate, mean over the rollout's optimizer steps"),
@@ -99,6 +109,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("sync/mb", None, "size of the synced weights, MiB"),
     MetricDoc("sync/weight_version", None, "weight version the engines serve after the sync"),
     MetricDoc("sync/gb_per_s", "max", "synced GB (10⁹ bytes, in the engines' dtype) per second of the transfer"),
+    MetricDoc("sync/paused_requests", None, "`--partial-rollout`: requests the engines aborted to take the weights "
+                                            "(continued under them)"),
     MetricDoc("sync/probe_mismatch", "min", "after the sync: mean \\|log π_engine − log π_trainer\\| on a few fixed "
                                             "prompts (above `--logprob-mismatch-threshold` → RF14)"),
     MetricDoc("memory/<stage>_peak_gib", "min", "GPU runs: the most GPU memory (GiB, reserved by the allocators) held "

@@ -112,7 +112,8 @@ class TrainWorker:
         are --custom-reward-post-process-path's, used as they are (no GRPO group normalisation).
         Returns facts for the driver: `ref_logp_maxdiff` (max |log π_old − log π_ref| on trained tokens, RF01),
         the train–inference mismatch |log π_engine − log π_old| on trained tokens as `mismatch_sum` /
-        `mismatch_count` / `mismatch_max` (RF14), and this rank's token count.
+        `mismatch_count` / `mismatch_max` (RF14), the tokens --use-mis masked (`mis_masked`; their loss mask is 0
+        from here on, so advantages, token counts and the loss leave them out), and this rank's token count.
         """
         from engine.algorithms import compute_advantages, kl, masked_whiten, whiten_stats
 
@@ -120,6 +121,16 @@ class TrainWorker:
         self.backend_onload()
         self.steps = steps
         self.old = [self.backend.compute_log_probs(mbs) for mbs in steps]
+        mismatch = self._mismatch(steps)  # over every trained token, before MIS drops any
+        mis_masked = 0.0
+        if cfg.use_mis:  # masked importance sampling: tokens too far off the behaviour policy leave the loss
+            from engine.algorithms.losses import mis_mask
+
+            for k, mbs in enumerate(steps):
+                for j, mb in enumerate(mbs):
+                    kept = mis_mask(self.old[k][j], mb.rollout_log_probs, low=cfg.mis_low, high=cfg.mis_high)
+                    mis_masked += float((mb.loss_mask * (1 - kept)).sum())
+                    mb.loss_mask = mb.loss_mask * kept
         need_ref = need_ref or cfg.use_kl_loss or cfg.kl_coef > 0
         self.ref = [self.backend.compute_log_probs(mbs, ref=True) for mbs in steps] if need_ref else None
         self.values = [self.critic.compute_values(mbs) for mbs in steps] if self.critic else []
@@ -153,7 +164,10 @@ class TrainWorker:
                 for j, mb in enumerate(mbs):
                     d = ((self.old[k][j] - self.ref[k][j]).abs() * mb.loss_mask).max() if mb.num_tokens else 0.0
                     maxdiff = max(maxdiff, float(d))
-        facts = {"ref_logp_maxdiff": maxdiff, **self._mismatch(steps)}
+        facts = {"ref_logp_maxdiff": maxdiff, **mismatch}
+        if cfg.use_mis:  # a share of the trained tokens, over all ranks (reduce_metrics: Σ / Σ)
+            facts.update(mis_masked_share_sum=mis_masked if self.reports else 0.0,
+                         mis_masked_share_count=mismatch["mismatch_count"])
         facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
         return facts
 
