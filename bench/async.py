@@ -76,6 +76,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--work", default="/tmp/rollflow_bench_async")
     p.add_argument("--extra", default="", help="more `rollflow train` flags, one string")
+    p.add_argument("--name", default="async", help="results as <out>/<name>.json and <name>_table.md")
     a = p.parse_args()
     runs = []
     for r in range(a.repeats):
@@ -91,7 +92,8 @@ def main() -> int:
         return statistics.median(x[key] for x in runs if x["mode"] == mode)
 
     out = {
-        "command": "python bench/async.py " + " ".join(sys.argv[1:]), "machine": machine(),
+        "command": "python bench/async.py " + " ".join(f"'{x}'" if " " in x else x for x in sys.argv[1:]),
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "num_rollout": a.num_rollout,
         "repeats": a.repeats,
         "wall_per_rollout_s": {m: med(m, "wall_per_rollout_s") for m in MODES},
@@ -107,7 +109,7 @@ def main() -> int:
     }
     dst = Path(a.out)
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "async.json").write_text(json.dumps(out, indent=1))
+    (dst / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     rows = ["| mode | wall s per rollout (median) | × vs sync | greedy test accuracy after | time to reward 0.7 / 0.8 "
             "(s into the loop, per repeat) | staleness mean |", "|---|---|---|---|---|---|"]
     for m in MODES:
@@ -122,7 +124,7 @@ def main() -> int:
                        f"run, {a.repeats} runs per mode. Greedy test accuracy before training: "
                        f"{100 * out['accuracy_before']:.1f}%.", "", *rows])
     print(table)
-    (dst / "async_table.md").write_text(table + "\n")
+    (dst / f"{a.name}_table.md").write_text(table + "\n")
     return 0
 
 

@@ -76,6 +76,7 @@ class Run:
         # cuda_ipc | object_store | disk: place decides (stages.sync_transport); until then what the flag says
         self.sync_transport = "disk" if cfg.weight_sync_method == "disk" else "object_store"
         self.probe: list[list[int]] = []  # prompts every engine answers after a sync, scored by the trainer (RF14)
+        self.probe_seqs: list[tuple[list[int], list[int]]] = []  # (prompt, sampled answer): later probes score them
 
     # ---- CPU threads: every engine and train worker gets an equal share of the cores ------------------------
     # (on a busy 2-core machine OpenMP with 2 threads per process was 3-4x slower than 1 thread: measured)

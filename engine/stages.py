@@ -10,7 +10,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engine import checkpoint, faults
 from engine.config import RunConfig
@@ -795,8 +795,12 @@ def disk_full(run: Run, rollout_id: int, e: BaseException, free_before: int | No
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------
-def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
-    """The trainer's weights to these engines as `version` (run.sync_transport), checked on every engine."""
+def push_weights(run: Run, slots: list, version: int, exported: Callable[[], None] | None = None
+                 ) -> dict[str, float]:
+    """The trainer's weights to these engines as `version` (run.sync_transport), checked on every engine.
+    `exported` is called once the trainer has handed its weights over (a copy in Ray's object store, a directory,
+    IPC buckets): from then on the trainer may train again while the engines load them (--async-mode)."""
+    exported = exported or (lambda: None)
     import shutil
 
     from engine.weights.sync import push_disk, push_ipc, push_object_store
@@ -808,6 +812,7 @@ def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
         # engine e sits on bundle b; train rank b shares that GPU (colocated layout) and exports to it
         source = {s.index: s.bundle for s in slots}
         per_rank = run.train_group.ipc_export(run.engine_dtype, cfg.update_weight_buffer_size, set(source.values()))
+        exported()
         try:
             push_ipc(slots, {i: per_rank[r] for i, r in source.items()}, version, timeout_s=cfg.weight_sync_timeout,
                      api_key=key)
@@ -816,11 +821,13 @@ def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
         nbytes = sum(b.nbytes for b in per_rank[next(iter(source.values()))]) if source else 0
     elif run.sync_transport == "object_store":
         ref, mb = run.train_group.weights_ref()
+        exported()
         push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout, api_key=key)
         nbytes = mb * 2**20
     else:
         path = run.work_dir / "weights" / f"v{version:06d}"
         run.train_group.save_weights(str(path))
+        exported()
         nbytes = sum(f.stat().st_size for f in path.glob("*"))
         try:
             push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout, api_key=key)
@@ -830,10 +837,37 @@ def push_weights(run: Run, slots: list, version: int) -> dict[str, float]:
     return {"sync/mb": nbytes / 2**20, "sync/gb_per_s": nbytes / 1e9 / max(secs, 1e-9)}
 
 
-def probe_engines(run: Run, version: int, max_new_tokens: int = 16) -> dict[str, float]:
-    """RF14 right after a sync, before any rollout uses the weights: every serving engine samples a short answer to
-    each probe prompt (fixed seeds, the run's sampling settings) and the trainer scores those tokens — the same
-    quantity as train/mismatch. Returns the largest per-engine mean |Δ log-prob| as `sync/probe_mismatch`."""
+def _probe_batch(run: Run):
+    """The stored probe sequences (prompt + the answer an engine sampled at the first probe) as one micro-batch
+    whose loss mask covers the answers."""
+    from engine.packing.microbatch import make_micro_batch
+    from engine.samples import Status
+
+    samples = [Sample(index=i, group_index=i, rollout_id=-1, prompt="", tokens=list(p) + list(r),
+                      response_length=len(r), loss_mask=[1] * len(r), rollout_log_probs=[0.0] * len(r),
+                      status=Status.COMPLETED)
+               for i, (p, r) in enumerate(run.probe_seqs)]
+    return make_micro_batch(samples, [0.0] * len(samples))
+
+
+def probe_reference(run: Run):
+    """The trainer's log-probs of the stored probe answers, taken before its weights go out (so the trainer may
+    train on while the engines load them); None until the first probe has sampled the answers."""
+    if not run.probe or not getattr(run, "probe_seqs", None):
+        return None
+    mb = _probe_batch(run)
+    return run.train_group.score(mb)[mb.loss_mask > 0]
+
+
+def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 16) -> dict[str, float]:
+    """RF14 right after a sync, before any rollout uses the weights. The first probe of a process: every serving
+    engine samples a short answer to each probe prompt (fixed seeds, the run's sampling settings) and the trainer
+    scores those tokens — the same quantity as train/mismatch; the first engine's answers are kept. Later probes
+    are teacher-forced on those sequences: `reference` holds the trainer's log-probs (probe_reference, taken
+    before the weights left it) and every engine scores the same tokens (a prefill). Returns the largest
+    per-engine mean |Δ log-prob| as `sync/probe_mismatch`."""
+    import torch
+
     from engine.diagnosis import DiagnosisError
     from engine.packing.microbatch import make_micro_batch
     from engine.rollout.client import EngineClient
@@ -847,18 +881,28 @@ def probe_engines(run: Run, version: int, max_new_tokens: int = 16) -> dict[str,
     params.max_new_tokens = min(max_new_tokens, cfg.rollout_max_response_len)
     means = []
     for url in run.engines.serving():
-        outs = EngineClient(url, timeout_s=cfg.weight_sync_timeout, api_key=run.engines.api_key).generate(
-            {"input_ids": run.probe, "return_logprob": True,
-             "sampling_params": [params.to_sglang(seed=cfg.seed + i) for i in range(len(run.probe))]})
-        samples = []
-        for i, (prompt, o) in enumerate(zip(run.probe, outs)):
-            lps = [float(t[0]) for t in o["meta_info"]["output_token_logprobs"]]
-            samples.append(Sample(index=i, group_index=i, rollout_id=-1, prompt="", tokens=prompt + o["output_ids"],
-                                  response_length=len(lps), loss_mask=[1] * len(lps), rollout_log_probs=lps,
-                                  status=Status.COMPLETED))
-        mb = make_micro_batch(samples, [0.0] * len(samples))
-        m = mb.loss_mask > 0
-        diffs = (run.train_group.score(mb)[m] - mb.rollout_log_probs[m]).abs()  # [K] over the sampled tokens
+        client = EngineClient(url, timeout_s=cfg.weight_sync_timeout, api_key=run.engines.api_key)
+        if reference is not None:
+            seqs = run.probe_seqs
+            scored = client.score([list(p) + list(r) for p, r in seqs], params.temperature or 1.0)
+            got = torch.tensor([x for (p, _), lps in zip(seqs, scored) for x in lps[len(p) - 1:]])
+            diffs = (reference.float() - got).abs()  # [K] over the stored answers' tokens
+        else:
+            outs = client.generate(
+                {"input_ids": run.probe, "return_logprob": True,
+                 "sampling_params": [params.to_sglang(seed=cfg.seed + i) for i in range(len(run.probe))]})
+            samples = []
+            for i, (prompt, o) in enumerate(zip(run.probe, outs)):
+                lps = [float(t[0]) for t in o["meta_info"]["output_token_logprobs"]]
+                samples.append(Sample(index=i, group_index=i, rollout_id=-1, prompt="",
+                                      tokens=prompt + o["output_ids"], response_length=len(lps),
+                                      loss_mask=[1] * len(lps), rollout_log_probs=lps, status=Status.COMPLETED))
+            mb = make_micro_batch(samples, [0.0] * len(samples))
+            m = mb.loss_mask > 0
+            diffs = (run.train_group.score(mb)[m] - mb.rollout_log_probs[m]).abs()  # [K] over the sampled tokens
+            if not getattr(run, "probe_seqs", None):
+                run.probe_seqs = [(list(p), list(o["output_ids"])) for p, o in zip(run.probe, outs)
+                                  if o["output_ids"]]
         mean, worst = (float(diffs.mean()), float(diffs.max())) if diffs.numel() else (0.0, 0.0)
         if d := mismatch_diagnosis(where=f"the weight sync to version {version} ({url})", mean=mean, worst=worst,
                                    tokens=diffs.numel(), threshold=cfg.mismatch_threshold(run.engine_dtype),
@@ -868,27 +912,31 @@ def probe_engines(run: Run, version: int, max_new_tokens: int = 16) -> dict[str,
     return {"sync/probe_mismatch": max(means, default=0.0)}
 
 
-def sync(run: Run, rollout_id: int, pause: bool = False) -> dict[str, float]:
+def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None) -> dict[str, float]:
     """Trainer → every serving engine: weights of version rollout_id + 1 (a restarting engine waits for the lock
     and then gets them from its resync), then the RF14 probe; with --offload-train the trainer then leaves the GPU.
     pause (--partial-rollout with a rollout in flight): the engines abort what they generate and hold new requests
-    (/pause_generation) until the new weights are in (/continue_generation); the rollout continues its samples."""
+    (/pause_generation) until the new weights are in (/continue_generation); the rollout continues its samples.
+    exported (a threading.Event, --async-mode): set once the trainer is done with its part (its probe scores, its
+    weights handed over), so the next train step can start while the engines load and answer the probe."""
     t0 = time.perf_counter()
     version = rollout_id + 1
     paused = {}
     with run.engines.lock:
         if run.engines.released:
             run.engines.resume_memory()
+        reference = probe_reference(run)
         if pause:
             paused = {"sync/paused_requests": float(run.engines.pause_generation())}
         try:
-            out = push_weights(run, run.engines.serving_slots(), version)
+            out = push_weights(run, run.engines.serving_slots(), version,
+                               exported=exported.set if exported is not None else None)
             run.state.weight_version = version
         finally:
             if pause:
                 run.engines.continue_generation()
     out.update(paused)
-    out.update(probe_engines(run, version))
+    out.update(probe_engines(run, version, reference))
     if run.cfg.offload_train:
         run.train_group.offload()
     return publish(run, rollout_id, {**out, "sync/seconds": time.perf_counter() - t0,

@@ -51,34 +51,60 @@ def _async_loop(t, r, run, start: int, progress) -> None:
     K = the staleness bound (one-step 1, bounded --max-staleness). Rollout j may start once the engines serve
     weights of version ≥ j − K (version v = the weights after v train steps), so every sample of rollout j is at
     most K versions older than the step that trains it (stages.staleness_guard enforces it). The engines get the
-    newest weights whenever no rollout is in flight (a sync never waits on generation, and generation never runs on
-    half-updated weights). With --partial-rollout the sync comes right after each step instead: the engines pause
-    (abort) what they generate, take the weights and continue, and the rollout continues those samples under the
-    new version; the checkpoint saved next keeps how far they got. Each id still has one rollout-{id}, pack-{id}
-    and train-{id} task; a sync is named by the step whose weights it pushes. Evaluations run on synced engines.
+    newest weights whenever no rollout is in flight (generation never runs on half-updated weights): the trainer
+    does its part of the sync first (probe scores, weights handed over), then trains on while the engines load
+    them; the rollouts that need that version wait for the sync (Prefect `wait_for`). With --partial-rollout the
+    sync comes right after each step instead: the engines pause (abort) what they generate, take the weights and
+    continue, and the rollout continues those samples under the new version; the checkpoint saved next keeps how
+    far they got. Each id still has one rollout-{id}, pack-{id} and train-{id} task; a sync is named by the step
+    whose weights it pushes. Evaluations run on synced engines.
     """
+    import threading
+
     cfg = run.cfg
     K, N = cfg.staleness_bound, cfg.num_rollout
     inflight: dict = {}  # rollout id → its task's future
     launched = start
+    pending = None  # (future, version) of a sync the engines are still loading
+
+    def served() -> int:
+        return pending[1] if pending else run.state.weight_version
 
     def launch() -> None:
         nonlocal launched
-        while launched < N and launched - K <= run.state.weight_version:
-            inflight[launched] = t.rollout.submit(r, launched)
+        while launched < N and launched - K <= served():
+            inflight[launched] = t.rollout.submit(r, launched, wait_for=[pending[0]] if pending else None)
             launched += 1
 
+    def settle() -> None:
+        """The pending sync's outcome (its error, if it failed)."""
+        nonlocal pending
+        if pending:
+            fut, pending = pending[0], None
+            fut.result()
+
     def sync_if_idle(trained: int) -> None:
-        """The newest weights to idle engines (`trained` steps done), then any evaluation due at that version."""
-        if not inflight and run.state.weight_version < trained:
-            stopping.check()
-            t.sync(r, trained - 1)
-            if stages.should_eval(cfg, trained - 1) and trained < N:
-                t.evaluate(r, trained)
+        """The newest weights (`trained` steps done) to idle engines, overlapping the next train step; then any
+        evaluation due at that version (after the engines have them)."""
+        nonlocal pending
+        if inflight or served() >= trained:
+            return
+        settle()
+        stopping.check()
+        exported = threading.Event()
+        fut = t.sync.submit(r, trained - 1, exported=exported)
+        while not exported.wait(1.0):  # set by the sync stage once the trainer is free (a retry sets it too)
+            if fut.state.is_final():  # failed for good: settle() raises its error
+                break
+        pending = (fut, trained)
+        if stages.should_eval(cfg, trained - 1) and trained < N:
+            settle()
+            t.evaluate(r, trained)
 
     def sync_now(trained: int) -> None:
         """--partial-rollout: the new weights right after the step, pausing the rollouts in flight (their samples
         continue under them), then any evaluation due, then the rollouts the new version allows."""
+        settle()
         stopping.check()
         t.sync(r, trained - 1, pause=bool(inflight))
         if stages.should_eval(cfg, trained - 1) and trained < N:
@@ -89,7 +115,9 @@ def _async_loop(t, r, run, start: int, progress) -> None:
         launch()
         for rollout_id in range(start, N):
             stopping.check()
-            batch = inflight.pop(rollout_id).result()
+            fut = inflight.pop(rollout_id)
+            settle()  # the sync this rollout may have waited for: its own error first (the rollout's is 'upstream')
+            batch = fut.result()
             sync_if_idle(rollout_id)
             launch()
             stopping.check()
@@ -102,8 +130,9 @@ def _async_loop(t, r, run, start: int, progress) -> None:
                 t.save(r, rollout_id)
             progress.done(rollout_id)
         sync_if_idle(N)
+        settle()
     finally:
-        for f in inflight.values():  # a failed step: let rollouts in flight end before the run closes
+        for f in [*inflight.values(), *([pending[0]] if pending else [])]:  # a failed step: let them end first
             f.wait(timeout=30)
 
 

@@ -19,6 +19,8 @@ def test_async_flags_and_what_they_refuse():
     assert RunConfig(async_mode="bounded", max_staleness=4).staleness_bound == 4
     with pytest.raises(ConfigError, match="--async-mode one-step with --colocate.*cannot overlap"):
         RunConfig(async_mode="one-step", colocate=True)
+    with pytest.raises(ConfigError, match="--async-mode bounded with --offload-train"):
+        RunConfig(async_mode="bounded", offload_train=True)
     with pytest.raises(ConfigError, match="--max-staleness 3 bounds --async-mode bounded"):
         RunConfig(async_mode="one-step", max_staleness=3)
     with pytest.raises(ConfigError, match="--partial-rollout pauses rollouts in flight"):

@@ -182,9 +182,15 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
     assert len(run.probe) == 3
     assert stages.probe_engines(run, 12)["sync/probe_mismatch"] < 1e-5  # the same weights, fp32
     assert float(scored[0].loss_mask.sum()) >= 3  # the engine's own answers were scored
+    # later probes: the trainer scores those answers before its weights leave it, the engine after (teacher-forced)
+    assert len(run.probe_seqs) == 3 and all(r for _, r in run.probe_seqs)
+    ref = stages.probe_reference(run)
+    assert ref.numel() == sum(len(r) for _, r in run.probe_seqs)
+    assert stages.probe_engines(run, 12, ref)["sync/probe_mismatch"] < 1e-5
 
     _train_a_little(trainer, 6)  # the trainer moves on, the engine is not told: a stale sync
-    with pytest.raises(DiagnosisError) as e:
-        stages.probe_engines(run, 13)
-    (d,) = e.value.diagnoses
-    assert d.code == "RF14" and "weight sync to version 13" in d.what and d.facts["mean"] > 1e-2
+    for reference in (None, stages.probe_reference(run)):  # sampled, and teacher-forced
+        with pytest.raises(DiagnosisError) as e:
+            stages.probe_engines(run, 13, reference)
+        (d,) = e.value.diagnoses
+        assert d.code == "RF14" and "weight sync to version 13" in d.what and d.facts["mean"] > 1e-2

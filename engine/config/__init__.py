@@ -74,6 +74,13 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      "and training cannot overlap",
                 fix="drop --colocate and give the engines their own GPUs (--rollout-num-gpus), or --async-mode off",
                 facts={"field": "async_mode", "value": self.async_mode}))
+        if self.async_mode != "off" and self.offload_train:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--async-mode {self.async_mode} with --offload-train: offloading frees the trainer's GPU for "
+                     "colocated engines between steps, but an asynchronous trainer trains while the engines generate",
+                fix="drop --offload-train (the engines have GPUs of their own), or --async-mode off",
+                facts={"field": "offload_train", "value": True}))
         if self.max_staleness is not None and self.async_mode != "bounded":
             errors.append(Diagnosis(
                 code="CONFIG", severity="error",

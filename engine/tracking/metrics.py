@@ -111,8 +111,10 @@ METRICS: list[MetricDoc] = [
     MetricDoc("sync/gb_per_s", "max", "synced GB (10⁹ bytes, in the engines' dtype) per second of the transfer"),
     MetricDoc("sync/paused_requests", None, "`--partial-rollout`: requests the engines aborted to take the weights "
                                             "(continued under them)"),
-    MetricDoc("sync/probe_mismatch", "min", "after the sync: mean \\|log π_engine − log π_trainer\\| on a few fixed "
-                                            "prompts (above `--logprob-mismatch-threshold` → RF14)"),
+    MetricDoc("sync/probe_mismatch", "min", "after the sync: mean \\|log π_engine − log π_trainer\\| on short answers "
+                                            "to a few fixed prompts (sampled by the engines at the first probe, then "
+                                            "the same tokens scored by both; above `--logprob-mismatch-threshold` → "
+                                            "RF14)"),
     MetricDoc("memory/<stage>_peak_gib", "min", "GPU runs: the most GPU memory (GiB, reserved by the allocators) held "
                                                "during rollout / train / sync, trainers + engines (their sum bounds "
                                                "the peak of a shared GPU)"),
