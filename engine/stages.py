@@ -926,17 +926,21 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None) -
         if run.engines.released:
             run.engines.resume_memory()
         reference = probe_reference(run)
+        # the trainer is free once its weights are out, unless this is the process's first probe: then it still
+        # has to score what the engines sample (below), with these weights
+        handoff = exported.set if exported is not None and reference is not None else None
         if pause:
             paused = {"sync/paused_requests": float(run.engines.pause_generation())}
         try:
-            out = push_weights(run, run.engines.serving_slots(), version,
-                               exported=exported.set if exported is not None else None)
+            out = push_weights(run, run.engines.serving_slots(), version, exported=handoff)
             run.state.weight_version = version
         finally:
             if pause:
                 run.engines.continue_generation()
     out.update(paused)
     out.update(probe_engines(run, version, reference))
+    if exported is not None:
+        exported.set()
     if run.cfg.offload_train:
         run.train_group.offload()
     return publish(run, rollout_id, {**out, "sync/seconds": time.perf_counter() - t0,

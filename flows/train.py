@@ -83,16 +83,14 @@ def _async_loop(t, r, run, start: int, progress) -> None:
             fut, pending = pending[0], None
             fut.result()
 
-    def sync_if_idle(trained: int) -> None:
-        """The newest weights (`trained` steps done) to idle engines, overlapping the next train step; then any
-        evaluation due at that version (after the engines have them)."""
+    def start_sync(trained: int, pause: bool = False) -> None:
+        """The weights after `trained` steps to the engines, overlapping the next train step: returns once the
+        trainer's part is done (pending until the engines have them); then any evaluation due at that version."""
         nonlocal pending
-        if inflight or served() >= trained:
-            return
         settle()
         stopping.check()
         exported = threading.Event()
-        fut = t.sync.submit(r, trained - 1, exported=exported)
+        fut = t.sync.submit(r, trained - 1, pause=pause, exported=exported)
         while not exported.wait(1.0):  # set by the sync stage once the trainer is free (a retry sets it too)
             if fut.state.is_final():  # failed for good: settle() raises its error
                 break
@@ -101,14 +99,15 @@ def _async_loop(t, r, run, start: int, progress) -> None:
             settle()
             t.evaluate(r, trained)
 
+    def sync_if_idle(trained: int) -> None:
+        """Without --partial-rollout: a sync only when no rollout is in flight."""
+        if not inflight and served() < trained:
+            start_sync(trained)
+
     def sync_now(trained: int) -> None:
         """--partial-rollout: the new weights right after the step, pausing the rollouts in flight (their samples
-        continue under them), then any evaluation due, then the rollouts the new version allows."""
-        settle()
-        stopping.check()
-        t.sync(r, trained - 1, pause=bool(inflight))
-        if stages.should_eval(cfg, trained - 1) and trained < N:
-            t.evaluate(r, trained)
+        continue under them), then the rollouts the new version allows."""
+        start_sync(trained, pause=bool(inflight))
         launch()
 
     try:
