@@ -29,6 +29,10 @@ MODES = {"sync": ["--async-mode", "off"], "one_step": ["--async-mode", "one-step
          "one_step_partial": ["--async-mode", "one-step", "--partial-rollout"]}
 
 
+SPEEDUP_KEYS = {"one_step": "speedup_vs_sync", "bounded": "speedup_vs_sync_bounded",
+                "one_step_partial": "speedup_vs_sync_partial"}
+
+
 def machine() -> dict:
     return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform()}
@@ -77,10 +81,15 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/rollflow_bench_async")
     p.add_argument("--extra", default="", help="more `rollflow train` flags, one string")
     p.add_argument("--name", default="async", help="results as <out>/<name>.json and <name>_table.md")
+    p.add_argument("--modes", default=",".join(MODES), help="which modes, comma-separated (sync is needed: the "
+                                                            "speed-ups are against it)")
     a = p.parse_args()
+    modes = [m for m in a.modes.split(",") if m]
+    if "sync" not in modes or any(m not in MODES for m in modes):
+        p.error(f"--modes {a.modes!r}: sync plus any of {', '.join(MODES)}")
     runs = []
     for r in range(a.repeats):
-        for mode in MODES:
+        for mode in modes:
             res = one(mode, a.num_rollout, Path(a.work) / f"{mode}_{r}", a.extra.split())
             res["repeat"] = r
             runs.append(res)
@@ -96,14 +105,11 @@ def main() -> int:
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "num_rollout": a.num_rollout,
         "repeats": a.repeats,
-        "wall_per_rollout_s": {m: med(m, "wall_per_rollout_s") for m in MODES},
-        "speedup_vs_sync": round(med("sync", "wall_per_rollout_s") / med("one_step", "wall_per_rollout_s"), 3),
-        "speedup_vs_sync_bounded": round(med("sync", "wall_per_rollout_s") / med("bounded", "wall_per_rollout_s"), 3),
-        "speedup_vs_sync_partial": round(med("sync", "wall_per_rollout_s") / med("one_step_partial",
-                                                                                   "wall_per_rollout_s"), 3),
-        "accuracy_sync": med("sync", "accuracy_after"), "accuracy_one_step": med("one_step", "accuracy_after"),
-        "accuracy_bounded": med("bounded", "accuracy_after"),
-        "accuracy_one_step_partial": med("one_step_partial", "accuracy_after"),
+        "modes": {m: " ".join(MODES[m]) for m in modes},
+        "wall_per_rollout_s": {m: med(m, "wall_per_rollout_s") for m in modes},
+        **{key: round(med("sync", "wall_per_rollout_s") / med(m, "wall_per_rollout_s"), 3)
+           for m, key in SPEEDUP_KEYS.items() if m in modes},
+        **{f"accuracy_{m}": med(m, "accuracy_after") for m in modes},
         "accuracy_before": med("sync", "accuracy_before"),
         "runs": runs,
     }
@@ -112,7 +118,7 @@ def main() -> int:
     (dst / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     rows = ["| mode | wall s per rollout (median) | × vs sync | greedy test accuracy after | time to reward 0.7 / 0.8 "
             "(s into the loop, per repeat) | staleness mean |", "|---|---|---|---|---|---|"]
-    for m in MODES:
+    for m in modes:
         rs = [x for x in runs if x["mode"] == m]
         tt = "; ".join(f"{x['time_to_reward_s']['0.7']} / {x['time_to_reward_s']['0.8']}" for x in rs)
         accs = ", ".join("%.1f%%" % (100 * x["accuracy_after"]) for x in rs)
