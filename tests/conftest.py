@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,18 @@ def s3_bucket(s3_server, request):
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     fs.mkdir(name)
     return f"s3://{name}"
+
+
+@contextmanager
+def served_engine(model: str, **state_kw):
+    """The built-in engine for `model` (EngineState keyword arguments) on a free loopback port: (state, url)."""
+    from engine.rollout.ports import free_loopback_port
+    from engine.rollout.server import EngineState, ServerThread
+
+    state = EngineState(model, threads=1, **state_kw)
+    server = ServerThread(state, "127.0.0.1", free_loopback_port())
+    url = server.start()
+    try:
+        yield state, url
+    finally:
+        server.stop()

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from conftest import served_engine
 from train_fakes import fake_samples, pack
 
 from engine.config import RunConfig
@@ -145,14 +146,8 @@ KEY = "adm1n"
 
 @pytest.fixture(scope="module")
 def keyed_engine(tiny_model):
-    from engine.rollout.ports import free_loopback_port
-    from engine.rollout.server import EngineState, ServerThread
-
-    state = EngineState(tiny_model, threads=1, max_new_tokens=64, api_key=KEY)
-    server = ServerThread(state, "127.0.0.1", free_loopback_port())
-    url = server.start()
-    yield state, url
-    server.stop()
+    with served_engine(tiny_model, max_new_tokens=64, api_key=KEY) as served:
+        yield served
 
 
 def _perturbed(state, eps: float) -> dict:

@@ -7,7 +7,7 @@ import pytest
 
 from engine.rollout.loop import EngineFailure, Prompt, RolloutTimeout, SamplingParams, StaticEngines, \
     generate_rollout, rollout_metrics
-from engine.rollout.server import EngineState, ServerThread
+from conftest import served_engine
 from engine.samples import Status
 from engine.rollout.ports import free_loopback_port
 
@@ -17,11 +17,8 @@ _free_port = free_loopback_port  # engine/rollout/ports.py
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    state = EngineState(tiny_model, threads=1, max_new_tokens=8, deterministic=True)
-    server = ServerThread(state, "127.0.0.1", _free_port())
-    url = server.start()
-    yield state, url
-    server.stop()
+    with served_engine(tiny_model, max_new_tokens=8, deterministic=True) as served:
+        yield served
 
 
 @pytest.fixture
