@@ -245,7 +245,7 @@ def test_partial_rollout_continues_paused_samples_under_the_new_weights(keyed_en
     from engine.samples import Status
 
     state, url = keyed_engine
-    T, max_new = 1.0, 48
+    T, max_new = 1.0, 160  # long enough (~1.5 s) that the pause finds them generating, even on a loaded machine
     original = _perturbed(state, 0.0)
     talkative = _perturbed(state, 0.0)  # EOS's (tied) embedding zeroed: answers run long, a pause finds them mid-way
     talkative["model.embed_tokens.weight"][state.generator.eos_ids[0]] = 0
