@@ -26,6 +26,7 @@ class RunState:
     partial: dict = field(default_factory=dict)  # --partial-rollout: rollout id in flight → its PartialBuffer
     resume_partial: dict = field(default_factory=dict)  # rollout id → (data position, PartialBuffer) from a checkpoint
     loop_started: float = 0.0  # perf_counter when the loop over rollout ids began
+    loop_started_unix: float | None = None  # the same moment as time.time() (bench/trl_race.py: start-up)
     done_at: dict = field(default_factory=dict)  # rollout id → seconds into the loop when it finished training
     loop_seconds: float | None = None  # its wall time (the summary's loop_wall_s: async vs sync, bench/async.py)
     start_rollout_id: int = 0  # the first rollout this process runs (marker + 1 when resumed)

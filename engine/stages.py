@@ -1049,6 +1049,7 @@ def summary(run: Run) -> dict[str, Any]:
         "wall_s": time.time() - run.state.started_at,
         # the loop over rollout ids alone (no start-up, no first / last evaluation): async vs sync compares this
         "loop_wall_s": run.state.loop_seconds,
+        "loop_started_unix": run.state.loop_started_unix,  # process start → this = start-up (bench/trl_race.py)
         "rollout_done_s": {str(i): round(v, 3) for i, v in sorted(run.state.done_at.items())},
         "async_mode": run.cfg.async_mode,
         "mlflow_run_id": run.tracker.run_id if run.tracker else None,

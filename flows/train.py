@@ -153,6 +153,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             t.evaluate(r, 0)
         progress = ui.Progress(run, start)
         run.state.loop_started = time.perf_counter()
+        run.state.loop_started_unix = time.time()
         if cfg.async_mode != "off":
             _async_loop(t, r, run, start, progress)
         for rollout_id in range(start, cfg.num_rollout) if cfg.async_mode == "off" else ():
