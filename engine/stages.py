@@ -227,6 +227,9 @@ def launch_rollout_engines(run: Run) -> None:
     run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu)
     log.info("rollflow: engines %s %s, weight sync by %s", "on GPU" if run.on_gpu else "on CPU", spec.dtype,
              run.sync_transport)
+    if not (cfg.log_kl or cfg.use_kl_loss or cfg.kl_coef > 0):
+        log.info("rollflow: no KL term (--kl-coef 0, no --use-kl-loss): the reference forward runs on the first "
+                 "step only (RF01) and train/kl is not logged; --log-kl logs it every rollout")
     run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
                               runtime_env=cluster._threads_env(run.threads_per_process)).launch()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
@@ -648,6 +651,23 @@ def staleness_guard(run: Run, rollout_id: int, samples: list[Sample]) -> dict[st
 
 
 # ---- train -----------------------------------------------------------------------------------------------------
+def old_log_probs_source(run: Run, first: bool) -> str:
+    """Where a rollout's old log-probs come from (worker.set_rollout's old_from). The run's first step always
+    runs the no-grad forward ("forward"): RF01 compares it with the reference. Then --use-rollout-logprobs takes
+    the engine's ("rollout"); a rollout trained by one optimizer step on the torch backend, whose old log-probs
+    are used only inside that step (no --use-mis, no --kl-coef), takes them from the step's own forward
+    ("train": the same weights, no update before it, so the same numbers without the extra forward)."""
+    cfg = run.cfg
+    if first:
+        return "forward"
+    if cfg.use_rollout_logprobs:
+        return "rollout"
+    if (cfg.train_backend == "torch" and run.plan.num_steps_per_rollout == 1 and not cfg.use_mis
+            and cfg.kl_coef == 0):
+        return "train"
+    return "forward"
+
+
 def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     """num_steps_per_rollout optimizer steps over the packed rollout, on every DP rank, with the runtime checks.
 
@@ -664,24 +684,33 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     rollout_id = packed.rollout_id
     normalized = getattr(packed, "rewards_normalized", False)
     per_rank_steps, rewards = packed.take()
-    # KL to the reference is always reported (one extra no-grad forward); it is a loss term with --use-kl-loss.
-    facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=True,
-                                                       normalized=normalized))
-    mismatch = {"train/mismatch": facts["mismatch"], "train/mismatch_max": facts["mismatch_max"]}
+    first = run.start.next_rollout_id == 0 and rollout_id == 0  # policy = reference on this step
+    old_from = old_log_probs_source(run, first)
+    # the reference forward only where KL is used (worker: --use-kl-loss, --kl-coef), asked for (--log-kl) or
+    # checked (RF01, the run's first step)
+    facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=first or cfg.log_kl,
+                                                       normalized=normalized, old_from=old_from))
     trained = sum(float(mb.loss_mask.sum()) for rank in per_rank_steps for step in rank for mb in step)
+    on_policy = getattr(packed, "staleness_max", 0) == 0
+
+    def check_mismatch(f: dict[str, float]) -> dict[str, float]:
+        """RF14 on the engine-vs-trainer numbers. It compares the engine with the same weights; a stale batch
+        (async) differs by its policy's updates on purpose — there the probe after each sync is the RF14 check."""
+        mm = {"train/mismatch": f["mismatch"], "train/mismatch_max": f["mismatch_max"]}
+        if on_policy and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=f["mismatch"],
+                                                  worst=f["mismatch_max"], tokens=trained,
+                                                  threshold=cfg.mismatch_threshold(run.engine_dtype),
+                                                  engine_dtype=run.engine_dtype, train_dtype=run.train_dtype)):
+            publish(run, rollout_id, mm)  # the numbers reach MLflow with the failure
+            raise DiagnosisError(d)
+        return mm
+
+    # old log-probs from this trainer's forward: judged before any update; otherwise after the first step, whose
+    # forward (on the same weights, before the update) gives the trainer's side
+    mismatch = check_mismatch(facts) if old_from == "forward" else {}
     if "mis_masked_share" in facts:
         mismatch["train/mis_masked_share"] = facts["mis_masked_share"]
-    # RF14 compares the engine with the same weights; a stale batch (async) differs by its policy's updates on
-    # purpose — there the probe after each sync (sync/probe_mismatch) is the RF14 check
-    on_policy = getattr(packed, "staleness_max", 0) == 0
-    if on_policy and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=facts["mismatch"],
-                               worst=facts["mismatch_max"], tokens=trained,
-                               threshold=cfg.mismatch_threshold(run.engine_dtype), engine_dtype=run.engine_dtype,
-                               train_dtype=run.train_dtype)):
-        publish(run, rollout_id, mismatch)  # the numbers reach MLflow with the failure
-        raise DiagnosisError(d)
-    first = run.start.next_rollout_id == 0 and rollout_id == 0  # policy = reference on this step
-    if first and (d := first_step_check(ref_logp_maxdiff=facts["ref_logp_maxdiff"], ratio_maxdev=None,
+    if first and (d := first_step_check(ref_logp_maxdiff=facts.get("ref_logp_maxdiff"), ratio_maxdev=None,
                                         ref_source=run.ref_dir or cfg.hf_checkpoint,
                                         policy_source=run.start.local_dir or cfg.hf_checkpoint)):
         raise DiagnosisError(d)
@@ -689,6 +718,8 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
         faults.at("during_train", rollout_id)
+        if k == 0 and old_from != "forward":
+            mismatch.update(check_mismatch(reduce_metrics(parts)))
         m = reduce_metrics(parts)
         m["loss"] = sum(p["loss_total"] for p in parts)
         if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
@@ -701,7 +732,10 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         run.state.grad_norms.append(m["grad_norm"])
         per_step.append(m)
     secs = time.perf_counter() - t0
-    skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes"}
+    skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes", "mismatch",
+            "mismatch_max"}
+    if not (first or cfg.log_kl or cfg.use_kl_loss or cfg.kl_coef > 0):
+        skip.add("kl")  # no reference forward: the backend's kl sums are over no reference (0), not a KL
     out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0] if k not in skip}
     out["train/grad_norm_max"] = max(s["grad_norm"] for s in per_step)
     out["train/skipped_steps"] = sum(s["skipped"] for s in per_step)
@@ -814,15 +848,14 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
         per_rank = run.train_group.ipc_export(run.engine_dtype, cfg.update_weight_buffer_size, set(source.values()))
         exported()
         try:
-            push_ipc(slots, {i: per_rank[r] for i, r in source.items()}, version, timeout_s=cfg.weight_sync_timeout,
-                     api_key=key)
+            push_ipc(slots, {i: per_rank[r] for i, r in source.items()}, version, timeout_s=cfg.weight_sync_timeout)
         finally:
             run.train_group.ipc_release()
         nbytes = sum(b.nbytes for b in per_rank[next(iter(source.values()))]) if source else 0
     elif run.sync_transport == "object_store":
         ref, mb = run.train_group.weights_ref()
         exported()
-        push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout, api_key=key)
+        push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
         nbytes = mb * 2**20
     else:
         path = run.work_dir / "weights" / f"v{version:06d}"

@@ -211,7 +211,10 @@ def test_megatron_cuda_graphs_flag_reaches_the_kernels():
 
 def test_train_threads_sizes_the_workers():
     assert Run(RunConfig(train_threads=3)).train_threads == 3
-    assert Run(RunConfig(num_cpus=8, rollout_num_engines=1)).train_threads == 4  # 0 = cores / (DP + engines)
+    # 0: synchronous runs alternate engine and trainer, each gets the cores; async ones share them
+    assert Run(RunConfig(num_cpus=8, rollout_num_engines=1)).train_threads == 8
+    assert Run(RunConfig(num_cpus=8, rollout_num_engines=1, async_mode="one-step")).train_threads == 4
+    assert Run(RunConfig(num_cpus=8, rollout_num_engines=3)).threads_per_process == 2  # max(1 worker, 3 engines)
 
 
 # ---- sync: deadlines and bucket sizes -------------------------------------------------------------------------------

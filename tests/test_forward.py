@@ -35,6 +35,23 @@ def llama():
     return ref, packed
 
 
+@pytest.fixture(params=["padded", "per-sample"])
+def path(request, monkeypatch):
+    """Both CPU attention paths of a packed row: padded rows (one SDPA call) and one SDPA call per sample."""
+    import engine.train.forward as fw
+
+    monkeypatch.setattr(fw, "PAD_FACTOR", float("inf") if request.param == "padded" else 0.0)
+    return request.param
+
+
+def test_padded_rows_only_when_they_waste_little():
+    from engine.train.forward import padded_is_cheaper
+
+    assert padded_is_cheaper([20, 24, 30, 22])  # the demo's micro-batches
+    assert not padded_is_cheaper([1000] + [50] * 10)  # 11 × 1000² against 1000² + 10 · 50²
+    assert not padded_is_cheaper([7])  # one sample: nothing to batch
+
+
 def per_sample_reference(model, mb, temperature=1.0):
     """log π and entropy of every trained token, one unpadded sample at a time (no packing, no varlen)."""
     lp, ent = torch.zeros(mb.num_tokens), torch.zeros(mb.num_tokens)
@@ -48,7 +65,7 @@ def per_sample_reference(model, mb, temperature=1.0):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_packed_equals_per_sample_forward(family, request):
+def test_packed_equals_per_sample_forward(family, request, path):
     ref, packed = request.getfixturevalue(family)
     samples = fake_samples(LENGTHS, n=2, seed=1)
     (mb,) = pack(samples, [list(range(len(samples)))])
@@ -61,7 +78,7 @@ def test_packed_equals_per_sample_forward(family, request):
     assert float((lp * (1 - mb.loss_mask)).abs().max()) == 0.0  # untrained entries are 0
 
 
-def test_packed_gradients_equal_per_sample_gradients(llama):
+def test_packed_gradients_equal_per_sample_gradients(llama, path):
     ref, packed = llama
     samples = fake_samples(LENGTHS[:4], n=2, seed=2)
     (mb,) = pack(samples, [[0, 1, 2, 3]])
@@ -73,7 +90,7 @@ def test_packed_gradients_equal_per_sample_gradients(llama):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_sample_does_not_see_its_neighbours(qwen2):
+def test_a_sample_does_not_see_its_neighbours(qwen2, path):
     _, packed = qwen2
     a = fake_samples(LENGTHS[:3], n=1, seed=3)
     b = fake_samples(LENGTHS[:3], n=1, seed=4)

@@ -105,11 +105,11 @@ def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engin
     group = two_engines
     group.fault_tolerant = True
     ref = ray.put(numpy_state(state))
-    group.resync = lambda slots: push_object_store(slots, ref, 3, timeout_s=60, api_key=KEY)
+    group.resync = lambda slots: push_object_store(slots, ref, 3, timeout_s=60)
     # one check at start, then it sleeps until the rollout loop reports a failure
     monitor = HealthMonitor(group, interval_s=1000, timeout_s=10, first_wait_s=0).start()
     try:
-        push_object_store(group.serving_slots(), ref, 3, timeout_s=60, api_key=KEY)
+        push_object_store(group.serving_slots(), ref, 3, timeout_s=60)
         with torch.no_grad():  # the engines serve exactly the trainer's weights
             logits = model(torch.tensor([seq])).logits[0].float()
         direct = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)

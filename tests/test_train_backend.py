@@ -179,8 +179,8 @@ class InProcessGroup:
     def __init__(self, worker):
         self.worker = worker
 
-    def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False):
-        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized)]
+    def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False, old_from="forward"):
+        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized, old_from)]
 
     def train_step(self, k, global_batch_size):
         return [self.worker.train_step(k, global_batch_size)]
@@ -366,3 +366,70 @@ def test_bf16_masters_keep_updates_smaller_than_bf16_resolution(tiny_model):
     norm_after = w.backend.named_parameters_full()["model.norm.weight"]
     moved = (norm_after - norm_before).abs()
     assert float(moved.max()) > 5e-5 and float(moved.max()) < 2e-4  # ≈ lr, well below bf16's spacing at ~1
+
+
+# ---- where the old log-probs come from (issue 18: no forward the configuration makes unnecessary) ----------------
+@pytest.mark.parametrize("old_from", ["train", "rollout"])
+def test_old_log_probs_without_their_forward_train_the_same(tiny_model, old_from):
+    """old_from "train" (the step's own forward, detached) is the same numbers as the no-grad forward: the same
+    update bitwise. "rollout" (--use-rollout-logprobs) with engine log-probs equal to the trainer's: the same too.
+    Either way the mismatch metric comes from the train step, equal to what the forward path reports."""
+    cfg = make_cfg(tiny_model)
+    ref_w, w = make_worker(cfg), make_worker(cfg)
+    steps, rewards = one_rollout()
+    for mbs in steps:  # an engine serving exactly these weights, plus a known offset on one token
+        for mb, lp in zip(mbs, ref_w.backend.compute_log_probs(mbs)):
+            mb.rollout_log_probs = lp * mb.loss_mask
+    if old_from == "train":
+        first = steps[0][0]
+        first.rollout_log_probs[int(first.loss_mask.nonzero()[0])] += 0.5
+    facts = ref_w.set_rollout(steps, rewards, need_ref=False, old_from="forward")
+    a = ref_w.train_step(0, 8)
+    assert "ref_logp_maxdiff" not in facts  # no reference forward was run
+    steps2, _ = one_rollout()
+    for mb, mb2 in zip(steps[0], steps2[0]):
+        mb2.rollout_log_probs = mb.rollout_log_probs.clone()
+    facts2 = w.set_rollout(steps2, rewards, need_ref=False, old_from=old_from)
+    assert "mismatch_sum" not in facts2 and w.old is None if old_from == "train" else w.old is not None
+    b = w.train_step(0, 8)
+    for k, v in params(ref_w.backend.model).items():
+        assert torch.equal(v, params(w.backend.model)[k]), k
+    for key in ("mismatch_sum", "mismatch_count", "mismatch_max"):
+        assert b[key] == pytest.approx(facts[key], abs=1e-7), key
+    assert a["pg_loss_sum"] == pytest.approx(b["pg_loss_sum"], abs=1e-7)
+    if old_from == "train":
+        assert facts["mismatch_max"] == pytest.approx(0.5, abs=1e-6)
+
+
+def test_train_stage_skips_the_reference_forward_after_the_first_step_unless_kl_is_used(tiny_model):
+    from engine.stages import old_log_probs_source, train
+
+    def run_at(rollout_id, **over):
+        cfg = make_cfg(tiny_model, logprob_mismatch_threshold=1e3, **over)
+        w = make_worker(cfg)
+        run = stage_run(cfg, w)
+        return w, run, train(run, packed_rollout(rollout_id=rollout_id))
+
+    w, run, out = run_at(0)  # the run's first step: reference and old forward (RF01)
+    assert w.ref is not None and "train/kl" in out and old_log_probs_source(run, True) == "forward"
+    w, run, out = run_at(1)
+    assert w.ref is None and "train/kl" not in out and "train/mismatch" in out
+    assert old_log_probs_source(run, False) == "train"
+    w, run, out = run_at(1, log_kl=True)
+    assert w.ref is not None and out["train/kl"] == 0.0  # a fresh worker: policy = reference
+    w, run, out = run_at(1, use_kl_loss=True, kl_loss_coef=0.1)
+    assert w.ref is not None and "train/kl" in out
+    w, run, out = run_at(1, use_rollout_logprobs=True)
+    assert old_log_probs_source(run, False) == "rollout" and "train/mismatch" in out
+    cfg = make_cfg(tiny_model, use_mis=True)  # MIS masks with the old log-probs before the step
+    assert old_log_probs_source(stage_run(cfg, None), False) == "forward"
+
+
+def test_use_rollout_logprobs_refuses_the_corrections_it_would_void(tiny_model):
+    from engine.diagnosis import ConfigError
+
+    for flag in ("use_tis", "use_mis"):
+        with pytest.raises(ConfigError) as e:
+            make_cfg(tiny_model, use_rollout_logprobs=True, **{flag: True})
+        d = e.value.diagnoses[0]
+        assert d.facts["field"] == "use_rollout_logprobs" and "--use-rollout-logprobs" in d.fix

@@ -197,10 +197,10 @@ class TrainGroup:
         return ray.get(refs, timeout=self.timeout_s)
 
     def set_rollout(self, per_rank_steps: list[list[list[Any]]], rewards: list[float],
-                    need_ref: bool, normalized: bool = False) -> list[dict[str, float]]:
+                    need_ref: bool, normalized: bool = False, old_from: str = "forward") -> list[dict[str, float]]:
         """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches.
         Every rank also gets the rewards of the whole rollout (see engine.train.worker)."""
-        return self._all(lambda w: w.set_rollout, rewards, need_ref, normalized,
+        return self._all(lambda w: w.set_rollout, rewards, need_ref, normalized, old_from,
                          per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:

@@ -63,6 +63,12 @@ class AlgorithmArgs(Section):
     mis_high: float = Field(2.0, gt=0)
     """Upper bound of the MIS ratio: tokens above it are masked."""
 
+    use_rollout_logprobs: bool = False
+    """Use the engine's rollout log-probs as the old policy's (slime's flag): no old-log-prob forward per rollout, the ratio is π/π_rollout. train/mismatch is still reported (from the train step's own forward on the same weights). Not with --use-tis / --use-mis (their weight π_old/π_rollout would be 1). The run's first step still computes them (RF01 checks the policy against the reference there). Without this flag, a rollout with one optimizer step on the torch backend (and no --use-mis or --kl-coef) takes the old log-probs from the train step's own forward: no extra forward, the same numbers."""
+
+    log_kl: bool = False
+    """Run the reference forward every rollout to log train/kl even when KL is neither a loss term (--use-kl-loss) nor a reward shaping (--kl-coef). Without it that forward is skipped (the log says so) and train/kl is not logged, except on the run's first step (RF01 compares the policy with the reference there)."""
+
     calculate_per_token_loss: bool = False
     """Average the loss over all trained tokens of the step instead of per-sample token means averaged over samples."""
 
@@ -94,6 +100,12 @@ class AlgorithmArgs(Section):
             raise err(f"--disable-grpo-std-normalization has no effect with --advantage-estimator "
                       f"{self.advantage_estimator} (it applies to {', '.join(GROUP_ESTIMATORS)})",
                       "drop --disable-grpo-std-normalization", field="disable_grpo_std_normalization")
+        if self.use_rollout_logprobs and (self.use_tis or self.use_mis):
+            which = "--use-tis" if self.use_tis else "--use-mis"
+            raise err(f"--use-rollout-logprobs with {which}: the old policy would be the rollout's, so the "
+                      f"importance weight π_old / π_rollout is 1 on every token and {which} does nothing",
+                      f"drop --use-rollout-logprobs to correct with {which}, or drop {which}",
+                      field="use_rollout_logprobs", value=True)
         if self.mis_low >= self.mis_high:
             raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
                       "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)

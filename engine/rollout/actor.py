@@ -109,17 +109,21 @@ class EngineActor:
         url = self.server.start(self.spec.start_timeout_s)
         return url, [port, nccl_port, dist_port], self.server.proc.pid
 
-    def update_weights(self, named: dict, version: str) -> int:
-        """In-cluster weight sync: `named` arrives from Ray's object store (the caller passes a reference)."""
+    def update_weights(self, named: dict, version: str) -> str:
+        """In-cluster weight sync: `named` arrives from Ray's object store (the caller passes a reference).
+        Returns the weight_version the engine serves now (what its /get_model_info answers: no HTTP round trip)."""
         if self.state is None:
             raise RuntimeError("weights by object store reach only the built-in engine; SGLang loads them from disk")
-        return self.state.update_from_named(named, version)
+        self.state.update_from_named(named, version)
+        return str(self.state.weight_version)
 
-    def update_weights_ipc(self, buckets: list, version: str) -> int:
-        """Colocated weight sync: CUDA IPC buckets from the train rank on this engine's GPU."""
+    def update_weights_ipc(self, buckets: list, version: str) -> str:
+        """Colocated weight sync: CUDA IPC buckets from the train rank on this engine's GPU; returns the served
+        weight_version."""
         if self.state is None:
             raise RuntimeError("CUDA IPC weights reach only the built-in engine; SGLang loads them from disk")
-        return self.state.update_from_ipc(buckets, version)
+        self.state.update_from_ipc(buckets, version)
+        return str(self.state.weight_version)
 
     @staticmethod
     def sees(file: str, token: str) -> bool:

@@ -1,15 +1,35 @@
 """The one HTTP client for SGLang-API engines (built-in or SGLang); every call has its own deadline.
 
-`EngineClient` for control calls and scoring (sync), `generate_async` for the rollout's many concurrent /generate
-requests on one shared httpx.AsyncClient (engine/rollout/loop.py).
+`EngineClient` for control calls and scoring (sync, one connection pool per process: `shared_http`),
+`generate_async` for the rollout's many concurrent /generate requests on the process's rollout loop and its
+httpx.AsyncClient (`run_on_rollout_loop`, engine/rollout/loop.py).
 
 SGLang answers some control endpoints with plain text ("Cache flushed...") and others with JSON; both are read.
 """
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import os
+import threading
+from typing import Any, Awaitable, Callable, TypeVar
 
 import httpx
+
+T = TypeVar("T")
+_shared: tuple[int, httpx.Client] | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_http() -> httpx.Client:
+    """One connection pool per process for the control calls and scoring: a new httpx client per call costs
+    ~10 ms of CPU (its SSL context) and a TCP handshake, several times per rollout (measured: issue 18). Made anew
+    in a forked child (sockets are not shared across processes). Deadlines and headers are per request."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():
+            _shared = (os.getpid(), httpx.Client(limits=httpx.Limits(max_connections=256,
+                                                                      max_keepalive_connections=64)))
+        return _shared[1]
 
 
 class EngineError(RuntimeError):
@@ -30,6 +50,49 @@ def _answers(r: httpx.Response, url: str) -> list[dict]:
     except ValueError:
         raise EngineError(f"{url}/generate answered no JSON: {r.text[:300]}") from None
     return out if isinstance(out, list) else [out]
+
+
+class _RolloutIO:
+    """The rollouts' event loop: one thread per process running one asyncio loop for the whole run, with one
+    httpx.AsyncClient (connection pool) per API key on it. Each rollout used to start its own loop and client
+    (asyncio.run + a new AsyncClient: ~0.1 s of driver CPU per rollout on the CPU demo, measured: issue 18)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.clients: dict[str | None, httpx.AsyncClient] = {}
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollflow-rollout-io", daemon=True)
+        self.thread.start()
+
+    def client(self, api_key: str | None) -> httpx.AsyncClient:
+        """(on the loop) The pool for `api_key`. No overall timeout: each rollout enforces its own deadline."""
+        if api_key not in self.clients:
+            self.clients[api_key] = httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=10.0), headers=auth_headers(api_key),
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        return self.clients[api_key]
+
+
+_io: tuple[int, _RolloutIO] | None = None
+
+
+def run_on_rollout_loop(make: Callable[[httpx.AsyncClient], Awaitable[T]], api_key: str | None) -> T:
+    """Run `make(client)` on the process's rollout loop and wait for its result in this thread; an exception
+    (or KeyboardInterrupt) here cancels it there. Not for calls made from that loop itself."""
+    global _io
+    with _shared_lock:
+        if _io is None or _io[0] != os.getpid():
+            _io = (os.getpid(), _RolloutIO())
+        io = _io[1]
+
+    async def call() -> T:
+        return await make(io.client(api_key))
+
+    fut = asyncio.run_coroutine_threadsafe(call(), io.loop)
+    try:
+        return fut.result()
+    except BaseException:
+        fut.cancel()
+        raise
 
 
 async def generate_async(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[dict]:
@@ -53,26 +116,28 @@ class EngineClient:
             return {"message": r.text}
 
     def _get(self, path: str, timeout_s: float | None = None) -> Any:
-        r = httpx.get(self.url + path, timeout=timeout_s or self.timeout_s, headers=self.headers)
+        r = shared_http().get(self.url + path, timeout=timeout_s or self.timeout_s, headers=self.headers)
         if r.status_code >= 400:
             raise EngineError(f"{self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
         return self._read(r)
 
     def _post(self, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
-        r = httpx.post(self.url + path, json=body or {}, timeout=timeout_s or self.timeout_s, headers=self.headers)
+        r = shared_http().post(self.url + path, json=body or {}, timeout=timeout_s or self.timeout_s,
+                               headers=self.headers)
         if r.status_code >= 400:
             raise EngineError(f"{self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
         return self._read(r)
 
     def health(self, timeout_s: float = 5.0) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=timeout_s, headers=self.headers).status_code == 200
+            return shared_http().get(self.url + "/health", timeout=timeout_s, headers=self.headers).status_code == 200
         except httpx.HTTPError:
             return False
 
     def health_generate(self, timeout_s: float = 30.0) -> bool:
         try:
-            return httpx.get(self.url + "/health_generate", timeout=timeout_s, headers=self.headers).status_code == 200
+            return shared_http().get(self.url + "/health_generate", timeout=timeout_s,
+                                     headers=self.headers).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -83,7 +148,8 @@ class EngineClient:
         return str(self.model_info(timeout_s).get("weight_version"))
 
     def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> list[dict]:
-        r = httpx.post(self.url + "/generate", json=body, timeout=timeout_s or self.timeout_s, headers=self.headers)
+        r = shared_http().post(self.url + "/generate", json=body, timeout=timeout_s or self.timeout_s,
+                               headers=self.headers)
         return _answers(r, self.url)
 
     def score(self, input_ids: list[list[int]], temperature: float, timeout_s: float | None = None
@@ -119,9 +185,9 @@ class EngineClient:
         params = {"load_format": "safetensors", "flush_cache": str(flush_cache).lower()}
         if version is not None:
             params["weight_version"] = str(version)
-        r = httpx.post(self.url + "/update_weights_from_tensor", content=blob, params=params,
-                       headers={"Content-Type": "application/octet-stream", **self.headers},
-                       timeout=timeout_s or self.timeout_s)
+        r = shared_http().post(self.url + "/update_weights_from_tensor", content=blob, params=params,
+                               headers={"Content-Type": "application/octet-stream", **self.headers},
+                               timeout=timeout_s or self.timeout_s)
         if r.status_code >= 400:
             raise EngineError(f"{self.url}/update_weights_from_tensor → HTTP {r.status_code}: {r.text[:500]}")
         out = self._read(r)

@@ -28,7 +28,7 @@ import httpx
 
 from engine.data import PromptRow
 from engine.diagnosis import Diagnosis, DiagnosisError
-from engine.rollout.client import auth_headers, generate_async
+from engine.rollout.client import generate_async, run_on_rollout_loop
 from engine.rewards import RewardModel
 from engine.samples import Sample, Status
 
@@ -188,7 +188,7 @@ class _Round:
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
         self.engines, self.reward_model, self.keep = engines, reward_model, keep
         self.sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
-        self.headers = auth_headers(getattr(engines, "api_key", None))
+        self.client: httpx.AsyncClient | None = None  # set by run
         self.done: list[list[Sample] | None] = [None] * len(prompts)
         self.kept = [False] * len(prompts)
         self.cutoff = len(prompts)  # groups at or after it are not needed
@@ -373,34 +373,34 @@ class _Round:
 
     async def _abort(self, url: str, rid: str) -> None:
         try:
-            async with httpx.AsyncClient(timeout=10, headers=self.headers) as c:
-                await c.post(url + "/abort_request", json={"rid": rid})
+            await self.client.post(url + "/abort_request", json={"rid": rid}, timeout=10)
         except httpx.HTTPError:
             pass  # the engine is gone: nothing left to abort there
 
-    async def run(self, timeout_s: float) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=self.headers) as client:
-            self.tasks = [asyncio.create_task(self._one(client, gi)) for gi in range(len(self.prompts))]
-            pending = set(self.tasks)
-            deadline = time.monotonic() + timeout_s
-            try:
-                while pending:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise RolloutTimeout(f"rollout {self.rollout_id} did not finish within its deadline "
-                                             f"(--rollout-timeout) on engines {self.engines.serving()}")
-                    done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_EXCEPTION)
-                    for t in done:
-                        if not t.cancelled() and t.exception() is not None:
-                            raise t.exception()
-            finally:
-                left_over = {gi: self._urls(gi) for gi, t in enumerate(self.tasks) if not t.done()}
-                for t in self.tasks:
-                    t.cancel()
-                await asyncio.gather(*self.tasks, return_exceptions=True)
-                for gi, urls in left_over.items():  # requests still on an engine (error or deadline)
-                    for url in urls:
-                        await self._abort(url, self.rid(gi))
+    async def run(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+        """All groups of the round on `client` (the run's pool, its headers carry the API key) within timeout_s."""
+        self.client = client
+        self.tasks = [asyncio.create_task(self._one(client, gi)) for gi in range(len(self.prompts))]
+        pending = set(self.tasks)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RolloutTimeout(f"rollout {self.rollout_id} did not finish within its deadline "
+                                         f"(--rollout-timeout) on engines {self.engines.serving()}")
+                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if not t.cancelled() and t.exception() is not None:
+                        raise t.exception()
+        finally:
+            left_over = {gi: self._urls(gi) for gi, t in enumerate(self.tasks) if not t.done()}
+            for t in self.tasks:
+                t.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            for gi, urls in left_over.items():  # requests still on an engine (error or deadline)
+                for url in urls:
+                    await self._abort(url, self.rid(gi))
 
 
 def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, batch_size: int, n: int,
@@ -433,7 +433,8 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
                      nonce=nonce, n=n, params=params, seed=seed, engines=engines, reward_model=reward_model,
                      keep=keep, concurrency=concurrency, generate=generate, hook_args=hook_args, hook_path=hook_path,
                      partial=partial)
-        asyncio.run(rnd.run(deadline - time.monotonic()))
+        left = deadline - time.monotonic()
+        run_on_rollout_loop(lambda client: rnd.run(client, left), getattr(engines, "api_key", None))
         finished = [g for g in range(rnd.cutoff) if rnd.done[g] is not None]
         kept += [rnd.done[g] for g in finished if rnd.kept[g]]
         stats["drawn"] += len(prompts)

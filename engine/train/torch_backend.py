@@ -80,6 +80,7 @@ class TorchBackend:
             self.masters = Fp32Masters(model)  # takes the fp32 weights, then the model holds their bf16 rounding
         self.model = model.eval()  # dropout off: see the module docstring
         self.ref = None
+        self.last_log_probs: list[torch.Tensor] | None = None  # the last train step's forward, per micro-batch
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
         trained = self.masters.masters if self.masters else self.model.parameters()
         self.optimizer, self.scheduler = make_optimizer(trained, cfg, lr=cfg.lr, train_iters=train_iters,
@@ -132,10 +133,14 @@ class TorchBackend:
         return [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda)[0].cpu() for mb in mbs]
 
     # ---- one optimizer step -------------------------------------------------------------------------------
-    def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
+    def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor] | None,
                    ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
                    global_tokens: float | None = None) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches (advantages already in mb.advantages).
+
+        old_log_probs None: the step's own forward, detached, is the old policy (exact when these weights are the
+        ones that scored the rollout: its only step, no update before it). `last_log_probs` keeps that forward's
+        log-probs [T] per micro-batch (on the CPU) for the worker's mismatch metric.
 
         Returns partial sums: `<metric>_sum` / `<metric>_count` token sums, `loss_total` (this rank's share of
         the step loss), and the step's facts (grad_norm, lr, skipped, ratio_maxdev).
@@ -151,10 +156,13 @@ class TorchBackend:
         sums = {k: zero.clone() for k in TOKEN_METRICS}
         tokens, loss_total, ratio_maxdev, per_sample_losses = zero.clone(), zero.clone(), zero.clone(), []
         entropy_grad = spec.entropy_coef != 0
+        seen: list[torch.Tensor] = []
         for j, mb in enumerate(mbs):
             lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
                                      entropy_grad=entropy_grad)  # [T], [T]
-            old, mask = old_log_probs[j].to(dev), mb.loss_mask.to(dev)
+            mask = mb.loss_mask.to(dev)
+            old = old_log_probs[j].to(dev) if old_log_probs is not None else lp.detach()
+            seen.append(lp.detach())
             loss, stats, per_sample = policy_objective(
                 spec, log_probs=lp, entropy=ent, old_log_probs=old,
                 ref_log_probs=ref_log_probs[j].to(dev) if ref_log_probs is not None else None,
@@ -170,6 +178,7 @@ class TorchBackend:
                 per_sample_losses.append(per_sample)
                 if mb.num_tokens:
                     ratio_maxdev = torch.maximum(ratio_maxdev, ((torch.exp(lp - old) - 1).abs() * mask).max().double())
+        self.last_log_probs = [x.float().cpu() for x in seen]
         # one device → host transfer for the whole step's numbers
         host = torch.stack([*sums.values(), tokens, loss_total, ratio_maxdev]).tolist()
         sums = dict(zip(sums, host[:len(sums)]))

@@ -105,11 +105,15 @@ class TrainWorker:
         return self.backend.dp_all_reduce(x, op)
 
     def set_rollout(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool,
-                    normalized: bool = False) -> dict[str, float]:
+                    normalized: bool = False, old_from: str = "forward") -> dict[str, float]:
         """Store this rank's micro-batches (per step); compute log-probs, values and advantages before any update.
 
         rewards: [N] the scalar reward of every sample of the rollout, indexed by Sample.index; `normalized`: they
         are --custom-reward-post-process-path's, used as they are (no GRPO group normalisation).
+        old_from: where the old log-probs come from — "forward" (a no-grad forward now), "rollout" (the engine's,
+        --use-rollout-logprobs: no forward) or "train" (the rollout's only optimizer step runs on these very
+        weights, so its own forward, detached, is the old log-probs: no extra forward, same numbers; the mismatch
+        facts then come with train_step(0)).
         Returns facts for the driver: `ref_logp_maxdiff` (max |log π_old − log π_ref| on trained tokens, RF01),
         the train–inference mismatch |log π_engine − log π_old| on trained tokens as `mismatch_sum` /
         `mismatch_count` / `mismatch_max` (RF14), the tokens --use-mis masked (`mis_masked`; their loss mask is 0
@@ -120,8 +124,22 @@ class TrainWorker:
         cfg = self.cfg
         self.backend_onload()
         self.steps = steps
-        self.old = [self.backend.compute_log_probs(mbs) for mbs in steps]
-        mismatch = self._mismatch(steps)  # over every trained token, before MIS drops any
+        if old_from not in ("forward", "rollout", "train"):
+            raise ValueError(f"old_from {old_from!r}: forward, rollout or train")
+        if old_from == "train" and (len(steps) != 1 or cfg.use_mis or cfg.kl_coef > 0):
+            raise ValueError("old log-probs from the train step need one optimizer step per rollout, no --use-mis "
+                             "and --kl-coef 0 (they are used before the step)")
+        self.old_from = old_from
+        if old_from == "forward":
+            self.old = [self.backend.compute_log_probs(mbs) for mbs in steps]
+        elif old_from == "rollout":
+            self.old = [[mb.rollout_log_probs * (mb.loss_mask > 0) for mb in mbs] for mbs in steps]
+        else:
+            self.old = None
+        # over every trained token, before MIS drops any; when the old log-probs are not this trainer's own
+        # forward, train_step(0) reports it from its forward (the same weights, before the update)
+        self.mismatch_deferred = old_from != "forward"
+        mismatch = {} if self.mismatch_deferred else self._mismatch(steps, self.old)
         mis_masked = 0.0
         if cfg.use_mis:  # masked importance sampling: tokens too far off the behaviour policy leave the loss
             from engine.algorithms.losses import mis_mask
@@ -139,7 +157,7 @@ class TrainWorker:
         for k, mbs in enumerate(steps):
             rets = []
             for j, mb in enumerate(mbs):
-                kl_t = kl(self.old[k][j], self.ref[k][j], cfg.kl_loss_type) if self.ref else torch.zeros(
+                kl_t = kl(self.old[k][j], self.ref[k][j], cfg.kl_loss_type) if self.ref and self.old else torch.zeros(
                     mb.num_tokens)
                 adv, ret = compute_advantages(
                     cfg.advantage_estimator, rewards=reward_t, n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -159,19 +177,19 @@ class TrainWorker:
                                     dtype=torch.float64)
         self.step_tokens = self._all_reduce(local_tokens).tolist()
         maxdiff = 0.0
-        if self.ref:
+        if self.ref and self.old is not None:
             for k, mbs in enumerate(steps):
                 for j, mb in enumerate(mbs):
                     d = ((self.old[k][j] - self.ref[k][j]).abs() * mb.loss_mask).max() if mb.num_tokens else 0.0
                     maxdiff = max(maxdiff, float(d))
-        facts = {"ref_logp_maxdiff": maxdiff, **mismatch}
+        facts = {"ref_logp_maxdiff": maxdiff, **mismatch} if self.ref else dict(mismatch)
         if cfg.use_mis:  # a share of the trained tokens, over all ranks (reduce_metrics: Σ / Σ)
             facts.update(mis_masked_share_sum=mis_masked if self.reports else 0.0,
                          mis_masked_share_count=mismatch["mismatch_count"])
         facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
         return facts
 
-    def _mismatch(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
+    def _mismatch(self, steps: list[list[MicroBatch]], old: list[list[torch.Tensor]]) -> dict[str, float]:
         """Σ, count and max of |log π_engine − log π_trainer| over trained tokens (trainer = the weights before the
         update, the ones the engine should serve)."""
         total, count, worst = 0.0, 0.0, 0.0
@@ -180,13 +198,21 @@ class TrainWorker:
                 for j, mb in enumerate(mbs):
                     m = mb.loss_mask > 0  # [T]
                     if m.any():
-                        d = (mb.rollout_log_probs[m] - self.old[k][j][m]).abs().double()  # [K]
+                        d = (mb.rollout_log_probs[m] - old[k][j][m]).abs().double()  # [K]
                         total, count, worst = total + float(d.sum()), count + float(m.sum()), max(worst, float(d.max()))
         return {"mismatch_sum": total, "mismatch_count": count, "mismatch_max": worst}
 
     def train_step(self, k: int, global_batch_size: int) -> dict[str, Any]:
-        out = self.backend.train_step(self.steps[k], self.old[k], self.ref[k] if self.ref else None,
-                                      global_batch_size, global_tokens=self.step_tokens[k])
+        deferred = self.old is None  # old_from "train": the step's own forward gives them
+        out = self.backend.train_step(self.steps[k], None if deferred else self.old[k],
+                                      self.ref[k] if self.ref else None, global_batch_size,
+                                      global_tokens=self.step_tokens[k])
+        if deferred:
+            self.old = [self.backend.last_log_probs]
+        if k == 0 and self.mismatch_deferred:
+            if getattr(self.backend, "last_log_probs", None) is None:
+                raise NotImplementedError(f"{type(self.backend).__name__} does not report its train-step log-probs")
+            out.update(self._mismatch(self.steps[:1], [self.backend.last_log_probs]))
         if self.critic:
             out.update(self.critic.train_step(self.steps[k], self.values[k], self.returns[k], global_batch_size,
                                               global_tokens=self.step_tokens[k]))

@@ -49,24 +49,29 @@ def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: 
     return {"mb": mb, "buckets": float(len(blobs)), "encode_s": t_encode, "seconds": time.perf_counter() - t0}
 
 
-def push_object_store(slots: list, ref, version: int, *, timeout_s: float, api_key: str | None = None) -> None:
+def push_object_store(slots: list, ref, version: int, *, timeout_s: float) -> None:
     """Every engine actor copies the state behind `ref` (Ray's object store) into its model as `version`."""
     import ray
 
-    ray.get([s.actor.update_weights.remote(ref, str(version)) for s in slots], timeout=timeout_s)
-    for s in slots:
-        _check_version(EngineClient(s.url, timeout_s=timeout_s, api_key=api_key), version, timeout_s)
+    served = ray.get([s.actor.update_weights.remote(ref, str(version)) for s in slots], timeout=timeout_s)
+    _check_served(slots, served, version)
 
 
-def push_ipc(slots: list, buckets: dict[int, list], version: int, *, timeout_s: float,
-             api_key: str | None = None) -> None:
+def _check_served(slots: list, served: list[str], version: int) -> None:
+    """The version each engine actor says it serves after the update (its reply: the check costs no round trip)."""
+    for s, got in zip(slots, served):
+        if got != str(version):
+            raise EngineError(f"{s.url} reports weight_version {got!r} after the sync, expected {version}")
+
+
+def push_ipc(slots: list, buckets: dict[int, list], version: int, *, timeout_s: float) -> None:
     """Every colocated engine actor copies its CUDA IPC buckets (`buckets[slot.index]`, from the train rank on its
     GPU; engine/weights/ipc.py) into its model as `version`."""
     import ray
 
-    ray.get([s.actor.update_weights_ipc.remote(buckets[s.index], str(version)) for s in slots], timeout=timeout_s)
-    for s in slots:
-        _check_version(EngineClient(s.url, timeout_s=timeout_s, api_key=api_key), version, timeout_s)
+    served = ray.get([s.actor.update_weights_ipc.remote(buckets[s.index], str(version)) for s in slots],
+                     timeout=timeout_s)
+    _check_served(slots, served, version)
 
 
 def push_disk(urls: list[str], path: str, version: int, *, timeout_s: float, api_key: str | None = None) -> None:
