@@ -292,9 +292,11 @@ def sync_transport(cfg: RunConfig, *, on_gpu: bool) -> str:
     return "object_store"
 
 
-def probe_prompts(run: Run, k: int = 16) -> list[list[int]]:
+def probe_prompts(run: Run, k: int = 4) -> list[list[int]]:
     """The first k eval (else train) prompts, rendered: after each weight sync every engine samples a short
-    answer to each and the trainer scores those answers (RF14, `probe_engines`)."""
+    answer to each and the trainer scores those answers (RF14, `probe_engines`). Four answers of ≤ 16 tokens are
+    ~60 log-probs: a wrong mapping or a half-loaded sync moves them by O(0.1–10), far above the thresholds;
+    16 prompts cost 0.06 s more per sync on the CPU demo for no added detection (issue 18)."""
     from engine.modeling import render_prompt
 
     rows = (next(iter(run.eval_sets.values()), None) or run.dataset.rows)[:k]
@@ -521,7 +523,7 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     if run.tracker is not None:
         from engine.tracking.record import log_rollout
 
-        log_rollout(run.tracker, cfg, rollout_id, result.groups, run.history)  # sample JSONL + plots, when due
+        log_rollout(run.tracker, cfg, rollout_id, result.groups, run.history_copy())  # samples + plots, when due
     return RolloutBatch(rollout_id, result.groups, metrics)
 
 
@@ -778,6 +780,8 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
         if cfg.save_hf:
             run.train_group.export_hf(str(Path(path) / "hf"))
 
+    if run.tracker is not None:  # MLflow has every step up to this one before the marker names it (a kill after
+        run.tracker.drain()  # the marker must not lose data of a step the resume does not redo)
     free_before = run.store.free_bytes()
     try:
         report = checkpoint.save_iteration(run.store, rollout_id, write_state, manifest,

@@ -76,6 +76,11 @@ def cmd_train(argv: list[str]) -> int:
 
     from flows.train import rl_train
 
+    if not cfg.ray_address:  # the local cluster starts while Prefect's API and MLflow do (start-up: issue 18)
+        from engine import cluster
+
+        cluster.prestart(cfg.num_cpus)
+
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
         print(f"rollflow train {cfg.experiment_name}: starting the Prefect API, then preflight, Ray, the engines and "
               "the train workers …", file=sys.stderr, flush=True)

@@ -109,6 +109,8 @@ FLAG_TESTS = {
     "normalize_advantages": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
     "use_tis": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "use_mis": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",
+    "use_rollout_logprobs": "test_train_backend.py::test_train_stage_skips_the_reference_forward_after_the_first_step_unless_kl_is_used",
+    "log_kl": "test_train_backend.py::test_train_stage_skips_the_reference_forward_after_the_first_step_unless_kl_is_used",
     "mis_low": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",
     "mis_high": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",
     "tis_clip": "test_objective.py::test_policy_objective_closed_form_with_every_term",

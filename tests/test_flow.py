@@ -85,7 +85,8 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
     assert run.data.params["rollout_batch_size"] == "4" and run.data.params["lr"] == "0.0001"
     assert run.data.tags["prefect.flow_run_id"] == str(fr.id)
     assert run.info.run_name == fr.name and fr.name.startswith("tests-")  # one name in both UIs
-    for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl", "train/grad_norm",
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/kl")] == [0]  # RF01's step only
+    for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm",
                 "rollout/seconds", "train/seconds", "sync/seconds", "pack/efficiency", "pack/dp_imbalance",
                 "pack/micro_batches_per_rank"):
         hist = client.get_metric_history(run.info.run_id, key)

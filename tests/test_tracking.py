@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -194,6 +195,43 @@ def test_while_down_mlflow_is_tried_once_per_retry_interval(tmp_path):
     t.log_metrics({"m": 1.0}, step=50)
     assert fake.calls == calls + 1  # one attempt, which failed again
     assert t.lost["metric_points"] == 51
+
+
+def test_background_mode_sends_off_the_callers_thread_and_drain_and_end_wait(tmp_path):
+    """The stages' writes return at once; the sender thread makes the MLflow calls and runs deferred work (plots);
+    drain() (before a checkpoint marker) and end() return only once everything logged before them is sent."""
+    import threading
+
+    fake, clock = FakeMlflow(), Clock()
+    callers: set[str] = set()
+    gate, entered = threading.Event(), threading.Event()  # holds the sender inside a slow log_batch
+    plain = fake.log_batch
+
+    def slow_log_batch(*a, **k):
+        callers.add(threading.current_thread().name)
+        entered.set()
+        gate.wait(10)
+        return plain(*a, **k)
+
+    t = make_tracker(tmp_path, fake, clock, background=True)
+    t.start("r", None, tags={}, params={})  # synchronous: the run id is known at once
+    assert t.run_id is not None
+    fake.log_batch = slow_log_batch
+    t0 = time.monotonic()
+    for step in range(5):
+        t.log_metrics({"m": float(step)}, step=step)
+    t.defer(lambda: t.log_text("plot", "plots/x.txt"))
+    assert time.monotonic() - t0 < 2  # not one of them waited for the held log_batch
+    assert entered.wait(10)  # the sender thread is in log_batch now, holding what it took
+    threading.Timer(0.3, gate.set).start()
+    assert t.drain() and sorted(s for k, s, _ in fake.metrics if k == "m") == [0, 1, 2, 3, 4]
+    assert fake.artifacts["plots/x.txt"] == b"plot"
+    assert "rollflow-mlflow-sender" in callers  # the held call ran there, not in the thread that logged
+    t.log_metrics({"m": 5.0}, step=5)
+    t.defer(lambda: t.log_text("late", "plots/y.txt"))
+    t.end()
+    assert [s for k, s, _ in fake.metrics if k == "m"][-1] == 5 and fake.artifacts["plots/y.txt"] == b"late"
+    assert next(iter(fake.runs.values())).info.status == "FINISHED" and t.lost == {}
 
 
 def test_end_says_what_was_never_sent_and_keeps_artifact_copies(tmp_path):

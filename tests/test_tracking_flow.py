@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "sk-" + "Q7w" * 10  # passed as --sglang-api-key: must never reach MLflow
 STAGE_METRICS = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "rollout/truncated_share",
-                 "rollout/seconds", "rollout/tokens_per_s", "pack/seconds", "pack/tokens", "train/loss", "train/kl",
+                 "rollout/seconds", "rollout/tokens_per_s", "pack/seconds", "pack/tokens", "train/loss",
                  "train/entropy", "train/grad_norm", "train/lr", "train/mismatch", "train/seconds", "sync/seconds"]
 
 
@@ -132,6 +132,8 @@ def test_killed_and_resumed_run_is_one_mlflow_run(sqlite_runs):
     for key in STAGE_METRICS:
         assert {m.step for m in client.get_metric_history(run.info.run_id, key)} == {0, 1, 2, 3}, key
     assert {m.step for m in client.get_metric_history(run.info.run_id, "save/seconds")} == {1, 3}
+    # no KL term: the reference forward (and train/kl) only on the run's first step, for RF01
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "train/kl")} == {0}
     undocumented = [k for k in run.data.metrics if describe(k) is None]
     assert not undocumented, f"add these to engine/tracking/metrics.py METRICS: {undocumented}"
     assert any(k.startswith("system/cpu") for k in run.data.metrics)

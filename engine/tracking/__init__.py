@@ -84,7 +84,8 @@ EXPERIMENT_TAGS = {EXPERIMENT_KIND: "custom_model_development"}
 class Tracker:
     def __init__(self, uri: str, experiment_name: str, *, outbox: Path, artifact_location: str | None = None,
                  retry_interval: float = 30.0, max_buffered: int = 100_000,
-                 client_factory: Callable[[str], Any] = _mlflow_client, clock: Callable[[], float] = time.monotonic):
+                 client_factory: Callable[[str], Any] = _mlflow_client, clock: Callable[[], float] = time.monotonic,
+                 background: bool = False):
         self.uri, self.experiment_name = uri, experiment_name
         self.safe_uri = redact_text(uri)
         self.artifact_location, self.retry_interval, self.max_buffered = artifact_location, retry_interval, max_buffered
@@ -111,6 +112,13 @@ class Tracker:
         self.down_since: float | None = None  # clock() of the first failure of the current outage
         self._retry_at = 0.0
         self._lock = threading.RLock()
+        # background: `flush()` only wakes a sender thread, which also runs `defer`red work (plots); the stages'
+        # writes leave the critical path. `drain()` (before a checkpoint's marker) and `end()` wait for it.
+        self.background = background
+        self._jobs: list[Callable[[], None]] = []
+        self._wake = threading.Event()
+        self._sender: threading.Thread | None = None
+        self._busy = threading.Lock()  # held by whoever is sending (the sender thread or a drain)
 
     # ---- what callers use ------------------------------------------------------------------------------------
     def start(self, run_name: str, run_id: str | None, *, tags: dict[str, str], params: dict[str, Any],
@@ -179,8 +187,53 @@ class Tracker:
             self._artifacts[artifact_file] = local
         self.flush()
 
+    def defer(self, job: Callable[[], None]) -> None:
+        """Work that only feeds MLflow (e.g. rendering plots): on the sender thread in background mode, else now."""
+        if not self.background:
+            job()
+            return
+        with self._lock:
+            self._jobs.append(job)
+        self._kick()
+
+    def drain(self) -> bool:
+        """Everything queued so far sent (or buffered, when MLflow is down) before returning: deferred jobs run
+        and a flush, in this thread. Called before a checkpoint's marker is written, so a kill after it loses no
+        data of a step the resume will not redo."""
+        with self._busy:
+            self._run_jobs()
+            return self._flush_now()
+
+    def _kick(self) -> None:
+        with self._lock:
+            if self._sender is None or not self._sender.is_alive():
+                self._sender = threading.Thread(target=self._send_loop, name="rollflow-mlflow-sender", daemon=True)
+                self._sender.start()
+        self._wake.set()
+
+    def _send_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._busy:
+                self._run_jobs()
+                self._flush_now()
+
+    def _run_jobs(self) -> None:
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            try:
+                job()
+            except Exception as e:  # an artifact that cannot be built must not stop the others (or training)
+                warnings.warn(f"MLflow record skipped ({type(e).__name__}: {e}); training continues",
+                              TrackingWarning, stacklevel=2)
+
     def end(self, status: str = "FINISHED") -> None:
         """Last flush (whatever the retry interval), then mark the run terminated."""
+        if self.background:
+            with self._busy:  # the sender's work in progress, then what it had not taken yet
+                self._run_jobs()
         if self.flush(force=True) and self.run_id:
             self._call("end", lambda: self.client.set_terminated(self.run_id, status))
         for d in (self.outbox, self.outbox.parent):  # empty once everything was sent
@@ -218,7 +271,17 @@ class Tracker:
 
     # ---- sending ---------------------------------------------------------------------------------------------
     def flush(self, force: bool = False) -> bool:
-        """Send everything pending; True when nothing is left. While down, tries only every retry_interval."""
+        """Send everything pending; True when nothing is left. While down, tries only every retry_interval.
+        In background mode an unforced flush wakes the sender thread and returns at once (True unless down)."""
+        if self.background and not force and threading.current_thread() is not self._sender:
+            self._kick()
+            return not self.down
+        if self.background and force:
+            with self._busy:
+                return self._flush_now(force)
+        return self._flush_now(force)
+
+    def _flush_now(self, force: bool = False) -> bool:
         with self._lock:
             if self.down and not force and self._clock() < self._retry_at:
                 return False

@@ -77,7 +77,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/pg_loss", None, "policy-gradient term, token mean over trained tokens"),
     MetricDoc("train/entropy", None, "policy entropy, token mean"),
     MetricDoc("train/kl", None, "KL to the frozen reference (`--ref-load`, else the initial weights), token mean, "
-                                "`--kl-loss-type`"),
+                                "`--kl-loss-type`; logged every rollout with a KL term (`--use-kl-loss`, "
+                                "`--kl-coef`) or `--log-kl`, else on the run's first step only (RF01)"),
     MetricDoc("train/tis_clipfrac", None, "`--use-tis`: share of tokens whose importance weight was clipped"),
     MetricDoc("train/value_loss", "min", "ppo: the critic's clipped value loss, token mean"),
     MetricDoc("train/value_clipfrac", None, "ppo: share of tokens whose value was clipped"),

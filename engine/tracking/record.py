@@ -53,7 +53,8 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
     work_dir.mkdir(parents=True, exist_ok=True)
     uri = default_tracking_uri(str(work_dir), cfg.mlflow_tracking_uri)
     tracker = Tracker(uri, cfg.experiment_name, outbox=work_dir / "mlflow-outbox" / f"{time.time_ns()}",
-                      artifact_location=artifact_location_for(uri), retry_interval=cfg.mlflow_retry_interval)
+                      artifact_location=artifact_location_for(uri), retry_interval=cfg.mlflow_retry_interval,
+                      background=True)  # writes off the stages' critical path; drained before each checkpoint
     save = cfg.save or ""
     if save and "://" not in save:
         save = str(Path(save).resolve())
@@ -114,7 +115,8 @@ def log_rollout(tracker: Tracker, cfg: RunConfig, rollout_id: int, groups: list,
                                                     f"samples/rollout_{rollout_id:07d}.jsonl"))
         _safely("samples table", lambda: tracker.log_table(art.samples_table(groups),
                                                            f"samples/rollout_{rollout_id:07d}.json"))
-        _safely("plots", lambda: log_plots(tracker, history))
+        snapshot = {k: dict(v) for k, v in history.items()}  # the sender thread draws them later
+        tracker.defer(lambda: _safely("plots", lambda: log_plots(tracker, snapshot)))
 
 
 def log_checkpoint(tracker: Tracker, cfg: RunConfig, rollout_id: int, path: str, flow_run_id: str | None) -> None:
