@@ -19,7 +19,7 @@ start → first step begins), time from process start to running-mean reward (la
 seconds per step (median of the steps after the first; the split into rollout / train / sync / other), steps/s, peak
 memory (RSS summed over the process tree, sampled every 0.2 s) and its process count.
 
-Writes <out>/<name>.json and <name>.md.
+Writes <out>/<name>.json and <name>_table.md (bench/results/trl_race.md discusses them).
 """
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def main() -> int:
     p.add_argument("--sides", default="trl,rollflow,rollflow_async", help=f"comma-separated, of {', '.join(SIDES)}")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--work", default="/tmp/rollflow_bench_trl_race")
-    p.add_argument("--name", default="trl_race", help="results as <out>/<name>.json and <name>.md")
+    p.add_argument("--name", default="trl_race", help="results as <out>/<name>.json and <name>_table.md")
     p.add_argument("--extra", default="", help="more `rollflow train` flags for the rollflow sides, one string")
     p.add_argument("--side-process", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -253,6 +253,7 @@ def main() -> int:
     dst = Path(a.out)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / f"{a.name}.json").write_text(json.dumps(out, indent=1))
+    (dst / f"{a.name}_table.md").write_text(table(out) + "\n")
     print(table(out))
     return 0
 
