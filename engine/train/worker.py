@@ -3,7 +3,10 @@
 Per rollout (`set_rollout`), before any update: old log-probs, reference log-probs and (PPO) the critic's values
 for every micro-batch of every step, the train–inference mismatch against the engine's log-probs (RF14 is judged
 on it by the driver before the first update), then the advantages — computed here, once per rollout, because PPO
-and REINFORCE++ need the log-probs and values — written into each micro-batch. Every rank receives the rewards of
+and REINFORCE++ need the log-probs and values — written into each micro-batch. Forwards the configuration makes
+unnecessary are skipped (issue 18): the reference without a KL term (except on the run's first step, RF01), and
+the old log-probs when the rollout's only step can take them from its own forward (`old_from="train"`) or from
+the engine (`--use-rollout-logprobs`); the mismatch then comes with step 0 and is judged right after it. Every rank receives the rewards of
 the whole rollout, so a GRPO group split over ranks is normalised identically everywhere. Then `train_step(k)`
 runs optimizer step k (policy, then critic).
 
