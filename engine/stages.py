@@ -707,9 +707,9 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
             raise DiagnosisError(d)
         return mm
 
-    # old log-probs from this trainer's forward: judged before any update; otherwise after the first step, whose
-    # forward (on the same weights, before the update) gives the trainer's side
-    mismatch = check_mismatch(facts) if old_from == "forward" else {}
+    # judged before any update when set_rollout ran the trainer's forward; otherwise right after the first step,
+    # whose forward (on the same weights, before the update) gives the trainer's side
+    mismatch = check_mismatch(facts) if "mismatch" in facts else {}
     if "mis_masked_share" in facts:
         mismatch["train/mis_masked_share"] = facts["mis_masked_share"]
     if first and (d := first_step_check(ref_logp_maxdiff=facts.get("ref_logp_maxdiff"), ratio_maxdev=None,
@@ -720,9 +720,9 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     for k in range(run.plan.num_steps_per_rollout):
         parts = run.train_group.train_step(k, run.plan.global_batch_size)
         faults.at("during_train", rollout_id)
-        if k == 0 and old_from != "forward":
-            mismatch.update(check_mismatch(reduce_metrics(parts)))
         m = reduce_metrics(parts)
+        if k == 0 and "train/mismatch" not in mismatch:  # reported by the step's own forward
+            mismatch.update(check_mismatch(m))
         m["loss"] = sum(p["loss_total"] for p in parts)
         if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
             raise DiagnosisError(d)

@@ -433,3 +433,23 @@ def test_use_rollout_logprobs_refuses_the_corrections_it_would_void(tiny_model):
             make_cfg(tiny_model, use_rollout_logprobs=True, **{flag: True})
         d = e.value.diagnoses[0]
         assert d.facts["field"] == "use_rollout_logprobs" and "--use-rollout-logprobs" in d.fix
+
+
+def test_use_rollout_logprobs_on_a_backend_without_train_step_log_probs(tiny_model):
+    """A backend that does not keep its train step's log-probs (Megatron) still reports the mismatch, from a
+    no-grad forward before the update, and trains with the engine's log-probs as the old ones."""
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model, use_rollout_logprobs=True, logprob_mismatch_threshold=1e3)
+    w = make_worker(cfg)
+    del w.backend.last_log_probs
+    steps, rewards = one_rollout()
+    with pytest.raises(ValueError, match="keeps its train-step log-probs"):
+        w.set_rollout(steps, rewards, need_ref=False, old_from="train")
+    facts = w.set_rollout(steps, rewards, need_ref=False, old_from="rollout")
+    assert facts["mismatch_count"] > 0 and not w.mismatch_deferred
+    assert "mismatch_sum" not in w.train_step(0, 8)
+    w2 = make_worker(cfg)
+    del w2.backend.last_log_probs
+    out = train(stage_run(cfg, w2), packed_rollout(rollout_id=1))
+    assert out["train/mismatch"] > 0  # the fake engine log-probs differ from the trainer's

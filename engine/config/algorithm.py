@@ -64,7 +64,7 @@ class AlgorithmArgs(Section):
     """Upper bound of the MIS ratio: tokens above it are masked."""
 
     use_rollout_logprobs: bool = False
-    """Use the engine's rollout log-probs as the old policy's (slime's flag): no old-log-prob forward per rollout, the ratio is π/π_rollout. train/mismatch is still reported (from the train step's own forward on the same weights). Not with --use-tis / --use-mis (their weight π_old/π_rollout would be 1). The run's first step still computes them (RF01 checks the policy against the reference there). Without this flag, a rollout with one optimizer step on the torch backend (and no --use-mis or --kl-coef) takes the old log-probs from the train step's own forward: no extra forward, the same numbers."""
+    """Use the engine's rollout log-probs as the old policy's (slime's flag): no old-log-prob forward per rollout, the ratio is π/π_rollout. train/mismatch is still reported (torch: from the train step's own forward on the same weights; megatron still runs a no-grad forward for it). Not with --use-tis / --use-mis (their weight π_old/π_rollout would be 1). The run's first step still computes them (RF01 checks the policy against the reference there). Without this flag, a rollout with one optimizer step on the torch backend (and no --use-mis or --kl-coef) takes the old log-probs from the train step's own forward: no extra forward, the same numbers."""
 
     log_kl: bool = False
     """Run the reference forward every rollout to log train/kl even when KL is neither a loss term (--use-kl-loss) nor a reward shaping (--kl-coef). Without it that forward is skipped (the log says so) and train/kl is not logged, except on the run's first step (RF01 compares the policy with the reference there)."""

@@ -6,8 +6,9 @@ on it by the driver before the first update), then the advantages — computed h
 and REINFORCE++ need the log-probs and values — written into each micro-batch. Forwards the configuration makes
 unnecessary are skipped (issue 18): the reference without a KL term (except on the run's first step, RF01), and
 the old log-probs when the rollout's only step can take them from its own forward (`old_from="train"`) or from
-the engine (`--use-rollout-logprobs`); the mismatch then comes with step 0 and is judged right after it. Every rank receives the rewards of
-the whole rollout, so a GRPO group split over ranks is normalised identically everywhere. Then `train_step(k)`
+the engine (`--use-rollout-logprobs`); the mismatch then comes with step 0 and is judged right after it. Every
+rank receives the rewards of the whole rollout, so a GRPO group split over ranks is normalised identically
+everywhere. Then `train_step(k)`
 runs optimizer step k (policy, then critic).
 
 A worker trains on the GPU Ray assigned it (Ray narrows CUDA_VISIBLE_DEVICES to it: `cuda:0`), else on the CPU.
@@ -133,6 +134,12 @@ class TrainWorker:
             raise ValueError("old log-probs from the train step need one optimizer step per rollout, no --use-mis "
                              "and --kl-coef 0 (they are used before the step)")
         self.old_from = old_from
+        # a backend that keeps its train step's log-probs (torch) reports the mismatch from step 0's forward;
+        # others (Megatron) still run the forward for it under --use-rollout-logprobs
+        records = hasattr(self.backend, "last_log_probs")
+        if old_from == "train" and not records:
+            raise ValueError(f"old_from 'train' needs a backend that keeps its train-step log-probs "
+                             f"({type(self.backend).__name__} does not)")
         if old_from == "forward":
             self.old = [self.backend.compute_log_probs(mbs) for mbs in steps]
         elif old_from == "rollout":
@@ -141,8 +148,11 @@ class TrainWorker:
             self.old = None
         # over every trained token, before MIS drops any; when the old log-probs are not this trainer's own
         # forward, train_step(0) reports it from its forward (the same weights, before the update)
-        self.mismatch_deferred = old_from != "forward"
-        mismatch = {} if self.mismatch_deferred else self._mismatch(steps, self.old)
+        self.mismatch_deferred = old_from != "forward" and records
+        if old_from == "rollout" and not records:
+            mismatch = self._mismatch(steps, [self.backend.compute_log_probs(mbs) for mbs in steps])
+        else:
+            mismatch = {} if self.mismatch_deferred else self._mismatch(steps, self.old)
         mis_masked = 0.0
         if cfg.use_mis:  # masked importance sampling: tokens too far off the behaviour policy leave the loss
             from engine.algorithms.losses import mis_mask
@@ -160,8 +170,8 @@ class TrainWorker:
         for k, mbs in enumerate(steps):
             rets = []
             for j, mb in enumerate(mbs):
-                kl_t = kl(self.old[k][j], self.ref[k][j], cfg.kl_loss_type) if self.ref and self.old else torch.zeros(
-                    mb.num_tokens)
+                kl_t = kl(self.old[k][j], self.ref[k][j], cfg.kl_loss_type) if self.ref and self.old \
+                    else torch.zeros(mb.num_tokens)
                 adv, ret = compute_advantages(
                     cfg.advantage_estimator, rewards=reward_t, n_samples_per_prompt=cfg.n_samples_per_prompt,
                     sample_ids=mb.sample_ids, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask, kl=kl_t,
@@ -213,8 +223,6 @@ class TrainWorker:
         if deferred:
             self.old = [self.backend.last_log_probs]
         if k == 0 and self.mismatch_deferred:
-            if getattr(self.backend, "last_log_probs", None) is None:
-                raise NotImplementedError(f"{type(self.backend).__name__} does not report its train-step log-probs")
             out.update(self._mismatch(self.steps[:1], [self.backend.last_log_probs]))
         if self.critic:
             out.update(self.critic.train_step(self.steps[k], self.values[k], self.returns[k], global_batch_size,
