@@ -207,7 +207,9 @@ def run_rollflow(side: str, num_rollout: int, work: Path, extra: list[str]) -> d
         return round(statistics.median(v), 4) if v else None
 
     split = {k: stage(k) for k in ("rollout", "pack", "train", "sync")}
-    split["other"] = round(statistics.median(rest) - sum(v for v in split.values() if v), 4)
+    # sync mode: the step minus its stages (Prefect, MLflow, the driver); async stages overlap, so no remainder
+    split["other"] = round(statistics.median(rest) - sum(v for v in split.values() if v), 4) \
+        if "--async-mode" not in SIDES[side] or SIDES[side][1] == "off" else None
     return {"side": side, "command": "rollflow train " + " ".join(args), "startup_s": round(startup, 2),
             "rewards": rewards, "done_s": [round(x, 2) for x in ends], "step_s": round(statistics.median(rest), 4),
             "steps_per_s": round(1 / statistics.median(rest), 2), "split_s": split,
