@@ -162,8 +162,7 @@ def run_trl(num_rollout: int, work: Path) -> dict:
     memory = mem.stop()
     if rc != 0:
         raise SystemExit(f"trl: exited {rc}; see {work / 'console.log'}")
-    import psutil  # noqa: F401  (the process is gone: its creation time is t0 within a few ms)
-
+    # start-up counts from t0, taken just before the process was spawned
     m = json.loads((work / "trl_marks.json").read_text())
     ends = [e - t0 for e in m["step_end"]]
     begin = m["train_begin"] - t0
