@@ -13,9 +13,9 @@ def train(run: Run, packed: stages.PackedRollout) -> dict[str, float]:
     seen = len(run.state.diagnoses)
     with ui.diagnosed(run):
         out = stages.train(run, packed)
-    get_run_logger().info("train-%d: loss %.3g, KL %.3g, grad norm %.3g, mismatch %.2g, %.2f s", packed.rollout_id,
-                          out["train/loss"], out.get("train/kl", float("nan")), out["train/grad_norm"],
-                          out["train/mismatch"], out["train/seconds"])
+    kl = f", KL {out['train/kl']:.3g}" if "train/kl" in out else ""  # no reference forward: no KL (--log-kl)
+    get_run_logger().info("train-%d: loss %.3g%s, grad norm %.3g, mismatch %.2g, %.2f s", packed.rollout_id,
+                          out["train/loss"], kl, out["train/grad_norm"], out["train/mismatch"], out["train/seconds"])
     new = run.state.diagnoses[seen:]
     for d in new:  # runtime warnings (RF09 grad-norm spike): in the task's log and as an artifact
         get_run_logger().warning(d.render())
