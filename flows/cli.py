@@ -67,50 +67,14 @@ def _print_summary(s: dict, cfg) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _prestart_prefect_api():
-    """Start Prefect's ephemeral API server (when no PREFECT_API_URL is set) in a background thread, so it boots
-    while rollflow imports its stages and starts Ray; the flow's client then finds it running (Prefect keeps one
-    server per process). Returns the thread to join before the flow starts, or None."""
-    import threading
-
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None
-    ready = threading.Event()
-
-    def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
-
-        try:
-            SubprocessASGIServer().start()
-        except Exception:  # the flow's own client starts it (and reports why it cannot)
-            pass
-        finally:
-            ready.set()
-        threading.Event().wait()  # like Ray's prestart: the server stays a child of a live thread
-
-    threading.Thread(target=start, name="rollflow-prefect-prestart", daemon=True).start()
-    return ready
-
-
 def cmd_train(argv: list[str]) -> int:
     from engine.config.cli import parse_args
 
     cfg = parse_args(argv, prog="rollflow train")
     _quiet_console()
-    # start-up (issue 18): Prefect's API, the local Ray cluster and the imports below overlap
-    api_ready = _prestart_prefect_api()
-    if not cfg.ray_address:
-        from engine import cluster
-
-        cluster.prestart(cfg.num_cpus)
     from prefect.exceptions import CancelledRun
 
     from flows.train import rl_train
-
-    if api_ready is not None:
-        api_ready.wait(120)
 
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
         print(f"rollflow train {cfg.experiment_name}: starting the Prefect API, then preflight, Ray, the engines and "

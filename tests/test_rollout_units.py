@@ -354,3 +354,24 @@ def test_eval_interval_evaluates_between_rollouts_but_not_after_the_last():
     cfg = RunConfig(num_rollout=6, eval_interval=2)
     assert [r for r in range(6) if should_eval(cfg, r)] == [1, 3]  # after 2 and 4 rollouts; 6 is the final eval
     assert not any(should_eval(RunConfig(num_rollout=6), r) for r in range(6))
+
+
+def test_pooled_connections_expire_before_the_engine_server_closes_them():
+    """The run keeps one HTTP pool (engine/rollout/client.py); a pooled connection idle as long as the server's
+    keep-alive is closed by the server just as a request may go out on it (a ReadError on /generate). The pools drop
+    idle connections well before uvicorn's keep-alive, the server the built-in engine (and SGLang) runs."""
+    import asyncio
+
+    import uvicorn
+
+    from engine.rollout.client import KEEPALIVE_S, run_on_rollout_loop, shared_http
+
+    server_keepalive = uvicorn.Config(app=None).timeout_keep_alive
+    assert KEEPALIVE_S < server_keepalive
+    assert shared_http()._transport._pool._keepalive_expiry == KEEPALIVE_S
+
+    async def expiry(client):
+        await asyncio.sleep(0)
+        return client._transport._pool._keepalive_expiry
+
+    assert run_on_rollout_loop(expiry, None) == KEEPALIVE_S

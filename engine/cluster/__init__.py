@@ -70,52 +70,9 @@ def code_runtime_env(ray_code: str = "ship") -> dict[str, Any]:
     return env
 
 
-_prestart: dict[str, Any] = {}  # a local cluster started ahead by `prestart`, until `connect` claims it
-
-
-def prestart(num_cpus: int | None) -> None:
-    """Start the local Ray cluster in a background thread now, while the caller starts Prefect's API and MLflow
-    (`rollflow train`: they overlap instead of following one another). The run's `connect` then claims it and
-    owns it as if it had started it (`connected()` is False until then)."""
-    import threading
-
-    started = threading.Event()
-
-    def start() -> None:
-        try:
-            _start_local(num_cpus)
-        except BaseException as e:  # connect() raises it where the run can report it
-            _prestart["error"] = e
-        finally:
-            started.set()
-        # Ray's GCS and raylet die with the *thread* that spawned them (PR_SET_PDEATHSIG): this thread must live
-        # as long as the process (measured: the cluster vanished 60 s after a prestart thread returned)
-        threading.Event().wait()
-
-    t = threading.Thread(target=start, name="rollflow-ray-prestart", daemon=True)
-    _prestart.update(started=started, num_cpus=num_cpus)
-    t.start()
-
-
-def _start_local(num_cpus: int | None) -> None:
-    import ray
-
-    _keeping_sigterm(lambda: ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-                                      runtime_env={"env_vars": worker_env()}, num_cpus=num_cpus or os.cpu_count()))
-
-
 def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship") -> dict[str, Any]:
     """Join `address` (shipping the code as `ray_code` says) or start a local cluster; returns its resources."""
     import ray
-
-    if _prestart:  # a local cluster started ahead (prestart): wait for it, then it is this run's
-        pre = dict(_prestart)
-        _prestart.clear()
-        pre["started"].wait()
-        if "error" in pre:
-            raise pre["error"]
-        if address or pre["num_cpus"] != num_cpus:  # not the cluster this run asks for
-            ray.shutdown()
 
     if address and not ray.is_initialized():
         check_reachable(address)
@@ -148,11 +105,9 @@ def _keeping_sigterm(fn):
 
 
 def connected() -> bool:
-    """Whether this process is connected to Ray by someone else than the run (a cluster `prestart`ed for the run
-    does not count: the run owns it)."""
     import ray
 
-    return ray.is_initialized() and not _prestart
+    return ray.is_initialized()
 
 
 def shutdown() -> None:

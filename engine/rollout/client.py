@@ -18,6 +18,10 @@ import httpx
 T = TypeVar("T")
 _shared: tuple[int, httpx.Client] | None = None
 _shared_lock = threading.Lock()
+#: Idle pooled connections are dropped after this many seconds: well before the engines' server closes them
+#: (uvicorn's keep-alive is 5 s, httpx's default expiry too), so a request never goes out on a connection the server
+#: is closing at that moment (seen as a ReadError on /generate after an idle pause, once in a full test run).
+KEEPALIVE_S = 2.0
 
 
 def shared_http() -> httpx.Client:
@@ -27,8 +31,8 @@ def shared_http() -> httpx.Client:
     global _shared
     with _shared_lock:
         if _shared is None or _shared[0] != os.getpid():
-            _shared = (os.getpid(), httpx.Client(limits=httpx.Limits(max_connections=256,
-                                                                      max_keepalive_connections=64)))
+            _shared = (os.getpid(), httpx.Client(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                                      keepalive_expiry=KEEPALIVE_S)))
         return _shared[1]
 
 
@@ -68,7 +72,8 @@ class _RolloutIO:
         if api_key not in self.clients:
             self.clients[api_key] = httpx.AsyncClient(
                 timeout=httpx.Timeout(None, connect=10.0), headers=auth_headers(api_key),
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                    keepalive_expiry=KEEPALIVE_S))
         return self.clients[api_key]
 
 
