@@ -149,20 +149,25 @@ def trl_side(num_rollout: int, out: Path) -> None:
     (out / "trl_marks.json").write_text(json.dumps(marks))
 
 
-def run_trl(num_rollout: int, work: Path) -> dict:
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+def spawn(side: str, cmd: list[str], work: Path, env: dict | None = None) -> tuple[float, dict]:
+    """Run one side's process to the end (its output in work/console.log) while sampling its memory; returns the
+    wall time just before the spawn (start-up and every mark count from it) and the memory peak."""
     t0 = time.time()
     with open(work / "console.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "--side-process", "trl", "--num-rollout", str(num_rollout),
-                                 "--work", str(work)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         mem = TreeMemory(proc.pid)
         rc = proc.wait()
     memory = mem.stop()
     if rc != 0:
-        raise SystemExit(f"trl: exited {rc}; see {work / 'console.log'}")
-    # start-up counts from t0, taken just before the process was spawned
+        raise SystemExit(f"{side}: exited {rc}; see {work / 'console.log'}")
+    return t0, memory
+
+
+def run_trl(num_rollout: int, work: Path) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0, memory = spawn("trl", [sys.executable, __file__, "--side-process", "trl", "--num-rollout", str(num_rollout),
+                               "--work", str(work)], work, env={**os.environ, "PYTHONPATH": str(ROOT)})
     m = json.loads((work / "trl_marks.json").read_text())
     ends = [e - t0 for e in m["step_end"]]
     begin = m["train_begin"] - t0
@@ -183,15 +188,7 @@ def run_rollflow(side: str, num_rollout: int, work: Path, extra: list[str]) -> d
     args = ["--config", "examples/demo.yaml", "--num-rollout", str(num_rollout), "--eval-prompt-data", "",
             *SIDES[side], "--work-dir", str(work / "w"), "--save", str(work / "ck"), "--save-interval", "1000",
             "--summary-json", str(work / "summary.json"), *extra]
-    t0 = time.time()
-    with open(work / "console.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT)
-        mem = TreeMemory(proc.pid)
-        rc = proc.wait()
-    memory = mem.stop()
-    if rc != 0:
-        raise SystemExit(f"{side}: rollflow train exited {rc}; see {work / 'console.log'}")
+    t0, memory = spawn(side, [sys.executable, "-m", "flows.cli", "train", *args], work)
     s = json.loads((work / "summary.json").read_text())
     h = s["history"]
     n = num_rollout
