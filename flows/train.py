@@ -27,6 +27,7 @@ from flows.params import CfgParam, SecretSafeFlow, flow_run_name, run_config
 def _rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
     """RL post-training. `config`: a RunConfig YAML file; `cfg`: a RunConfig, or flags overriding the file."""
     cfg = run_config(cfg, config)
+    ui.background_ephemeral_api()  # its event bookkeeping yields the cores to the engines and the trainer
     ui.diagnosis_first(not cfg.debug)  # the terminal shows a diagnosed failure as its diagnosis; the UI keeps all
     policy.set_flow_retries(cfg.flow_retries, cfg.flow_retry_delay)
     try:

@@ -43,6 +43,9 @@ class UIPublisher:
         self._q.put((what, contextvars.copy_context(), fn, args, kwargs))
 
     def _loop(self) -> None:
+        from engine.background import lower_this_thread
+
+        lower_this_thread()  # UI bookkeeping runs in the gaps the stages leave (engine/background.py)
         while True:
             item = self._q.get()
             try:
@@ -71,6 +74,23 @@ class UIPublisher:
     def close(self, timeout_s: float = 60.0) -> None:
         self.drain(timeout_s)
         self._q.put(None)
+
+
+def background_ephemeral_api() -> int:
+    """Lower the priority of the Prefect API server this process started (ephemeral mode, no PREFECT_API_URL): it
+    records task-run events and serves the UI, none of which the training loop waits for, so on a machine whose
+    cores are all busy it runs in the gaps (engine/background.py). A server given by PREFECT_API_URL is not
+    touched. Returns how many of its threads were lowered."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from engine.background import lower_process
+
+    lowered = 0
+    for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):
+        proc = getattr(server, "server_process", None)
+        if proc is not None and proc.poll() is None:
+            lowered += lower_process(proc.pid)
+    return lowered
 
 
 _current: UIPublisher | None = None

@@ -234,6 +234,88 @@ def test_background_mode_sends_off_the_callers_thread_and_drain_and_end_wait(tmp
     assert next(iter(fake.runs.values())).info.status == "FINISHED" and t.lost == {}
 
 
+def test_send_interval_batches_the_stages_writes_and_drain_sends_at_once(tmp_path):
+    """With send_interval the sender sends at most once per interval: the writes of several stages go out as one
+    log_batch (SQLite's per-batch cost is most of MLflow's); drain() does not wait for the interval."""
+    fake, clock = FakeMlflow(), Clock()
+    batches: list[int] = []
+    plain = fake.log_batch
+
+    def counting(run_id, metrics=(), *a, **k):
+        if metrics:
+            batches.append(len(metrics))
+        return plain(run_id, metrics, *a, **k)
+
+    t = make_tracker(tmp_path, fake, clock, background=True, send_interval=0.5)
+    t.start("r", None, tags={}, params={})
+    fake.log_batch = counting
+    t.log_metrics({"m": 0.0}, step=0)  # the first send goes out at once
+    deadline = time.monotonic() + 5
+    while not batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batches == [1]
+    for step in range(1, 6):  # within the interval: held, then sent together
+        t.log_metrics({"m": float(step)}, step=step)
+        time.sleep(0.02)
+    assert batches == [1]
+    deadline = time.monotonic() + 5
+    while len(batches) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batches == [1, 5]
+    t.log_metrics({"m": 6.0}, step=6)
+    t0 = time.monotonic()
+    assert t.drain() and time.monotonic() - t0 < 0.4  # a checkpoint does not wait for the interval
+    assert sorted(s for k, s, _ in fake.metrics if k == "m") == list(range(7))
+    t.end()
+
+
+def test_bookkeeping_threads_lower_only_their_own_priority():
+    """engine.background: the calling thread gets nice 10 (Linux); the process's other threads keep theirs."""
+    import os
+    import sys
+    import threading
+
+    from engine.background import BACKGROUND_NICE, lower_this_thread
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("thread priorities are set per thread on Linux only")
+    seen = {}
+
+    def body():
+        seen["ok"] = lower_this_thread()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    th = threading.Thread(target=body)
+    th.start()
+    th.join()
+    assert seen == {"ok": True, "nice": max(BACKGROUND_NICE, before)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_lower_process_lowers_every_thread_of_a_child_it_started():
+    """engine.background.lower_process (the ephemeral Prefect API server): all of the process's threads."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.background import BACKGROUND_NICE, lower_process
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread priorities: Linux only")
+    code = "import threading, time; [threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(2)]; print('up', flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) >= 3 and lower_process(child.pid) == len(tids)
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {BACKGROUND_NICE}
+        assert lower_process(2**22 + 12345) == 0  # no such process: nothing to do, no error
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_end_says_what_was_never_sent_and_keeps_artifact_copies(tmp_path):
     fake, clock = FakeMlflow(), Clock()
     fake.down = True

@@ -85,7 +85,7 @@ class Tracker:
     def __init__(self, uri: str, experiment_name: str, *, outbox: Path, artifact_location: str | None = None,
                  retry_interval: float = 30.0, max_buffered: int = 100_000,
                  client_factory: Callable[[str], Any] = _mlflow_client, clock: Callable[[], float] = time.monotonic,
-                 background: bool = False):
+                 background: bool = False, send_interval: float = 0.0):
         self.uri, self.experiment_name = uri, experiment_name
         self.safe_uri = redact_text(uri)
         self.artifact_location, self.retry_interval, self.max_buffered = artifact_location, retry_interval, max_buffered
@@ -114,7 +114,10 @@ class Tracker:
         self._lock = threading.RLock()
         # background: `flush()` only wakes a sender thread, which also runs `defer`red work (plots); the stages'
         # writes leave the critical path. `drain()` (before a checkpoint's marker) and `end()` wait for it.
-        self.background = background
+        # send_interval: the sender sends at most once per this many seconds (writes of several stages go out as
+        # one batch: SQLite's per-batch cost is most of MLflow's, measured); drain / end / a forced flush send now
+        self.background, self.send_interval = background, send_interval
+        self._last_send = float("-inf")
         self._jobs: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._sender: threading.Thread | None = None
@@ -212,12 +215,19 @@ class Tracker:
         self._wake.set()
 
     def _send_loop(self) -> None:
+        from engine.background import lower_this_thread
+
+        lower_this_thread()  # bookkeeping: it runs in the gaps left by the stages (engine/background.py)
         while True:
             self._wake.wait()
+            wait = self._last_send + self.send_interval - time.monotonic()
+            if wait > 0:  # gather what the next stages publish into the same batch
+                time.sleep(wait)
             self._wake.clear()
             with self._busy:
                 self._run_jobs()
                 self._flush_now()
+                self._last_send = time.monotonic()
 
     def _run_jobs(self) -> None:
         with self._lock:

@@ -22,6 +22,9 @@ from engine.tracking import artifacts as art
 from engine.tracking.secrets import redact
 from engine.tracking.system import SystemSampler
 
+#: seconds between the MLflow sender's batches during a run (a checkpoint and the end still send everything now)
+SEND_INTERVAL_S = 2.0
+
 
 def run_params(cfg: RunConfig) -> dict[str, Any]:
     """The flattened RunConfig with secrets redacted, plus the derived batch numbers (`derived/…`)."""
@@ -54,7 +57,8 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
     uri = default_tracking_uri(str(work_dir), cfg.mlflow_tracking_uri)
     tracker = Tracker(uri, cfg.experiment_name, outbox=work_dir / "mlflow-outbox" / f"{time.time_ns()}",
                       artifact_location=artifact_location_for(uri), retry_interval=cfg.mlflow_retry_interval,
-                      background=True)  # writes off the stages' critical path; drained before each checkpoint
+                      background=True, send_interval=SEND_INTERVAL_S)  # off the stages' critical path, in batches;
+    # drained before each checkpoint's marker and at the end
     save = cfg.save or ""
     if save and "://" not in save:
         save = str(Path(save).resolve())
