@@ -119,3 +119,67 @@ def test_varlen_attention_refuses_unpacked_calls(qwen2):
     _, packed = qwen2
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         packed(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def grpo_samples(seed: int, prompts=((6, (1, 5, 3, 8)), (4, (2, 7)), (9, (4,)))) -> list:
+    """Groups of samples that repeat their prompt (GRPO), of different response lengths, plus a lone sample;
+    one response has an untrained middle token and one sample is not trained at all."""
+    from engine.samples import Sample, Status
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gi, (p, resp) in enumerate(prompts):
+        prompt = torch.randint(0, 259, (p,), generator=g).tolist()
+        for r in resp:
+            toks = prompt + torch.randint(0, 259, (r,), generator=g).tolist()
+            out.append(Sample(index=len(out), group_index=gi, rollout_id=0, prompt="x", tokens=toks,
+                              response_length=r, loss_mask=[1] * r, rollout_log_probs=[-1.0] * r,
+                              status=Status.COMPLETED))
+    out[1].loss_mask[2] = 0  # a tool-output-like token inside a response: not trained, still attended to
+    out[5].status = Status.FAILED  # never trained: left out of the compact row
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_shared_prompts_give_the_per_sample_log_probs(family, request):
+    from engine.train.forward import shared_layout
+
+    ref, packed = request.getfixturevalue(family)
+    samples = grpo_samples(seed=7)
+    (mb,) = pack(samples, [[4, 0, 1, 6, 2, 3, 5]])  # group members need not be adjacent
+    keep = (mb.loss_mask > 0).nonzero().squeeze(-1)
+    layout = shared_layout(mb, keep)
+    assert layout is not None
+    # prompts 6 (4 samples) + 4 (one trained sample) + 9 (lone): each prompt once, the failed sample left out
+    assert layout.tokens.numel() == 6 + (1 + 5 + 3 + 8) + 4 + 2 + 9 + 4
+    assert layout.tokens.numel() < mb.num_tokens
+    with torch.no_grad():
+        lp, ent = packed_forward(packed, mb, share_prefix=True)
+        lp_plain, _ = packed_forward(packed, mb)
+        lp_ref, ent_ref = per_sample_reference(ref, mb)
+    assert float((lp - lp_ref).abs().max()) <= 1e-5
+    assert float((ent - ent_ref).abs().max()) <= 1e-5
+    assert float((lp - lp_plain).abs().max()) <= 1e-5
+    assert (lp[mb.loss_mask > 0] < 0).all() and float((lp * (1 - mb.loss_mask)).abs().max()) == 0.0
+
+
+def test_shared_prompts_give_the_per_sample_gradients(llama):
+    ref, packed = llama
+    samples = grpo_samples(seed=8)
+    (mb,) = pack(samples, [list(range(len(samples)))])
+    w = torch.randn(mb.num_tokens, generator=torch.Generator().manual_seed(0))  # a loss that weighs every token
+    packed.zero_grad()
+    lp, ent = packed_forward(packed, mb, share_prefix=True)
+    ((lp * w).sum() + ent.sum()).backward()
+    ref.zero_grad()
+    lp_r, ent_r = per_sample_reference(ref, mb)
+    ((lp_r * w).sum() + ent_r.sum()).backward()
+    for (name, p), q in zip(packed.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_no_shared_prompt_keeps_the_plain_layout():
+    from engine.train.forward import shared_layout
+
+    (mb,) = pack(fake_samples(LENGTHS, n=1, seed=9), [list(range(len(LENGTHS)))])  # every prompt different
+    assert shared_layout(mb, (mb.loss_mask > 0).nonzero().squeeze(-1)) is None

@@ -329,6 +329,42 @@ def test_recompute_activations_reruns_each_layer_in_the_backward_and_changes_not
     assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)  # names unchanged too
 
 
+def test_train_share_prefix_runs_each_prompt_once_and_takes_the_same_step(tiny_model):
+    """--train-share-prefix: two GRPO groups (4 samples repeating a 12-token prompt) in one micro-batch each; on,
+    the model sees each prompt once (fewer tokens) and the optimizer step is the same up to float rounding."""
+    from engine.diagnosis import ConfigError
+    from engine.samples import Sample, Status
+
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for gi in range(2):
+        prompt = torch.randint(0, 259, (12,), generator=g).tolist()
+        for r in (3, 9, 5, 7):
+            samples.append(Sample(index=len(samples), group_index=gi, rollout_id=0, prompt="x",
+                                  tokens=prompt + torch.randint(0, 259, (r,), generator=g).tolist(),
+                                  response_length=r, loss_mask=[1] * r, rollout_log_probs=[-2.0] * r,
+                                  reward=REWARDS[len(samples)], status=Status.COMPLETED))
+    out, seen = {}, {}
+    for mode in ("off", "on"):
+        w = make_worker(make_cfg(tiny_model, train_share_prefix=mode))
+        assert w.backend.share_prefix == (mode == "on")
+        seen[mode] = []
+        w.backend.model.model.embed_tokens.register_forward_hook(lambda m, i, o, k=mode: seen[k].append(i[0].numel()))
+        w.set_rollout([pack(samples, [[0, 1, 2, 3], [4, 5, 6, 7]])], REWARDS, need_ref=False)
+        out[mode] = (w.train_step(0, 8), {k: v.grad.clone() for k, v in w.backend.model.named_parameters()})
+    # two forwards (old log-probs, the step) of two micro-batches: each prompt 4 times, then once
+    assert seen["off"] == [4 * 12 + 3 + 9 + 5 + 7] * 4
+    assert seen["on"] == [12 + 3 + 9 + 5 + 7] * 4
+    assert out["on"][0]["grad_norm"] == pytest.approx(out["off"][0]["grad_norm"], rel=1e-5)
+    a, b = out["off"][1], out["on"][1]  # the step's gradients (Adam's first update is ~lr·sign(g): compare g)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert sum(float(v.abs().sum()) for v in a.values()) > 0
+    assert make_worker(make_cfg(tiny_model)).backend.share_prefix  # auto on the CPU
+    with pytest.raises(ConfigError, match="train-share-prefix"):
+        make_cfg(tiny_model, train_share_prefix="on", train_backend="megatron")
+
+
 def test_bf16_computes_in_bf16_over_fp32_master_weights(tiny_model):
     w = make_worker(make_cfg(tiny_model, bf16=True, lr=1e-2))
     seen = []

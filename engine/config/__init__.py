@@ -30,7 +30,8 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "ray_code", "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "log_samples_interval", "system_metrics_interval", "placement_timeout",
                 "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
-                "megatron_cuda_graphs", "offload_train", "recompute_activations", "update_weight_buffer_size",
+                "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
+                "update_weight_buffer_size",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change"}
 
 
@@ -51,6 +52,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     def _consistent(self) -> "RunConfig":
         self.batch  # raises an RF06 ConfigError with the working values
         self._async_consistent()
+        if self.train_share_prefix == "on" and self.train_backend != "torch":
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--train-share-prefix on with --train-backend {self.train_backend}: only the torch backend "
+                     "runs a shared prompt once",
+                fix="--train-share-prefix auto (off on this backend) or --train-backend torch",
+                facts={"field": "train_share_prefix", "value": "on"}))
         unknown = [f for f in self.allow_config_change if f.replace("-", "_") not in RESUME_FIXED]
         if unknown:
             from engine.diagnosis import ConfigError, Diagnosis

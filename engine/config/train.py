@@ -30,6 +30,13 @@ class TrainArgs(Section):
     """Activation checkpointing: keep only each decoder layer's input and recompute the layer in the backward pass
     (~1/3 more compute, activation memory of one layer instead of all)."""
 
+    train_share_prefix: Literal["auto", "on", "off"] = "auto"
+    """Torch backend: samples of a micro-batch that share their prompt (a GRPO group) run it once — the prompt's forward
+    and backward once per group, each response attending to it (the same log-probs and gradients up to float
+    rounding; engine/train/forward.py). auto: on where the attention is SDPA (CPU; fp32 on CUDA), off where it is the
+    flash-attention varlen kernel (CUDA with --bf16), which takes no such mask. on: everywhere (CUDA through SDPA with
+    a mask). The megatron backend does not share prompts (auto is off there; on is refused)."""
+
     offload_train: bool = False
     """Move the trainer's weights, gradients and optimizer state to CPU memory while the engines generate, and back
     for the train step (colocated runs on one GPU; torch backend)."""

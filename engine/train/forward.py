@@ -17,9 +17,20 @@ sample's tokens before it) comes from the hidden state at t − 1, via transform
 with loss_mask 0 are returned as 0. On CUDA the log-softmax and entropy read the model-precision logits in one
 compiled kernel (engine/train/packed_logprobs.fused_log_probs) instead of several fp32 [K, V] copies.
 
-Invariant (tests/test_forward.py): packed log-probs equal a plain per-sample forward within 1e-5 in float32.
+Shared prompts (`share_prefix`, --train-share-prefix): the n samples of a GRPO group repeat one prompt. Samples
+whose tokens before their first trained token are the same (the prompt) form a group, laid out as the prompt once,
+then each sample's remaining tokens (positions continue after the prompt); a sample's tokens attend to the prompt
+and to their own earlier tokens only (`shared_prefix_attention`). A causal model's hidden states of the prompt do
+not depend on what follows, so the log-probs are the same function of the weights and the gradient is the same
+sum; the prompt's forward and backward run once per group instead of once per sample (the CPU demo: 16 samples of
+~28 tokens, 450 tokens per micro-batch, become ~100).
+
+Invariant (tests/test_forward.py): packed log-probs equal a plain per-sample forward within 1e-5 in float32, with
+and without shared prompts (values and gradients).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +44,9 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Causal attention within each packed sample. query [1, H, T, D], key/value [1, Hkv, T, D] → [1, T, H, D]."""
+    shared = kwargs.get("rollflow_shared")
+    if shared is not None:  # a micro-batch laid out with shared prompts (shared_layout)
+        return shared_prefix_attention(query, key, value, shared, scaling, dropout), None
     if cu_seq_lens_q is None:
         raise ValueError("rollflow_varlen attention needs cu_seq_lens_q: call the model through packed_forward")
     if sliding_window:
@@ -89,6 +103,112 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.index_select(0, flat)[None]  # [1, T, H, D]
 
 
+@dataclass
+class SharedLayout:
+    """A micro-batch with each group's prompt laid out once: `rows` groups, each [prompt, suffix 1, suffix 2, …]."""
+    tokens: torch.Tensor  # [T'] the compact row
+    position_ids: torch.Tensor  # [T'] prompt 0..p-1, every suffix continuing at p
+    src: torch.Tensor  # [K] compact index of the hidden state that predicts each kept entry (keep's order)
+    cu: torch.Tensor  # [G+1] int32 group boundaries in the compact row
+    seg: torch.Tensor  # [T'] 0 on a group's prompt, j + 1 on its j-th suffix
+    original_tokens: int = 0  # T of the micro-batch it replaces
+    _mask: dict = field(default_factory=dict)  # device → [G, 1, L_max, L_max] bool, built once per forward
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """allowed[g, a, b]: compact token b is visible to token a of group g (b ≤ a, and b on the prompt or on
+        a's own suffix); padding rows see only themselves (no NaN rows in the softmax or its backward)."""
+        key = str(device)
+        if key not in self._mask:
+            lens = (self.cu[1:] - self.cu[:-1]).long()
+            G, lmax = lens.numel(), int(lens.max())
+            seg = torch.full((G, lmax), -1, dtype=torch.long)
+            for g in range(G):
+                seg[g, :int(lens[g])] = self.seg[int(self.cu[g]):int(self.cu[g + 1])]
+            a = torch.arange(lmax)
+            causal = a[None, :] <= a[:, None]  # [a, b]
+            same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # [G, a, b]
+            valid = seg >= 0  # [G, L]
+            allowed = causal[None] & same & valid[:, None, :] & valid[:, :, None]
+            allowed |= torch.eye(lmax, dtype=torch.bool)[None] & ~valid[:, :, None]
+            self._mask[key] = allowed[:, None].to(device)
+        return self._mask[key]
+
+
+#: shared prompts are used when the compact row is at most this share of the micro-batch's tokens
+SHARE_MIN_SAVING = 0.8
+
+
+def shared_layout(mb: MicroBatch, keep: torch.Tensor) -> SharedLayout | None:
+    """The compact layout of `mb` (keep: its trained entries, sorted), or None when no two samples share a prompt.
+
+    A sample's prompt is everything before its first trained token; samples with the same prompt tokens (and
+    starting position) form a group. Samples without a trained token are left out (nothing of theirs is read).
+    """
+    if keep.numel() == 0:
+        return None
+    cu = mb.cu_seqlens.long()
+    sample = torch.searchsorted(cu, keep, right=True) - 1  # [K] sample of each kept entry
+    offset = keep - cu[sample]  # [K] its position in the sample
+    S = cu.numel() - 1
+    first = torch.full((S,), -1, dtype=torch.long)
+    first.scatter_reduce_(0, sample, offset, reduce="amin", include_self=False)
+    groups: dict[tuple, list[int]] = {}
+    for i in sample.unique_consecutive().tolist():
+        a, p = int(cu[i]), int(first[i])
+        key = (p, int(mb.position_ids[a]), tuple(mb.tokens[a:a + p].tolist()))
+        groups.setdefault(key, []).append(i)
+    if len(groups) == sample.unique_consecutive().numel():
+        return None  # no prompt is shared
+    toks, pos, segs, cu_c = [], [], [], [0]
+    base = torch.empty(S, dtype=torch.long)  # compact index of sample i's first suffix token
+    last = torch.empty(S, dtype=torch.long)  # compact index of its prompt's last token
+    prompt_len = torch.empty(S, dtype=torch.long)
+    for (p, _, _), members in groups.items():
+        a0 = int(cu[members[0]])
+        start = cu_c[-1]
+        toks.append(mb.tokens[a0:a0 + p])
+        pos.append(mb.position_ids[a0:a0 + p])
+        segs.append(torch.zeros(p, dtype=torch.long))
+        n = p
+        for j, i in enumerate(members):
+            a, e = int(cu[i]), int(cu[i + 1])
+            base[i], last[i], prompt_len[i] = start + n, start + p - 1, p
+            toks.append(mb.tokens[a + p:e])
+            pos.append(mb.position_ids[a + p:e])
+            segs.append(torch.full((e - a - p,), j + 1, dtype=torch.long))
+            n += e - a - p
+        cu_c.append(start + n)
+    if cu_c[-1] > SHARE_MIN_SAVING * mb.num_tokens:
+        return None
+    # entry t of sample i is predicted by the hidden state at t - 1: the prompt's last token when t = p
+    src = torch.where(offset == prompt_len[sample], last[sample], base[sample] + offset - 1 - prompt_len[sample])
+    return SharedLayout(tokens=torch.cat(toks), position_ids=torch.cat(pos), src=src,
+                        cu=torch.tensor(cu_c, dtype=torch.int32), seg=torch.cat(segs),
+                        original_tokens=mb.num_tokens)
+
+
+def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedLayout,
+                            scaling: float | None, dropout: float) -> torch.Tensor:
+    """Attention over a SharedLayout row: each group a padded row [G, H, L_max, D], one SDPA call with the
+    layout's mask. query [1, H, T', D], key/value [1, Hkv, T', D] → [1, T', H, D]."""
+    dev = query.device
+    cu = layout.cu.to(dev).long()
+    lens = cu[1:] - cu[:-1]
+    G, lmax, T = lens.numel(), int(lens.max()), query.shape[2]
+    row = torch.repeat_interleave(torch.arange(G, device=dev), lens)  # [T'] group of each token
+    flat = row * lmax + (torch.arange(T, device=dev) - cu[row])  # [T'] its slot in [G·L_max]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [1, H, T', D] → [G, H, L_max, D]
+        h, d = x.shape[1], x.shape[3]
+        rows = x.new_zeros(G * lmax, h, d).index_copy(0, flat, x[0].transpose(0, 1))
+        return rows.view(G, lmax, h, d).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=layout.mask(dev),
+                                         scale=scaling, dropout_p=dropout, enable_gqa=True)  # [G, H, L_max, D]
+    out = out.transpose(1, 2).reshape(G * lmax, out.shape[1], out.shape[3])
+    return out.index_select(0, flat)[None]  # [1, T', H, D]
+
+
 def use_varlen_attention(model) -> None:
     """Register `varlen_attention` with transformers and switch `model` (a PreTrainedModel) to it."""
     from transformers import AttentionInterface
@@ -114,12 +234,13 @@ def hidden_states(body, mb: MicroBatch) -> torch.Tensor:
 
 
 def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bool = False,
-                   entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   entropy_grad: bool = True, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [T], entropy [T]) at the rollout temperature, on the model's device; 0 where loss_mask is 0.
 
     log π(tokens[t] | sample prefix) = log_softmax(logits[t−1] / temperature)[tokens[t]];
     entropy H_t = −Σ_v p_v log p_v of that same distribution. `fused` (CUDA): one compiled kernel over the
     model-precision logits; entropy_grad=False leaves the entropy out of the backward (a metric only).
+    share_prefix: the samples' shared prompts run once (shared_layout), where any are shared.
     """
     keep = (mb.loss_mask > 0).nonzero().squeeze(-1)  # [K] entries whose token is trained
     if keep.numel() and bool((mb.position_ids[keep] == 0).any()):
@@ -129,12 +250,21 @@ def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bo
     ent = torch.zeros(mb.num_tokens, device=dev)
     if keep.numel() == 0:
         return lp, ent
-    cu = mb.cu_seqlens.to(device=dev, dtype=torch.int32)
+    layout = shared_layout(mb, keep) if share_prefix else None
     tokens = mb.tokens.to(dev)
-    keep = keep.to(dev)
-    out = model(input_ids=tokens[None], position_ids=mb.position_ids[None].to(dev), use_cache=False,
-                cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=mb.max_seqlen, max_length_k=mb.max_seqlen,
-                logits_to_keep=keep - 1)
+    if layout is not None:
+        cu = layout.cu.to(device=dev)
+        lmax = int((layout.cu[1:] - layout.cu[:-1]).max())
+        out = model(input_ids=layout.tokens[None].to(dev), position_ids=layout.position_ids[None].to(dev),
+                    use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=lmax, max_length_k=lmax,
+                    logits_to_keep=layout.src.to(dev), rollflow_shared=layout)
+        keep = keep.to(dev)
+    else:
+        cu = mb.cu_seqlens.to(device=dev, dtype=torch.int32)
+        keep = keep.to(dev)
+        out = model(input_ids=tokens[None], position_ids=mb.position_ids[None].to(dev), use_cache=False,
+                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=mb.max_seqlen, max_length_k=mb.max_seqlen,
+                    logits_to_keep=keep - 1)
     if fused:
         from engine.train.packed_logprobs import fused_log_probs
 

@@ -82,6 +82,9 @@ class TorchBackend:
         self.ref = None
         self.last_log_probs: list[torch.Tensor] | None = None  # the last train step's forward, per micro-batch
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
+        # shared prompts run once (engine/train/forward.py); auto leaves CUDA half precision to the flash kernel
+        self.share_prefix = cfg.train_share_prefix == "on" or (cfg.train_share_prefix == "auto"
+                                                              and not (self.cuda and cfg.bf16))
         trained = self.masters.masters if self.masters else self.model.parameters()
         self.optimizer, self.scheduler = make_optimizer(trained, cfg, lr=cfg.lr, train_iters=train_iters,
                                                         fused=self.cuda)
@@ -130,7 +133,8 @@ class TorchBackend:
         """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy or the reference,
         on the CPU."""
         model = self._ref_model() if ref else self.model
-        return [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda)[0].cpu() for mb in mbs]
+        return [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
+                               share_prefix=self.share_prefix)[0].cpu() for mb in mbs]
 
     # ---- one optimizer step -------------------------------------------------------------------------------
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor] | None,
@@ -159,7 +163,7 @@ class TorchBackend:
         seen: list[torch.Tensor] = []
         for j, mb in enumerate(mbs):
             lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
-                                     entropy_grad=entropy_grad)  # [T], [T]
+                                     entropy_grad=entropy_grad, share_prefix=self.share_prefix)  # [T], [T]
             mask = mb.loss_mask.to(dev)
             old = old_log_probs[j].to(dev) if old_log_probs is not None else lp.detach()
             seen.append(lp.detach())
