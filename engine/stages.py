@@ -949,13 +949,16 @@ def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 
     return {"sync/probe_mismatch": max(means, default=0.0)}
 
 
-def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None) -> dict[str, float]:
+def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, loaded: Any = None
+         ) -> dict[str, float]:
     """Trainer → every serving engine: weights of version rollout_id + 1 (a restarting engine waits for the lock
     and then gets them from its resync), then the RF14 probe; with --offload-train the trainer then leaves the GPU.
     pause (--partial-rollout with a rollout in flight): the engines abort what they generate and hold new requests
     (/pause_generation) until the new weights are in (/continue_generation); the rollout continues its samples.
     exported (a threading.Event, --async-mode): set once the trainer is done with its part (its probe scores, its
-    weights handed over), so the next train step can start while the engines load and answer the probe."""
+    weights handed over), so the next train step can start while the engines load and answer the probe.
+    loaded (a threading.Event, --async-mode): set once every engine serves the new version, before the probe, so the
+    next rollout can start while the probe runs (a failed probe fails the run before that rollout is trained)."""
     t0 = time.perf_counter()
     version = rollout_id + 1
     paused = {}
@@ -974,6 +977,8 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None) -
         finally:
             if pause:
                 run.engines.continue_generation()
+    if loaded is not None:
+        loaded.set()
     out.update(paused)
     out.update(probe_engines(run, version, reference))
     if exported is not None:

@@ -53,8 +53,9 @@ def _async_loop(t, r, run, start: int, progress) -> None:
     weights of version ≥ j − K (version v = the weights after v train steps), so every sample of rollout j is at
     most K versions older than the step that trains it (stages.staleness_guard enforces it). The engines get the
     newest weights whenever no rollout is in flight (generation never runs on half-updated weights): the trainer
-    does its part of the sync first (probe scores, weights handed over), then trains on while the engines load
-    them; the rollouts that need that version wait for the sync (Prefect `wait_for`). With --partial-rollout the
+    does its part of the sync first (probe scores, weights handed over), the engines load them, and then the
+    trainer trains on while the rollouts that need that version start next to the sync's RF14 probe (a failed
+    probe fails the run at the next rollout id, before anything generated after it is trained). With --partial-rollout the
     sync comes right after each step instead: the engines pause (abort) what they generate, take the weights and
     continue, and the rollout continues those samples under the new version; the checkpoint saved next keeps how
     far they got. Each id still has one rollout-{id}, pack-{id} and train-{id} task; a sync is named by the step
@@ -72,9 +73,10 @@ def _async_loop(t, r, run, start: int, progress) -> None:
         return pending[1] if pending else run.state.weight_version
 
     def launch() -> None:
+        """The rollouts the served version allows (a pending sync's weights are loaded: start_sync waited)."""
         nonlocal launched
         while launched < N and launched - K <= served():
-            inflight[launched] = t.rollout.submit(r, launched, wait_for=[pending[0]] if pending else None)
+            inflight[launched] = t.rollout.submit(r, launched)
             launched += 1
 
     def settle() -> None:
@@ -86,15 +88,20 @@ def _async_loop(t, r, run, start: int, progress) -> None:
 
     def start_sync(trained: int, pause: bool = False) -> None:
         """The weights after `trained` steps to the engines, overlapping the next train step: returns once the
-        trainer's part is done (pending until the engines have them); then any evaluation due at that version."""
+        engines serve them (the sync stays pending until its RF14 probe is done); then any evaluation due at that
+        version."""
         nonlocal pending
         settle()
         stopping.check()
-        exported = threading.Event()
-        fut = t.sync.submit(r, trained - 1, pause=pause, exported=exported)
-        while not exported.wait(1.0):  # set by the sync stage once the trainer is free (a retry sets it too)
-            if fut.state.is_final():  # failed for good: settle() raises its error
-                break
+        exported, loaded = threading.Event(), threading.Event()
+        fut = t.sync.submit(r, trained - 1, pause=pause, exported=exported, loaded=loaded)
+        # the trainer's part (exported) and the engines' load (loaded) are done: set by the sync stage, a retry too.
+        # The process's first probe scores the engines' samples on the trainer, so `exported` waits for it.
+        for done in (loaded, exported):
+            while not done.wait(1.0):
+                if fut.state.is_final():
+                    fut.result()  # failed for good: its error (a sync that succeeded set both)
+                    break
         pending = (fut, trained)
         if stages.should_eval(cfg, trained - 1) and trained < N:
             settle()
