@@ -259,6 +259,11 @@ def progress_bar(cfg: RunConfig, start: int) -> tqdm:
                 dynamic_ncols=True)
 
 
+#: a card is updated at most once per this many seconds while the run trains (the newest content wins; close()
+#: publishes what is still pending): each update is an HTTP call and a database write on the Prefect API
+UI_INTERVAL_S = 2.0
+
+
 class Progress:
     """What the run shows while it trains, each one card updated in place: `progress` (rollouts done), `summary`
     (the run so far and the last rollout), `samples` (the last rollout's samples); and the terminal bar."""
@@ -270,11 +275,27 @@ class Progress:
                                                  key=artifact_key(cfg, "progress"), description="rollouts done")
         first = summary_markdown(run, "training", start - 1 if start else None)
         self.summary = create_markdown_artifact(key=artifact_key(cfg, "summary"), markdown=first,
-                                                description="the run so far (updated every rollout)")
+                                                description="the run so far (updated as it trains)")
         self.samples = None
         self.bar = progress_bar(cfg, start)
+        self._pending: dict[str, tuple] = {}  # card → the newest (what, fn, args) not yet submitted
+        self._last: dict[str, float] = {}  # card → monotonic time of its last submission
         global _progress
         _progress = self
+
+    def _publish(self, card: str, fn: Callable[..., Any], *args) -> None:
+        """Update `card` now, or keep the newest content for later when it was updated < UI_INTERVAL_S ago."""
+        self._pending[card] = (card, fn, args)
+        now = time.monotonic()
+        if now - self._last.get(card, float("-inf")) >= UI_INTERVAL_S:
+            self._last[card] = now
+            what, fn, args = self._pending.pop(card)
+            publisher().submit(what, fn, *args)
+
+    def _flush(self) -> None:
+        for what, fn, args in self._pending.values():
+            publisher().submit(what, fn, *args)
+        self._pending.clear()
 
     def rollout(self, batch) -> None:
         """The rollout's samples into the `samples` card (created by the first rollout)."""
@@ -285,14 +306,14 @@ class Progress:
             self.samples = create_table_artifact(key=artifact_key(self.run.cfg, "samples"), table=rows,
                                                  description=what)
         else:
-            publisher().submit("samples", _update, self.samples, TableArtifact(table=rows).format(), what)
+            self._publish("samples", _update, self.samples, TableArtifact(table=rows).format(), what)
 
     def done(self, rollout_id: int) -> None:
         run = self.run
         if run.state.loop_started:  # seconds into the loop when each rollout id finished training (bench/async.py)
             run.state.done_at[rollout_id] = time.perf_counter() - run.state.loop_started
-        publisher().submit("progress", update_progress_artifact, self.artifact, 100.0 * (rollout_id + 1) / self.total)
-        publisher().submit("summary", _update, self.summary, summary_markdown(run, "training", rollout_id))
+        self._publish("progress", update_progress_artifact, self.artifact, 100.0 * (rollout_id + 1) / self.total)
+        self._publish("summary", _update, self.summary, summary_markdown(run, "training", rollout_id))
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{run.history['rollout/reward_mean'][rollout_id]:.3f}",
                              loss=f"{run.history['train/loss'][rollout_id]:.3g}")
@@ -301,6 +322,8 @@ class Progress:
         global _progress
         _progress = None
         self.bar.close()
+        self._pending.pop("summary", None)  # replaced by the final one below
+        self._flush()
         last = max(self.run.history.get("rollout/reward_mean", {}), default=None)
         publisher().submit("summary", _update, self.summary, summary_markdown(self.run, state, last))
 

@@ -665,3 +665,47 @@ def test_an_artifact_that_cannot_be_staged_is_counted_not_raised(tmp_path):
     with pytest.warns(TrackingWarning, match="config.yaml not staged"):
         t.log_text("a: 1\n", "config.yaml")
     assert t.lost == {"artifacts": 1} and fake.artifacts == {}
+
+
+def test_ui_cards_are_updated_at_most_every_interval_and_close_publishes_the_newest(monkeypatch):
+    """plumbing.ui.Progress: a card updated again within UI_INTERVAL_S keeps only its newest content, which the
+    next update after the interval (or close) publishes; nothing is lost, fewer API calls are made."""
+    from plumbing import ui
+
+    sent = []
+    monkeypatch.setattr(ui, "publisher", lambda: SimpleNamespace(submit=lambda what, fn, *a: sent.append((what, a))))
+    clock = [100.0]
+    monkeypatch.setattr(ui.time, "monotonic", lambda: clock[0])
+    p = object.__new__(ui.Progress)
+    p._pending, p._last = {}, {}
+    for i in range(5):  # five rollouts 0.4 s apart: the first goes out, the rest wait for the interval
+        p._publish("progress", None, i)
+        clock[0] += 0.4
+    assert sent == [("progress", (0,))]
+    clock[0] += ui.UI_INTERVAL_S
+    p._publish("progress", None, 5)
+    assert sent[-1] == ("progress", (5,)) and len(sent) == 2  # the newest, not 1..4
+    p._publish("progress", None, 6)
+    p._flush()
+    assert sent[-1] == ("progress", (6,)) and p._pending == {}
+
+
+def test_plots_are_drawn_at_most_once_per_interval(tmp_path, monkeypatch):
+    from engine.config import RunConfig
+    from engine.tracking import record
+
+    fake, clock = FakeMlflow(), Clock()
+    t = make_tracker(tmp_path, fake, clock)
+    t.start("r", None, tags={}, params={})
+    drawn = []
+    monkeypatch.setattr(record, "log_plots", lambda tracker, history: drawn.append(sorted(history)))
+    now = [1000.0]
+    monkeypatch.setattr(record.time, "monotonic", lambda: now[0])
+    cfg = RunConfig(log_samples_interval=1, num_rollout=10)
+    for i in range(4):
+        record.log_rollout(t, cfg, i, [], {"rollout/reward_mean": {i: 0.5}})
+        now[0] += 10.0
+    assert len(drawn) == 1  # rollouts 1-3 came within PLOT_INTERVAL_S of the first drawing
+    now[0] += record.PLOT_INTERVAL_S
+    record.log_rollout(t, cfg, 4, [], {"rollout/reward_mean": {4: 0.5}})
+    assert len(drawn) == 2
