@@ -7,8 +7,11 @@ the cost of a step does not depend on their values), bf16, batch 64, 128 prompt 
 every row runs all 128 steps), T = 1:
 
 - `engine_sampling`: `engine.rollout.generation.Generator.generate` as a rollout calls it (per-row seeds, the
-  counter-based GPU sampler of engine/rollout/sampling.py, log-probs of every token);
+  counter-based GPU sampler of engine/rollout/sampling.py, log-probs of every token), decoding through its CUDA
+  graphs over a preallocated cache (engine/rollout/cuda_graphs.py);
 - `engine_greedy`: the same, temperature 0;
+- `engine_sampling_eager` / `engine_greedy_eager`: the engine with `cuda_graphs=False` (SGLang's
+  --disable-cuda-graph): the eager loop over a growing cache, as before;
 - `hf_sampling`: transformers `model.generate(do_sample=True, top_k=0)` on the same model and batch;
 - `hf_static_cache_sampling`: the same with `cache_implementation="static"` (transformers compiles that decode
   step: a preallocated cache and CUDA graphs, the library's answer to issue 17's item 1).
@@ -51,6 +54,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compiled", action="store_true", help="also the engine with its decode step compiled "
+                                                            "(SGLang's --enable-torch-compile)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_engine_decode.json"))
     a = p.parse_args()
 
@@ -76,16 +81,50 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, SHAPE["vocab_size"] - 100, (B, P), generator=g).tolist()
     gen = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda")
+    gen_eager = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", cuda_graphs=False)
+    assert gen.graphs is not None and gen_eager.graphs is None
+    gen_compiled = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", compile_decode=True) \
+        if a.compiled else None
 
-    def engine(n: int, temperature: float) -> float:
-        reqs = [GenRequest(rid=f"r{i}", input_ids=prompts[i], max_new_tokens=n, temperature=temperature,
+    def reqs_of(n: int, temperature: float) -> list:
+        return [GenRequest(rid=f"r{i}", input_ids=prompts[i], max_new_tokens=n, temperature=temperature,
                            ignore_eos=True, seed=1000 + i) for i in range(B)]
+
+    def engine(n: int, temperature: float, g=gen) -> float:
+        reqs = reqs_of(n, temperature)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = gen.generate(reqs)
+        out = g.generate(reqs)
         torch.cuda.synchronize()
         assert all(len(r.output_ids) == n for r in out), "a row stopped early"
         return time.perf_counter() - t
+
+    def teacher_forced_gap(outs) -> float:
+        """max |engine log-prob − a fresh full forward's| over the first 8 rows' tokens (bf16 both)."""
+        worst = 0.0
+        with torch.no_grad():
+            for r in outs[:8]:
+                seq = torch.tensor([r.input_ids + r.output_ids], device="cuda")
+                logp = torch.log_softmax(model(seq).logits[0].float(), -1)[len(r.input_ids) - 1:-1]
+                direct = logp.gather(-1, torch.tensor(r.output_ids, device="cuda")[:, None]).squeeze(-1)
+                worst = max(worst, float((direct - torch.tensor(r.logprobs, device="cuda")).abs().max()))
+        return worst
+
+    # the graphs against the eager loop on the same rows and seeds: the same draws up to the logits' rounding
+    # (random weights give nearly flat distributions, so rounding flips tokens often); both checked against a
+    # teacher-forced forward of what they generated
+    agree = {}
+    for name, temp in (("greedy", 0.0), ("sampling", 1.0)):
+        ea, gr = gen_eager.generate(reqs_of(N, temp)), gen.generate(reqs_of(N, temp))
+        same = [x.output_ids == y.output_ids for x, y in zip(ea, gr)]
+        prefix = [next((k for k, (u, v) in enumerate(zip(x.output_ids, y.output_ids)) if u != v), N)
+                  for x, y in zip(ea, gr)]
+        dlp = max(abs(u - v) for x, y, k in zip(ea, gr, prefix) for u, v in zip(x.logprobs[:k], y.logprobs[:k]))
+        agree[name] = {"rows_identical": sum(same), "rows": B, "mean_identical_prefix": statistics.mean(prefix),
+                       "max_abs_logprob_diff_on_common_prefix": round(dlp, 5),
+                       "teacher_forced_max_abs_diff_eager": round(teacher_forced_gap(ea), 5),
+                       "teacher_forced_max_abs_diff_graphs": round(teacher_forced_gap(gr), 5)}
+        print(f"graphs vs eager, {name}: {agree[name]}", flush=True)
 
     ids = torch.tensor(prompts, device="cuda")
     mask = torch.ones_like(ids)
@@ -100,7 +139,11 @@ def main() -> int:
         assert out.shape[1] == P + n
         return time.perf_counter() - t
 
-    runs = {"engine_sampling": lambda n: engine(n, 1.0), "engine_greedy": lambda n: engine(n, 0.0), "hf_sampling": hf,
+    runs = {"engine_sampling": lambda n: engine(n, 1.0), "engine_greedy": lambda n: engine(n, 0.0),
+            "engine_sampling_eager": lambda n: engine(n, 1.0, gen_eager),
+            "engine_greedy_eager": lambda n: engine(n, 0.0, gen_eager),
+            **({"engine_sampling_compiled": lambda n: engine(n, 1.0, gen_compiled)} if gen_compiled else {}),
+            "hf_sampling": hf,
             # transformers' static KV cache, whose decode step generate compiles (CUDA graphs): what the library
             # gives against writing it (issue 17)
             "hf_static_cache_sampling": lambda n: hf(n, cache_implementation="static")}
@@ -124,10 +167,16 @@ def main() -> int:
            "step_bytes": step_bytes, "floor_ms_at_4.24TBps": round(floor_ms, 4),
            "floor_ms_at_4.8TBps": round(step_bytes / HBM_PEAK * 1e3, 4), "runs": res,
            "floor_ratio": round(res["engine_sampling"]["ms_per_step"] / floor_ms, 1),
-           "engine_vs_hf_sampling": round(res["hf_sampling"]["ms_per_step"] / res["engine_sampling"]["ms_per_step"], 3)}
+           "engine_vs_hf_sampling": round(res["hf_sampling"]["ms_per_step"] / res["engine_sampling"]["ms_per_step"], 3),
+           "engine_vs_hf_static_cache": round(res["hf_static_cache_sampling"]["ms_per_step"]
+                                              / res["engine_sampling"]["ms_per_step"], 3),
+           "graphs_vs_eager_speedup": round(res["engine_sampling_eager"]["ms_per_step"]
+                                            / res["engine_sampling"]["ms_per_step"], 3),
+           "graphs_vs_eager_agreement": agree, "graphs_captured": gen.graphs.captures}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k] for k in ("floor_ms_at_4.24TBps", "floor_ratio", "engine_vs_hf_sampling")}))
+    print(json.dumps({k: out[k] for k in ("floor_ms_at_4.24TBps", "floor_ratio", "engine_vs_hf_sampling",
+                                          "engine_vs_hf_static_cache", "graphs_vs_eager_speedup")}))
     return 0
 
 

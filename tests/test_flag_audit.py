@@ -164,6 +164,7 @@ FLAG_TESTS = {
     "mlflow_timeout": "test_tracking_flow.py::test_run_with_mlflow_down_throughout_still_trains_and_says_what_was_lost",
     "mlflow_retry_interval":
         "test_tracking_flow.py::test_run_started_while_mlflow_was_down_trains_and_delivers_everything",
+    "mlflow_send_interval": "test_tracking.py::test_mlflow_send_interval_reaches_the_runs_tracker",
     "log_samples_interval": "test_flag_wiring.py::test_log_samples_interval",
     "system_metrics_interval":
         "test_tracking_flow.py::test_run_started_while_mlflow_was_down_trains_and_delivers_everything",

@@ -107,3 +107,57 @@ def test_the_device_sampling_path_of_the_engine(tiny_model):
             logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
         direct = logp[len(r.input_ids) - 1:-1].gather(-1, torch.tensor(r.output_ids)[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(r.logprobs), direct, atol=1e-4)
+
+
+def test_a_device_step_counter_draws_the_same_uniforms_and_known_filters_the_same_tokens():
+    """What a CUDA graph uses: the step as an int64 tensor (the same bits as the int), and the filter shape passed
+    in instead of read from the tensors (the same tokens)."""
+    seeds = torch.tensor([0, 1, 2**61 + 5, 12345])
+    for step in (0, 1, 7, 2**40 + 3):
+        assert torch.equal(counter_uniform(seeds, step), counter_uniform(seeds, torch.tensor([step])))
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 50, generator=g)
+    knobs = {"temperature": torch.tensor([1.0, 0.7, 0.0, 1.3]), "top_p": torch.tensor([1.0, 0.6, 1.0, 0.9]),
+             "top_k": torch.tensor([-1, 5, -1, 12])}
+    u = counter_uniform(seeds, 3)
+    assert torch.equal(sample_tokens(logits, uniforms=u, **knobs),
+                       sample_tokens(logits, uniforms=u, filters=(True, 12, True), **knobs))
+
+
+def test_the_graph_decode_logic_equals_the_eager_loop_on_the_cpu(tiny_model):
+    """engine/rollout/cuda_graphs.py without the capture (the CPU cannot capture): a preallocated cache written at
+    the step's slot, a 4D mask, the sampler's step on the device. Same tokens and log-probs as the eager loop for
+    left-padded prompts of different lengths, padding rows, greedy and sampled rows, a top-k row, a stop token."""
+    from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+    from engine.rollout.cuda_graphs import GraphDecoder
+    from engine.rollout.generation import GenRequest, Generator
+
+    tok = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model).eval()
+    eager = Generator(model, tok, eos_token_ids(tiny_model, tok))
+    eager.on_gpu = True  # the device sampler, on the CPU
+    graphed = Generator(model, tok, eos_token_ids(tiny_model, tok))
+    graphed.on_gpu = True
+    graphed.graphs = GraphDecoder(model, graphed._cache_kw, capture=False)
+    prompts = [tok(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+               for q in ("57+38=", "3+4=", "120-99=")]
+    reqs = [GenRequest(rid=f"r{i}", input_ids=prompts[i % 3], max_new_tokens=8, seed=100 + i,
+                       temperature=0.0 if i == 1 else 1.0, top_k=3 if i == 2 else -1) for i in range(5)]
+    a, b = eager.generate(reqs), graphed.generate(reqs)  # 5 rows: a bucket of 8, 3 padding rows
+    assert graphed.graphs.graphs and next(iter(graphed.graphs.graphs))[:2] == (8, 256)
+    for x, y in zip(a, b):
+        assert x.output_ids == y.output_ids and x.finish_reason == y.finish_reason
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    assert {r.finish_reason["type"] for r in b} <= {"stop", "length"} and any(len(r.output_ids) > 1 for r in b)
+    again = graphed.generate(reqs[:4] + reqs[:2])  # 6 rows, same bucket and filters: the same graph, reused
+    assert [r.output_ids for r in again] == [r.output_ids for r in a[:4] + a[:2]]
+    assert len(graphed.graphs.graphs) == 1
+    graphed.generate(reqs[:3])  # 3 rows: a bucket of 4, a second shape
+    assert [k[0] for k in graphed.graphs.graphs] == [8, 4]
+    # weights that moved (a release and resume of GPU memory re-allocates them): every graph is dropped and
+    # captured again over the new addresses, with the same results
+    for p in model.parameters():
+        p.data = p.data.clone()
+    moved = graphed.generate(reqs)
+    assert [k[0] for k in graphed.graphs.graphs] == [8] and graphed.graphs.captures == 0  # (no capture on CPU)
+    assert [r.output_ids for r in moved] == [r.output_ids for r in a]

@@ -709,3 +709,18 @@ def test_plots_are_drawn_at_most_once_per_interval(tmp_path, monkeypatch):
     now[0] += record.PLOT_INTERVAL_S
     record.log_rollout(t, cfg, 4, [], {"rollout/reward_mean": {4: 0.5}})
     assert len(drawn) == 2
+
+
+def test_mlflow_send_interval_reaches_the_runs_tracker(tmp_path):
+    """--mlflow-send-interval: the run's tracker (engine/tracking/record.open_tracking, a SQLite store) batches at
+    that interval; 0 sends after every stage."""
+    from engine.tracking.record import open_tracking
+
+    for interval in (0.0, 5.0):
+        cfg = RunConfig(mlflow_send_interval=interval, experiment_name="interval",
+                        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        t = open_tracking(cfg, work_dir=tmp_path, resume=None, flow_run_id=None, flow_run_url=None)
+        try:
+            assert t.background and t.send_interval == interval
+        finally:
+            t.end()

@@ -35,7 +35,7 @@ def tiny_yaml(tmp_path: Path, **over) -> Path:
     cfg = dict(prompt_data=BUNDLED_TRAIN, eval_prompt_data="", apply_chat_template=True, rollout_batch_size=4,
                n_samples_per_prompt=4, num_rollout=4, rollout_max_response_len=8, micro_batch_size=4, lr=1e-4,
                work_dir=str(tmp_path / "work"), experiment_name="cmp", progress=False, log_samples_interval=2,
-               system_metrics_interval=1.0, num_cpus=2)
+               system_metrics_interval=1.0, num_cpus=2, mlflow_send_interval=0)  # records reach MLflow at once
     cfg.update(over)
     p = tmp_path / f"{over.get('run_name', 'run')}.yaml"
     p.write_text(json.dumps(cfg))  # JSON is YAML

@@ -25,8 +25,13 @@ class TrackingArgs(Section):
     mlflow_retry_interval: float = Field(30.0, ge=0)
     """While MLflow is unreachable, data is buffered and MLflow is tried again at most every this many seconds."""
 
+    mlflow_send_interval: float = Field(2.0, ge=0)
+    """Seconds between the MLflow sender's batches during a run (the writes of several fast iterations go out as one;
+    0 = send after every stage). A checkpoint and the end of the run send everything at once whatever this is."""
+
     log_samples_interval: int = Field(10, ge=0)
-    """Every N rollouts (and the last) log the rollout's samples as JSONL and redraw the plots in MLflow (0 = off)."""
+    """Every N rollouts (and the last) log the rollout's samples as JSONL and redraw the plots in MLflow (plots at
+    most once a minute; 0 = off)."""
 
     system_metrics_interval: float = Field(10.0, ge=0)
     """Seconds between system metric samples (CPU, memory; GPU when present) logged to MLflow (0 = off)."""

@@ -29,6 +29,8 @@ class EngineSpec:
     max_batch: int = 256  # the built-in engine's most rows per batch (--sglang-max-running-requests)
     api_key: str | None = None  # the run's engine token: every client of these engines sends it (SGLang's --api-key)
     weight_dirs: list[str] = field(default_factory=list)  # where /update_weights_from_disk may load from
+    cuda_graphs: bool = True  # the built-in engine decodes through CUDA graphs on a GPU (--sglang-disable-cuda-graph)
+    compile_decode: bool = False  # ... with its decode step compiled (--sglang-enable-torch-compile)
 
 
 class EngineActor:
@@ -82,7 +84,8 @@ class EngineActor:
         state = EngineState(self.spec.model_path, device=device, dtype=self.spec.dtype, threads=self.spec.threads,
                             max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic,
                             max_batch=self.spec.max_batch, api_key=self.spec.api_key,
-                            weight_dirs=self.spec.weight_dirs)
+                            weight_dirs=self.spec.weight_dirs, cuda_graphs=self.spec.cuda_graphs,
+                            compile_decode=self.spec.compile_decode)
         self.state = state
         for attempt in range(3):  # a port checked free can be taken before the bind (another cluster on the node)
             (port,) = self._ports(node, 1)

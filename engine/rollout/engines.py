@@ -209,4 +209,6 @@ def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool, api_key
                       dtype=cfg.engine_dtype("cuda" if on_gpu else "cpu"),
                       max_batch=int(cfg.sglang_args.get("max-running-requests", 256)),
                       api_key=str(cfg.sglang_args["api-key"]) if cfg.sglang_args.get("api-key") else api_key,
-                      weight_dirs=[str(Path(cfg.work_dir).resolve() / "weights")])
+                      weight_dirs=[str(Path(cfg.work_dir).resolve() / "weights")],
+                      cuda_graphs=not cfg.sglang_args.get("disable-cuda-graph"),
+                      compile_decode=bool(cfg.sglang_args.get("enable-torch-compile")))

@@ -99,9 +99,14 @@ class AbortBook:
 class Generator:
     """Owns the served model; `generate` is called from one thread at a time (the scheduler's)."""
 
-    def __init__(self, model, tokenizer, eos_ids: list[int], device: str = "cpu"):
+    def __init__(self, model, tokenizer, eos_ids: list[int], device: str = "cpu", cuda_graphs: bool = True,
+                 compile_decode: bool = False):
         self.model, self.tokenizer, self.eos_ids, self.device = model, tokenizer, list(eos_ids), device
         self.on_gpu = not str(device).startswith("cpu")
+        # on CUDA: decode through captured graphs over a preallocated cache (engine/rollout/cuda_graphs.py), unless
+        # SGLang's --disable-cuda-graph says otherwise; batches that ask for prompt log-probs run eagerly
+        self.cuda_graphs = bool(cuda_graphs and str(device).startswith("cuda"))
+        self.graphs = None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self.aborts = AbortBook()
         self.lock = threading.Lock()  # weight updates vs generation
@@ -111,6 +116,10 @@ class Generator:
         # transformers ≥ 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if self.cuda_graphs:
+            from engine.rollout.cuda_graphs import GraphDecoder
+
+            self.graphs = GraphDecoder(model, self._cache_kw, compile=compile_decode)
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
@@ -160,15 +169,24 @@ class Generator:
         # every prompt position's logits only when prompt log-probs are asked (on a GPU: [b, P, V] fp32 would be
         # 10 GB at b = 512, P = 32, V = 151,936); the CPU computes them all, as it always has
         prompt_lps = any(r.logprob_start_len >= 0 for r in reqs)
-        keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
-        all_logits = out.logits.float()  # [b, P, V] (or [b, 1, V])
-        input_lps = [self._input_logprobs(all_logits[i], r, plen, float(temps[i])) for i, r in enumerate(reqs)]
-        past, logits = _cache_of(out), all_logits[:, -1, :]  # [b, V]
-        last_pos = pos[:, -1]
+        graphs = self.graphs if self.graphs is not None and not prompt_lps else None
+        if graphs is not None:  # prefill into the graph's cache and draw step 0; later steps replay the graph
+            toks, lps = graphs.start(ids, mask, pos, seeds=seeds, max_new=max(r.max_new_tokens for r in reqs),
+                                     **knobs)
+            input_lps = [None] * b
+        else:
+            keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
+            all_logits = out.logits.float()  # [b, P, V] (or [b, 1, V])
+            input_lps = [self._input_logprobs(all_logits[i], r, plen, float(temps[i])) for i, r in enumerate(reqs)]
+            past, logits = _cache_of(out), all_logits[:, -1, :]  # [b, V]
+            last_pos = pos[:, -1]
         step = 0
         while not all(f is not None for f in finish):
-            if self.on_gpu:
+            if graphs is not None:
+                if step:
+                    toks, lps = graphs.next()
+            elif self.on_gpu:
                 from engine.rollout.sampling import counter_uniform, sample_tokens
 
                 toks = sample_tokens(logits, uniforms=counter_uniform(seeds, step), **knobs)  # [b]
@@ -176,7 +194,8 @@ class Generator:
                 toks = self._sample(logits, reqs, gens)  # [b]
             step += 1
             self.last_step = time.monotonic()
-            lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)  # [b]
+            if graphs is None:
+                lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
             # one device → host copy per step (not one per row)
             toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
             for i, r in enumerate(reqs):
@@ -194,8 +213,8 @@ class Generator:
                     finish[i] = {"type": "stop", "matched": hit}
                 elif len(out_ids[i]) >= r.max_new_tokens:
                     finish[i] = {"type": "length", "length": r.max_new_tokens}
-            if all(f is not None for f in finish):
-                break
+            if all(f is not None for f in finish) or graphs is not None:
+                continue
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=toks[:, None], attention_mask=mask, position_ids=last_pos[:, None],

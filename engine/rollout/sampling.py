@@ -41,16 +41,19 @@ def splitmix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def counter_uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """[b] float64 uniforms in [0, 1), one per row: a function of (seed, step) only."""
-    z = splitmix64(seeds.long() * _GOLDEN + _signed(step * 0xD1B54A32D192ED03))
+def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """[b] float64 uniforms in [0, 1), one per row: a function of (seed, step) only. `step` may be a [1] int64
+    device tensor (a CUDA graph's step counter): int64 products wrap mod 2⁶⁴, the same bits as the int path."""
+    mix = step.long() * _signed(0xD1B54A32D192ED03) if torch.is_tensor(step) else _signed(step * 0xD1B54A32D192ED03)
+    z = splitmix64(seeds.long() * _GOLDEN + mix)
     return _shr(z, 11).double() * 2.0 ** -53  # the top 53 bits
 
 
 def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                  uniforms: torch.Tensor) -> torch.Tensor:
+                  uniforms: torch.Tensor, filters: tuple[bool, int, bool] | None = None) -> torch.Tensor:
     """[b] token ids from fp32 logits [b, V]; per row temperature [b] (0 = greedy), top_p [b] (1 = off), top_k [b]
-    (≤ 0 = off) and uniforms [b] in [0, 1).
+    (≤ 0 = off) and uniforms [b] in [0, 1). `filters` = (any row uses top-k, the largest such k, any row uses top-p)
+    when the caller knows them (a CUDA graph: no host reads inside); else they are read from the tensors.
 
     The filters only zero probabilities; the inverse CDF always runs in vocabulary order, so a row's token never
     depends on whether another row of the batch asked for a filter (sorting would reorder every row).
@@ -59,14 +62,16 @@ def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_p: tor
     x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]  # [b, V]
     V = x.shape[-1]
     use_k = (top_k > 0) & (top_k < V)  # [b]
-    if bool(use_k.any()):  # keep logits ≥ the row's k-th largest (ties at it are kept)
-        kmax = int(top_k[use_k].max())
+    any_k, kmax, any_p = filters if filters is not None else (bool(use_k.any()), None, None)
+    if any_k:  # keep logits ≥ the row's k-th largest (ties at it are kept)
+        kmax = kmax or int(top_k[use_k].max())
         k = torch.where(use_k, top_k, torch.ones_like(top_k)).clamp(max=kmax)  # [b]
         kth = x.topk(kmax, dim=-1).values.gather(-1, (k - 1)[:, None])  # [b, 1]
         x = x.masked_fill(use_k[:, None] & (x < kth), float("-inf"))
     p = torch.softmax(x, dim=-1)  # [b, V]
     use_p = top_p < 1  # [b]
-    if bool(use_p.any()):  # keep p ≥ the smallest probability of the smallest prefix (sorted) with mass ≥ top_p
+    if any_p if any_p is not None else bool(use_p.any()):
+        # keep p ≥ the smallest probability of the smallest prefix (sorted) with mass ≥ top_p
         sp = p.sort(dim=-1, descending=True).values  # [b, V]
         kept = ((sp.cumsum(-1) - sp) <= top_p[:, None]).sum(-1)  # [b] ≥ 1: the prefix never drops its first
         cut = sp.gather(-1, (kept - 1)[:, None])  # [b, 1]

@@ -131,7 +131,8 @@ class EngineState:
                  max_new_tokens: int = 128, batch_window_s: float = 0.05, max_batch: int = 256,
                  deterministic: bool = False, batch_gap_s: float = 0.01, api_key: str | None = None,
                  admin_api_key: str | None = None, weight_dirs: list[str] | None = None,
-                 max_request_bytes: int = 16 * 2**20, max_queued: int | None = None, watchdog_s: float = 300.0):
+                 max_request_bytes: int = 16 * 2**20, max_queued: int | None = None, watchdog_s: float = 300.0,
+                 cuda_graphs: bool = True, compile_decode: bool = False):
         import torch
 
         from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
@@ -146,7 +147,8 @@ class EngineState:
         self.model_path, self.device, self.dtype, self.default_max_new = model_path, device, dtype, max_new_tokens
         self.tokenizer = load_tokenizer(model_path)
         model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
-        self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device)
+        self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device,
+                                   cuda_graphs=cuda_graphs, compile_decode=compile_decode)
         self.limits = Limits(context_len=int(getattr(model.config, "max_position_embeddings", None) or 2**31),
                              vocab_size=int(model.config.vocab_size), max_inputs=max(4 * max_batch, 64))
         self.released = False
@@ -252,6 +254,8 @@ class EngineState:
 
         with self.generator.lock:
             if self.device != "cpu":
+                if released and self.generator.graphs is not None:  # its caches; its graphs read the old addresses
+                    self.generator.graphs.clear()
                 self.generator.model.to("cpu" if released else self.device)
                 if released:  # cached blocks, and cuBLAS's workspaces (32 MiB a stream on Hopper) held in them
                     torch._C._cuda_clearCublasWorkspaces()
@@ -621,6 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="default max_new_tokens (SGLang's: 128)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="generate every request as its own batch (batch-invariant results)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on a GPU, decode eagerly instead of through captured CUDA graphs (SGLang's flag)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="on a GPU, compile the decode step (fused kernels inside the CUDA graph; ~30 s per new "
+                        "batch shape) (SGLang's flag)")
     p.add_argument("--api-key", default=None,
                    help="SGLang's flag: every endpoint but /health* needs `Authorization: Bearer KEY`; required to "
                         "serve on a non-loopback address and for the weight / memory endpoints")
@@ -658,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                         max_batch=a.max_running_requests, deterministic=a.enable_deterministic_inference,
                         api_key=a.api_key, admin_api_key=a.admin_api_key, weight_dirs=a.weight_dir,
                         max_queued=a.max_queued_requests, watchdog_s=a.watchdog_timeout,
-                        max_request_bytes=int(a.max_request_mb * 2**20))
+                        max_request_bytes=int(a.max_request_mb * 2**20), cuda_graphs=not a.disable_cuda_graph,
+                        compile_decode=a.enable_torch_compile)
     print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device}, {dtype})",
           flush=True)
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",

@@ -22,8 +22,6 @@ from engine.tracking import artifacts as art
 from engine.tracking.secrets import redact
 from engine.tracking.system import SystemSampler
 
-#: seconds between the MLflow sender's batches during a run (a checkpoint and the end still send everything now)
-SEND_INTERVAL_S = 2.0
 #: the plots are redrawn with the sample tables, at most once per this many seconds (and at the end of the run):
 #: three matplotlib PNGs cost ~0.3 s of CPU, a third of a core on the CPU demo if drawn every 10 rollouts
 PLOT_INTERVAL_S = 60.0
@@ -60,7 +58,7 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
     uri = default_tracking_uri(str(work_dir), cfg.mlflow_tracking_uri)
     tracker = Tracker(uri, cfg.experiment_name, outbox=work_dir / "mlflow-outbox" / f"{time.time_ns()}",
                       artifact_location=artifact_location_for(uri), retry_interval=cfg.mlflow_retry_interval,
-                      background=True, send_interval=SEND_INTERVAL_S)  # off the stages' critical path, in batches;
+                      background=True, send_interval=cfg.mlflow_send_interval)  # off the stages' critical path, in batches;
     # drained before each checkpoint's marker and at the end
     save = cfg.save or ""
     if save and "://" not in save:
