@@ -173,6 +173,10 @@ def main() -> int:
            "graphs_vs_eager_speedup": round(res["engine_sampling_eager"]["ms_per_step"]
                                             / res["engine_sampling"]["ms_per_step"], 3),
            "graphs_vs_eager_agreement": agree, "graphs_captured": gen.graphs.captures}
+    if "engine_sampling_compiled" in res:
+        out["floor_ratio_compiled"] = round(res["engine_sampling_compiled"]["ms_per_step"] / floor_ms, 1)
+        out["compiled_vs_hf_sampling"] = round(res["hf_sampling"]["ms_per_step"]
+                                               / res["engine_sampling_compiled"]["ms_per_step"], 3)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: out[k] for k in ("floor_ms_at_4.24TBps", "floor_ratio", "engine_vs_hf_sampling",
