@@ -55,10 +55,10 @@ def _async_loop(t, r, run, start: int, progress) -> None:
     newest weights whenever no rollout is in flight (generation never runs on half-updated weights): the trainer
     does its part of the sync first (probe scores, weights handed over), the engines load them, and then the
     trainer trains on while the rollouts that need that version start next to the sync's RF14 probe (a failed
-    probe fails the run at the next rollout id, before anything generated after it is trained). With --partial-rollout the
-    sync comes right after each step instead: the engines pause (abort) what they generate, take the weights and
-    continue, and the rollout continues those samples under the new version; the checkpoint saved next keeps how
-    far they got. Each id still has one rollout-{id}, pack-{id} and train-{id} task; a sync is named by the step
+    probe fails the run at the next rollout id, before anything generated after it is trained). With
+    --partial-rollout the sync comes right after each step instead: the engines pause (abort) what they generate,
+    take the weights and continue, and the rollout continues those samples under the new version; the checkpoint
+    saved next keeps how far they got. Each id still has one rollout-{id}, pack-{id} and train-{id} task; a sync is named by the step
     whose weights it pushes. Evaluations run on synced engines.
     """
     import threading

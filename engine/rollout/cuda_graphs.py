@@ -1,28 +1,30 @@
-"""The built-in engine's decode step on a GPU: a preallocated KV cache and one CUDA graph per batch shape.
+"""The built-in engine's decode step on a GPU: a preallocated KV cache and CUDA graphs per batch shape.
 
 Eager decoding launches every op of every layer from Python each step, and a cache that grows by `torch.cat`
-reallocates (measured on an H200, 0.5B shape, batch 64: ~24 ms a step, ~90× the HBM floor, bench/results/
+reallocates (measured on an H200, 0.5B shape, batch 64: ~19-24 ms a step, ~70-90× the HBM floor, bench/results/
 gpu_engine_decode.md). Here a batch runs in four parts:
 
 1. a `SlotCache` holds K/V for every layer at fixed addresses: [B, H_kv, L, D] per layer, written at the slots the
-   step names (`index_copy_` with a device tensor), read whole with a mask;
-2. the prompt's prefill runs eagerly into it (left padding; a [B, 1, P, L] mask: causal, padding left out);
+   step names (`index_copy_` with a device tensor), read up to the current span with a mask;
+2. the prompt's prefill runs eagerly into it (left padding; a [B, 1, P, span] mask: causal, padding left out);
 3. the first token is drawn from the prefill's logits as before (engine/rollout/sampling.py);
 4. every later step is one replay of a CUDA graph that marks the new slot valid, runs the model on the last
    tokens, draws the next ones with the counter-based sampler (step number on the device), computes their
    log-probs and advances its own counters. Attention reads the slots written so far, rounded up to a multiple
    of 256: one graph per such span, so a step's attention costs what the length so far needs, not the cache's
-   full length (measured: a full-length read made a 1,024-token RL rollout 1.9× slower than eager). The host reads back tokens and log-probs once a step (stop tokens,
-   stop strings, aborts and max_new_tokens stay on the host, as in the eager loop).
+   full length (measured: a full-length read made a 1,024-token RL rollout 1.9× slower than eager). The host
+   reads back tokens and log-probs once a step (stop tokens, stop strings, aborts and max_new_tokens stay on the
+   host, as in the eager loop).
 
 Graph sets are keyed by (rows bucket, cache length bucket, the batch's filter shape): rows round up to a power of
 two (padding rows decode alongside and are dropped), the cache length to a multiple of 256; the two most recent
-shapes are kept, and all are dropped when the weights move (a release of GPU memory re-allocates them). The model is driven through its ordinary forward with a 4D mask (transformers uses a 4D mask as given)
-and a cache object whose `update` writes at the step's slot, so no transformers internals are patched.
+shapes are kept, and all are dropped when the weights move (a release of GPU memory re-allocates them). The model
+is driven through its ordinary forward with a 4D mask (transformers uses a 4D mask as given) and a cache object
+whose `update` writes at the step's slot, so no transformers internals are patched.
 
 Same draws as the eager path: the uniforms are a function of (row seed, step) only and the filters are the same
 code, so a row's tokens depend on the logits alone; the logits differ from the eager path's by float rounding
-(attention over a masked full-length cache instead of a growing one).
+(attention over a masked span of a preallocated cache instead of a growing one).
 """
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ sampled token with probability ~1e-5 per token. Per-row seeds make a row reprodu
 Sampling: on the CPU each row draws from its own torch.Generator (the results every CPU run and test has recorded);
 on a GPU the whole batch draws at once from counter-based noise keyed by (row seed, step) (engine/rollout/
 sampling.py), and the prefill computes logits of the last prompt position only unless prompt log-probs are asked.
+On CUDA the decode steps replay CUDA graphs over a preallocated cache (engine/rollout/cuda_graphs.py) unless
+`cuda_graphs=False` (SGLang's --disable-cuda-graph) or the batch asks for prompt log-probs.
 """
 from __future__ import annotations
 

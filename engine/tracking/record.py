@@ -58,8 +58,8 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
     uri = default_tracking_uri(str(work_dir), cfg.mlflow_tracking_uri)
     tracker = Tracker(uri, cfg.experiment_name, outbox=work_dir / "mlflow-outbox" / f"{time.time_ns()}",
                       artifact_location=artifact_location_for(uri), retry_interval=cfg.mlflow_retry_interval,
-                      background=True, send_interval=cfg.mlflow_send_interval)  # off the stages' critical path, in batches;
-    # drained before each checkpoint's marker and at the end
+                      background=True, send_interval=cfg.mlflow_send_interval)
+    # background: off the stages' critical path, in batches; drained before each checkpoint's marker and at the end
     save = cfg.save or ""
     if save and "://" not in save:
         save = str(Path(save).resolve())
