@@ -138,15 +138,21 @@ class GraphDecoder:
                                                        use_cache=True, logits_to_keep=1, **{self.cache_kw: g.cache})
         return out.logits[:, -1, :].float()  # [B, V]
 
+    @staticmethod
+    def _draw(g: _Graph, logits: torch.Tensor, step: int | torch.Tensor, flt: tuple[bool, int, bool]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B] drawn from logits [B, V] at `step`, and their log-probs at each row's temperature."""
+        toks = sample_tokens(logits, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                             uniforms=counter_uniform(g.seeds, step), filters=flt)
+        temps = torch.where(g.temperature > 0, g.temperature, torch.ones_like(g.temperature))
+        return toks, torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
+
     def _step(self, g: _Graph, flt: tuple[bool, int, bool], span: int) -> None:
         """One decode step on the graph's buffers, attending over slots [0, span) (what a graph records)."""
         g.valid.index_fill_(1, g.slot, True)
         g.cache.write, g.cache.span = g.slot, span
         logits = self._model(g, g.ids, g.pos, g.valid[:, None, None, :span], self.step_model)
-        toks = sample_tokens(logits, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                             uniforms=counter_uniform(g.seeds, g.step), filters=flt)
-        temps = torch.where(g.temperature > 0, g.temperature, torch.ones_like(g.temperature))
-        lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
+        toks, lps = self._draw(g, logits, g.step, flt)
         g.out_tokens.copy_(toks)
         g.out_logprobs.copy_(lps)
         g.ids.copy_(toks[:, None])
@@ -234,10 +240,7 @@ class GraphDecoder:
         g.temperature.copy_(rowpad(temperature, 1.0))
         g.top_p.copy_(rowpad(top_p, 1.0))
         g.top_k.copy_(rowpad(top_k, -1))
-        toks = sample_tokens(logits, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                             uniforms=counter_uniform(g.seeds, 0), filters=flt)
-        temps = torch.where(g.temperature > 0, g.temperature, torch.ones_like(g.temperature))
-        lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
+        toks, lps = self._draw(g, logits, 0, flt)
         g.ids.copy_(toks[:, None])
         g.pos.copy_(pos_p[:, -1:] + 1)
         g.slot.fill_(P)

@@ -98,6 +98,7 @@ class Tracker:
         self.run_name: str | None = None  # the MLflow run's name (a continued run keeps its own)
         self._tables: list[str] = []  # table artifacts of the run (the mlflow.loggedArtifacts tag)
         self.sampler = None  # the SystemSampler feeding this tracker, if any
+        self.plots_drawn_at = float("-inf")  # monotonic time the plots were last queued (record.log_rollout)
         self.created_s = time.time()
         self._want: dict[str, Any] | None = None  # what start() asked for, until the run is open
         self._params: dict[str, str] = {}

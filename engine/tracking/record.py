@@ -121,7 +121,7 @@ def log_rollout(tracker: Tracker, cfg: RunConfig, rollout_id: int, groups: list,
         _safely("samples table", lambda: tracker.log_table(art.samples_table(groups),
                                                            f"samples/rollout_{rollout_id:07d}.json"))
         now = time.monotonic()
-        if now - getattr(tracker, "plots_drawn_at", float("-inf")) >= PLOT_INTERVAL_S:
+        if now - tracker.plots_drawn_at >= PLOT_INTERVAL_S:
             tracker.plots_drawn_at = now
             snapshot = {k: dict(v) for k, v in history.items()}  # the sender thread draws them later
             tracker.defer(lambda: _safely("plots", lambda: log_plots(tracker, snapshot)))

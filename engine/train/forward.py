@@ -84,9 +84,11 @@ def padded_is_cheaper(lens: list[int]) -> bool:
 
 
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
-                     lens: torch.Tensor, scaling: float | None, dropout: float) -> torch.Tensor:
-    """The packed row's samples as S padded rows [S, H, L_max, D], one causal SDPA call, back to [1, T, H, D].
-    Padding sits after each sample's tokens, so causal attention never reads it for a real token."""
+                     lens: torch.Tensor, scaling: float | None, dropout: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed row's segments (cu, lens) as S padded rows [S, H, L_max, D], one SDPA call, back to [1, T, H, D].
+    Causal without `mask` (padding sits after each segment's tokens, so it is never read for a real token); else
+    `mask` [S, 1, L_max, L_max] (True = attend) decides."""
     S, lmax, T = lens.numel(), int(lens.max()), query.shape[2]
     dev = query.device
     seg = torch.repeat_interleave(torch.arange(S, device=dev), lens.to(dev))  # [T] sample of each token
@@ -97,8 +99,8 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         rows = x.new_zeros(S * lmax, h, d).index_copy(0, flat, x[0].transpose(0, 1))
         return rows.view(S, lmax, h, d).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
-                                         dropout_p=dropout, enable_gqa=True)  # [S, H, L_max, D]
+    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=mask, is_causal=mask is None,
+                                         scale=scaling, dropout_p=dropout, enable_gqa=True)  # [S, H, L_max, D]
     out = out.transpose(1, 2).reshape(S * lmax, out.shape[1], out.shape[3])
     return out.index_select(0, flat)[None]  # [1, T, H, D]
 
@@ -189,24 +191,11 @@ def shared_layout(mb: MicroBatch, keep: torch.Tensor) -> SharedLayout | None:
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedLayout,
                             scaling: float | None, dropout: float) -> torch.Tensor:
-    """Attention over a SharedLayout row: each group a padded row [G, H, L_max, D], one SDPA call with the
-    layout's mask. query [1, H, T', D], key/value [1, Hkv, T', D] → [1, T', H, D]."""
+    """Attention over a SharedLayout row: each group a padded row, one SDPA call with the layout's mask.
+    query [1, H, T', D], key/value [1, Hkv, T', D] → [1, T', H, D]."""
     dev = query.device
     cu = layout.cu.to(dev).long()
-    lens = cu[1:] - cu[:-1]
-    G, lmax, T = lens.numel(), int(lens.max()), query.shape[2]
-    row = torch.repeat_interleave(torch.arange(G, device=dev), lens)  # [T'] group of each token
-    flat = row * lmax + (torch.arange(T, device=dev) - cu[row])  # [T'] its slot in [G·L_max]
-
-    def pad(x: torch.Tensor) -> torch.Tensor:  # [1, H, T', D] → [G, H, L_max, D]
-        h, d = x.shape[1], x.shape[3]
-        rows = x.new_zeros(G * lmax, h, d).index_copy(0, flat, x[0].transpose(0, 1))
-        return rows.view(G, lmax, h, d).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=layout.mask(dev),
-                                         scale=scaling, dropout_p=dropout, enable_gqa=True)  # [G, H, L_max, D]
-    out = out.transpose(1, 2).reshape(G * lmax, out.shape[1], out.shape[3])
-    return out.index_select(0, flat)[None]  # [1, T', H, D]
+    return padded_attention(query, key, value, cu, cu[1:] - cu[:-1], scaling, dropout, mask=layout.mask(dev))
 
 
 def use_varlen_attention(model) -> None:
