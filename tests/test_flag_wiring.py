@@ -147,6 +147,10 @@ def test_engine_spec_flags():
     spec = engine_spec(RunConfig(rollout_engine_python="/opt/sgl/bin/python", rollout_engine_start_timeout=42.0,
                                  sglang_args={"max-running-requests": "96"}), threads=1, log_dir="/tmp", on_gpu=False)
     assert spec.python == "/opt/sgl/bin/python" and spec.start_timeout_s == 42.0 and spec.max_batch == 96
+    assert spec.cuda_graphs and not spec.compile_decode  # the built-in engine's GPU defaults (SGLang's)
+    spec = engine_spec(RunConfig(sglang_args={"disable-cuda-graph": True, "enable-torch-compile": True}), threads=1,
+                       log_dir="/tmp", on_gpu=True)
+    assert not spec.cuda_graphs and spec.compile_decode  # SGLang's flags, honoured by the built-in engine
 
 
 # ---- train: advantages, TIS, the optimizers --------------------------------------------------------------------------
