@@ -58,6 +58,8 @@ def main() -> int:
                                                             "(SGLang's --enable-torch-compile)")
     p.add_argument("--engines-only", action="store_true", help="only the engine, graphs against eager (sampling): "
                                                                 "long generations without the transformers rows")
+    p.add_argument("--unfolded", action="store_true", help="also the graphs on transformers' sdpa (K/V repeated per "
+                                                            "query head), to measure the folded decode attention")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_engine_decode.json"))
     a = p.parse_args()
 
@@ -85,6 +87,16 @@ def main() -> int:
     gen = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda")
     gen_eager = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", cuda_graphs=False)
     assert gen.graphs is not None and gen_eager.graphs is None
+    unfolded = None
+    if a.unfolded:  # the same graphs on a copy of the model left on transformers' sdpa (K/V repeated per head)
+        import copy
+
+        from engine.rollout.cuda_graphs import GraphDecoder
+
+        m2 = copy.deepcopy(model)
+        m2.set_attn_implementation("sdpa")
+        unfolded = Generator(m2, StandInTokenizer(), eos_ids=[151643], device="cuda", cuda_graphs=False)
+        unfolded.cuda_graphs, unfolded.graphs = True, GraphDecoder(m2, unfolded._cache_kw, fold_gqa=False)
     gen_compiled = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", compile_decode=True) \
         if a.compiled else None
 
@@ -132,12 +144,17 @@ def main() -> int:
     mask = torch.ones_like(ids)
 
     def hf(n: int, **kw) -> float:
+        impl = model.config._attn_implementation  # the engine switched the shared model to its decode attention:
+        model.set_attn_implementation("sdpa")  # transformers runs on its own sdpa, as a user gets it
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
-        torch.cuda.synchronize()
+        try:
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                     top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
+            torch.cuda.synchronize()
+        finally:
+            model.set_attn_implementation(impl)
         assert out.shape[1] == P + n
         return time.perf_counter() - t
 
@@ -145,12 +162,14 @@ def main() -> int:
             "engine_sampling_eager": lambda n: engine(n, 1.0, gen_eager),
             "engine_greedy_eager": lambda n: engine(n, 0.0, gen_eager),
             **({"engine_sampling_compiled": lambda n: engine(n, 1.0, gen_compiled)} if gen_compiled else {}),
+            **({"engine_sampling_unfolded": lambda n: engine(n, 1.0, unfolded)} if unfolded else {}),
             "hf_sampling": hf,
             # transformers' static KV cache, whose decode step generate compiles (CUDA graphs): what the library
             # gives against writing it (issue 17)
             "hf_static_cache_sampling": lambda n: hf(n, cache_implementation="static")}
     if a.engines_only:
-        runs = {k: runs[k] for k in ("engine_sampling", "engine_sampling_eager")}
+        runs = {k: runs[k] for k in ("engine_sampling", "engine_sampling_eager", "engine_sampling_compiled",
+                                     "engine_sampling_unfolded") if k in runs}
     res = {}
     for name, fn in runs.items():
         fn(N)  # warm-up (kernels, allocator)
@@ -173,7 +192,11 @@ def main() -> int:
            "floor_ratio": round(res["engine_sampling"]["ms_per_step"] / floor_ms, 1),
            "graphs_vs_eager_speedup": round(res["engine_sampling_eager"]["ms_per_step"]
                                             / res["engine_sampling"]["ms_per_step"], 3),
-           "graphs_vs_eager_agreement": agree, "graphs_captured": gen.graphs.captures}
+           "graphs_vs_eager_agreement": agree, "graphs_captured": gen.graphs.captures,
+           "decode_attention_folded": gen.graphs.folded_gqa}
+    if "engine_sampling_unfolded" in res:
+        out["folded_vs_unfolded_speedup"] = round(res["engine_sampling_unfolded"]["ms_per_step"]
+                                                  / res["engine_sampling"]["ms_per_step"], 3)
     if "hf_sampling" in res:
         out["engine_vs_hf_sampling"] = round(res["hf_sampling"]["ms_per_step"] / res["engine_sampling"]["ms_per_step"],
                                              3)
@@ -181,12 +204,14 @@ def main() -> int:
                                                  / res["engine_sampling"]["ms_per_step"], 3)
     if "engine_sampling_compiled" in res:
         out["floor_ratio_compiled"] = round(res["engine_sampling_compiled"]["ms_per_step"] / floor_ms, 1)
-        out["compiled_vs_hf_sampling"] = round(res["hf_sampling"]["ms_per_step"]
-                                               / res["engine_sampling_compiled"]["ms_per_step"], 3)
+        if "hf_sampling" in res:
+            out["compiled_vs_hf_sampling"] = round(res["hf_sampling"]["ms_per_step"]
+                                                   / res["engine_sampling_compiled"]["ms_per_step"], 3)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: out.get(k) for k in ("floor_ms_at_4.24TBps", "floor_ratio", "engine_vs_hf_sampling",
-                                              "engine_vs_hf_static_cache", "graphs_vs_eager_speedup")}))
+                                              "engine_vs_hf_static_cache", "graphs_vs_eager_speedup",
+                                              "floor_ratio_compiled", "folded_vs_unfolded_speedup")}))
     return 0
 
 

@@ -127,7 +127,8 @@ def test_a_device_step_counter_draws_the_same_uniforms_and_known_filters_the_sam
 def test_the_graph_decode_logic_equals_the_eager_loop_on_the_cpu(tiny_model):
     """engine/rollout/cuda_graphs.py without the capture (the CPU cannot capture): a preallocated cache written at
     the step's slot, a 4D mask, the sampler's step on the device. Same tokens and log-probs as the eager loop for
-    left-padded prompts of different lengths, padding rows, greedy and sampled rows, a top-k row, a stop token."""
+    left-padded prompts of different lengths, padding rows, greedy and sampled rows, a top-k row, a stop token;
+    a prompt sent twice is prefilled once."""
     from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
     from engine.rollout.cuda_graphs import GraphDecoder
     from engine.rollout.generation import GenRequest, Generator
@@ -145,6 +146,8 @@ def test_the_graph_decode_logic_equals_the_eager_loop_on_the_cpu(tiny_model):
                        temperature=0.0 if i == 1 else 1.0, top_k=3 if i == 2 else -1) for i in range(5)]
     a, b = eager.generate(reqs), graphed.generate(reqs)  # 5 rows: a bucket of 8, 3 padding rows
     assert graphed.graphs.graphs and next(iter(graphed.graphs.graphs))[:2] == (8, 256)
+    # one prefill row per distinct prompt: 3 prompts + the padding rows' one, copied to the 8 rows' cache
+    assert graphed.graphs.prefill_rows == 4
     for x, y in zip(a, b):
         assert x.output_ids == y.output_ids and x.finish_reason == y.finish_reason
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
@@ -166,3 +169,33 @@ def test_the_graph_decode_logic_equals_the_eager_loop_on_the_cpu(tiny_model):
     x, y = eager.generate(long)[0], graphed.generate(long)[0]
     assert len(y.output_ids) == 300 and x.output_ids == y.output_ids
     assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+
+
+def test_decode_attention_folds_query_heads_onto_their_kv_head_with_the_same_result():
+    """One query token under grouped-query attention: the folded call equals transformers' sdpa (which repeats K/V
+    under a mask) for a padded [B, 1, 1, S] bool mask; other shapes go to sdpa itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.rollout.cuda_graphs import decode_attention
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    class Plain(Attn):
+        num_key_value_groups = 1
+
+    g = torch.Generator().manual_seed(0)
+    b, hkv, s, d = 4, 2, 37, 16
+    q = torch.randn(b, hkv * 3, 1, d, generator=g)
+    k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    mask = torch.rand(b, 1, 1, s, generator=g) > 0.3
+    mask[..., -1] = True
+    ours, _ = decode_attention(Attn(), q, k, v, mask, scaling=0.25)
+    ref, _ = sdpa_attention_forward(Plain(), q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), mask,
+                                    scaling=0.25)
+    assert ours.shape == ref.shape == (b, 1, hkv * 3, d)
+    assert torch.allclose(ours, ref, atol=1e-6)
+    q2 = torch.randn(b, hkv * 3, 5, d, generator=g)  # a prefill (5 queries): sdpa's own path, same as sdpa
+    m2 = torch.ones(b, 1, 5, s, dtype=torch.bool).tril(s - 5)
+    assert torch.equal(decode_attention(Attn(), q2, k, v, m2)[0], sdpa_attention_forward(Attn(), q2, k, v, m2)[0])

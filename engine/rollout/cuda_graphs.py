@@ -6,15 +6,19 @@ gpu_engine_decode.md). Here a batch runs in four parts:
 
 1. a `SlotCache` holds K/V for every layer at fixed addresses: [B, H_kv, L, D] per layer, written at the slots the
    step names (`index_copy_` with a device tensor), read up to the current span with a mask;
-2. the prompt's prefill runs eagerly into it (left padding; a [B, 1, P, span] mask: causal, padding left out);
+2. the prompt's prefill runs eagerly into it (left padding; a [B, 1, P, span] mask: causal, padding left out),
+   once per distinct prompt: a GRPO rollout sends each prompt n times, and the rows that share a prompt get
+   copies of its K/V;
 3. the first token is drawn from the prefill's logits as before (engine/rollout/sampling.py);
 4. every later step is one replay of a CUDA graph that marks the new slot valid, runs the model on the last
    tokens, draws the next ones with the counter-based sampler (step number on the device), computes their
    log-probs and advances its own counters. Attention reads the slots written so far, rounded up to a multiple
    of 256: one graph per such span, so a step's attention costs what the length so far needs, not the cache's
-   full length (measured: a full-length read made a 1,024-token RL rollout 1.9× slower than eager). The host
-   reads back tokens and log-probs once a step (stop tokens, stop strings, aborts and max_new_tokens stay on the
-   host, as in the eager loop).
+   full length (measured: a full-length read made a 1,024-token RL rollout 1.9× slower than eager). Under
+   grouped-query attention the query heads are folded onto their K/V head (`decode_attention`): K/V are read once,
+   not copied per query head as transformers' sdpa does under a mask. The host reads back tokens and log-probs
+   once a step, one step behind: step t+1 is launched before the host looks at step t (stop tokens, stop strings,
+   aborts and max_new_tokens stay on the host, as in the eager loop).
 
 Graph sets are keyed by (rows bucket, cache length bucket, the batch's filter shape): rows round up to a power of
 two (padding rows decode alongside and are dropped), the cache length to a multiple of 256; the two most recent
@@ -54,6 +58,46 @@ try:  # transformers checks isinstance(cache, Cache) in places; the class is onl
     from transformers.cache_utils import Cache as _CacheBase
 except Exception:  # pragma: no cover - transformers without cache_utils
     _CacheBase = object
+
+
+#: the attention implementation the decoder switches an sdpa model to (registered with transformers)
+DECODE_ATTENTION = "rollflow_decode_sdpa"
+
+
+def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except one query token under grouped-query attention: the query's heads are
+    folded onto their key/value head ([B, H, 1, D] → [B, H_kv, H/H_kv, D]), so SDPA reads each K/V head once
+    instead of a copy repeated H/H_kv times. Under a mask, transformers repeats K/V (the memory-efficient kernel
+    takes no `enable_gqa`); at 512 rows × 1,280 slots that copy is ~56 GB of traffic a step on a 0.5B Qwen2 (14
+    query heads on 2 K/V heads). The mask [B, 1, 1, S] broadcasts over the folded heads; the maths is unchanged."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups <= 1 or kwargs.get("position_bias") is not None or \
+            (attention_mask is not None and attention_mask.shape[1] != 1):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    b, h, _, d = query.shape
+    q = query.reshape(b, h // groups, groups, d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.reshape(b, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def use_decode_attention(model) -> bool:
+    """Switch an sdpa model to `decode_attention` (same results, no K/V copies in decode); False when the model
+    runs another implementation (left as it is)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # 2D masks (the eager path) become sdpa's masks
+    model.set_attn_implementation(DECODE_ATTENTION)
+    return model.config._attn_implementation == DECODE_ATTENTION
 
 
 class SlotCache(_CacheBase):
@@ -98,12 +142,14 @@ class _Graph:
 class GraphDecoder:
     """Prefill eagerly, then decode by replaying a captured step (see the module docstring)."""
 
-    def __init__(self, model, cache_kw: str, capture: bool = True, compile: bool = False):
+    def __init__(self, model, cache_kw: str, capture: bool = True, compile: bool = False, fold_gqa: bool = True):
         """capture=False runs the same steps eagerly over the same cache (the CPU tests of this logic); compile:
         the decode step's model call goes through torch.compile first (fused kernels inside the graph; SGLang's
-        --enable-torch-compile), compiled once per batch shape."""
+        --enable-torch-compile), compiled once per batch shape; fold_gqa: switch an sdpa model to
+        `decode_attention` (False: the benchmark's before/after)."""
         cfg = model.config
         self.model, self.cache_kw, self.capture = model, cache_kw, capture
+        self.folded_gqa = use_decode_attention(model) if fold_gqa else False
         self.step_model = torch.compile(model, dynamic=False) if compile else model
         self.layers = int(cfg.num_hidden_layers)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -112,6 +158,10 @@ class GraphDecoder:
         self.dtype = next(model.parameters()).dtype
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.captures = 0  # graphs captured so far (tests, the benchmark)
+        self.prefill_rows = 0  # prompt rows run through a prefill (distinct prompts only), for tests and stats
+        self._host: torch.Tensor | None = None  # [2, b] tokens and log-probs of the launched step (pinned)
+        self._ready = None  # the CUDA event after its copy
+        self._pending = False
         self._weights: tuple[int, ...] = ()  # the parameters' addresses the graphs were captured with
 
     def clear(self) -> None:
@@ -132,10 +182,10 @@ class GraphDecoder:
         any_k = bool(use_k.any())
         return any_k, int(top_k[use_k].max()) if any_k else 0, bool((top_p < 1).any())
 
-    def _model(self, g: _Graph, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, model=None
+    def _model(self, cache: SlotCache, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, model=None
                ) -> torch.Tensor:
         out = (self.model if model is None else model)(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                                       use_cache=True, logits_to_keep=1, **{self.cache_kw: g.cache})
+                                                       use_cache=True, logits_to_keep=1, **{self.cache_kw: cache})
         return out.logits[:, -1, :].float()  # [B, V]
 
     @staticmethod
@@ -151,7 +201,7 @@ class GraphDecoder:
         """One decode step on the graph's buffers, attending over slots [0, span) (what a graph records)."""
         g.valid.index_fill_(1, g.slot, True)
         g.cache.write, g.cache.span = g.slot, span
-        logits = self._model(g, g.ids, g.pos, g.valid[:, None, None, :span], self.step_model)
+        logits = self._model(g.cache, g.ids, g.pos, g.valid[:, None, None, :span], self.step_model)
         toks, lps = self._draw(g, logits, g.step, flt)
         g.out_tokens.copy_(toks)
         g.out_logprobs.copy_(lps)
@@ -226,14 +276,7 @@ class GraphDecoder:
         if pad:
             mask_p[b:, -1] = 1  # padding rows: one real token each (no row without a key to attend to)
         real = mask_p.bool()  # [B, P]
-        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
-        prefill = causal[None] & real[:, None, :]  # [B, P(query), P(key)]
-        prefill |= torch.eye(P, dtype=torch.bool, device=ids.device)[None]  # pad queries see themselves
-        span = len_bucket(P)
-        full = torch.zeros(rows, 1, P, span, dtype=torch.bool, device=ids.device)
-        full[:, 0, :, :P] = prefill
-        g.cache.write, g.cache.span = torch.arange(P, device=ids.device), span
-        logits = self._model(g, ids_p, pos_p, full)  # [B, V]
+        logits = self._prefill(g, ids_p, pos_p, real)  # [B, V]
         g.valid.zero_()
         g.valid[:, :P] = real
         g.seeds.copy_(rowpad(seeds, 0))
@@ -246,10 +289,42 @@ class GraphDecoder:
         g.slot.fill_(P)
         g.step.fill_(1)
         self._current, self._b, self._slot, self._flt = g, b, P, flt  # _slot: the host's copy of g.slot
+        self._pending = False
         return toks[:b], lps[:b]
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next step's tokens and log-probs [b] (views of the graph's buffers: read them before next())."""
+    def _prefill(self, g: _Graph, ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Run the prompts [B, P] into the cache's slots [0, P) and return the last position's logits [B, V].
+        Rows with the same prompt (a GRPO rollout sends each prompt n times) are run once: the distinct prompts
+        go through a cache of their own, whose K/V are then copied to every row that has them."""
+        rows, P = ids.shape
+        dev = ids.device
+        uniq, inv = torch.unique(torch.cat([ids, real.long()], 1), dim=0, return_inverse=True)
+        u = uniq.shape[0]
+        self.prefill_rows += u
+        span = len_bucket(P)
+        if u < rows:
+            first = torch.full((u,), rows, dtype=torch.long, device=dev).scatter_reduce_(
+                0, inv, torch.arange(rows, device=dev), "amin")  # one row per distinct prompt
+            into = SlotCache(self.layers, u, self.kv_heads, span, self.head_dim, self.dtype, dev)
+            ids, pos, real = ids[first], pos[first], real[first]
+        else:
+            into = g.cache
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        mask = torch.zeros(ids.shape[0], 1, P, span, dtype=torch.bool, device=dev)
+        mask[:, 0, :, :P] = causal[None] & real[:, None, :]  # [B, P(query), P(key)]
+        mask[:, 0, :, :P] |= torch.eye(P, dtype=torch.bool, device=dev)[None]  # pad queries see themselves
+        into.write, into.span = torch.arange(P, device=dev), span
+        out = self._model(into, ids, pos, mask)
+        if into is g.cache:
+            return out
+        for k, v, uk, uv in zip(g.cache.k, g.cache.v, into.k, into.v):
+            k[:, :, :P].copy_(uk[inv, :, :P])
+            v[:, :, :P].copy_(uv[inv, :, :P])
+        return out[inv]
+
+    def launch(self) -> None:
+        """Run the next step (a graph replay) and queue the copy of its tokens and log-probs to the host, without
+        waiting: the host reads the previous step (stops, aborts) while the GPU runs this one. `collect()` waits."""
         g = self._current
         if self._slot >= g.length:  # callers stop at max_new_tokens, which the cache length covers
             raise RuntimeError(f"CUDA-graph decode past its cache length {g.length}")
@@ -260,4 +335,28 @@ class GraphDecoder:
                 self._step(g, self._flt, span)
         else:
             g.graphs[span].replay()
-        return g.out_tokens[:self._b], g.out_logprobs[:self._b]
+        out = torch.stack([g.out_tokens[:self._b].double(), g.out_logprobs[:self._b].double()])  # [2, b]
+        if self.device.type == "cuda":
+            if self._host is None or self._host.shape != out.shape:
+                self._host = torch.empty(out.shape, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(out, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = out, None
+        self._pending = True
+
+    def collect(self) -> tuple[list[float], list[float]]:
+        """The launched step's tokens and log-probs as host lists [b] (waits for that step only)."""
+        if not self._pending:
+            raise RuntimeError("GraphDecoder.collect() without a launch()")
+        if self._ready is not None:
+            self._ready.synchronize()
+        self._pending = False
+        toks, lps = self._host.tolist()
+        return toks, lps
+
+    def settle(self) -> None:
+        """Wait for a launched step nobody will read (the batch finished first), so nothing runs after it."""
+        if self._pending:
+            self.collect()

@@ -184,10 +184,14 @@ class Generator:
             past, logits = _cache_of(out), all_logits[:, -1, :]  # [b, V]
             last_pos = pos[:, -1]
         step = 0
+        longest = max(r.max_new_tokens for r in reqs)
         while not all(f is not None for f in finish):
             if graphs is not None:
-                if step:
-                    toks, lps = graphs.next()
+                # this step's tokens on the host; the next step is launched before the host reads them (stops,
+                # aborts), so the GPU decodes while the host works
+                toks_l, lps_l = graphs.collect() if step else torch.stack([toks.double(), lps.double()]).tolist()
+                if step + 1 < longest:
+                    graphs.launch()
             elif self.on_gpu:
                 from engine.rollout.sampling import counter_uniform, sample_tokens
 
@@ -198,8 +202,8 @@ class Generator:
             self.last_step = time.monotonic()
             if graphs is None:
                 lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
-            # one device → host copy per step (not one per row)
-            toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
+                # one device → host copy per step (not one per row)
+                toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
             for i, r in enumerate(reqs):
                 if finish[i] is not None:
                     continue
@@ -222,6 +226,8 @@ class Generator:
             out = self.model(input_ids=toks[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                              use_cache=True, **{self._cache_kw: past})
             past, logits = _cache_of(out), out.logits[:, -1, :].float()
+        if graphs is not None:
+            graphs.settle()  # a step launched for rows that all stopped meanwhile: done before the lock is released
         return [self._result(r, out_ids[i], out_lp[i], finish[i], input_lps[i]) for i, r in enumerate(reqs)]
 
     @staticmethod

@@ -1,0 +1,36 @@
+#!/bin/bash
+# Issue 17's GPU benchmarks on the lent machine (the device tool, kind nvidia-h200), from the repository root:
+#   bash bench/gpu_rl_step_device.sh STEP...      carry [".gpu"]
+#   steps: decode | rl-0.5b | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
+# Needs the runtime bundle (.gpu/, ../shared/gpu/make-bundle.sh) and, for the TRL side, the wheels of TRL and the
+# three packages it needs that the device image lacks, in .gpu/peer/ (they are unpacked into /tmp/peer):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .gpu/peer trl==1.16.0 datasets==5.2.0 'dill<0.4.2,>=0.3.0' 'multiprocess<0.70.20'
+# Under $OUT: gpu_engine_decode.json (bench/gpu_engine_decode.py), gpu_flow_rl_step_*.json/.log and
+# gpu_rl_step_trl_*.json/.log (bench/gpu_rl_step.py), gpu_rl_step.json and gpu_rl_step_table.md (report).
+. .gpu/prelude.sh || exit 1
+export BENCH_WORK=/tmp/rollflow_gpu_flow
+if ls .gpu/peer/*.whl > /dev/null 2>&1; then
+  python3 - <<'EOF'
+import glob, zipfile
+for w in glob.glob(".gpu/peer/*.whl"):
+    zipfile.ZipFile(w).extractall("/tmp/peer")
+EOF
+  export PYTHONPATH=/tmp/peer:$PYTHONPATH
+fi
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$OUT/nvidia_smi.txt" 2>&1
+for step in "$@"; do
+  echo "== $step $(date +%T)"
+  case $step in
+    decode) timeout 300 python3 bench/gpu_engine_decode.py --compiled --unfolded --out "$OUT/gpu_engine_decode.json" \
+              2>&1 | grep -v Warning | tail -12 ;;
+    rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 300 ;;
+    rl-0.5b-megatron) python3 bench/gpu_rl_step.py run --shape 0.5b --backend megatron --sides rollflow --out "$OUT" \
+                        --timeout 300 ;;
+    rl-1.5b) python3 bench/gpu_rl_step.py run --shape 1.5b --backend torch --sides rollflow --out "$OUT" \
+               --timeout 360 --extra=--offload-train ;;
+    rl-1.5b-megatron) python3 bench/gpu_rl_step.py run --shape 1.5b --backend megatron --out "$OUT" --timeout 360 ;;
+    report) python3 bench/gpu_rl_step.py report --out "$OUT" --decode "$OUT/gpu_engine_decode.json" --write "$OUT" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
