@@ -245,54 +245,76 @@ def run_trl(shape: str, steps: int, out: Path, timeout_s: float) -> dict:
 
 
 # ---- report -----------------------------------------------------------------------------------------------------
-def report(out: Path, decode: Path | None, write: Path | None) -> dict:
-    runs = {}
-    for f in sorted(out.glob("gpu_flow_rl_step_*.json")) + sorted(out.glob("gpu_rl_step_trl_*.json")):
-        r = json.loads(f.read_text())
-        runs[r["tag"]] = r
-    result: dict = {"command": "bash bench/gpu_rl_step_device.sh (bench/gpu_rl_step.py run …; see each run)",
+def report(dirs: list[Path], decode: Path | None, write: Path | None, command: str | None = None) -> dict:
+    """Merge the runs found in `dirs` (one per device call, in order). A rollflow run's `trl_ratio` is against the
+    TRL run of the same shape, preferably from the same call (`same_call` says whether it was)."""
+    runs, call_of = {}, {}
+    for i, d in enumerate(dirs):
+        for f in sorted(d.glob("gpu_flow_rl_step_*.json")) + sorted(d.glob("gpu_rl_step_trl_*.json")):
+            r = json.loads(f.read_text())
+            r["call"] = d.name
+            if r["tag"] not in runs or call_of[r["tag"]] != i:
+                runs[r["tag"]], call_of[r["tag"]] = r, i
+    result: dict = {"command": command or "bash bench/gpu_rl_step_device.sh … (each run has its own command)",
                     "machine": next((r["machine"] for r in runs.values()), None),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "work": work_of("0.5b"), "runs": runs}
     if decode and decode.is_file():
         d = json.loads(decode.read_text())
         result["floor_ratio"] = d["floor_ratio"]
         result["floor_ratio_compiled"] = d.get("floor_ratio_compiled")
-        result["decode"] = {k: d.get(k) for k in ("command", "batch", "prompt_len", "new_tokens",
+        result["decode"] = {k: d.get(k) for k in ("command", "date", "batch", "prompt_len", "new_tokens",
                                                   "floor_ms_at_4.24TBps", "engine_vs_hf_sampling",
                                                   "compiled_vs_hf_sampling", "folded_vs_unfolded_speedup")}
         result["decode"]["ms_per_step"] = {k: v["ms_per_step"] for k, v in d["runs"].items()}
+    # MFU on the basis bench/gpu_megatron.py used for its 52–54 % (a bf16 8192³ matmul measured on the H200)
+    peak_file = ROOT / "bench" / "results" / "gpu_megatron.json"
+    matmul = json.loads(peak_file.read_text()).get("matmul_peak", {}).get("tflops") if peak_file.is_file() else None
+    if matmul:
+        result["matmul_peak_tflops"] = round(matmul, 1)
+        result["matmul_peak_source"] = "bench/results/gpu_megatron.json (bench/gpu_megatron.py, an earlier call)"
+        for r in runs.values():
+            if r.get("train_mfu") is not None:
+                r["train_mfu_vs_matmul_peak"] = round(r["train_mfu"] * H200_BF16_DENSE / (matmul * 1e12), 4)
     ratios = {}
     for tag, r in runs.items():
         if r.get("side") != "rollflow" or r["state"] != "Completed":
             continue
         peer = runs.get(f"trl_{r['shape'].replace('.', '')}")
         if peer and peer["state"] == "Completed":
-            ratios[tag] = round(r["steps_per_s"] / peer["steps_per_s"], 3)
+            ratios[tag] = {"trl_ratio": round(r["steps_per_s"] / peer["steps_per_s"], 3),
+                           "same_call": peer["call"] == r["call"]}
     result["trl_ratio_by_run"] = ratios
-    if ratios:  # the headline: the 0.5B torch run when there is one, else the first
-        key = next((k for k in ratios if "05b_torch" in k), next(iter(ratios)))
-        result["trl_ratio"] = ratios[key]
-        result["trl_ratio_run"] = key
-    lines = ["| run | state | s per step (measured) | rollout / pack / train / sync (s) | steps/s | × TRL | "
-             "train MFU | sync GB/s | peak GiB |", "|" + "---|" * 9]
+    same = {k: v for k, v in ratios.items() if v["same_call"]}
+    if same:  # the headline: the 0.5B torch run when it has a same-call peer, else the first such run
+        key = next((k for k in same if "05b_torch" in k), next(iter(same)))
+        result["trl_ratio"], result["trl_ratio_run"] = same[key]["trl_ratio"], key
+        result["trl_ratio_min"] = min(v["trl_ratio"] for v in ratios.values())
+    lines = ["| run | call | s per step (measured) | rollout / pack / train / sync (s) | steps/s | × TRL | "
+             "train MFU (÷ 989 TF/s; ÷ matmul peak) | sync GB/s | peak GiB rollout / train / sync |",
+             "|" + "---|" * 9]
     for tag, r in runs.items():
         if r["state"] != "Completed":
-            lines.append(f"| {tag} | {r['state']} | | | | | | | |")
+            lines.append(f"| {tag} | {r['call']} | {r['state']} | | | | | | |")
             continue
         st = r["stage_s_measured"]
         if r["side"] == "trl":
-            lines.append(f"| {tag} | Completed | {r['measured_step_s']} | generate+score {st['generate_and_score']}"
-                         f" / train {st['train']} | {r['steps_per_s']} | 1 | | | {r.get('peak_memory_gib')} |")
+            lines.append(f"| {tag} | {r['call']} | {r['measured_step_s']} | generate+score "
+                         f"{st['generate_and_score']} / train {st['train']} | {r['steps_per_s']} | 1 | | | "
+                         f"{r.get('peak_memory_gib')} (torch max allocated) |")
         else:
             pk = r["peak_memory_gib"]
-            lines.append(f"| {tag} | Completed | {r['measured_step_s']} | {round(st['rollout'], 2)} / "
-                         f"{round(st['pack'], 2)} / {round(st['train'], 2)} / {round(st['sync'], 2)} | "
-                         f"{r['steps_per_s']} | {ratios.get(tag, '—')} | {r.get('train_mfu')} | "
-                         f"{r.get('sync_gb_per_s')} | {pk.get('rollout')} / {pk.get('train')} / {pk.get('sync')} |")
+            x = ratios.get(tag)
+            xs = "—" if not x else f"{x['trl_ratio']}" + ("" if x["same_call"] else " (TRL from another call)")
+            mfu = f"{r['train_mfu']:.3f}" + (f"; {r['train_mfu_vs_matmul_peak']:.3f}"
+                                             if r.get("train_mfu_vs_matmul_peak") else "")
+            lines.append(f"| {tag} | {r['call']} | {r['measured_step_s']} | {st['rollout']:.2f} / {st['pack']:.2f} / "
+                         f"{st['train']:.2f} / {st['sync']:.2f} | {r['steps_per_s']} | {xs} | {mfu} | "
+                         f"{r.get('sync_gb_per_s')} | {pk.get('rollout'):.1f} / {pk.get('train'):.1f} / "
+                         f"{pk.get('sync'):.1f} |")
     table = "\n".join(lines) + "\n"
     print(table)
     print(json.dumps({k: result.get(k) for k in ("floor_ratio", "floor_ratio_compiled", "trl_ratio",
-                                                 "trl_ratio_by_run")}))
+                                                 "trl_ratio_min")}))
     if write:
         write.mkdir(parents=True, exist_ok=True)
         (write / "gpu_rl_step.json").write_text(json.dumps(result, indent=1))
@@ -309,18 +331,22 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2, help="RL steps per side (the first is not measured)")
     p.add_argument("--timeout", type=float, default=400, help="seconds per side")
     p.add_argument("--extra", default="", help="more `rollflow train` flags, one string")
-    p.add_argument("--out", default=str(WORK / "out"))
+    p.add_argument("--out", default=str(WORK / "out"), help="run: where results go; report: the directories of "
+                                                             "the device calls, comma-separated, in order")
+    p.add_argument("--command", default=None, help="report: the command that produced the runs (recorded)")
     p.add_argument("--decode", default=None, help="report: bench/gpu_engine_decode.py's JSON from the same call")
     p.add_argument("--write", default=None, help="report: write gpu_rl_step.json and gpu_rl_step_table.md here")
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out.split(",")[0])
+    if a.mode != "report":
+        out.mkdir(parents=True, exist_ok=True)
     if a.mode == "trl-side":
         trl_side(a.shape, a.steps, Path(a.work))
         return 0
     if a.mode == "report":
-        report(out, Path(a.decode) if a.decode else None, Path(a.write) if a.write else None)
+        report([Path(x) for x in a.out.split(",")], Path(a.decode) if a.decode else None,
+               Path(a.write) if a.write else None, a.command)
         return 0
     sides = [s for s in a.sides.split(",") if s]
     bad = [s for s in sides if s not in ("rollflow", "trl")]

@@ -24,11 +24,11 @@ for step in "$@"; do
   case $step in
     decode) timeout 300 python3 bench/gpu_engine_decode.py --compiled --unfolded --out "$OUT/gpu_engine_decode.json" \
               2>&1 | grep -v Warning | tail -12 ;;
-    rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 300 ;;
+    rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 240 ;;
     rl-0.5b-megatron) python3 bench/gpu_rl_step.py run --shape 0.5b --backend megatron --sides rollflow --out "$OUT" \
-                        --timeout 300 ;;
+                        --timeout 240 ;;
     rl-1.5b) python3 bench/gpu_rl_step.py run --shape 1.5b --backend torch --sides rollflow --out "$OUT" \
-               --timeout 360 --extra=--offload-train ;;
+               --timeout 320 --extra=--offload-train ;;
     rl-1.5b-megatron) python3 bench/gpu_rl_step.py run --shape 1.5b --backend megatron --out "$OUT" --timeout 360 ;;
     report) python3 bench/gpu_rl_step.py report --out "$OUT" --decode "$OUT/gpu_engine_decode.json" --write "$OUT" ;;
     *) echo "unknown step $step" ;;
