@@ -200,6 +200,26 @@ class EngineClient:
             raise EngineError(f"{self.url}/update_weights_from_tensor refused the weights: {out.get('message')}")
         return out
 
+    def init_weights_update_group(self, master_address: str, master_port: int, *, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl",
+                                  timeout_s: float | None = None) -> dict:
+        """SGLang's /init_weights_update_group: the engine joins the trainer's weight-update process group (the call
+        returns once every rank joined: engine/weights/distributed.py makes it from a thread)."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        out = self._post("/init_weights_update_group", body, timeout_s)
+        if not out.get("success", False):
+            raise EngineError(f"{self.url}/init_weights_update_group: {out.get('message')}")
+        return out
+
+    def update_weights_from_distributed(self, body: dict, timeout_s: float | None = None) -> dict:
+        """SGLang's /update_weights_from_distributed: `names`, `dtypes`, `shapes` announced here, the tensors
+        broadcast by rank 0 of the group meanwhile."""
+        return self._weights("/update_weights_from_distributed", body, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+
     def flush_cache(self) -> dict:
         return self._post("/flush_cache")
 

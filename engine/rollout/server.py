@@ -156,6 +156,7 @@ class EngineState:
         self.batch_window_s, self.max_batch, self.deterministic = batch_window_s, max_batch, deterministic
         self.batch_gap_s = batch_gap_s
         self.scheduler: BatchingScheduler | None = None
+        self.groups: dict[str, tuple[Any, str]] = {}  # group_name → (process group, backend): /init_weights_update_group
 
     @property
     def weight_version(self) -> str:
@@ -234,6 +235,40 @@ class EngineState:
                 self.weight_version = version
         return copied
 
+    def join_group(self, body: dict[str, Any]) -> str:
+        """SGLang's /init_weights_update_group: join the trainer's weight-update group as rank `rank_offset`."""
+        from engine.weights.distributed import DEFAULT_GROUP, join_group
+
+        name, backend = body.get("group_name") or DEFAULT_GROUP, body.get("backend") or "nccl"
+        if name in self.groups:
+            raise ValueError(f"group_name {name!r} is already joined; /destroy_weights_update_group it first")
+        if backend == "nccl" and not str(self.device).startswith("cuda"):
+            raise ValueError(f"backend 'nccl' needs a CUDA engine and this one runs on {self.device}: send "
+                             "backend 'gloo'")
+        for k in ("master_address", "master_port", "rank_offset", "world_size"):
+            if body.get(k) is None:
+                raise ValueError(f"`{k}` is required")
+        pg = join_group(str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                        int(body["world_size"]), backend)
+        self.groups[name] = (pg, backend)
+        return name
+
+    def update_from_distributed(self, body: dict[str, Any], version: str | None) -> int:
+        """SGLang's /update_weights_from_distributed: receive the named tensors broadcast by rank 0."""
+        from engine.weights.distributed import DEFAULT_GROUP, receive_into
+
+        name = body.get("group_name") or DEFAULT_GROUP
+        if name not in self.groups:
+            raise ValueError(f"group_name {name!r} is not joined; call /init_weights_update_group first")
+        pg, backend = self.groups[name]
+        with self.generator.lock:
+            n = receive_into(self.generator.model, pg, list(body.get("names") or []),
+                             list(body.get("dtypes") or []), list(body.get("shapes") or []),
+                             "cpu" if backend == "gloo" else self.device)
+            if version is not None:
+                self.weight_version = version
+        return n
+
     def stalled_s(self) -> float | None:
         """Seconds the generator has been inside a batch without a decode step, when that exceeds watchdog_s."""
         g = self.generator
@@ -304,7 +339,8 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
 
 #: endpoints that replace the served weights or free its memory (need the admin key, else the API key)
 ADMIN = ("/update_weights_from_disk", "/update_weights_from_tensor", "/release_memory_occupation",
-         "/resume_memory_occupation", "/pause_generation", "/continue_generation")
+         "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/init_weights_update_group",
+         "/update_weights_from_distributed", "/destroy_weights_update_group")
 PUBLIC = ("/health", "/health_generate")
 WEIGHTS_BODY_BYTES = 8 * 2**30  # a raw safetensors update may carry a whole model
 
@@ -520,6 +556,39 @@ def create_app(state: EngineState):
                              f"load_format={TENSOR_LOAD_FORMAT!r} (safetensors blobs); SGLang's default format is "
                              "pickled CUDA IPC handles, usable only on the same host")
         return await _update(state.update_from_tensors, body, blobs)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await small_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            name = await asyncio.get_running_loop().run_in_executor(None, state.join_group, body)
+        except Exception as e:
+            return _err(400, f"{type(e).__name__}: {e}")
+        return {"success": True, "message": f"joined weight-update group {name!r} as rank {body['rank_offset']}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        try:
+            body = await _body(request, 64 * 2**20)  # names, dtypes, shapes: the tensors come by broadcast
+        except BodyTooLarge as e:
+            return _err(413, str(e))
+        except ValueError as e:
+            return _err(400, str(e))
+        return await _update(state.update_from_distributed, body, body)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await small_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        from engine.weights.distributed import DEFAULT_GROUP
+
+        name = body.get("group_name") or DEFAULT_GROUP
+        if state.groups.pop(name, None) is None:
+            return _err(400, f"group_name {name!r} is not joined")
+        return {"success": True, "message": f"left weight-update group {name!r}"}
 
     @app.post("/release_memory_occupation")
     async def release():
