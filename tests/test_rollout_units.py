@@ -375,3 +375,55 @@ def test_pooled_connections_expire_before_the_engine_server_closes_them():
         return client._transport._pool._keepalive_expiry
 
     assert run_on_rollout_loop(expiry, None) == KEEPALIVE_S
+
+
+# ---- the engine's batching of a burst the client announces ---------------------------------------------------
+class _FakeGenerator:
+    """What BatchingScheduler needs of a Generator: abort bookkeeping and a batch call (echoes the rids)."""
+
+    def __init__(self):
+        from engine.rollout.generation import AbortBook
+
+        self.aborts = AbortBook()
+
+    def generate(self, reqs):
+        return [r.rid for r in reqs]
+
+
+def _spread(burst, spacing_s: float, count: int = 6, gap_s: float = 0.01):
+    """`count` one-row requests sent `spacing_s` apart to a scheduler; returns its batch sizes."""
+    import asyncio
+
+    from engine.rollout.generation import GenRequest
+    from engine.rollout.server import BatchingScheduler
+
+    async def main():
+        sched = BatchingScheduler(_FakeGenerator(), window_s=0.05, max_batch=64, gap_s=gap_s)
+        sched.start()
+
+        async def one(i):
+            await asyncio.sleep(i * spacing_s)
+            return await sched.submit([GenRequest(rid=f"r{i}", input_ids=[1], max_new_tokens=1)], burst)
+
+        out = await asyncio.gather(*(one(i) for i in range(count)))
+        assert [o[0] for o in out] == [f"r{i}" for i in range(count)]  # every request got its own answer
+        return sched.batch_sizes
+
+    return asyncio.run(main())
+
+
+def test_an_announced_burst_is_one_batch_however_spread_its_arrivals():
+    """Requests 30 ms apart (more than the 10 ms gap that ends an unannounced burst): without the header they run
+    as separate batches, with `X-Rollflow-Burst: <id> 6` as one."""
+    from engine.rollout.server import parse_burst
+
+    assert len(_spread(None, 0.03)) > 1
+    assert _spread(("rf1-abc-d0", 6), 0.03) == [6]
+    assert parse_burst("rf1-abc-d0 6") == ("rf1-abc-d0", 6)
+    assert parse_burst("junk") is None and parse_burst("a -3") is None and parse_burst("a 0") is None
+
+
+def test_a_burst_that_never_completes_closes_after_its_gap():
+    """Announced as 10 but only 4 come (the rest went to another engine): the batch closes burst_gap_s after the
+    last one instead of waiting for the rest."""
+    assert _spread(("b", 10), 0.0, count=4) == [4]

@@ -100,10 +100,11 @@ def run_on_rollout_loop(make: Callable[[httpx.AsyncClient], Awaitable[T]], api_k
         raise
 
 
-async def generate_async(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[dict]:
+async def generate_async(http: httpx.AsyncClient, url: str, body: dict[str, Any],
+                         headers: dict[str, str] | None = None) -> list[dict]:
     """POST /generate on the engine at `url` through a shared async client (its headers carry the API key).
     Transport errors (a dead engine) propagate as httpx.TransportError for the caller's retry policy."""
-    return _answers(await http.post(url + "/generate", json=body), url)
+    return _answers(await http.post(url + "/generate", json=body, headers=headers), url)
 
 
 class EngineClient:

@@ -188,6 +188,10 @@ class _Round:
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
         self.engines, self.reward_model, self.keep = engines, reward_model, keep
         self.sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
+        # the groups sent together, announced to the engines (engine/rollout/server.py: BatchingScheduler) so a
+        # built-in engine batches all of them at once; SGLang ignores the header
+        together = min(len(prompts), max(1, concurrency // max(n, 1)))
+        self.burst = {"X-Rollflow-Burst": f"rf{rollout_id}-{nonce}-d{first_draw} {together}"}
         self.client: httpx.AsyncClient | None = None  # set by run
         self.done: list[list[Sample] | None] = [None] * len(prompts)
         self.kept = [False] * len(prompts)
@@ -305,7 +309,7 @@ class _Round:
             self.outstanding[url] += count
             self.inflight[gi] = url
             try:
-                return await generate_async(client, url, body)
+                return await generate_async(client, url, body, self.burst)
             except httpx.TransportError as e:
                 if not self.engines.fault_tolerant:
                     raise EngineFailure(f"engine {url} failed during /generate ({type(e).__name__}: {e}); "
