@@ -248,13 +248,14 @@ def run_trl(shape: str, steps: int, out: Path, timeout_s: float) -> dict:
 def report(dirs: list[Path], decode: Path | None, write: Path | None, command: str | None = None) -> dict:
     """Merge the runs found in `dirs` (one per device call, in order). A rollflow run's `trl_ratio` is against the
     TRL run of the same shape, preferably from the same call (`same_call` says whether it was)."""
-    runs, call_of = {}, {}
-    for i, d in enumerate(dirs):
+    found = []
+    for d in dirs:
         for f in sorted(d.glob("gpu_flow_rl_step_*.json")) + sorted(d.glob("gpu_rl_step_trl_*.json")):
             r = json.loads(f.read_text())
             r["call"] = d.name
-            if r["tag"] not in runs or call_of[r["tag"]] != i:
-                runs[r["tag"]], call_of[r["tag"]] = r, i
+            found.append(r)
+    tags = [r["tag"] for r in found]  # a run repeated in a later call is kept too, as tag@call
+    runs = {(r["tag"] if tags.count(r["tag"]) == 1 else f"{r['tag']}@{r['call']}"): r for r in found}
     result: dict = {"command": command or "bash bench/gpu_rl_step_device.sh … (each run has its own command)",
                     "machine": next((r["machine"] for r in runs.values()), None),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "work": work_of("0.5b"), "runs": runs}
@@ -279,8 +280,10 @@ def report(dirs: list[Path], decode: Path | None, write: Path | None, command: s
     for tag, r in runs.items():
         if r.get("side") != "rollflow" or r["state"] != "Completed":
             continue
-        peer = runs.get(f"trl_{r['shape'].replace('.', '')}")
-        if peer and peer["state"] == "Completed":
+        peers = [p for p in runs.values() if p.get("side") == "trl" and p["shape"] == r["shape"]
+                 and p["state"] == "Completed"]
+        peer = next((p for p in peers if p["call"] == r["call"]), peers[-1] if peers else None)
+        if peer:
             ratios[tag] = {"trl_ratio": round(r["steps_per_s"] / peer["steps_per_s"], 3),
                            "same_call": peer["call"] == r["call"]}
     result["trl_ratio_by_run"] = ratios
