@@ -29,7 +29,7 @@ class Recorder:
     """ASGI middleware: keeps (path, content-type, body) of every HTTP request, then passes it on unchanged."""
 
     def __init__(self, app):
-        self.app, self.seen = app, []
+        self.app, self.seen, self.headers = app, [], []
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -40,8 +40,9 @@ class Recorder:
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
         body = b"".join(chunks)
-        ctype = dict(scope.get("headers") or []).get(b"content-type", b"").decode()
-        self.seen.append((scope["path"], ctype, body))
+        headers = {k.decode(): v.decode() for k, v in scope.get("headers") or []}
+        self.headers.append(headers)
+        self.seen.append((scope["path"], headers.get("content-type", ""), body))
         replayed = False
 
         async def replay():
@@ -116,6 +117,7 @@ def test_every_body_the_client_side_sends_is_sglangs(recorded_engine, tiny_model
 
     state, url, rec, weights = recorded_engine
     rec.seen.clear()
+    rec.headers.clear()
     ds = PromptDataset(load_prompts(BUNDLED_TRAIN, input_key="prompt", label_key="label"), shuffle=False, seed=0)
 
     def draw(k):
@@ -155,6 +157,9 @@ def test_every_body_the_client_side_sends_is_sglangs(recorded_engine, tiny_model
     loop_bodies = [json.loads(b) for p, _, b in posted if p == "/generate"]
     assert any(isinstance(b.get("sampling_params"), list) and b["sampling_params"][0].get("sampling_seed") is not None
                for b in loop_bodies)  # the rollout loop's batched shape, per-sample seeds
+    # the rollout's two groups were announced as one burst of 2 (a header: SGLang's body is untouched)
+    bursts = {h["x-rollflow-burst"] for (p, _, _), h in zip(rec.seen, rec.headers) if "x-rollflow-burst" in h}
+    assert len(bursts) == 1 and next(iter(bursts)).endswith(" 2"), bursts
 
 
 def test_the_raw_tensor_upload_is_the_one_non_sglang_body(recorded_engine):

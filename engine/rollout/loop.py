@@ -187,11 +187,11 @@ class _Round:
         self.generate, self.hook_args, self.hook_path = generate, hook_args, hook_path
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
         self.engines, self.reward_model, self.keep = engines, reward_model, keep
-        self.sem = asyncio.Semaphore(max(1, concurrency // max(n, 1)))
-        # the groups sent together, announced to the engines (engine/rollout/server.py: BatchingScheduler) so a
-        # built-in engine batches all of them at once; SGLang ignores the header
-        together = min(len(prompts), max(1, concurrency // max(n, 1)))
-        self.burst = {"X-Rollflow-Burst": f"rf{rollout_id}-{nonce}-d{first_draw} {together}"}
+        slots = max(1, concurrency // max(n, 1))  # groups in flight at once
+        self.sem = asyncio.Semaphore(slots)
+        # the groups' first requests go out together: announced to the engines (engine/rollout/server.py:
+        # BatchingScheduler) so that a built-in engine runs them as one batch; SGLang ignores the header
+        self.burst = {"X-Rollflow-Burst": f"rf{rollout_id}-{nonce}-d{first_draw} {min(len(prompts), slots)}"}
         self.client: httpx.AsyncClient | None = None  # set by run
         self.done: list[list[Sample] | None] = [None] * len(prompts)
         self.kept = [False] * len(prompts)
@@ -292,13 +292,15 @@ class _Round:
             body = {"input_ids": [prompt + rows[j].ids for j in todo], "return_logprob": True,
                     "rid": [f"{self.rid(gi)}{j}" for j in todo],
                     "sampling_params": [self._params(gi, j, rows[j], seeds[j]) for j in todo]}
-            for j, o in zip(todo, await self._send(client, gi, body, len(todo))):
+            first = not any(rows[j].versions for j in todo)  # continuations (partial rollout) are not a burst
+            for j, o in zip(todo, await self._send(client, gi, body, len(todo), self.burst if first else None)):
                 self._extend(rows[j], o)
                 if self.partial is not None:
                     self.partial.put(draw, j, rows[j])
         return rows
 
-    async def _send(self, client: httpx.AsyncClient, gi: int, body: dict, count: int) -> list[dict]:
+    async def _send(self, client: httpx.AsyncClient, gi: int, body: dict, count: int,
+                    headers: dict[str, str] | None = None) -> list[dict]:
         while True:
             url = self._pick()
             if url is None:
@@ -309,7 +311,7 @@ class _Round:
             self.outstanding[url] += count
             self.inflight[gi] = url
             try:
-                return await generate_async(client, url, body, self.burst)
+                return await generate_async(client, url, body, headers)
             except httpx.TransportError as e:
                 if not self.engines.fault_tolerant:
                     raise EngineFailure(f"engine {url} failed during /generate ({type(e).__name__}: {e}); "
