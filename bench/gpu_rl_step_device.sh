@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 17's GPU benchmarks on the lent machine (the device tool, kind nvidia-h200), from the repository root:
 #   bash bench/gpu_rl_step_device.sh STEP...      carry [".gpu"]
-#   steps: decode | rl-0.5b | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
+#   steps: decode | profile | rl-0.5b | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
 # Needs the runtime bundle (.gpu/, ../shared/gpu/make-bundle.sh) and, for the TRL side, the wheels of TRL and the
 # three packages it needs that the device image lacks, in .gpu/peer/ (they are unpacked into /tmp/peer):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -24,6 +24,7 @@ for step in "$@"; do
   case $step in
     decode) timeout 300 python3 bench/gpu_engine_decode.py --compiled --unfolded --out "$OUT/gpu_engine_decode.json" \
               2>&1 | grep -v Warning | tail -12 ;;
+    profile) timeout 300 python3 bench/gpu_engine_profile.py --out "$OUT/gpu_engine_profile.json" 2>&1 | tail -20 ;;
     rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 240 ;;
     rl-0.5b-megatron) python3 bench/gpu_rl_step.py run --shape 0.5b --backend megatron --sides rollflow --out "$OUT" \
                         --timeout 240 ;;
