@@ -390,7 +390,8 @@ class _FakeGenerator:
         return [r.rid for r in reqs]
 
 
-def _spread(burst, spacing_s: float, count: int = 6, gap_s: float = 0.01):
+def _spread(burst, spacing_s: float, count: int = 6, gap_s: float = 0.01, hold: bool = True,
+            window_s: float = 0.05):
     """`count` one-row requests sent `spacing_s` apart to a scheduler; returns its batch sizes."""
     import asyncio
 
@@ -398,7 +399,7 @@ def _spread(burst, spacing_s: float, count: int = 6, gap_s: float = 0.01):
     from engine.rollout.server import BatchingScheduler
 
     async def main():
-        sched = BatchingScheduler(_FakeGenerator(), window_s=0.05, max_batch=64, gap_s=gap_s)
+        sched = BatchingScheduler(_FakeGenerator(), window_s=window_s, max_batch=64, gap_s=gap_s, hold_bursts=hold)
         sched.start()
 
         async def one(i):
@@ -414,13 +415,28 @@ def _spread(burst, spacing_s: float, count: int = 6, gap_s: float = 0.01):
 
 def test_an_announced_burst_is_one_batch_however_spread_its_arrivals():
     """Requests 30 ms apart (more than the 10 ms gap that ends an unannounced burst): without the header they run
-    as separate batches, with `X-Rollflow-Burst: <id> 6` as one."""
+    as separate batches, with `X-Rollflow-Burst: <id> 6` as one when the engine holds bursts (on a GPU)."""
     from engine.rollout.server import parse_burst
 
     assert len(_spread(None, 0.03)) > 1
     assert _spread(("rf1-abc-d0", 6), 0.03) == [6]
+    assert len(_spread(("rf1-abc-d0", 6), 0.03, hold=False)) > 1  # a CPU engine does not hold a burst
     assert parse_burst("rf1-abc-d0 6") == ("rf1-abc-d0", 6)
     assert parse_burst("junk") is None and parse_burst("a -3") is None and parse_burst("a 0") is None
+
+
+def test_a_complete_burst_runs_without_linger_even_when_not_held():
+    """All 6 arrive at once: the batch starts on the 6th, not gap_s (here 2 s) after it, held or not; an
+    unannounced burst waits the gap out."""
+    import time
+
+    for hold in (True, False):
+        t = time.perf_counter()
+        assert _spread(("b", 6), 0.0, gap_s=2.0, window_s=4.0, hold=hold) == [6]
+        assert time.perf_counter() - t < 1.5
+    t = time.perf_counter()
+    assert _spread(None, 0.0, gap_s=2.0, window_s=4.0) == [6]
+    assert time.perf_counter() - t >= 2.0
 
 
 def test_a_burst_that_never_completes_closes_after_its_gap():

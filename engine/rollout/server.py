@@ -70,19 +70,24 @@ class BatchingScheduler:
     spread over tens of milliseconds on a busy machine, while a lone request waits only `gap_s`.
 
     A client that announces its burst (the `X-Rollflow-Burst: <id> <count>` header on each of the `count` requests
-    it sends together; rollflow's rollout loop does) gets exact batching: the batch stays open until all `count`
-    have arrived (or none came for `burst_gap_s`, e.g. when the burst was spread over several engines, or
-    `burst_window_s` passed), and closes as soon as they have, with no linger. Measured without it (CPU, the
-    engine in its own process, 64 groups × 8): the first rollout ran as one batch of 512 rows, later ones as 2–7
-    batches, each a whole generation: requests that arrive after a batch started wait for all of it.
+    it sends together; rollflow's rollout loop does) gets exact batching:
+    - the batch closes as soon as all `count` have arrived, with no linger;
+    - with `hold_bursts` (a GPU engine) it also stays open until then: until none came for `burst_gap_s` (e.g. a
+      burst spread over several engines) or `burst_window_s` passed. Without the hold (64 groups × 8, the engine
+      in its own process) the first rollout ran as one batch of 512 rows and later ones as 2–7 batches, each a
+      whole generation. On a GPU, where a step costs about the same for 64 rows as for 512, holding took the
+      0.5B RL rollout from 20.9 s to 17.0 s (bench/results/gpu_rl_step.md).
+    - On a CPU a step costs in proportion to its rows, and a batch runs until its last row stops. There, smaller
+      batches that start while the rest arrive were faster (bench/results/rollout_batching.json), so a CPU engine
+      does not hold.
     """
 
     def __init__(self, generator: Generator, window_s: float = 0.05, max_batch: int = 256,
                  isolate: bool = False, gap_s: float = 0.01, max_queued: int | None = None,
-                 burst_gap_s: float = 0.2, burst_window_s: float = 2.0):
+                 burst_gap_s: float = 0.2, burst_window_s: float = 2.0, hold_bursts: bool = True):
         self.generator, self.window_s, self.max_batch, self.isolate = generator, window_s, max_batch, isolate
         self.gap_s = min(gap_s, window_s)
-        self.burst_gap_s, self.burst_window_s = burst_gap_s, burst_window_s
+        self.burst_gap_s, self.burst_window_s, self.hold_bursts = burst_gap_s, burst_window_s, hold_bursts
         self.max_queued = max_queued if max_queued is not None else 4 * max_batch
         self.queued_rows = 0  # rows submitted and not yet taken into a batch
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
@@ -125,9 +130,10 @@ class BatchingScheduler:
         note(first)
         while not self.isolate and n < self.max_batch:
             now = loop.time()
-            if any(seen[b] < want[b] for b in want):  # more of an announced burst is on its way
+            incomplete = any(seen[b] < want[b] for b in want)
+            if incomplete and self.hold_bursts:  # more of an announced burst is on its way: wait for it
                 timeout = min(start + self.burst_window_s - now, self.burst_gap_s)
-            elif want:  # every announced burst is in: run now
+            elif want and not incomplete:  # every announced burst is in: run now
                 break
             else:
                 timeout = min(start + self.window_s - now, self.gap_s)
@@ -388,7 +394,7 @@ def create_app(state: EngineState):
     async def lifespan(_app):
         state.scheduler = BatchingScheduler(state.generator, state.batch_window_s, state.max_batch,
                                             isolate=state.deterministic, gap_s=state.batch_gap_s,
-                                            max_queued=state.max_queued)
+                                            max_queued=state.max_queued, hold_bursts=state.generator.on_gpu)
         state.scheduler.start()
         state.unpaused = asyncio.Event()
         state.unpaused.set()
