@@ -141,8 +141,9 @@ def _cuda() -> bool:
 def trl_side(shape: str, steps: int, work: Path) -> None:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+    from trl_race import trl_timers
 
     from engine.rewards import exact_match
 
@@ -168,32 +169,10 @@ def trl_side(shape: str, steps: int, work: Path) -> None:
                      seed=1234, data_seed=1234, disable_tqdm=True, dataloader_num_workers=0,
                      bf16=cuda, gradient_checkpointing=False)
     marks: dict = {"step_end": [], "gen_s": [], "completion_len": []}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            marks["train_begin"] = time.time()
-
-        def on_step_end(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            marks["step_end"].append(time.time())
-
-        def on_log(self, args, state, control, logs=None, **k):
-            if logs and "completions/mean_length" in logs:
-                marks["completion_len"].append(float(logs["completions/mean_length"]))
-
-    class Timed(GRPOTrainer):
-        def _generate_and_score_completions(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return super()._generate_and_score_completions(*a, **k)
-            finally:
-                if cuda:
-                    torch.cuda.synchronize()
-                marks["gen_s"].append(time.perf_counter() - t)
-
+    Timed, clock = trl_timers(marks, {"completions/mean_length": "completion_len"},
+                              torch.cuda.synchronize if cuda else None)
     trainer = Timed(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
-                    callbacks=[Clock()])
+                    callbacks=[clock])
     trainer.train()
     if cuda:
         marks["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -95,12 +95,47 @@ class TreeMemory:
 
 
 # ---- TRL (runs in its own process: `--side-process trl`) --------------------------------------------------------
+def trl_timers(marks: dict, logged: dict[str, str], sync=None):
+    """A GRPOTrainer subclass that times each generate-and-score (seconds into marks["gen_s"]) and a callback that
+    marks the train's begin and every step's end (wall clock) and copies the logged keys `logged` (TRL's name →
+    marks' list). `sync` (e.g. torch.cuda.synchronize) runs before each clock reading: GPU work is counted where
+    it ran. Returns (trainer class, callback); bench/gpu_rl_step.py uses it too."""
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    wait = sync or (lambda: None)
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            marks["train_begin"] = time.time()
+
+        def on_step_end(self, *a, **k):
+            wait()
+            marks["step_end"].append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **k):
+            for src, dst in logged.items():
+                if logs and src in logs:
+                    marks[dst].append(float(logs[src]))
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(*a, **k)
+            finally:
+                wait()
+                marks["gen_s"].append(time.perf_counter() - t)
+
+    return Timed, Clock()
+
+
 def trl_side(num_rollout: int, out: Path) -> None:
     t_import = time.time()
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
 
     from engine.rewards import exact_match
 
@@ -122,28 +157,9 @@ def trl_side(num_rollout: int, out: Path) -> None:
                      disable_tqdm=True, dataloader_num_workers=0,
                      bf16=False, gradient_checkpointing=False)  # TRL's defaults; rollflow trains fp32, no recompute
     marks: dict = {"step_end": [], "rewards": [], "gen_s": []}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            marks["train_begin"] = time.time()
-
-        def on_step_end(self, *a, **k):
-            marks["step_end"].append(time.time())
-
-        def on_log(self, args, state, control, logs=None, **k):
-            if logs and "reward" in logs:
-                marks["rewards"].append(float(logs["reward"]))
-
-    class Timed(GRPOTrainer):
-        def _generate_and_score_completions(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return super()._generate_and_score_completions(*a, **k)
-            finally:
-                marks["gen_s"].append(time.perf_counter() - t)
-
+    Timed, clock = trl_timers(marks, {"reward": "rewards"})
     trainer = Timed(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
-                    callbacks=[Clock()])
+                    callbacks=[clock])
     trainer.train()
     marks["import_started"] = t_import
     (out / "trl_marks.json").write_text(json.dumps(marks))

@@ -505,9 +505,9 @@ def create_app(state: EngineState):
         out = [to_response(r, bool(w), r.weight_version or state.weight_version, dt) for r, w in zip(results, wants)]
         return out if batched else out[0]
 
-    async def small_body(request: Request) -> dict[str, Any] | JSONResponse:
+    async def small_body(request: Request, limit: int = 2**20) -> dict[str, Any] | JSONResponse:
         try:
-            return await _body(request, 2**20)
+            return await _body(request, limit)
         except BodyTooLarge as e:
             return _err(413, str(e))
         except ValueError as e:
@@ -614,12 +614,9 @@ def create_app(state: EngineState):
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        try:
-            body = await _body(request, 64 * 2**20)  # names, dtypes, shapes: the tensors come by broadcast
-        except BodyTooLarge as e:
-            return _err(413, str(e))
-        except ValueError as e:
-            return _err(400, str(e))
+        body = await small_body(request, 64 * 2**20)  # names, dtypes, shapes: the tensors come by broadcast
+        if isinstance(body, JSONResponse):
+            return body
         return await _update(state.update_from_distributed, body, body)
 
     @app.post("/destroy_weights_update_group")
