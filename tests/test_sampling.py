@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.rollout.sampling import counter_uniform, sample_tokens, splitmix64
+from engine.rollout.sampling import BLOCK, counter_uniform, draw, sample_tokens, splitmix64
 
 MASK = (1 << 64) - 1
 
@@ -80,6 +80,57 @@ def test_top_k_and_top_p_never_draw_outside_their_set():
     keep = int((p.cumsum(0) - p < 0.5).sum())
     toks = sample_tokens(logits, uniforms=counter_uniform(torch.arange(b), 1), **_knobs(b, top_p=0.5))
     assert set(toks.tolist()) == set(order[:keep].tolist())
+
+
+def reference_draw(logits, *, temperature, top_p, top_k, uniforms):
+    """The sampler's definition in one level: filters on the softmax, a full-vocabulary fp64 cumsum, the first
+    entry above u × total; greedy rows take the argmax."""
+    greedy = temperature <= 0
+    x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    out = []
+    for i in range(x.shape[0]):
+        p = torch.softmax(x[i].double(), -1)
+        if 0 < int(top_k[i]) < x.shape[1]:
+            p = p.masked_fill(x[i] < x[i].topk(int(top_k[i])).values[-1], 0.0)
+        if float(top_p[i]) < 1:
+            sp = p.sort(descending=True).values
+            kept = int(((sp.cumsum(0) - sp) <= float(top_p[i]) * sp.sum()).sum())
+            p = p.masked_fill(p < sp[kept - 1], 0.0)
+        cdf = p.cumsum(0)
+        drawn = torch.searchsorted(cdf, uniforms[i] * cdf[-1], right=True)
+        out.append(int(x[i].argmax()) if greedy[i] else int(drawn))
+    return torch.tensor(out)
+
+
+def test_the_two_level_draw_equals_the_full_vocabulary_inverse_cdf_and_returns_log_softmax():
+    """Several blocks and a short last one (V = 2.5 blocks); peaked and flat rows; every filter; the log-probs are
+    log softmax(logits / T) of the unfiltered distribution at the drawn token."""
+    g = torch.Generator().manual_seed(3)
+    b, V = 64, BLOCK * 2 + BLOCK // 2
+    logits = torch.randn(b, V, generator=g) * torch.linspace(0.5, 8, b)[:, None]  # flat to peaked rows
+    for knobs in (_knobs(b), _knobs(b, temperature=0.7, top_p=0.9), _knobs(b, top_k=50),
+                  dict(temperature=torch.rand(b, generator=g) * 1.5,
+                       top_p=torch.where(torch.arange(b) % 3 == 0, 0.8, 1.0),
+                       top_k=torch.where(torch.arange(b) % 4 == 1, 200, -1))):
+        for step in range(3):
+            u = counter_uniform(torch.arange(b) * 7 + 1, step)
+            toks, lps = draw(logits, uniforms=u, **knobs)
+            assert torch.equal(toks, reference_draw(logits, uniforms=u, **knobs))
+            t = knobs["temperature"]
+            ref = torch.log_softmax(logits / torch.where(t > 0, t, 1.0)[:, None], -1).gather(-1, toks[:, None])[:, 0]
+            assert torch.allclose(lps, ref, atol=1e-5)
+
+
+def test_the_draw_never_takes_a_filtered_or_padding_token_even_at_the_edges_of_u():
+    """u next to 1 and 0 (where rounding could step past the last kept token of a block or into the short block's
+    padding): the token is always one of positive probability."""
+    V = BLOCK + 10
+    logits = torch.full((4, V), -1e4)
+    logits[:, 5] = 0.0
+    logits[:, BLOCK + 3] = 0.0  # two kept tokens, one in the short block
+    uniforms = torch.tensor([0.0, 1 - 2.0 ** -53, 0.5 - 1e-17, 0.5 + 1e-17], dtype=torch.float64)
+    toks = sample_tokens(logits, uniforms=uniforms, **_knobs(4, top_k=2))
+    assert set(toks.tolist()) <= {5, BLOCK + 3} and int(toks[0]) == 5 and int(toks[1]) == BLOCK + 3
 
 
 # ---- the engine's GPU decode path, run on the CPU ------------------------------------------------------------
