@@ -32,13 +32,14 @@ code, so a row's tokens depend on the logits alone; the logits differ from the e
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.rollout.sampling import counter_uniform, sample_tokens
+from engine.rollout.sampling import counter_uniform, draw
 
 #: cache lengths are rounded up to a multiple of this (fewer graphs; the masked tail costs little)
 LEN_BUCKET = 256
@@ -128,7 +129,7 @@ class _Graph:
     ids: torch.Tensor  # [B, 1] the last tokens
     pos: torch.Tensor  # [B, 1] their positions
     slot: torch.Tensor  # [1] the slot they are written to
-    step: torch.Tensor  # [1] the sampler's step number
+    step: torch.Tensor  # [B] each row's sampler step (a row that joined later counts its own steps)
     seeds: torch.Tensor  # [B]
     temperature: torch.Tensor  # [B] (0 = greedy)
     top_p: torch.Tensor  # [B]
@@ -159,6 +160,10 @@ class GraphDecoder:
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.captures = 0  # graphs captured so far (tests, the benchmark)
         self.prefill_rows = 0  # prompt rows run through a prefill (distinct prompts only), for tests and stats
+        self.joined_rows = 0  # requests put into a running batch (continuous batching), for tests and stats
+        self.steps = 0  # the running (or last) batch's decode steps, and the host's time waiting for them: a batch
+        self.wait_s = 0.0  # whose host waited little was bound by the host's loop, not by the GPU
+        self._current: _Graph | None = None
         self._host: torch.Tensor | None = None  # [2, b] tokens and log-probs of the launched step (pinned)
         self._ready = None  # the CUDA event after its copy
         self._pending = False
@@ -192,10 +197,8 @@ class GraphDecoder:
     def _draw(g: _Graph, logits: torch.Tensor, step: int | torch.Tensor, flt: tuple[bool, int, bool]
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B] drawn from logits [B, V] at `step`, and their log-probs at each row's temperature."""
-        toks = sample_tokens(logits, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                             uniforms=counter_uniform(g.seeds, step), filters=flt)
-        temps = torch.where(g.temperature > 0, g.temperature, torch.ones_like(g.temperature))
-        return toks, torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
+        return draw(logits, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                    uniforms=counter_uniform(g.seeds, step), filters=flt)
 
     def _step(self, g: _Graph, flt: tuple[bool, int, bool], span: int) -> None:
         """One decode step on the graph's buffers, attending over slots [0, span) (what a graph records)."""
@@ -225,7 +228,7 @@ class GraphDecoder:
         dev, z = self.device, lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=self.device)
         g = _Graph(rows=rows, length=length,
                    cache=SlotCache(self.layers, rows, self.kv_heads, length, self.head_dim, self.dtype, dev),
-                   valid=z(rows, length, dt=torch.bool), ids=z(rows, 1), pos=z(rows, 1), slot=z(1), step=z(1),
+                   valid=z(rows, length, dt=torch.bool), ids=z(rows, 1), pos=z(rows, 1), slot=z(1), step=z(rows),
                    seeds=z(rows), temperature=torch.ones(rows, device=dev), top_p=torch.ones(rows, device=dev),
                    top_k=z(rows) - 1, out_tokens=z(rows), out_logprobs=z(rows, dt=torch.float32))
         g.valid[:, 0] = True
@@ -256,14 +259,15 @@ class GraphDecoder:
 
     @torch.no_grad()
     def start(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, *, seeds: torch.Tensor,
-              temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, max_new: int
+              temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, max_new: int, min_rows: int = 1
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill b left-padded prompts (ids, mask, pos: [b, P]) and draw step 0; returns its tokens and
-        log-probs [b]. Then `next()` gives each further step's."""
+        log-probs [b]. Then `launch()` and `collect()` give each further step's. The graph has at least `min_rows`
+        rows (room for requests that join later; a step costs about the same up to ~64 rows)."""
         b, P = ids.shape
         V = int(self.model.config.vocab_size)
         flt = self.filters(top_k, top_p, V)
-        rows, length = rows_bucket(b), len_bucket(P + max_new)
+        rows, length = rows_bucket(max(b, min_rows)), len_bucket(P + max_new)
         g = self._graph(rows, length, flt)
         pad = rows - b
 
@@ -289,8 +293,73 @@ class GraphDecoder:
         g.slot.fill_(P)
         g.step.fill_(1)
         self._current, self._b, self._slot, self._flt = g, b, P, flt  # _slot: the host's copy of g.slot
+        self.steps, self.wait_s = 0, 0.0
         self._pending = False
         return toks[:b], lps[:b]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the running batch's graph (free ones included: padding rows, rows whose request finished)."""
+        return self._current.rows
+
+    def can_join(self, prompt_len: int, max_new: int, top_k: int, top_p: float) -> bool:
+        """Whether a request fits the running batch now (continuous batching): its prompt goes into the slots just
+        before the one the next step writes, so it must be no longer than that slot; its tokens are written at the
+        following slots, which the batch's cache must hold; and its filters must be ones the graph was captured
+        with (top-k at most the graph's largest k; top-p only in a graph that has it)."""
+        g = self._current
+        if g is None or prompt_len > self._slot or self._slot + max_new - 1 > g.length:
+            return False
+        any_k, kmax, any_p = self._flt
+        V = int(self.model.config.vocab_size)
+        if 0 < top_k < V and not (any_k and top_k <= kmax):
+            return False
+        return top_p >= 1 or any_p
+
+    @torch.no_grad()
+    def join(self, rows: list[int], prompts: list[list[int]], *, seeds: torch.Tensor, temperature: torch.Tensor,
+             top_p: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put new requests into free rows of the running batch (each passed `can_join`): prefill their prompts
+        (left-padded to P, once per call) and copy the K/V into slots [s - P, s) of their rows, s being the slot
+        the next step writes; the rows attend to their own prompt's slots only. Their first token is drawn here at
+        step 0 of their own counters, so a row draws what it would have drawn in a batch of its own (up to the
+        float rounding of a different batch). Returns those tokens and log-probs [k].
+
+        A step launched before this call (launch-ahead) still runs on the rows' old contents: it is queued first on
+        the same stream, and these writes follow it; the caller ignores that step's outputs for these rows."""
+        g, dev = self._current, self.device
+        k, P = len(rows), max(len(p) for p in prompts)
+        s = self._slot
+        ids = torch.full((k, P), 0, dtype=torch.long)
+        mask = torch.zeros((k, P), dtype=torch.long)
+        for j, p in enumerate(prompts):  # left padding, as a batch's own prompts
+            ids[j, P - len(p):] = torch.tensor(p)
+            mask[j, P - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        span = len_bucket(P)
+        into = SlotCache(self.layers, k, self.kv_heads, span, self.head_dim, self.dtype, dev)
+        real = mask.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        m4 = torch.zeros(k, 1, P, span, dtype=torch.bool, device=dev)
+        m4[:, 0, :, :P] = (causal[None] & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
+        into.write, into.span = torch.arange(P, device=dev), span
+        logits = self._model(into, ids, pos, m4)  # [k, V]
+        r = torch.tensor(rows, device=dev)
+        for gk, gv, uk, uv in zip(g.cache.k, g.cache.v, into.k, into.v):
+            gk[r, :, s - P:s] = uk[:, :, :P]  # padding positions land on slots the row does not attend to
+            gv[r, :, s - P:s] = uv[:, :, :P]
+        g.valid[r] = False
+        g.valid[r, s - P:s] = real
+        g.seeds[r], g.temperature[r], g.top_p[r], g.top_k[r] = seeds, temperature, top_p, top_k
+        toks, lps = draw(logits, temperature=temperature, top_p=top_p, top_k=top_k,
+                         uniforms=counter_uniform(seeds, 0), filters=self._flt)
+        g.ids[r] = toks[:, None]
+        g.pos[r] = pos[:, -1:] + 1
+        g.step[r] = 1
+        self._b = max(self._b, max(rows) + 1)  # launch() copies rows [0, _b) to the host
+        self.joined_rows += k
+        return toks, lps
 
     def _prefill(self, g: _Graph, ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Run the prompts [B, P] into the cache's slots [0, P) and return the last position's logits [B, V].
@@ -351,7 +420,10 @@ class GraphDecoder:
         if not self._pending:
             raise RuntimeError("GraphDecoder.collect() without a launch()")
         if self._ready is not None:
+            t = time.perf_counter()
             self._ready.synchronize()
+            self.wait_s += time.perf_counter() - t
+        self.steps += 1
         self._pending = False
         toks, lps = self._host.tolist()
         return toks, lps

@@ -24,12 +24,14 @@ On CUDA the decode steps replay CUDA graphs over a preallocated cache (engine/ro
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import inspect
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -98,6 +100,40 @@ class AbortBook:
         return rid in self._aborted
 
 
+#: a batch that takes joining requests has at least this many rows (a decode step costs about the same up to ~64
+#: rows on an H200: 3.5 ms at 64, bench/results/gpu_engine_profile.md)
+JOIN_ROWS = 16
+
+
+class Feed:
+    """Requests offered to a running batch (continuous batching): the server's scheduler puts groups (one
+    /generate call each) from its event loop; the generation thread takes the head group between two decode steps
+    when it fits. Thread-safe; a group is taken whole, in arrival order."""
+
+    def __init__(self) -> None:
+        self._groups: collections.deque[list[GenRequest]] = collections.deque()
+        self._lock = threading.Lock()
+        self.rows = 0  # requests in it
+
+    def put(self, reqs: list[GenRequest]) -> None:
+        with self._lock:
+            self._groups.append(reqs)
+            self.rows += len(reqs)
+
+    def peek(self) -> list[GenRequest] | None:
+        with self._lock:
+            return self._groups[0] if self._groups else None
+
+    def pop(self) -> list[GenRequest]:
+        with self._lock:
+            self.rows -= len(self._groups[0])
+            return self._groups.popleft()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._groups)
+
+
 class Generator:
     """Owns the served model; `generate` is called from one thread at a time (the scheduler's)."""
 
@@ -112,6 +148,8 @@ class Generator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self.aborts = AbortBook()
         self.lock = threading.Lock()  # weight updates vs generation
+        self.waiting = 0  # threads waiting in `exclusive()` (a running batch then takes no more requests)
+        self._waiting_lock = threading.Lock()
         self.version = "default"  # SGLang's weight_version of the served weights (set under `lock`)
         self.busy_since: float | None = None  # monotonic time the running batch started (None: idle)
         self.last_step = 0.0  # monotonic time of the last decode step (the server's watchdog reads it)
@@ -126,19 +164,36 @@ class Generator:
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The generator's lock, for a weight update or a memory move: while one waits for it, a running batch
+        takes no more requests (continuous batching), so the batch ends and lets it in."""
+        with self._waiting_lock:
+            self.waiting += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._waiting_lock:
+                self.waiting -= 1
+
     @torch.no_grad()
-    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+    def generate(self, reqs: list[GenRequest], feed: Feed | None = None,
+                 deliver: Callable[[GenRequest, GenResult], None] | None = None) -> list[GenResult]:
+        """Generate a batch; returns the results of `reqs` in order. With the CUDA-graph decoder, `feed` offers
+        more requests while the batch runs: they join it in free rows (continuous batching), and `deliver` gets
+        every request's result (joined ones included) as soon as that request finishes. The eager path (the CPU;
+        a GPU batch asking for prompt log-probs) runs each batch to its end and delivers then: CPU results and the
+        demo's numbers stay as recorded."""
         with self.lock:
             self.busy_since = time.monotonic()
             try:
-                out = self._generate(reqs)
-                for r in out:
-                    r.weight_version = self.version
-                return out
+                return self._generate(reqs, feed, deliver)
             finally:
                 self.busy_since = None
 
-    def _generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+    def _generate(self, reqs: list[GenRequest], feed: Feed | None = None,
+                  deliver: Callable[[GenRequest, GenResult], None] | None = None) -> list[GenResult]:
         b = len(reqs)
         plen = max(len(r.input_ids) for r in reqs)
         ids = torch.full((b, plen), self.pad_id, dtype=torch.long)
@@ -173,62 +228,150 @@ class Generator:
         prompt_lps = any(r.logprob_start_len >= 0 for r in reqs)
         graphs = self.graphs if self.graphs is not None and not prompt_lps else None
         if graphs is not None:  # prefill into the graph's cache and draw step 0; later steps replay the graph
-            toks, lps = graphs.start(ids, mask, pos, seeds=seeds, max_new=max(r.max_new_tokens for r in reqs),
-                                     **knobs)
-            input_lps = [None] * b
-        else:
-            keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
-            all_logits = out.logits.float()  # [b, P, V] (or [b, 1, V])
-            input_lps = [self._input_logprobs(all_logits[i], r, plen, float(temps[i])) for i, r in enumerate(reqs)]
-            past, logits = _cache_of(out), all_logits[:, -1, :]  # [b, V]
-            last_pos = pos[:, -1]
+            return self._decode_graphs(reqs, ids, mask, pos, seeds, knobs, stop_ids, finish, feed, deliver)
+        keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
+        all_logits = out.logits.float()  # [b, P, V] (or [b, 1, V])
+        input_lps = [self._input_logprobs(all_logits[i], r, plen, float(temps[i])) for i, r in enumerate(reqs)]
+        past, logits = _cache_of(out), all_logits[:, -1, :]  # [b, V]
+        last_pos = pos[:, -1]
         step = 0
-        longest = max(r.max_new_tokens for r in reqs)
         while not all(f is not None for f in finish):
-            if graphs is not None:
-                # this step's tokens on the host; the next step is launched before the host reads them (stops,
-                # aborts), so the GPU decodes while the host works
-                toks_l, lps_l = graphs.collect() if step else torch.stack([toks.double(), lps.double()]).tolist()
-                if step + 1 < longest:
-                    graphs.launch()
-            elif self.on_gpu:
-                from engine.rollout.sampling import counter_uniform, sample_tokens
+            if self.on_gpu:
+                from engine.rollout.sampling import counter_uniform, draw
 
-                toks = sample_tokens(logits, uniforms=counter_uniform(seeds, step), **knobs)  # [b]
+                toks, lps = draw(logits, uniforms=counter_uniform(seeds, step), **knobs)  # [b], [b]
             else:
                 toks = self._sample(logits, reqs, gens)  # [b]
+                lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
             step += 1
             self.last_step = time.monotonic()
-            if graphs is None:
-                lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
-                # one device → host copy per step (not one per row)
-                toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
+            # one device → host copy per step (not one per row)
+            toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
             for i, r in enumerate(reqs):
-                if finish[i] is not None:
-                    continue
-                if self.aborts.is_aborted(r.rid):
-                    finish[i] = {"type": "abort", "message": "aborted by /abort_request"}
-                    continue
-                t = int(toks_l[i])
-                out_ids[i].append(t)
-                out_lp[i].append(lps_l[i])
-                if t in stop_ids[i]:
-                    finish[i] = {"type": "stop", "matched": t}
-                elif r.stop and (hit := self._stop_string(out_ids[i], r)):
-                    finish[i] = {"type": "stop", "matched": hit}
-                elif len(out_ids[i]) >= r.max_new_tokens:
-                    finish[i] = {"type": "length", "length": r.max_new_tokens}
-            if all(f is not None for f in finish) or graphs is not None:
-                continue
+                if finish[i] is None:
+                    finish[i] = self._take(r, int(toks_l[i]), lps_l[i], out_ids[i], out_lp[i], stop_ids[i])
+            if all(f is not None for f in finish):
+                break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=toks[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                              use_cache=True, **{self._cache_kw: past})
             past, logits = _cache_of(out), out.logits[:, -1, :].float()
-        if graphs is not None:
-            graphs.settle()  # a step launched for rows that all stopped meanwhile: done before the lock is released
-        return [self._result(r, out_ids[i], out_lp[i], finish[i], input_lps[i]) for i, r in enumerate(reqs)]
+        results = [self._result(r, out_ids[i], out_lp[i], finish[i], input_lps[i]) for i, r in enumerate(reqs)]
+        for q, res in zip(reqs, results):
+            res.weight_version = self.version
+            if deliver is not None:
+                deliver(q, res)
+        return results
+
+    def _take(self, r: GenRequest, t: int, lp: float, ids: list[int], lps: list[float], stop_ids: set[int]
+              ) -> dict[str, Any] | None:
+        """Append a drawn token to a running request; its finish reason when it ends here (abort, stop token, stop
+        string, length), else None."""
+        if self.aborts.is_aborted(r.rid):
+            return {"type": "abort", "message": "aborted by /abort_request"}
+        ids.append(t)
+        lps.append(lp)
+        if t in stop_ids:
+            return {"type": "stop", "matched": t}
+        if r.stop and (hit := self._stop_string(ids, r)):
+            return {"type": "stop", "matched": hit}
+        if len(ids) >= r.max_new_tokens:
+            return {"type": "length", "length": r.max_new_tokens}
+        return None
+
+    def _decode_graphs(self, reqs: list[GenRequest], ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                       seeds: torch.Tensor, knobs: dict[str, torch.Tensor], stop_ids: list[set[int]],
+                       finish: list[dict[str, Any] | None], feed: Feed | None,
+                       deliver: Callable[[GenRequest, GenResult], None] | None) -> list[GenResult]:
+        """The CUDA-graph decode loop (engine/rollout/cuda_graphs.py), with continuous batching when `feed` is
+        given. Each step's tokens reach the host one step late: step t+1 is launched before the host reads step
+        t (stops, aborts), so the GPU decodes while the host works. A row is free once its request finished (or
+        was padding); between two steps, requests from `feed` join free rows (`GraphDecoder.can_join`), and the
+        batch runs while any row has a request. `at_row` maps each busy row to its request; a launched step's
+        outputs count only for the rows whose request is still the one it ran for."""
+        graphs = self.graphs
+        reqs = list(reqs)  # joined requests are appended
+        n0 = len(reqs)
+        out_ids: list[list[int]] = [[] for _ in reqs]
+        out_lp: list[list[float]] = [[] for _ in reqs]
+        stop_ids, finish = list(stop_ids), list(finish)
+        results: list[GenResult | None] = [None] * n0
+
+        def done(i: int) -> None:
+            res = self._result(reqs[i], out_ids[i], out_lp[i], finish[i], None)
+            res.weight_version = self.version
+            if i < n0:
+                results[i] = res
+            if deliver is not None:
+                deliver(reqs[i], res)
+
+        for i in range(n0):
+            if finish[i] is not None:
+                done(i)
+        toks, lps = graphs.start(ids, mask, pos, seeds=seeds, max_new=max(r.max_new_tokens for r in reqs),
+                                 min_rows=JOIN_ROWS if feed is not None else 1, **knobs)
+        at_row = {i: i for i in range(n0) if finish[i] is None}  # row → request
+        ready = (at_row.copy(), torch.stack([toks.double(), lps.double()]).tolist())  # step 0, from the prefill
+        launched: dict[int, int] | None = None  # the rows of the step in flight and their requests
+        while True:
+            if launched is not None:
+                ready, launched = (launched, graphs.collect()), None
+            got, (toks_l, lps_l) = ready if ready is not None else ({}, ([], []))
+            ready = None
+            if any(len(out_ids[i]) + (got.get(row) == i) < reqs[i].max_new_tokens for row, i in at_row.items()):
+                graphs.launch()  # the next step, before this one is read
+                launched = at_row.copy()
+            self.last_step = time.monotonic()
+            for row, i in got.items():
+                if at_row.get(row) == i and (f := self._take(reqs[i], int(toks_l[row]), lps_l[row], out_ids[i],
+                                                              out_lp[i], stop_ids[i])):
+                    finish[i] = f
+                    del at_row[row]
+                    done(i)
+            if feed is not None and not self.waiting:
+                self._join(feed, reqs, at_row, out_ids, out_lp, stop_ids, finish, done)
+            if launched is None and not at_row:
+                break
+        graphs.settle()
+        return results
+
+    def _join(self, feed: Feed, reqs: list[GenRequest], at_row: dict[int, int], out_ids: list[list[int]],
+              out_lp: list[list[float]], stop_ids: list[set[int]], finish: list[dict[str, Any] | None],
+              done: Callable[[int], None]) -> None:
+        """Move the requests `feed` offers into free rows while they fit: whole groups (one /generate call), in
+        arrival order; a group that does not fit now waits (for a later step, or the next batch)."""
+        graphs = self.graphs
+        free = [row for row in range(graphs.rows) if row not in at_row]
+        taken: list[GenRequest] = []
+        while (head := feed.peek()) is not None and len(taken) + len(head) <= len(free):
+            if not all(r.max_new_tokens > 0 and r.logprob_start_len < 0 and
+                       graphs.can_join(len(r.input_ids), r.max_new_tokens, r.top_k, r.top_p) for r in head):
+                break
+            taken += feed.pop()
+        if not taken:
+            return
+        rows = free[:len(taken)]
+        dev = self.device
+        toks, lps = graphs.join(
+            rows, [r.input_ids for r in taken],
+            seeds=torch.tensor([r.seed if r.seed is not None else random.getrandbits(62) for r in taken], device=dev),
+            temperature=torch.tensor([r.temperature for r in taken], device=dev),
+            top_p=torch.tensor([r.top_p for r in taken], device=dev),
+            top_k=torch.tensor([r.top_k for r in taken], device=dev))
+        toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
+        for row, r, t, lp in zip(rows, taken, toks_l, lps_l):
+            i = len(reqs)
+            reqs.append(r)
+            out_ids.append([])
+            out_lp.append([])
+            stop_ids.append(set(r.stop_token_ids) | (set() if r.ignore_eos else set(self.eos_ids)))
+            finish.append(self._take(r, int(t), lp, out_ids[i], out_lp[i], stop_ids[i]))
+            if finish[i] is None:
+                at_row[row] = i
+            else:
+                done(i)
 
     @staticmethod
     def _input_logprobs(logits: torch.Tensor, r: GenRequest, plen: int, temp: float) -> list[float | None] | None:

@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine import faults
-from engine.rollout.generation import GenRequest, GenResult, Generator
+from engine.rollout.generation import Feed, GenRequest, GenResult, Generator
 from engine.rollout.protocol import ProtocolError, to_requests, to_response
 
 
@@ -44,6 +44,8 @@ class _Pending:
     reqs: list[GenRequest]
     future: asyncio.Future
     burst: tuple[str, int] | None = None  # (id, requests in it): the client's X-Rollflow-Burst header
+    results: list[GenResult | None] | None = None  # filled as each request finishes (continuous batching)
+    left: int = 0
 
 
 #: the header a rollflow client puts on the /generate requests it sends together ("<id> <count>"); SGLang ignores it
@@ -89,9 +91,12 @@ class BatchingScheduler:
         self.gap_s = min(gap_s, window_s)
         self.burst_gap_s, self.burst_window_s, self.hold_bursts = burst_gap_s, burst_window_s, hold_bursts
         self.max_queued = max_queued if max_queued is not None else 4 * max_batch
-        self.queued_rows = 0  # rows submitted and not yet taken into a batch
+        self.queued_rows = 0  # rows submitted and not yet in a batch, except those offered to the running one
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.batch_sizes: list[int] = []  # rows per batch run (exposed for tests and the benchmark)
+        self.batch_seconds: list[float] = []  # each batch's generation time (the same order)
+        self._carry: list[_Pending] = []  # offered to a running batch and not taken: the next batch's first
+        self._feed: Feed | None = None  # the running batch's (continuous batching)
         self._task: asyncio.Task | None = None
 
     @property
@@ -102,7 +107,7 @@ class BatchingScheduler:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def submit(self, reqs: list[GenRequest], burst: tuple[str, int] | None = None) -> list[GenResult]:
-        if self.queued_rows + len(reqs) > self.max_queued:
+        if self.queued_rows + (self._feed.rows if self._feed is not None else 0) + len(reqs) > self.max_queued:
             raise QueueFull(f"{self.queued_rows} rows are waiting for the generator (at most {self.max_queued}, "
                             "--max-queued-requests): retry later")
         self.queued_rows += len(reqs)
@@ -129,6 +134,12 @@ class BatchingScheduler:
 
         note(first)
         while not self.isolate and n < self.max_batch:
+            if self._carry:  # left over from the last batch: they have waited already
+                nxt = self._carry.pop(0)
+                group.append(nxt)
+                note(nxt)
+                n += len(nxt.reqs)
+                continue
             now = loop.time()
             incomplete = any(seen[b] < want[b] for b in want)
             if incomplete and self.hold_bursts:  # more of an announced burst is on its way: wait for it
@@ -148,24 +159,98 @@ class BatchingScheduler:
             n += len(nxt.reqs)
         return group
 
+    @property
+    def continuous(self) -> bool:
+        """Requests join a running batch: the CUDA-graph decoder only (the CPU runs each batch to its end), and
+        not under --enable-deterministic-inference (one request per batch)."""
+        return self.generator.graphs is not None and not self.isolate
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            group = await self._collect(await self.queue.get())
+            group = await self._collect(self._carry.pop(0) if self._carry else await self.queue.get())
             flat = [r for p in group for r in p.reqs]
             self.queued_rows -= len(flat)
             self.batch_sizes.append(len(flat))
+            t = time.perf_counter()
+            if self.continuous:
+                await self._run_continuous(group, flat)
+                self.batch_seconds.append(round(time.perf_counter() - t, 4))
+                continue
             try:
                 results = await loop.run_in_executor(None, self.generator.generate, flat)
             except Exception as e:  # deliver the failure to every waiter
+                self.batch_seconds.append(round(time.perf_counter() - t, 4))
                 for p in group:
                     if not p.future.done():
                         p.future.set_exception(e)
                 continue
+            self.batch_seconds.append(round(time.perf_counter() - t, 4))
             it = iter(results)
             for p in group:
                 if not p.future.done():
                     p.future.set_result(list(itertools.islice(it, len(p.reqs))))
+
+    async def _run_continuous(self, group: list[_Pending], flat: list[GenRequest]) -> None:
+        """Run a batch that takes more requests while it decodes: a task moves what arrives into the batch's
+        `Feed`; the generation thread puts it into free rows between steps and hands back each request's result
+        as soon as it finishes, so a short request does not wait for the batch's longest. What the batch could not
+        take (no free row, a prompt longer than the batch's slots so far, other filters, a weight update waiting)
+        starts the next batch."""
+        loop = asyncio.get_running_loop()
+        owner: dict[int, tuple[_Pending, int]] = {}  # id(request) → (its call, its index there)
+        self._feed = feed = Feed()
+
+        def register(p: _Pending) -> None:
+            p.results, p.left = [None] * len(p.reqs), len(p.reqs)
+            for j, r in enumerate(p.reqs):
+                owner[id(r)] = (p, j)
+
+        def delivered(req: GenRequest, res: GenResult) -> None:  # on the event loop
+            p, j = owner[id(req)]
+            p.results[j] = res
+            p.left -= 1
+            if p.left == 0 and not p.future.done():
+                p.future.set_result(p.results)
+
+        async def move() -> None:  # arrivals → the feed, while the batch runs
+            while True:
+                p = await self.queue.get()
+                self.queued_rows -= len(p.reqs)
+                register(p)
+                feed.put(p.reqs)
+
+        for p in group:
+            register(p)
+        mover = loop.create_task(move())
+        try:
+            await loop.run_in_executor(None, self.generator.generate, flat, feed,
+                                       lambda req, res: loop.call_soon_threadsafe(delivered, req, res))
+        except Exception as e:  # every call that ran in this batch fails with it
+            for p, _ in owner.values():
+                if p.left and not p.future.done():
+                    p.future.set_exception(e)
+        finally:
+            mover.cancel()
+            self._feed = None
+        await asyncio.sleep(0)  # the last deliveries (call_soon_threadsafe) run before what is left is carried over
+        while len(feed):  # not taken: the next batch starts with them, in arrival order
+            reqs = feed.pop()
+            p, _ = owner[id(reqs[0])]
+            p.results, p.left = None, 0
+            self._carry.append(p)
+            self.queued_rows += len(p.reqs)
+
+
+def decoder_info(gen: Generator) -> dict[str, Any]:
+    """How the engine decodes, for /get_server_info: CUDA graphs, GQA folded, torch.compile, requests that joined a
+    running batch, and the last graph batch's steps and host wait (a small wait: the host loop bound the step)."""
+    g = gen.graphs
+    if g is None:
+        return {"cuda_graphs": False}
+    return {"cuda_graphs": True, "folded_gqa": g.folded_gqa, "compiled_decode": g.step_model is not g.model,
+            "joined_requests": g.joined_rows, "last_batch_steps": g.steps,
+            "last_batch_gpu_wait_s": round(g.wait_s, 3)}
 
 
 class EngineState:
@@ -223,7 +308,7 @@ class EngineState:
             allowed = ", ".join(map(str, self.weight_dirs)) or "none (rollflow serve --weight-dir DIR allows one)"
             raise PermissionError(f"{path} is outside the directories this engine loads weights from: {allowed}")
         state = load_weights_dir(where)
-        with self.generator.lock:
+        with self.generator.exclusive():
             n = check_and_copy(self.generator.model, state, full=True)
             self.model_path = path
             if version is not None:
@@ -237,7 +322,7 @@ class EngineState:
             raise ValueError(f"serialized_named_tensors has {len(blobs)} entries; the built-in engine has one "
                              "tensor-parallel rank, so send exactly one")
         named = decode_tensors(blobs[0])
-        with self.generator.lock:
+        with self.generator.exclusive():
             n = check_and_copy(self.generator.model, named, full=False)
             if version is not None:
                 self.weight_version = version
@@ -249,7 +334,7 @@ class EngineState:
 
         if isinstance(named, HostWeights):
             named = named.tensors()
-        with self.generator.lock:
+        with self.generator.exclusive():
             n = check_and_copy(self.generator.model, named, full=True)
             if version is not None:
                 self.weight_version = version
@@ -267,7 +352,7 @@ class EngineState:
         targets = dict(model.named_parameters())
         targets.update(dict(model.named_buffers()))
         copied = 0
-        with self.generator.lock, torch.no_grad():
+        with self.generator.exclusive(), torch.no_grad():
             for b in buckets:
                 flat = ipc.open_bucket(b)
                 for name, t in ipc.unflatten(flat, b.metadata).items():
@@ -305,7 +390,7 @@ class EngineState:
         if name not in self.groups:
             raise ValueError(f"group_name {name!r} is not joined; call /init_weights_update_group first")
         pg, backend = self.groups[name]
-        with self.generator.lock:
+        with self.generator.exclusive():
             n = receive_into(self.generator.model, pg, list(body.get("names") or []),
                              list(body.get("dtypes") or []), list(body.get("shapes") or []),
                              "cpu" if backend == "gloo" else self.device)
@@ -331,7 +416,7 @@ class EngineState:
         them; /resume_memory_occupation brings the weights back."""
         import torch
 
-        with self.generator.lock:
+        with self.generator.exclusive():
             if self.device != "cpu":
                 if released and self.generator.graphs is not None:  # its caches; its graphs read the old addresses
                     self.generator.graphs.clear()
@@ -467,7 +552,9 @@ def create_app(state: EngineState):
     async def server_info():
         sched = state.scheduler
         return {**info(), "device": state.device, "pid": os.getpid(), "deterministic": state.deterministic,
-                "batch_window_s": state.batch_window_s, "batch_sizes": sched.batch_sizes[-100:] if sched else []}
+                "batch_window_s": state.batch_window_s, "batch_sizes": sched.batch_sizes[-100:] if sched else [],
+                "batch_seconds": sched.batch_seconds[-100:] if sched else [],
+                "continuous_batching": bool(sched and sched.continuous), **decoder_info(state.generator)}
 
     requests_seen = itertools.count()
 
