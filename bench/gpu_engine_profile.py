@@ -9,8 +9,10 @@ The RL step's rollout (bench/results/gpu_rl_step.md) decodes 512 rows at ~16 ms 
   graphs: ms per step = (time for N tokens - time for 1) / (N - 1);
 - `parts` at B rows and a mid-length span, each timed alone with CUDA events (median of --repeats, the same ops
   as one graph step): the model forward on one token per row over the slot cache (`model`), the counter-based
-  sampler (`sampler`: engine/rollout/sampling.py), the log-probs of the drawn tokens (`logprobs`), and the host's
-  per-row bookkeeping of one step (`host_loop`, CPU);
+  draw with its log-probs (`draw_and_logprobs`: engine/rollout/sampling.py; with top-p 0.9: `draw_top_p_0.9`),
+  the sampler and log-softmax it replaced (`before_sampler`, `before_logprobs`; `draw_equals_before_share`: the
+  share of rows where both draw the same token), one replay of the generator's captured step (`graph_replay`),
+  and the host's per-row bookkeeping of one step (`host_loop`, CPU);
 - `kernels`: torch.profiler over a few eager steps (the same kernels a graph replays), CUDA time per kernel name,
   the top --top.
 
@@ -31,12 +33,26 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+def sample_before(logits, *, temperature, top_p, top_k, uniforms):
+    """The sampler before the two-level draw (engine/rollout/sampling.py until 2026-12-03), without filters: a
+    softmax and a full-vocabulary float64 cumsum; the same-call baseline of `draw`."""
+    import torch
+
+    greedy = temperature <= 0
+    x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    cdf = torch.softmax(x, dim=-1).double().cumsum(-1)
+    tokens = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).clamp(max=x.shape[-1] - 1)
+    return torch.where(greedy, logits.argmax(-1), tokens.squeeze(-1))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model-path", default=None, help="a model directory, loaded as the engine loads it (default: "
+                   "the 0.5B shape built in memory)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_engine_profile.json"))
     a = p.parse_args()
@@ -47,14 +63,19 @@ def main() -> int:
     from gpu_engine_decode import SHAPE, StandInTokenizer
     from engine.rollout.cuda_graphs import GraphDecoder, len_bucket
     from engine.rollout.generation import GenRequest, Generator
-    from engine.rollout.sampling import counter_uniform, sample_tokens
+    from engine.rollout.sampling import counter_uniform, draw
 
     if not torch.cuda.is_available():
         print("gpu_engine_profile: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16).eval()
+    if a.model_path:  # as the engine loads a served model (engine/modeling.py)
+        from engine.modeling import load_causal_lm
+
+        model = load_causal_lm(a.model_path, dtype="bfloat16", device="cuda").eval()
+    else:
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16).eval()
     B, P, N = a.batch, a.prompt_len, a.new_tokens
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, SHAPE["vocab_size"] - 100, (B, P), generator=g).tolist()
@@ -70,8 +91,11 @@ def main() -> int:
         return time.perf_counter() - t
 
     run(N)  # capture the graphs, warm the allocator
+    run_s, wait_s = run(N), gen.graphs.wait_s  # the host's wait for the GPU within one whole generate
     steps = [(run(N) - run(1)) / (N - 1) * 1e3 for _ in range(max(1, a.repeats // 2))]
-    res: dict = {"generate_ms_per_step": round(statistics.median(steps), 3),
+    res: dict = {"generate_ms_per_step": round(statistics.median(steps), 3), "model_path": a.model_path,
+                 "attn_implementation": model.config._attn_implementation, "folded_gqa": gen.graphs.folded_gqa,
+                 "gpu_wait_share": round(wait_s / run_s, 3),
                  "generate_ms_per_step_runs": [round(x, 3) for x in steps]}
     print(f"generate: {res['generate_ms_per_step']} ms/step at {B} rows", flush=True)
 
@@ -99,17 +123,25 @@ def main() -> int:
             out.append(s.elapsed_time(e))
         return round(statistics.median(out), 3)
 
-    logits = torch.randn(B, SHAPE["vocab_size"], device="cuda")
+    logits = torch.randn(B, SHAPE["vocab_size"], device="cuda") * 3
     flt = (False, 0, False)
     with torch.no_grad():
         gr.cache.write, gr.cache.span = gr.slot, span
+        u = counter_uniform(gr.seeds, gr.step)
         parts = {
             "model": timed(lambda: dec._model(gr.cache, gr.ids, gr.pos, gr.valid[:, None, None, :span])),
-            "sampler": timed(lambda: sample_tokens(logits, uniforms=counter_uniform(gr.seeds, gr.step), filters=flt,
-                                                   **knobs)),
-            "logprobs": timed(lambda: torch.log_softmax(logits, dim=-1).gather(
+            "draw_and_logprobs": timed(lambda: draw(logits, uniforms=u, filters=flt, **knobs)),
+            "before_sampler": timed(lambda: sample_before(logits, uniforms=u, **knobs)),
+            "before_logprobs": timed(lambda: torch.log_softmax(logits, dim=-1).gather(
                 -1, logits.argmax(-1, keepdim=True))),
+            "draw_top_p_0.9": timed(lambda: draw(logits, uniforms=u, filters=(False, 0, True),
+                                                 **{**knobs, "top_p": torch.full((B,), 0.9, device="cuda")})),
         }
+        same = (draw(logits, uniforms=u, **knobs)[0] == sample_before(logits, uniforms=u, **knobs)).float().mean()
+        parts["draw_equals_before_share"] = round(float(same), 6)
+        g_run = gen.graphs._current  # the generator's own captured graphs (its last batch: B rows)
+        if g_run is not None and g_run.graphs and span in g_run.graphs:
+            parts["graph_replay"] = timed(lambda: g_run.graphs[span].replay())
     finish = [None] * B
     out_ids: list[list[int]] = [[] for _ in range(B)]
     toks_l = list(range(B))

@@ -68,12 +68,13 @@ def machine() -> dict:
 
 
 # ---- rollflow ---------------------------------------------------------------------------------------------------
-def run_rollflow(shape: str, backend: str, steps: int, out: Path, timeout_s: float, extra: list[str]) -> dict:
+def run_rollflow(shape: str, backend: str, steps: int, out: Path, timeout_s: float, extra: list[str],
+                 suffix: str = "") -> dict:
     from gpu_flow import run
 
     w = work_of(shape)
     model = model_dir(shape)
-    tag = f"rl_step_{shape.replace('.', '')}_{backend}"
+    tag = f"rl_step_{shape.replace('.', '')}_{backend}{suffix}"
     cuda = _cuda()
     args = ["--hf-checkpoint", str(model), "--apply-chat-template", "--rm-type", "exact_match",
             "--eval-prompt-data", "", "--rollout-batch-size", str(w["prompts"]),
@@ -313,6 +314,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2, help="RL steps per side (the first is not measured)")
     p.add_argument("--timeout", type=float, default=400, help="seconds per side")
     p.add_argument("--extra", default="", help="more `rollflow train` flags, one string")
+    p.add_argument("--tag-suffix", default="", help="appended to the rollflow run's tag (a variant of the same run)")
     p.add_argument("--out", default=str(WORK / "out"), help="run: where results go; report: the directories of "
                                                              "the device calls, comma-separated, in order")
     p.add_argument("--command", default=None, help="report: the command that produced the runs (recorded)")
@@ -336,7 +338,7 @@ def main() -> int:
         p.error(f"--sides {a.sides!r}: rollflow and/or trl")
     for side in sides:
         if side == "rollflow":
-            run_rollflow(a.shape, a.backend, a.steps, out, a.timeout, a.extra.split())
+            run_rollflow(a.shape, a.backend, a.steps, out, a.timeout, a.extra.split(), a.tag_suffix)
         else:
             run_trl(a.shape, a.steps, out, a.timeout)
     return 0

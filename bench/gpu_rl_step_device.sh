@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 17's GPU benchmarks on the lent machine (the device tool, kind nvidia-h200), from the repository root:
 #   bash bench/gpu_rl_step_device.sh STEP...      carry [".gpu"]
-#   steps: decode | profile | rl-0.5b | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
+#   steps: decode | profile | profile-64 | profile-rl | profile-rl-loaded | batching-0.5b | continuous | rl-0.5b | rl-0.5b-compiled | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
 # Needs the runtime bundle (.gpu/, ../shared/gpu/make-bundle.sh) and, for the TRL side, the wheels of TRL and the
 # three packages it needs that the device image lacks, in .gpu/peer/ (they are unpacked into /tmp/peer):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -25,7 +25,20 @@ for step in "$@"; do
     decode) timeout 300 python3 bench/gpu_engine_decode.py --compiled --unfolded --out "$OUT/gpu_engine_decode.json" \
               2>&1 | grep -v Warning | tail -12 ;;
     profile) timeout 300 python3 bench/gpu_engine_profile.py --out "$OUT/gpu_engine_profile.json" 2>&1 | tail -20 ;;
+    profile-64) timeout 300 python3 bench/gpu_engine_profile.py --batch 64 --prompt-len 128 --new-tokens 128 \
+                  --out "$OUT/gpu_engine_profile_64.json" 2>&1 | tail -20 ;;
+    profile-rl) timeout 300 python3 bench/gpu_engine_profile.py --batch 512 --prompt-len 32 --new-tokens 1024 \
+                  --repeats 3 --out "$OUT/gpu_engine_profile_rl.json" 2>&1 | tail -20 ;;
+    profile-rl-loaded) timeout 300 python3 bench/gpu_engine_profile.py --batch 512 --prompt-len 32 --new-tokens 1024 \
+                         --repeats 3 --model-path "$BENCH_WORK/qwen2_0.5b" \
+                         --out "$OUT/gpu_engine_profile_rl_loaded.json" 2>&1 | tail -4 ;;
+    batching-0.5b) timeout 400 python3 bench/rollout_batching.py --device cuda --model 0.5b --max-new-tokens 1024 \
+                     --modes announced --rollouts 3 --out "$OUT/rollout_batching_gpu.json" 2>&1 | tail -8 ;;
+    continuous) timeout 300 python3 bench/gpu_continuous_batching.py --out "$OUT/gpu_continuous_batching.json" \
+                  2>&1 | tail -6 ;;
     rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 240 ;;
+    rl-0.5b-compiled) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --sides rollflow --out "$OUT" \
+                        --timeout 300 --extra=--sglang-enable-torch-compile --tag-suffix _compiled ;;
     rl-0.5b-megatron) python3 bench/gpu_rl_step.py run --shape 0.5b --backend megatron --sides rollflow --out "$OUT" \
                         --timeout 240 ;;
     rl-1.5b) python3 bench/gpu_rl_step.py run --shape 1.5b --backend torch --sides rollflow --out "$OUT" \
