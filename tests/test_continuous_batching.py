@@ -180,3 +180,43 @@ def test_the_server_lets_requests_join_a_running_batch_and_answers_each_when_it_
     alone = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
         "temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}, timeout=60).json()["output_ids"]
     assert greedy == [alone] * 3 and len(out["long"]["output_ids"]) == 400
+
+
+def test_max_total_tokens_bounds_the_cache_a_batch_takes(tiny_model):
+    """--max-total-tokens: a call that would take the batch's cache (rows, a power of two, × prompt + max_new
+    rounded up to 256) past the budget starts the next batch; each batch stays within it (CPU: 1 row minimum)."""
+    from engine.rollout.ports import free_loopback_port
+    from engine.rollout.server import EngineState, ServerThread
+
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8, max_total_tokens=512, batch_window_s=0.5,
+                        batch_gap_s=0.5)
+    server = ServerThread(state, "127.0.0.1", free_loopback_port())
+    url = server.start()
+    try:
+        ids = state.tokenizer("1+1=", add_special_tokens=False)["input_ids"]
+
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"input_ids": ids, "sampling_params": {"temperature": 1.0, "max_new_tokens": 8}}
+                return await asyncio.gather(*[c.post(url + "/generate", json=body) for _ in range(5)])
+
+        rs = asyncio.run(go())
+        assert all(r.status_code == 200 for r in rs)
+        sizes = state.scheduler.batch_sizes
+        assert sum(sizes) == 5 and max(sizes) == 2, sizes  # 2 rows × 256 = 512; 3 rows would take 4 × 256
+    finally:
+        server.stop()
+
+
+def test_the_engine_counts_from_the_run_config_are_checked():
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+    from engine.rollout.engines import engine_spec
+
+    ok = engine_spec(RunConfig(sglang_args={"max-total-tokens": "4096", "max-running-requests": "64"}), threads=1,
+                     log_dir="/tmp", on_gpu=False)
+    assert ok.max_total_tokens == 4096 and ok.max_batch == 64
+    assert engine_spec(RunConfig(), threads=1, log_dir="/tmp", on_gpu=False).max_total_tokens is None
+    for bad in ("lots", True, "0"):
+        with pytest.raises(ConfigError, match="--sglang-max-total-tokens"):
+            engine_spec(RunConfig(sglang_args={"max-total-tokens": bad}), threads=1, log_dir="/tmp", on_gpu=False)

@@ -31,6 +31,7 @@ class EngineSpec:
     weight_dirs: list[str] = field(default_factory=list)  # where /update_weights_from_disk may load from
     cuda_graphs: bool = True  # the built-in engine decodes through CUDA graphs on a GPU (--sglang-disable-cuda-graph)
     compile_decode: bool = False  # ... with its decode step compiled (--sglang-enable-torch-compile)
+    max_total_tokens: int | None = None  # the KV-cache tokens of one batch (--sglang-max-total-tokens)
 
 
 class EngineActor:
@@ -85,7 +86,7 @@ class EngineActor:
                             max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic,
                             max_batch=self.spec.max_batch, api_key=self.spec.api_key,
                             weight_dirs=self.spec.weight_dirs, cuda_graphs=self.spec.cuda_graphs,
-                            compile_decode=self.spec.compile_decode)
+                            compile_decode=self.spec.compile_decode, max_total_tokens=self.spec.max_total_tokens)
         self.state = state
         for attempt in range(3):  # a port checked free can be taken before the bind (another cluster on the node)
             (port,) = self._ports(node, 1)

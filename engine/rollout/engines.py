@@ -207,8 +207,26 @@ def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool, api_key
                       sglang_args=dict(cfg.sglang_args), python=cfg.rollout_engine_python, colocate=cfg.colocate,
                       start_timeout_s=cfg.rollout_engine_start_timeout,
                       dtype=cfg.engine_dtype("cuda" if on_gpu else "cpu"),
-                      max_batch=int(cfg.sglang_args.get("max-running-requests", 256)),
+                      max_batch=_count_arg(cfg, "max-running-requests") or 256,
                       api_key=str(cfg.sglang_args["api-key"]) if cfg.sglang_args.get("api-key") else api_key,
                       weight_dirs=[str(Path(cfg.work_dir).resolve() / "weights")],
                       cuda_graphs=not cfg.sglang_args.get("disable-cuda-graph"),
-                      compile_decode=bool(cfg.sglang_args.get("enable-torch-compile")))
+                      compile_decode=bool(cfg.sglang_args.get("enable-torch-compile")),
+                      max_total_tokens=_count_arg(cfg, "max-total-tokens"))
+
+
+def _count_arg(cfg, key: str) -> int | None:
+    """A positive integer SGLang flag the built-in engine uses (`--sglang-KEY N`), None when not given."""
+    from engine.diagnosis import ConfigError, Diagnosis
+
+    v = cfg.sglang_args.get(key)
+    if v is None:
+        return None
+    try:
+        n = int(v) if not isinstance(v, bool) else 0
+    except (TypeError, ValueError):
+        n = 0
+    if n <= 0:
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"--sglang-{key} {v!r} is not a positive "
+                                    "integer", fix=f"pass --sglang-{key} N with N ≥ 1, or leave it out"))
+    return n

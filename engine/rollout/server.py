@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine import faults
-from engine.rollout.generation import Feed, GenRequest, GenResult, Generator
+from engine.rollout.generation import JOIN_ROWS, Feed, GenRequest, GenResult, Generator
 from engine.rollout.protocol import ProtocolError, to_requests, to_response
 
 
@@ -86,8 +86,10 @@ class BatchingScheduler:
 
     def __init__(self, generator: Generator, window_s: float = 0.05, max_batch: int = 256,
                  isolate: bool = False, gap_s: float = 0.01, max_queued: int | None = None,
-                 burst_gap_s: float = 0.2, burst_window_s: float = 2.0, hold_bursts: bool = True):
+                 burst_gap_s: float = 0.2, burst_window_s: float = 2.0, hold_bursts: bool = True,
+                 max_total_tokens: int | None = None):
         self.generator, self.window_s, self.max_batch, self.isolate = generator, window_s, max_batch, isolate
+        self.max_total_tokens = max_total_tokens
         self.gap_s = min(gap_s, window_s)
         self.burst_gap_s, self.burst_window_s, self.hold_bursts = burst_gap_s, burst_window_s, hold_bursts
         self.max_queued = max_queued if max_queued is not None else 4 * max_batch
@@ -136,6 +138,9 @@ class BatchingScheduler:
         while not self.isolate and n < self.max_batch:
             if self._carry:  # left over from the last batch: they have waited already
                 nxt = self._carry.pop(0)
+                if not self._fits(group, nxt):
+                    self._carry.insert(0, nxt)
+                    break
                 group.append(nxt)
                 note(nxt)
                 n += len(nxt.reqs)
@@ -154,10 +159,28 @@ class BatchingScheduler:
                 nxt = await asyncio.wait_for(self.queue.get(), timeout)
             except asyncio.TimeoutError:
                 break  # a gap: the burst is over
+            if not self._fits(group, nxt):  # over the token budget: it starts the next batch
+                self._carry.insert(0, nxt)  # (its rows still count in queued_rows)
+                break
             group.append(nxt)
             note(nxt)
             n += len(nxt.reqs)
         return group
+
+    def cache_tokens(self, reqs: list[GenRequest]) -> int:
+        """The KV-cache tokens a batch of `reqs` takes in the CUDA-graph decoder: its rows (a power of two, at
+        least JOIN_ROWS when requests may join it) × its cache length (longest prompt + largest max_new_tokens,
+        rounded up to 256). The eager path's cache grows to about the same."""
+        from engine.rollout.cuda_graphs import len_bucket, rows_bucket
+
+        rows = rows_bucket(max(len(reqs), JOIN_ROWS if self.continuous else 1))
+        return rows * len_bucket(max(len(r.input_ids) for r in reqs) + max(r.max_new_tokens for r in reqs))
+
+    def _fits(self, group: list[_Pending], nxt: _Pending) -> bool:
+        """Whether `nxt` may join the batch being collected under --max-total-tokens (a batch always takes its
+        first call, however large)."""
+        return self.max_total_tokens is None or \
+            self.cache_tokens([r for p in (*group, nxt) for r in p.reqs]) <= self.max_total_tokens
 
     @property
     def continuous(self) -> bool:
@@ -261,7 +284,7 @@ class EngineState:
                  deterministic: bool = False, batch_gap_s: float = 0.01, api_key: str | None = None,
                  admin_api_key: str | None = None, weight_dirs: list[str] | None = None,
                  max_request_bytes: int = 16 * 2**20, max_queued: int | None = None, watchdog_s: float = 300.0,
-                 cuda_graphs: bool = True, compile_decode: bool = False):
+                 cuda_graphs: bool = True, compile_decode: bool = False, max_total_tokens: int | None = None):
         import torch
 
         from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
@@ -283,7 +306,7 @@ class EngineState:
         self.released = False
         self.unpaused: asyncio.Event | None = None  # cleared by /pause_generation: new /generate requests wait
         self.batch_window_s, self.max_batch, self.deterministic = batch_window_s, max_batch, deterministic
-        self.batch_gap_s = batch_gap_s
+        self.batch_gap_s, self.max_total_tokens = batch_gap_s, max_total_tokens
         self.scheduler: BatchingScheduler | None = None
         self.groups: dict[str, tuple[Any, str]] = {}  # group_name → (process group, backend): /init_weights_update_group
 
@@ -479,7 +502,8 @@ def create_app(state: EngineState):
     async def lifespan(_app):
         state.scheduler = BatchingScheduler(state.generator, state.batch_window_s, state.max_batch,
                                             isolate=state.deterministic, gap_s=state.batch_gap_s,
-                                            max_queued=state.max_queued, hold_bursts=state.generator.on_gpu)
+                                            max_queued=state.max_queued, hold_bursts=state.generator.on_gpu,
+                                            max_total_tokens=state.max_total_tokens)
         state.scheduler.start()
         state.unpaused = asyncio.Event()
         state.unpaused.set()
@@ -818,6 +842,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="weights and compute (SGLang's flag; auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="most sequences generated as one batch (SGLang's flag; default 256)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="SGLang's flag: the KV-cache tokens one batch may take (rows × prompt + max_new_tokens, "
+                        "rounded up); a call that would exceed it starts the next batch (default: no limit but "
+                        "--max-running-requests)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default max_new_tokens (SGLang's: 128)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
@@ -865,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
                         api_key=a.api_key, admin_api_key=a.admin_api_key, weight_dirs=a.weight_dir,
                         max_queued=a.max_queued_requests, watchdog_s=a.watchdog_timeout,
                         max_request_bytes=int(a.max_request_mb * 2**20), cuda_graphs=not a.disable_cuda_graph,
-                        compile_decode=a.enable_torch_compile)
+                        compile_decode=a.enable_torch_compile, max_total_tokens=a.max_total_tokens)
     print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device}, {dtype})",
           flush=True)
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",
