@@ -148,6 +148,21 @@ def main() -> int:
            "join": join, **res}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
+    j, sq, co = join, res["sequential"], res["continuous"]
+    Path(a.out).with_suffix(".md").write_text("\n".join([
+        "# Continuous batching on a GPU (issue 17)", "",
+        f"`{out['command']}` on {out['machine']['gpu']} ({out['date']}), {out['shape']}.", "",
+        f"**Join, fp32:** {j['joined']} requests ({j['joined_new_tokens']} new tokens) offered to a running batch of "
+        f"{j['batch_rows']} ({j['batch_new_tokens']} new tokens) joined it; {j['joined_rows_identical']} of "
+        f"{j['joined']} drew exactly the tokens they draw alone (mean identical prefix {j['mean_identical_prefix']} "
+        f"of {j['joined_new_tokens']}); they were answered after {j['joined_done_s']} s, the batch after "
+        f"{j['batch_done_s']} s.", "",
+        f"**Waves, bf16:** {a.waves} waves of {a.rows} requests (prompt 32, {a.new_tokens // 8}–{a.new_tokens} new "
+        f"tokens), one every {a.gap_ms:g} ms.", "",
+        "| | makespan (s) | latency mean (s) | latency p90 (s) |", "|---|---|---|---|",
+        f"| one batch after another | {sq['makespan_s']} | {sq['latency_mean_s']} | {sq['latency_p90_s']} |",
+        f"| continuous batching | {co['makespan_s']} | {co['latency_mean_s']} | {co['latency_p90_s']} |", "",
+        f"Mean latency {res['continuous_vs_sequential_latency']}× lower with continuous batching.", ""]))
     return 0
 
 

@@ -186,7 +186,7 @@ class BatchingScheduler:
     def continuous(self) -> bool:
         """Requests join a running batch: the CUDA-graph decoder only (the CPU runs each batch to its end), and
         not under --enable-deterministic-inference (one request per batch)."""
-        return self.generator.graphs is not None and not self.isolate
+        return getattr(self.generator, "graphs", None) is not None and not self.isolate
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
