@@ -20,7 +20,9 @@ Sampling: on the CPU each row draws from its own torch.Generator (the results ev
 on a GPU the whole batch draws at once from counter-based noise keyed by (row seed, step) (engine/rollout/
 sampling.py), and the prefill computes logits of the last prompt position only unless prompt log-probs are asked.
 On CUDA the decode steps replay CUDA graphs over a preallocated cache (engine/rollout/cuda_graphs.py) unless
-`cuda_graphs=False` (SGLang's --disable-cuda-graph) or the batch asks for prompt log-probs.
+`cuda_graphs=False` (SGLang's --disable-cuda-graph) or the batch asks for prompt log-probs; there, requests offered
+through a `Feed` join a running batch in its free rows (continuous batching) and each result is delivered when its
+request ends.
 """
 from __future__ import annotations
 
