@@ -220,3 +220,40 @@ def test_the_engine_counts_from_the_run_config_are_checked():
     for bad in ("lots", True, "0"):
         with pytest.raises(ConfigError, match="--sglang-max-total-tokens"):
             engine_spec(RunConfig(sglang_args={"max-total-tokens": bad}), threads=1, log_dir="/tmp", on_gpu=False)
+
+
+def test_a_batch_that_fails_fails_its_calls_and_the_waiting_ones_run_next(graph_engine):
+    """A decode step raises mid-batch: the call that ran in the batch gets a 500 naming the error; a call still
+    waiting in the batch's feed (it could not join: other filters) is not failed with it but runs in the next
+    batch."""
+    state, url = graph_engine
+    dec = state.generator.graphs
+    launch, calls = dec.launch, []
+
+    def failing_launch():
+        calls.append(1)
+        if len(calls) == 40:
+            raise RuntimeError("device lost (injected)")
+        return launch()
+
+    dec.launch = failing_launch
+    ids = state.tokenizer("1+1=", add_special_tokens=False)["input_ids"]
+    out = {}
+
+    def long_request():
+        out["long"] = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}}, timeout=120)
+
+    before = len(state.scheduler.batch_sizes)
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 60
+    while len(state.scheduler.batch_sizes) == before or not calls:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    waiting = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 4, "top_k": 5}}, timeout=120)  # no top-k in the running batch's graph: it waits
+    t.join()
+    assert out["long"].status_code == 500 and "device lost (injected)" in out["long"].json()["message"]
+    assert waiting.status_code == 200 and len(waiting.json()["output_ids"]) <= 4
+    assert state.scheduler.batch_sizes[before:] == [1, 1]

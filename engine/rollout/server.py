@@ -246,13 +246,12 @@ class BatchingScheduler:
         for p in group:
             register(p)
         mover = loop.create_task(move())
+        error: Exception | None = None
         try:
             await loop.run_in_executor(None, self.generator.generate, flat, feed,
                                        lambda req, res: loop.call_soon_threadsafe(delivered, req, res))
-        except Exception as e:  # every call that ran in this batch fails with it
-            for p, _ in owner.values():
-                if p.left and not p.future.done():
-                    p.future.set_exception(e)
+        except Exception as e:
+            error = e
         finally:
             mover.cancel()
             self._feed = None
@@ -263,6 +262,10 @@ class BatchingScheduler:
             p.results, p.left = None, 0
             self._carry.append(p)
             self.queued_rows += len(p.reqs)
+        if error is not None:  # every call that ran in this batch fails with it (not those carried over)
+            for p, _ in owner.values():
+                if p.left and not p.future.done():
+                    p.future.set_exception(error)
 
 
 def decoder_info(gen: Generator) -> dict[str, Any]:
