@@ -257,3 +257,10 @@ def test_a_batch_that_fails_fails_its_calls_and_the_waiting_ones_run_next(graph_
     assert out["long"].status_code == 500 and "device lost (injected)" in out["long"].json()["message"]
     assert waiting.status_code == 200 and len(waiting.json()["output_ids"]) <= 4
     assert state.scheduler.batch_sizes[before:] == [1, 1]
+
+
+def test_serve_refuses_a_token_budget_below_one(capsys):
+    from engine.rollout.server import main
+
+    assert main(["--max-total-tokens", "0", "--port", "1"]) == 2
+    assert "--max-total-tokens 0 must be at least 1" in capsys.readouterr().err

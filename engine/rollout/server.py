@@ -877,6 +877,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollflow serve: --tp-size {a.tp_size} is not supported by the built-in engine (1 only)",
               file=sys.stderr)
         return 2
+    if a.max_total_tokens is not None and a.max_total_tokens < 1:
+        print(f"rollflow serve: --max-total-tokens {a.max_total_tokens} must be at least 1 (or left out: no limit)",
+              file=sys.stderr)
+        return 2
     if unknown:
         print(f"rollflow serve: SGLang flags with no effect on the built-in engine: {' '.join(unknown)}",
               file=sys.stderr, flush=True)
