@@ -41,17 +41,12 @@ def main() -> int:
     a = p.parse_args()
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from gpu_engine_decode import SHAPE, StandInTokenizer
+    from gpu_engine_decode import SHAPE, StandInTokenizer, cuda_model
     from engine.rollout.generation import Feed, GenRequest, Generator
 
-    if not torch.cuda.is_available():
-        print("gpu_continuous_batching: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
+    if (model := cuda_model("gpu_continuous_batching")) is None:
         return 2
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16).eval()
     gen = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda")
     g = torch.Generator().manual_seed(1)
 

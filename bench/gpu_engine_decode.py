@@ -40,6 +40,20 @@ SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_
 HBM_MEASURED, HBM_PEAK = 4.24e12, 4.8e12  # bytes/s
 
 
+def cuda_model(script: str):
+    """The GPU engine benchmarks' model: a random Qwen2 of SHAPE (seed 0) in bf16 on the GPU; None, after saying
+    so, without CUDA (the caller exits 2)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return Qwen2ForCausalLM(Qwen2Config(**SHAPE, torch_dtype="bfloat16")).to(torch.bfloat16).eval()
+
+
 class StandInTokenizer:
     pad_token_id = 0
 
@@ -65,17 +79,11 @@ def main() -> int:
 
     import torch
     import transformers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from engine.rollout.generation import GenRequest, Generator
 
-    if not torch.cuda.is_available():
-        print("gpu_engine_decode: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
+    if (model := cuda_model("gpu_engine_decode")) is None:
         return 2
-    torch.manual_seed(0)
-    cfg = Qwen2Config(**SHAPE, torch_dtype="bfloat16")
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
     params = sum(t.numel() for t in model.parameters())
     B, P, N = a.batch, a.prompt_len, a.new_tokens
     kv_mid = B * (P + N // 2) * SHAPE["num_hidden_layers"] * 2 * SHAPE["num_key_value_heads"] * \

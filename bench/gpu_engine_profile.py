@@ -58,9 +58,8 @@ def main() -> int:
     a = p.parse_args()
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from gpu_engine_decode import SHAPE, StandInTokenizer
+    from gpu_engine_decode import SHAPE, StandInTokenizer, cuda_model
     from engine.rollout.cuda_graphs import GraphDecoder, len_bucket
     from engine.rollout.generation import GenRequest, Generator
     from engine.rollout.sampling import counter_uniform, draw
@@ -68,14 +67,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_engine_profile: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
         return 2
-    torch.manual_seed(0)
     if a.model_path:  # as the engine loads a served model (engine/modeling.py)
         from engine.modeling import load_causal_lm
 
         model = load_causal_lm(a.model_path, dtype="bfloat16", device="cuda").eval()
     else:
-        with torch.device("cuda"):
-            model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16).eval()
+        model = cuda_model("gpu_engine_profile")
     B, P, N = a.batch, a.prompt_len, a.new_tokens
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, SHAPE["vocab_size"] - 100, (B, P), generator=g).tolist()

@@ -337,14 +337,9 @@ class GraphDecoder:
             mask[j, P - len(p):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        span = len_bucket(P)
-        into = SlotCache(self.layers, k, self.kv_heads, span, self.head_dim, self.dtype, dev)
         real = mask.bool()
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        m4 = torch.zeros(k, 1, P, span, dtype=torch.bool, device=dev)
-        m4[:, 0, :, :P] = (causal[None] & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
-        into.write, into.span = torch.arange(P, device=dev), span
-        logits = self._model(into, ids, pos, m4)  # [k, V]
+        into = SlotCache(self.layers, k, self.kv_heads, len_bucket(P), self.head_dim, self.dtype, dev)
+        logits = self._run_prompts(into, ids, pos, real)  # [k, V]
         r = torch.tensor(rows, device=dev)
         for gk, gv, uk, uv in zip(g.cache.k, g.cache.v, into.k, into.v):
             gk[r, :, s - P:s] = uk[:, :, :P]  # padding positions land on slots the row does not attend to
@@ -360,6 +355,21 @@ class GraphDecoder:
         self._b = max(self._b, max(rows) + 1)  # launch() copies rows [0, _b) to the host
         self.joined_rows += k
         return toks, lps
+
+    def _run_prompts(self, into: SlotCache, ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor
+                     ) -> torch.Tensor:
+        """Run left-padded prompts [b, P] into slots [0, P) of `into` (its span: P rounded up to 256) under a
+        causal mask that leaves the padding out (a padding query sees itself only); the last position's logits
+        [b, V]."""
+        b, P = ids.shape
+        dev = ids.device
+        span = len_bucket(P)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        mask = torch.zeros(b, 1, P, span, dtype=torch.bool, device=dev)
+        mask[:, 0, :, :P] = causal[None] & real[:, None, :]  # [b, P(query), P(key)]
+        mask[:, 0, :, :P] |= torch.eye(P, dtype=torch.bool, device=dev)[None]  # pad queries see themselves
+        into.write, into.span = torch.arange(P, device=dev), span
+        return self._model(into, ids, pos, mask)
 
     def _prefill(self, g: _Graph, ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Run the prompts [B, P] into the cache's slots [0, P) and return the last position's logits [B, V].
@@ -378,12 +388,7 @@ class GraphDecoder:
             ids, pos, real = ids[first], pos[first], real[first]
         else:
             into = g.cache
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        mask = torch.zeros(ids.shape[0], 1, P, span, dtype=torch.bool, device=dev)
-        mask[:, 0, :, :P] = causal[None] & real[:, None, :]  # [B, P(query), P(key)]
-        mask[:, 0, :, :P] |= torch.eye(P, dtype=torch.bool, device=dev)[None]  # pad queries see themselves
-        into.write, into.span = torch.arange(P, device=dev), span
-        out = self._model(into, ids, pos, mask)
+        out = self._run_prompts(into, ids, pos, real)
         if into is g.cache:
             return out
         for k, v, uk, uv in zip(g.cache.k, g.cache.v, into.k, into.v):

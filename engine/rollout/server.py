@@ -196,19 +196,18 @@ class BatchingScheduler:
             self.queued_rows -= len(flat)
             self.batch_sizes.append(len(flat))
             t = time.perf_counter()
-            if self.continuous:
-                await self._run_continuous(group, flat)
-                self.batch_seconds.append(round(time.perf_counter() - t, 4))
-                continue
             try:
+                if self.continuous:
+                    await self._run_continuous(group, flat)
+                    continue
                 results = await loop.run_in_executor(None, self.generator.generate, flat)
             except Exception as e:  # deliver the failure to every waiter
-                self.batch_seconds.append(round(time.perf_counter() - t, 4))
                 for p in group:
                     if not p.future.done():
                         p.future.set_exception(e)
                 continue
-            self.batch_seconds.append(round(time.perf_counter() - t, 4))
+            finally:
+                self.batch_seconds.append(round(time.perf_counter() - t, 4))
             it = iter(results)
             for p in group:
                 if not p.future.done():
