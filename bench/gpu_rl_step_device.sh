@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 17's GPU benchmarks on the lent machine (the device tool, kind nvidia-h200), from the repository root:
 #   bash bench/gpu_rl_step_device.sh STEP...      carry [".gpu"]
-#   steps: decode | profile | profile-64 | profile-rl | profile-rl-loaded | batching-0.5b | continuous | rl-0.5b | rl-0.5b-compiled | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
+#   steps: decode | profile | profile-64 | profile-rl | profile-rl-loaded | served-gap | fused-norm | batching-0.5b | continuous | rl-0.5b | rl-0.5b-compiled | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
 # Needs the runtime bundle (.gpu/, ../shared/gpu/make-bundle.sh) and, for the TRL side, the wheels of TRL and the
 # three packages it needs that the device image lacks, in .gpu/peer/ (they are unpacked into /tmp/peer):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -32,6 +32,9 @@ for step in "$@"; do
     profile-rl-loaded) timeout 300 python3 bench/gpu_engine_profile.py --batch 512 --prompt-len 32 --new-tokens 1024 \
                          --repeats 3 --model-path "$BENCH_WORK/qwen2_0.5b" \
                          --out "$OUT/gpu_engine_profile_rl_loaded.json" 2>&1 | tail -4 ;;
+    served-gap) timeout 400 python3 bench/served_gap.py --py-spy .gpu/py-spy ${SERVED_GAP_ARGS:-} --out "$OUT/served_gap.json" 2>&1 \
+                  | grep -v Warning | tail -60 ;;
+    fused-norm) timeout 300 python3 bench/gpu_fused_norm.py --out "$OUT/gpu_fused_norm.json" 2>&1 | grep -v Warning | tail -8 ;;
     batching-0.5b) timeout 400 python3 bench/rollout_batching.py --device cuda --model 0.5b --max-new-tokens 1024 \
                      --modes announced --rollouts 3 --out "$OUT/rollout_batching_gpu.json" 2>&1 | tail -8 ;;
     continuous) timeout 300 python3 bench/gpu_continuous_batching.py --out "$OUT/gpu_continuous_batching.json" \

@@ -163,6 +163,8 @@ class GraphDecoder:
         self.joined_rows = 0  # requests put into a running batch (continuous batching), for tests and stats
         self.steps = 0  # the running (or last) batch's decode steps, and the host's time waiting for them: a batch
         self.wait_s = 0.0  # whose host waited little was bound by the host's loop, not by the GPU
+        self.gpu_s = 0.0  # the GPU's time inside those steps (CUDA events): steps × step time less this is idle GPU
+        self.launch_s = 0.0  # the host's time inside launch() (a graph replay should only enqueue)
         self._current: _Graph | None = None
         self._host: torch.Tensor | None = None  # [2, b] tokens and log-probs of the launched step (pinned)
         self._ready = None  # the CUDA event after its copy
@@ -293,7 +295,7 @@ class GraphDecoder:
         g.slot.fill_(P)
         g.step.fill_(1)
         self._current, self._b, self._slot, self._flt = g, b, P, flt  # _slot: the host's copy of g.slot
-        self.steps, self.wait_s = 0, 0.0
+        self.steps, self.wait_s, self.gpu_s, self.launch_s = 0, 0.0, 0.0, 0.0
         self._pending = False
         return toks[:b], lps[:b]
 
@@ -399,11 +401,15 @@ class GraphDecoder:
     def launch(self) -> None:
         """Run the next step (a graph replay) and queue the copy of its tokens and log-probs to the host, without
         waiting: the host reads the previous step (stops, aborts) while the GPU runs this one. `collect()` waits."""
+        t0 = time.perf_counter()
         g = self._current
         if self._slot >= g.length:  # callers stop at max_new_tokens, which the cache length covers
             raise RuntimeError(f"CUDA-graph decode past its cache length {g.length}")
         span = len_bucket(self._slot + 1)  # covers the slot this step writes
         self._slot += 1
+        if self.device.type == "cuda":
+            self._began = torch.cuda.Event(enable_timing=True)
+            self._began.record()
         if span not in g.graphs:  # capture=False (the CPU tests): the same step, eagerly
             with torch.no_grad():
                 self._step(g, self._flt, span)
@@ -414,11 +420,12 @@ class GraphDecoder:
             if self._host is None or self._host.shape != out.shape:
                 self._host = torch.empty(out.shape, dtype=torch.float64, pin_memory=True)
             self._host.copy_(out, non_blocking=True)
-            self._ready = torch.cuda.Event()
+            self._ready = torch.cuda.Event(enable_timing=True)
             self._ready.record()
         else:
             self._host, self._ready = out, None
         self._pending = True
+        self.launch_s += time.perf_counter() - t0
 
     def collect(self) -> tuple[list[float], list[float]]:
         """The launched step's tokens and log-probs as host lists [b] (waits for that step only)."""
@@ -428,6 +435,7 @@ class GraphDecoder:
             t = time.perf_counter()
             self._ready.synchronize()
             self.wait_s += time.perf_counter() - t
+            self.gpu_s += self._began.elapsed_time(self._ready) / 1e3
         self.steps += 1
         self._pending = False
         toks, lps = self._host.tolist()

@@ -268,14 +268,17 @@ class BatchingScheduler:
 
 
 def decoder_info(gen: Generator) -> dict[str, Any]:
-    """How the engine decodes, for /get_server_info: CUDA graphs, GQA folded, torch.compile, requests that joined a
-    running batch, and the last graph batch's steps and host wait (a small wait: the host loop bound the step)."""
+    """How the engine decodes, for /get_server_info: CUDA graphs, fused RMSNorms, GQA folded, torch.compile, requests
+    that joined a running batch, and the last graph batch's steps, the host's wait for the GPU (a small wait: the host
+    loop bound the step), the GPU's own time in those steps and the host's time launching them."""
     g = gen.graphs
     if g is None:
         return {"cuda_graphs": False}
-    return {"cuda_graphs": True, "folded_gqa": g.folded_gqa, "compiled_decode": g.step_model is not g.model,
+    return {"cuda_graphs": True, "fused_rms_norms": getattr(gen, "fused_norms", 0), "folded_gqa": g.folded_gqa,
+            "compiled_decode": g.step_model is not g.model,
             "joined_requests": g.joined_rows, "last_batch_steps": g.steps,
-            "last_batch_gpu_wait_s": round(g.wait_s, 3)}
+            "last_batch_gpu_wait_s": round(g.wait_s, 3), "last_batch_gpu_busy_s": round(g.gpu_s, 3),
+            "last_batch_launch_s": round(g.launch_s, 3)}
 
 
 class EngineState:

@@ -1,0 +1,32 @@
+"""engine/rollout/fused.py: the fused RMSNorm computes what transformers' RMSNorm computes (CPU, the bundled model)."""
+import torch
+
+from engine.config.data import BUNDLED_MODEL
+from engine.modeling import load_causal_lm
+from engine.rollout.fused import fuse_rms_norms
+
+
+def test_fused_rms_norm_matches_transformers():
+    ref = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu").eval()
+    ids = torch.randint(0, ref.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    for exact in (True, False):
+        model = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu").eval()
+        n = fuse_rms_norms(model, exact=exact)
+        assert n == 2 * model.config.num_hidden_layers + 1  # two per layer and the final norm
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # bf16: the exact variant rounds as transformers does (normalise in fp32, round, times the weight); the
+    # engine's one-kernel variant rounds once, so it is within a bf16 rounding of it
+    norm = next(m for m in ref.modules() if type(m).__name__.endswith("RMSNorm"))
+    x = torch.randn(64, norm.weight.shape[0], generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand_like(norm.weight) + 0.5)
+        norm.to(torch.bfloat16)
+        want = norm(x)
+        fuse_rms_norms(norm, exact=True)
+        assert torch.equal(norm(x), want)
+        fuse_rms_norms(norm)
+        torch.testing.assert_close(norm(x), want, rtol=2 ** -7, atol=0)
