@@ -887,22 +887,32 @@ def _probe_batch(run: Run):
     return make_micro_batch(samples, [0.0] * len(samples))
 
 
-def probe_reference(run: Run):
-    """The trainer's log-probs of the stored probe answers, taken before its weights go out (so the trainer may
-    train on while the engines load them); None until the first probe has sampled the answers."""
+def probe_reference_start(run: Run) -> Callable[[], Any] | None:
+    """Ask the trainer for its log-probs of the stored probe answers with the weights it holds now, without waiting:
+    returns the function that waits for them (None until the first probe has sampled the answers). sync asks right
+    after the weights went out and before the trainer may train again, and waits only once the engines have
+    scored the same tokens: the trainer's forward runs while the engines load."""
     if not run.probe or not getattr(run, "probe_seqs", None):
         return None
     mb = _probe_batch(run)
-    return run.train_group.score(mb)[mb.loss_mask > 0]
+    wait = run.train_group.score_start(mb)
+    return lambda: wait()[mb.loss_mask > 0]
+
+
+def probe_reference(run: Run):
+    """probe_reference_start, waited for."""
+    start = probe_reference_start(run)
+    return start() if start is not None else None
 
 
 def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 16) -> dict[str, float]:
     """RF14 right after a sync, before any rollout uses the weights. The first probe of a process: every serving
     engine samples a short answer to each probe prompt (fixed seeds, the run's sampling settings) and the trainer
     scores those tokens — the same quantity as train/mismatch; the first engine's answers are kept. Later probes
-    are teacher-forced on those sequences: `reference` holds the trainer's log-probs (probe_reference, taken
-    before the weights left it) and every engine scores the same tokens (a prefill). Returns the largest
-    per-engine mean |Δ log-prob| as `sync/probe_mismatch`."""
+    are teacher-forced on those sequences: `reference` holds the trainer's log-probs (probe_reference, of the
+    weights that went out; or the function probe_reference_start returned, waited for once the first engine has
+    scored) and every engine scores the same tokens (a prefill). Returns the largest per-engine mean |Δ log-prob|
+    as `sync/probe_mismatch`."""
     import torch
 
     from engine.diagnosis import DiagnosisError
@@ -922,6 +932,8 @@ def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 
         if reference is not None:
             seqs = run.probe_seqs
             scored = client.score([list(p) + list(r) for p, r in seqs], params.temperature or 1.0)
+            if callable(reference):
+                reference = reference()
             got = torch.tensor([x for (p, _), lps in zip(seqs, scored) for x in lps[len(p) - 1:]])
             diffs = (reference.float() - got).abs()  # [K] over the stored answers' tokens
         else:
@@ -965,10 +977,16 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
     with run.engines.lock:
         if run.engines.released:
             run.engines.resume_memory()
-        reference = probe_reference(run)
-        # the trainer is free once its weights are out, unless this is the process's first probe: then it still
-        # has to score what the engines sample (below), with these weights
-        handoff = exported.set if exported is not None and reference is not None else None
+        reference = []
+
+        def handoff() -> None:
+            # the trainer's probe log-probs are asked before anything else can reach it; then it is free, unless
+            # this is the process's first probe: then it still has to score what the engines sample (below)
+            if (start := probe_reference_start(run)) is not None:
+                reference.append(start)
+            if exported is not None and reference:
+                exported.set()
+
         if pause:
             paused = {"sync/paused_requests": float(run.engines.pause_generation())}
         try:
@@ -980,7 +998,7 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
     if loaded is not None:
         loaded.set()
     out.update(paused)
-    out.update(probe_engines(run, version, reference))
+    out.update(probe_engines(run, version, reference[0] if reference else None))
     if exported is not None:
         exported.set()
     if run.cfg.offload_train:

@@ -176,7 +176,7 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
     tok = load_tokenizer(tiny_model)
     run = SimpleNamespace(cfg=cfg, tokenizer=tok, eos_ids=eos_token_ids(tiny_model, tok), eval_sets={"test": rows},
                           dataset=None, engine_dtype="float32", train_dtype="float32",
-                          train_group=SimpleNamespace(score=score),
+                          train_group=SimpleNamespace(score=score, score_start=lambda mb: lambda: score(mb)),
                           engines=SimpleNamespace(serving=lambda: [url], api_key=KEY))
     run.probe = stages.probe_prompts(run)
     assert len(run.probe) == 3
@@ -187,9 +187,11 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
     ref = stages.probe_reference(run)
     assert ref.numel() == sum(len(r) for _, r in run.probe_seqs)
     assert stages.probe_engines(run, 12, ref)["sync/probe_mismatch"] < 1e-5
+    # as sync passes it: the trainer's answer waited for once the engine has scored
+    assert stages.probe_engines(run, 12, stages.probe_reference_start(run))["sync/probe_mismatch"] < 1e-5
 
     _train_a_little(trainer, 6)  # the trainer moves on, the engine is not told: a stale sync
-    for reference in (None, stages.probe_reference(run)):  # sampled, and teacher-forced
+    for reference in (None, stages.probe_reference(run), stages.probe_reference_start(run)):
         with pytest.raises(DiagnosisError) as e:
             stages.probe_engines(run, 13, reference)
         (d,) = e.value.diagnoses

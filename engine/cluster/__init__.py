@@ -279,7 +279,15 @@ class TrainGroup:
 
     def score(self, mb) -> Any:
         """Log-probs [T] of one micro-batch under the policy (from a rank whose answer counts)."""
-        return next(lp for lp, counts in self._all(lambda w: w.score, mb) if counts)
+        return self.score_start(mb)()
+
+    def score_start(self, mb) -> Callable[[], Any]:
+        """`score`, asked of every worker now and waited for by the function it returns: the workers take it before
+        any call asked after it, so it scores the weights they hold now while the driver does something else."""
+        import ray
+
+        refs = [w.score.remote(mb) for w in self.workers]
+        return lambda: next(lp for lp, counts in ray.get(refs, timeout=self.timeout_s) if counts)
 
     def offload(self) -> None:
         self._all(lambda w: w.offload)
