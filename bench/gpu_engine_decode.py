@@ -8,11 +8,12 @@ every row runs all 128 steps), T = 1:
 
 - `engine_sampling`: `engine.rollout.generation.Generator.generate` as a rollout calls it (per-row seeds, the
   counter-based GPU sampler of engine/rollout/sampling.py, log-probs of every token), decoding through its CUDA
-  graphs over a preallocated cache (engine/rollout/cuda_graphs.py);
+  graphs over a preallocated cache (engine/rollout/cuda_graphs.py), its RMSNorms fused (engine/rollout/fused.py);
 - `engine_greedy`: the same, temperature 0;
 - `engine_sampling_eager` / `engine_greedy_eager`: the engine with `cuda_graphs=False` (SGLang's
   --disable-cuda-graph): the eager loop over a growing cache, as before;
-- `hf_sampling`: transformers `model.generate(do_sample=True, top_k=0)` on the same model and batch;
+- `hf_sampling`: transformers `model.generate(do_sample=True, top_k=0)` on the same weights and batch (a copy of the
+  model with transformers' own modules and sdpa attention);
 - `hf_static_cache_sampling`: the same with `cache_implementation="static"` (transformers compiles that decode
   step: a preallocated cache and CUDA graphs, the library's answer to issue 17's item 1).
 
@@ -25,6 +26,7 @@ response's `text` field, which this benchmark does not read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -92,6 +94,9 @@ def main() -> int:
     floor_ms = step_bytes / HBM_MEASURED * 1e3
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, SHAPE["vocab_size"] - 100, (B, P), generator=g).tolist()
+    # transformers' rows run on their own copy (same seed, same weights): the engine fuses its model's RMSNorms
+    # (engine/rollout/fused.py), which a user of transformers does not get
+    ref_model = cuda_model("gpu_engine_decode")
     gen = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda")
     gen_eager = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", cuda_graphs=False)
     assert gen.graphs is not None and gen_eager.graphs is None
@@ -107,6 +112,21 @@ def main() -> int:
         unfolded.cuda_graphs, unfolded.graphs = True, GraphDecoder(m2, unfolded._cache_kw, fold_gqa=False)
     gen_compiled = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", compile_decode=True) \
         if a.compiled else None
+
+    @contextlib.contextmanager
+    def transformers_rotary():
+        """transformers' apply_rotary_pos_emb while inside, should the engine's fused one be installed (fuse_rotary
+        replaces the modeling module's function, for every model of the class)."""
+        from engine.rollout.fused import fuse_rotary, unfuse_rotary
+
+        mod = sys.modules[type(ref_model).__module__]
+        fused = getattr(mod.apply_rotary_pos_emb, "_rollflow_fused", False)
+        unfuse_rotary(ref_model)
+        try:
+            yield
+        finally:
+            if fused:
+                fuse_rotary(ref_model)
 
     def reqs_of(n: int, temperature: float) -> list:
         return [GenRequest(rid=f"r{i}", input_ids=prompts[i], max_new_tokens=n, temperature=temperature,
@@ -127,7 +147,8 @@ def main() -> int:
         with torch.no_grad():
             for r in outs[:8]:
                 seq = torch.tensor([r.input_ids + r.output_ids], device="cuda")
-                logp = torch.log_softmax(model(seq).logits[0].float(), -1)[len(r.input_ids) - 1:-1]
+                with transformers_rotary():
+                    logp = torch.log_softmax(ref_model(seq).logits[0].float(), -1)[len(r.input_ids) - 1:-1]
                 direct = logp.gather(-1, torch.tensor(r.output_ids, device="cuda")[:, None]).squeeze(-1)
                 worst = max(worst, float((direct - torch.tensor(r.logprobs, device="cuda")).abs().max()))
         return worst
@@ -152,17 +173,13 @@ def main() -> int:
     mask = torch.ones_like(ids)
 
     def hf(n: int, **kw) -> float:
-        impl = model.config._attn_implementation  # the engine switched the shared model to its decode attention:
-        model.set_attn_implementation("sdpa")  # transformers runs on its own sdpa, as a user gets it
         torch.cuda.synchronize()
         t = time.perf_counter()
-        try:
+        with transformers_rotary():  # transformers' own modules, sdpa attention, as a user gets them
             with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                     top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
+                out = ref_model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                         top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
             torch.cuda.synchronize()
-        finally:
-            model.set_attn_implementation(impl)
         assert out.shape[1] == P + n
         return time.perf_counter() - t
 
@@ -197,6 +214,7 @@ def main() -> int:
            "shape": {**SHAPE, "params": params, "dtype": "bfloat16"}, "batch": B, "prompt_len": P, "new_tokens": N,
            "step_bytes": step_bytes, "floor_ms_at_4.24TBps": round(floor_ms, 4),
            "floor_ms_at_4.8TBps": round(step_bytes / HBM_PEAK * 1e3, 4), "runs": res,
+           "fused_rms_norms": gen.fused_norms,
            "floor_ratio": round(res["engine_sampling"]["ms_per_step"] / floor_ms, 1),
            "graphs_vs_eager_speedup": round(res["engine_sampling_eager"]["ms_per_step"]
                                             / res["engine_sampling"]["ms_per_step"], 3),

@@ -30,3 +30,30 @@ def test_fused_rms_norm_matches_transformers():
         assert torch.equal(norm(x), want)
         fuse_rms_norms(norm)
         torch.testing.assert_close(norm(x), want, rtol=2 ** -7, atol=0)
+
+
+def test_fused_rotary_leaves_cpu_and_autograd_calls_to_transformers():
+    """fuse_rotary replaces the modeling module's apply_rotary_pos_emb for every model of the class; the Triton
+    kernel only takes CUDA bf16/fp16 inference calls (checked bitwise on a GPU by bench/gpu_fused_norm.py), so a
+    CPU model — the trainer's, the tests' — computes exactly what it did, with and without autograd."""
+    import sys
+
+    from engine.rollout.fused import fuse_rotary, unfuse_rotary
+
+    model = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu").eval()
+    mod = sys.modules[type(model).__module__]
+    orig = mod.apply_rotary_pos_emb
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    try:
+        assert fuse_rotary(model) and fuse_rotary(model)  # idempotent
+        assert mod.apply_rotary_pos_emb is not orig and mod.apply_rotary_pos_emb.original is orig
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, want)
+        out = model(input_ids=ids).logits
+        out.sum().backward()  # autograd goes through transformers' function
+        assert torch.equal(out.detach(), want)
+    finally:
+        unfuse_rotary(model)
+    assert mod.apply_rotary_pos_emb is orig

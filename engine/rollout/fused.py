@@ -17,10 +17,16 @@ train/mismatch and the RF14 probe measure. On an H200 (bench/results/gpu_fused_n
 tokens of the 0.5B shape: 3.58 ms a decode step with transformers' RMSNorm, 3.20 with `exact`, 2.83 without.
 
 Only the engine's copy of the model is changed (per module instance); the trainer keeps transformers' forward.
+
+`fuse_rotary` (a Triton kernel of the rotary embedding with transformers' roundings, ten kernels a layer → two) is
+a candidate the engine does not use yet: it has not run on a GPU (bench/gpu_fused_norm.py measures it).
 """
 from __future__ import annotations
 
+import logging
 import types
+
+log = logging.getLogger("rollflow.rollout")
 
 
 def _is_rms_norm(m) -> bool:
@@ -45,3 +51,130 @@ def fuse_rms_norms(model, exact: bool = False) -> int:
             m.forward = types.MethodType(fused_exact if exact else fused, m)
             n += 1
     return n
+
+
+_ROPE_KERNEL = None
+
+
+def _rope_kernel():
+    """The Triton kernel of `rotary`, built on first use (Triton ships with CUDA builds of torch; never on a CPU)."""
+    global _ROPE_KERNEL
+    if _ROPE_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def rope(x_ptr, cos_ptr, sin_ptr, out_ptr, H, S, sxb, sxh, sxs, scb, scs, ssb, sss,
+                 HALF: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+            pid = tl.program_id(0)
+            s = pid % S
+            h = (pid // S) % H
+            b = pid // (S * H)
+            i = tl.arange(0, BLOCK)
+            m = i < HALF
+            xp = x_ptr + b * sxb + h * sxh + s * sxs
+            x1 = tl.load(xp + i, mask=m).to(tl.float32)
+            x2 = tl.load(xp + HALF + i, mask=m).to(tl.float32)
+            cp = cos_ptr + b * scb + s * scs
+            sp = sin_ptr + b * ssb + s * sss
+            c1 = tl.load(cp + i, mask=m).to(tl.float32)
+            c2 = tl.load(cp + HALF + i, mask=m).to(tl.float32)
+            s1 = tl.load(sp + i, mask=m).to(tl.float32)
+            s2 = tl.load(sp + HALF + i, mask=m).to(tl.float32)
+            # transformers: (x * cos) + (rotate_half(x) * sin), rotate_half(x) = cat(-x2, x1); each product and the
+            # sum rounded to the tensors' dtype, as eager elementwise ops round
+            o1 = ((x1 * c1).to(DT).to(tl.float32) + ((-x2) * s1).to(DT).to(tl.float32)).to(DT)
+            o2 = ((x2 * c2).to(DT).to(tl.float32) + (x1 * s2).to(DT).to(tl.float32)).to(DT)
+            op = out_ptr + pid * (2 * HALF)
+            tl.store(op + i, o1, mask=m)
+            tl.store(op + HALF + i, o2, mask=m)
+
+        _ROPE_KERNEL = rope
+    return _ROPE_KERNEL
+
+
+def _rotate(x, cos, sin):
+    """transformers' rotary embedding of x [B, H, S, D] with cos, sin [B or 1, S, D], as one kernel; out contiguous."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    B, H, S, D = x.shape
+    cos, sin = cos.expand(B, S, D), sin.expand(B, S, D)
+    out = torch.empty((B, H, S, D), dtype=x.dtype, device=x.device)
+    dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
+    _rope_kernel()[(B * H * S,)](x, cos, sin, out, H, S, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+                                 cos.stride(1), sin.stride(0), sin.stride(1), HALF=D // 2,
+                                 BLOCK=triton.next_power_of_2(D // 2), DT=dt, enable_fp_fusion=False)
+    return out
+
+
+def fuse_rotary(model) -> bool:
+    """Give the model's modeling module an `apply_rotary_pos_emb` that runs each of q and k as one Triton kernel (ten
+    elementwise kernels a layer → two) with transformers' exact roundings (bitwise the same result; checked on a GPU
+    by bench/gpu_fused_norm.py); any other call (CPU tensors, fp32, other layouts, autograd, a torch.compile trace:
+    inductor fuses it itself) goes to transformers' own. The module function is shared by every model of that class
+    in the process: the result is the same, only faster. On a GPU the kernel is first checked against
+    transformers' function; if it cannot run there or differs, the module keeps transformers' function and a
+    warning says why. Returns whether the module has the fused one now."""
+    import sys
+
+    import torch
+
+    mod = sys.modules.get(type(model).__module__)
+    orig = getattr(mod, "apply_rotary_pos_emb", None)
+    if orig is None:
+        return False
+    if getattr(orig, "_rollflow_fused", False):
+        return True
+    device = next(model.parameters()).device
+    if device.type == "cuda" and (why := _rotary_self_check(orig, device)):
+        log.warning("the fused rotary embedding is not used, transformers' is: %s", why)
+        return False
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+        if args or kwargs or unsqueeze_dim != 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) \
+                or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or q.shape[-1] % 2 or q.stride(-1) != 1 \
+                or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.dtype != q.dtype \
+                or sin.dtype != q.dtype or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return orig(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    apply_rotary_pos_emb._rollflow_fused = True
+    apply_rotary_pos_emb.original = orig
+    mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return True
+
+
+def _rotary_self_check(orig, device) -> str | None:
+    """None when the kernel gives transformers' result bitwise on this GPU (decode and prefill shapes, bf16 and
+    fp16, q as the strided view attention makes it), else why not (Triton missing or failing, a difference)."""
+    import torch
+
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        for dtype in (torch.bfloat16, torch.float16):
+            for b, s in ((3, 1), (2, 7)):
+                hs = torch.randn(b, s, 5 * 64, device=device, generator=g).to(dtype)
+                q = hs[..., :4 * 64].view(b, s, 4, 64).transpose(1, 2)
+                k = hs[..., 4 * 64:].view(b, s, 1, 64).transpose(1, 2)
+                ang = torch.rand(b, s, 32, device=device, generator=g) * 1000
+                cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+                with torch.no_grad():
+                    want = orig(q, k, cos, sin)
+                    got = (_rotate(q, cos, sin), _rotate(k, cos, sin))
+                if not (torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])):
+                    return f"the kernel differs from transformers' apply_rotary_pos_emb ({dtype}, {b}x{s})"
+    except Exception as e:  # no Triton, a compile error: transformers' function stays
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def unfuse_rotary(model) -> None:
+    """Undo `fuse_rotary` (the benchmark's before/after)."""
+    import sys
+
+    mod = sys.modules.get(type(model).__module__)
+    f = getattr(mod, "apply_rotary_pos_emb", None)
+    if getattr(f, "_rollflow_fused", False):
+        mod.apply_rotary_pos_emb = f.original

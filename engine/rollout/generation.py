@@ -140,7 +140,7 @@ class Generator:
     """Owns the served model; `generate` is called from one thread at a time (the scheduler's)."""
 
     def __init__(self, model, tokenizer, eos_ids: list[int], device: str = "cpu", cuda_graphs: bool = True,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, fuse_ops: bool = True):
         self.model, self.tokenizer, self.eos_ids, self.device = model, tokenizer, list(eos_ids), device
         self.on_gpu = not str(device).startswith("cpu")
         # on CUDA: decode through captured graphs over a preallocated cache (engine/rollout/cuda_graphs.py), unless
@@ -158,10 +158,10 @@ class Generator:
         # transformers ≥ 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # on CUDA every RMSNorm runs as one fused kernel (engine/rollout/fused.py: 49 → 1 kernel per norm a step,
-        # 3.58 → 2.83 ms a decode step at 64 rows of the 0.5B shape, bench/results/gpu_fused_norm.json)
+        # on CUDA every RMSNorm runs as one fused kernel (engine/rollout/fused.py: 3.58 → 2.83 ms a decode step at
+        # 64 rows of the 0.5B shape on an H200; fuse_ops=False: transformers' modules, the benchmark's baseline)
         self.fused_norms = 0
-        if str(device).startswith("cuda"):
+        if fuse_ops and str(device).startswith("cuda"):
             from engine.rollout.fused import fuse_rms_norms
 
             self.fused_norms = fuse_rms_norms(model)
