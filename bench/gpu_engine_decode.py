@@ -8,7 +8,8 @@ every row runs all 128 steps), T = 1:
 
 - `engine_sampling`: `engine.rollout.generation.Generator.generate` as a rollout calls it (per-row seeds, the
   counter-based GPU sampler of engine/rollout/sampling.py, log-probs of every token), decoding through its CUDA
-  graphs over a preallocated cache (engine/rollout/cuda_graphs.py), its RMSNorms fused (engine/rollout/fused.py);
+  graphs over a preallocated cache (engine/rollout/cuda_graphs.py), its RMSNorms and rotary embedding fused
+  (engine/rollout/fused.py);
 - `engine_greedy`: the same, temperature 0;
 - `engine_sampling_eager` / `engine_greedy_eager`: the engine with `cuda_graphs=False` (SGLang's
   --disable-cuda-graph): the eager loop over a growing cache, as before;
@@ -95,7 +96,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, SHAPE["vocab_size"] - 100, (B, P), generator=g).tolist()
     # transformers' rows run on their own copy (same seed, same weights): the engine fuses its model's RMSNorms
-    # (engine/rollout/fused.py), which a user of transformers does not get
+    # and rotary embedding (engine/rollout/fused.py), which a user of transformers does not get
     ref_model = cuda_model("gpu_engine_decode")
     gen = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda")
     gen_eager = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", cuda_graphs=False)
@@ -214,7 +215,7 @@ def main() -> int:
            "shape": {**SHAPE, "params": params, "dtype": "bfloat16"}, "batch": B, "prompt_len": P, "new_tokens": N,
            "step_bytes": step_bytes, "floor_ms_at_4.24TBps": round(floor_ms, 4),
            "floor_ms_at_4.8TBps": round(step_bytes / HBM_PEAK * 1e3, 4), "runs": res,
-           "fused_rms_norms": gen.fused_norms,
+           "fused_rms_norms": gen.fused_norms, "fused_rotary": gen.fused_rotary,
            "floor_ratio": round(res["engine_sampling"]["ms_per_step"] / floor_ms, 1),
            "graphs_vs_eager_speedup": round(res["engine_sampling_eager"]["ms_per_step"]
                                             / res["engine_sampling"]["ms_per_step"], 3),

@@ -158,13 +158,15 @@ class Generator:
         # transformers ≥ 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # on CUDA every RMSNorm runs as one fused kernel (engine/rollout/fused.py: 3.58 → 2.83 ms a decode step at
-        # 64 rows of the 0.5B shape on an H200; fuse_ops=False: transformers' modules, the benchmark's baseline)
-        self.fused_norms = 0
+        # on CUDA every RMSNorm runs as one fused kernel and the rotary embedding as one kernel each for q and k
+        # (engine/rollout/fused.py: 3.53 → 2.34 ms a decode step at 64 rows of the 0.5B shape on an H200,
+        # bench/results/gpu_fused_norm.json; fuse_ops=False: transformers' modules, the benchmark's baseline)
+        self.fused_norms, self.fused_rotary = 0, False
         if fuse_ops and str(device).startswith("cuda"):
-            from engine.rollout.fused import fuse_rms_norms
+            from engine.rollout.fused import fuse_rms_norms, fuse_rotary
 
             self.fused_norms = fuse_rms_norms(model)
+            self.fused_rotary = fuse_rotary(model)
         if self.cuda_graphs:
             from engine.rollout.cuda_graphs import GraphDecoder
 

@@ -274,7 +274,8 @@ def decoder_info(gen: Generator) -> dict[str, Any]:
     g = gen.graphs
     if g is None:
         return {"cuda_graphs": False}
-    return {"cuda_graphs": True, "fused_rms_norms": getattr(gen, "fused_norms", 0), "folded_gqa": g.folded_gqa,
+    return {"cuda_graphs": True, "fused_rms_norms": getattr(gen, "fused_norms", 0),
+            "fused_rotary": getattr(gen, "fused_rotary", False), "folded_gqa": g.folded_gqa,
             "compiled_decode": g.step_model is not g.model,
             "joined_requests": g.joined_rows, "last_batch_steps": g.steps,
             "last_batch_gpu_wait_s": round(g.wait_s, 3), "last_batch_gpu_busy_s": round(g.gpu_s, 3),
