@@ -111,8 +111,9 @@ def main() -> int:
         m2.set_attn_implementation("sdpa")
         unfolded = Generator(m2, StandInTokenizer(), eos_ids=[151643], device="cuda", cuda_graphs=False)
         unfolded.cuda_graphs, unfolded.graphs = True, GraphDecoder(m2, unfolded._cache_kw, fold_gqa=False)
-    gen_compiled = Generator(model, StandInTokenizer(), eos_ids=[151643], device="cuda", compile_decode=True) \
-        if a.compiled else None
+    # compiled: on its own copy, as the engine runs it (no fused modules: inductor fuses them itself)
+    gen_compiled = Generator(cuda_model("gpu_engine_decode"), StandInTokenizer(), eos_ids=[151643], device="cuda",
+                             compile_decode=True) if a.compiled else None
 
     @contextlib.contextmanager
     def transformers_rotary():

@@ -160,9 +160,10 @@ class Generator:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # on CUDA every RMSNorm runs as one fused kernel and the rotary embedding as one kernel each for q and k
         # (engine/rollout/fused.py: 3.53 → 2.34 ms a decode step at 64 rows of the 0.5B shape on an H200,
-        # bench/results/gpu_fused_norm.json; fuse_ops=False: transformers' modules, the benchmark's baseline)
+        # bench/results/gpu_fused_norm.json; fuse_ops=False: transformers' modules, the benchmark's baseline). A
+        # compiled decode step is left as measured: inductor fuses these itself
         self.fused_norms, self.fused_rotary = 0, False
-        if fuse_ops and str(device).startswith("cuda"):
+        if fuse_ops and str(device).startswith("cuda") and not compile_decode:
             from engine.rollout.fused import fuse_rms_norms, fuse_rotary
 
             self.fused_norms = fuse_rms_norms(model)
