@@ -2,6 +2,7 @@
 # Issue 17's GPU benchmarks on the lent machine (the device tool, kind nvidia-h200), from the repository root:
 #   bash bench/gpu_rl_step_device.sh STEP...      carry [".gpu"]
 #   steps: decode | profile | profile-64 | profile-rl | profile-rl-loaded | served-gap | fused-norm | batching-0.5b | continuous | rl-0.5b | rl-0.5b-compiled | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
+# served-gap takes more bench/served_gap.py flags from $SERVED_GAP_ARGS (e.g. "--ways thread,server_idle").
 # Needs the runtime bundle (.gpu/, ../shared/gpu/make-bundle.sh) and, for the TRL side, the wheels of TRL and the
 # three packages it needs that the device image lacks, in .gpu/peer/ (they are unpacked into /tmp/peer):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \

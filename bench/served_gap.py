@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -72,6 +73,7 @@ def main() -> int:
     from engine.rollout.generation import Feed, GenRequest
     from engine.rollout.ports import free_loopback_port
     from engine.rollout.server import EngineState, ServerThread
+    from engine.rollout.sglang import LaunchedEngine
     from gpu_flow import random_model
 
     model = str(random_model("0.5b", Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / "qwen2_0.5b"))
@@ -170,85 +172,58 @@ def main() -> int:
 
     if "served" in ways:
         port = free_loopback_port()
-        log_path = Path(a.out).with_suffix(".engine.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = log_path.open("w")
-        eng = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model-path", model, "--port",
-                                str(port), "--device", "cuda", "--dtype", "bfloat16", "--max-running-requests",
-                                str(B)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
         url = f"http://127.0.0.1:{port}"
+        log_path = Path(a.out).with_suffix(".engine.log")
+        eng = LaunchedEngine([sys.executable, "-m", "flows.cli", "serve", "--model-path", model, "--port", str(port),
+                              "--device", "cuda", "--dtype", "bfloat16", "--max-running-requests", str(B)],
+                             url=url, log_path=str(log_path), ports=[port], mem_fraction_static=None)
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or eng.poll() is not None:
-                    raise SystemExit("the engine did not start")
-                time.sleep(0.3)
+            eng.start(timeout_s=300)
             rollout(url, 0)  # capture, warm
+            raw = Path(a.out).with_suffix(".gil.txt")
             dumps: list[str] = []
 
-            def spy() -> None:  # a dump of every thread, then 3 s of samples of the thread holding the GIL
+            def spy() -> None:  # a dump of every thread, then 3 s of samples of the GIL's holder, then of every thread
+                def py_spy(*args: str) -> None:
+                    r = subprocess.run([a.py_spy, *args, "--pid", str(eng.proc.pid)], capture_output=True, text=True,
+                                       timeout=60)
+                    dumps.append(r.stdout[-3000:] + r.stderr[-2000:])
+
                 time.sleep(3.0)
-                r = subprocess.run([a.py_spy, "dump", "--pid", str(eng.pid)], capture_output=True, text=True,
-                                   timeout=60)
-                dumps.append(r.stdout + r.stderr)
-                raw = Path(a.out).with_suffix(".gil.txt")
-                r = subprocess.run([a.py_spy, "record", "--pid", str(eng.pid), "--gil", "--threads", "-r", "200",
-                                    "-d", "3", "--format", "raw", "-o", str(raw), "--nonblocking"],
-                                   capture_output=True, text=True, timeout=60)
-                dumps.append(r.stdout[-2000:] + r.stderr[-2000:])
-                r = subprocess.run([a.py_spy, "record", "--pid", str(eng.pid), "--idle", "--threads", "-r", "200",
-                                    "-d", "3", "--format", "raw", "-o", str(raw.with_suffix(".all.txt")),
-                                    "--nonblocking"], capture_output=True, text=True, timeout=60)
-                dumps.append(r.stdout[-2000:] + r.stderr[-2000:])
+                py_spy("dump")
+                for what, path in (("--gil", raw), ("--idle", raw.with_suffix(".all.txt"))):
+                    py_spy("record", what, "--threads", "-r", "200", "-d", "3", "--format", "raw", "-o", str(path),
+                           "--nonblocking")
 
             th = threading.Thread(target=spy, daemon=True)
             if a.py_spy:
                 th.start()
             wall = rollout(url, 1)
-            th.join(timeout=60) if a.py_spy else None
+            if a.py_spy:
+                th.join(timeout=60)
             info = httpx.get(url + "/get_server_info").json()
-            steps = max(info["last_batch_steps"], 1)
-            secs = info["batch_seconds"][-1]
-            res["served"] = {"wall_s": secs, "steps": info["last_batch_steps"],
-                             "ms_per_step": round(secs / steps * 1e3, 3),
-                             "gpu_wait_s": info["last_batch_gpu_wait_s"], "gpu_busy_s": info["last_batch_gpu_busy_s"],
-                             "launch_s": info["last_batch_launch_s"],
-                             "gpu_ms_per_step": round(info["last_batch_gpu_busy_s"] / steps * 1e3, 3),
-                             "gpu_idle_ms_per_step": round((secs - info["last_batch_gpu_busy_s"]) / steps * 1e3, 3),
-                             "rollout_wall_s": round(wall, 3), "batch_sizes": info["batch_sizes"],
-                             "batch_seconds": info["batch_seconds"], "joined_requests": info["joined_requests"],
-                             "py_spy_dumps": dumps}
+            last = SimpleNamespace(steps=info["last_batch_steps"], wait_s=info["last_batch_gpu_wait_s"],
+                                   gpu_s=info["last_batch_gpu_busy_s"], launch_s=info["last_batch_launch_s"])
+            res["served"] = {**stats(last, info["batch_seconds"][-1]), "rollout_wall_s": round(wall, 3),
+                             "batch_sizes": info["batch_sizes"], "batch_seconds": info["batch_seconds"],
+                             "joined_requests": info["joined_requests"], "py_spy_dumps": dumps}
             print("served", {k: v for k, v in res["served"].items() if k != "py_spy_dumps"}, flush=True)
-            raw = Path(a.out).with_suffix(".gil.txt")
-            if raw.is_file():  # collapsed stacks "frame;frame;... count": who held the GIL, by samples
-                rows = [ln.rsplit(" ", 1) for ln in raw.read_text().splitlines() if " " in ln]
-                top = sorted(((int(c), st) for st, c in rows if c.isdigit()), reverse=True)[:25]
-                res["served"]["gil_samples_total"] = sum(int(c) for _, c in rows if c.isdigit())
-                res["served"]["gil_top_stacks"] = [{"samples": c, "stack": st[-600:]} for c, st in top]
-                for c, st in top[:12]:
-                    print(f"GIL {c:5d}  {st[-400:]}", flush=True)
-            every = raw.with_suffix(".all.txt")
-            if every.is_file():  # every thread, idle or not: where each one is, by samples
-                rows = [ln.rsplit(" ", 1) for ln in every.read_text().splitlines() if " " in ln]
-                top = sorted(((int(c), st) for st, c in rows if c.isdigit()), reverse=True)[:30]
-                res["served"]["all_top_stacks"] = [{"samples": c, "stack": st[-700:]} for c, st in top]
-                for c, st in top[:14]:
-                    print(f"ALL {c:5d}  {st[:60]} ... {st[-330:]}", flush=True)
+            # collapsed stacks "frame;frame;... count": who held the GIL, and where every thread was, by samples
+            for key, path, width in (("gil_top_stacks", raw, 600), ("all_top_stacks", raw.with_suffix(".all.txt"),
+                                                                     700)):
+                if path.is_file():
+                    rows = [ln.rsplit(" ", 1) for ln in path.read_text().splitlines() if " " in ln]
+                    top = sorted(((int(c), st) for st, c in rows if c.isdigit()), reverse=True)[:25]
+                    res["served"][key.replace("top_stacks", "samples_total")] = sum(int(c) for _, c in rows
+                                                                                    if c.isdigit())
+                    res["served"][key] = [{"samples": c, "stack": st[-width:]} for c, st in top]
+                    for c, st in top[:12]:
+                        print(f"{key[:3].upper()} {c:5d}  {st[-400:]}", flush=True)
             for d in dumps:
-                print(d[-3000:], flush=True)
+                print(d, flush=True)
         finally:
-            eng.terminate()
-            try:
-                eng.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                eng.kill()
-            log.close()
-            res.setdefault("served", {})["engine_log_tail"] = log_path.read_text()[-3000:]
+            eng.stop()
+            res.setdefault("served", {})["engine_log_tail"] = eng.log_tail(40)
 
     out = {"command": "python bench/served_gap.py " + " ".join(sys.argv[1:]),
            "machine": {"host": platform.node(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
