@@ -147,7 +147,9 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
                                                   "config_hash": cfg.config_hash(), "created_at": time.time(),
                                                   "save": checkpoint.normalize(cfg.save)})
 
-    run.owns_ray = not cluster.connected()  # a Ray connection made by the caller is left open by run.close()
+    # a Ray connection made by the caller is left open by run.close(); the one `rollflow train` started before
+    # the flow (plumbing/prestart.py) is this run's
+    run.owns_ray = cluster.take_prestarted() or not cluster.connected()
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus, cfg.ray_code)
     fits_cluster(cfg)
     try:

@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -72,13 +73,28 @@ def cmd_train(argv: list[str]) -> int:
 
     cfg = parse_args(argv, prog="rollflow train")
     _quiet_console()
-    from prefect.exceptions import CancelledRun
-
-    from flows.train import rl_train
+    from plumbing import prestart
 
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
-        print(f"rollflow train {cfg.experiment_name}: starting the Prefect API, then preflight, Ray, the engines and "
-              "the train workers …", file=sys.stderr, flush=True)
+        print(f"rollflow train {cfg.experiment_name}: starting the Prefect API and Ray, then preflight, the engines "
+              "and the train workers …", file=sys.stderr, flush=True)
+    # start-up side by side: the Prefect API server boots in its own process while this one imports the stages
+    # and starts Ray, a thread creates MLflow's store (plumbing/prestart.py). A SIGTERM meanwhile exits through atexit, which stops both.
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        api = prestart.launch_ephemeral_api()
+        mlflow_store = prestart.warm_mlflow_store(cfg)
+        from prefect.exceptions import CancelledRun
+
+        from flows.train import rl_train
+
+        prestart.start_ray(cfg)
+        if api is not None:
+            prestart.wait_ephemeral_api(api)
+        if mlflow_store is not None:
+            mlflow_store.join()
+    finally:
+        signal.signal(signal.SIGTERM, before)
     try:
         result = rl_train(cfg)  # SIGTERM: the flow run ends Cancelled (flows/train.py)
     except CancelledRun as e:

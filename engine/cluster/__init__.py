@@ -110,6 +110,21 @@ def connected() -> bool:
     return ray.is_initialized()
 
 
+_prestarted = False  # the local cluster `rollflow train` started before its flow (plumbing/prestart.py)
+
+
+def mark_prestarted() -> None:
+    global _prestarted
+    _prestarted = True
+
+
+def take_prestarted() -> bool:
+    """True once after mark_prestarted(): the run that takes it owns that cluster (shuts it down at close)."""
+    global _prestarted
+    taken, _prestarted = _prestarted and connected(), False
+    return taken
+
+
 def shutdown() -> None:
     import ray
 

@@ -1,0 +1,79 @@
+"""Start-up side by side (plumbing/prestart.py): the Prefect API server launched before the imports is the one the
+flow's client uses; a server that never answers is stopped and left to Prefect; a pre-started Ray is owned once.
+
+Each Prefect case runs in a fresh interpreter: the ephemeral server is a per-process singleton."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, timeout: int = 180) -> str:
+    env_code = "import os; os.environ.pop('PREFECT_API_URL', None)\n" + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", env_code], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_the_launched_api_is_the_one_the_flow_client_uses():
+    out = _python("""
+        import psutil
+        from plumbing import prestart
+        server = prestart.launch_ephemeral_api()
+        assert server is not None and not server.running
+        assert prestart.wait_ephemeral_api(server)
+        from prefect.client.orchestration import get_client
+        from prefect.server.api.server import SubprocessASGIServer
+        assert SubprocessASGIServer() is server and server.running
+        with get_client(sync_client=True) as client:
+            assert str(client.api_url).rstrip('/') == server.api_url.rstrip('/'), (client.api_url, server.api_url)
+            assert client.api_healthcheck() is None
+        kids = [p for p in psutil.Process().children(recursive=True) if 'uvicorn' in ' '.join(p.cmdline())]
+        print('servers', len(kids))
+        server.stop()
+    """)
+    assert "servers 1" in out  # the client did not start a second one
+
+
+def test_a_server_that_does_not_answer_is_stopped_and_left_to_prefect():
+    out = _python("""
+        import logging
+        logging.basicConfig()
+        from plumbing import prestart
+        server = prestart.launch_ephemeral_api()
+        proc = server.server_process
+        proc.kill(); proc.wait()
+        assert not prestart.wait_ephemeral_api(server, timeout_s=5)
+        assert server.server_process is None and not server.running
+        server.start()  # Prefect's own start works after it
+        print('restarted', server.running)
+        server.stop()
+    """)
+    assert "restarted True" in out
+    assert "did not answer" in out and "exit code" in out  # the warning says so
+
+
+def test_no_launch_when_a_server_is_given():
+    out = subprocess.run([sys.executable, "-c", "from plumbing import prestart; print(prestart.launch_ephemeral_api())"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
+
+
+def test_a_prestarted_cluster_is_owned_by_the_first_run_only(monkeypatch):
+    from engine import cluster
+
+    monkeypatch.setattr(cluster, "connected", lambda: True)
+    assert not cluster.take_prestarted()  # nothing was pre-started: a caller's cluster stays the caller's
+    cluster.mark_prestarted()
+    assert cluster.take_prestarted()
+    assert not cluster.take_prestarted()  # a retried place() finds it shut down or someone else's
+    cluster.mark_prestarted()
+    monkeypatch.setattr(cluster, "connected", lambda: False)
+    assert not cluster.take_prestarted()  # gone meanwhile: nothing to own
