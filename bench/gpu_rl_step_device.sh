@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 17's GPU benchmarks on the lent machine (the device tool, kind nvidia-h200), from the repository root:
 #   bash bench/gpu_rl_step_device.sh STEP...      carry [".gpu"]
-#   steps: decode | profile | profile-64 | profile-rl | profile-rl-loaded | served-gap | fused-norm | batching-0.5b | continuous | rl-0.5b | rl-0.5b-compiled | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
+#   steps: decode | profile | profile-64 | profile-rl | profile-rl-loaded | served-gap | fused-norm | batching-0.5b | continuous | rl-0.5b | rl-0.5b-rollflow | rl-0.5b-compiled | rl-0.5b-megatron | rl-1.5b | rl-1.5b-megatron | report
 # served-gap takes more bench/served_gap.py flags from $SERVED_GAP_ARGS (e.g. "--ways thread,server_idle").
 # Needs the runtime bundle (.gpu/, ../shared/gpu/make-bundle.sh) and, for the TRL side, the wheels of TRL and the
 # three packages it needs that the device image lacks, in .gpu/peer/ (they are unpacked into /tmp/peer):
@@ -41,6 +41,8 @@ for step in "$@"; do
     continuous) timeout 300 python3 bench/gpu_continuous_batching.py --out "$OUT/gpu_continuous_batching.json" \
                   2>&1 | tail -6 ;;
     rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 240 ;;
+    rl-0.5b-rollflow) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --sides rollflow --out "$OUT" \
+                        --timeout 240 --tag-suffix _fused ;;
     rl-0.5b-compiled) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --sides rollflow --out "$OUT" \
                         --timeout 300 --extra=--sglang-enable-torch-compile --tag-suffix _compiled ;;
     rl-0.5b-megatron) python3 bench/gpu_rl_step.py run --shape 0.5b --backend megatron --sides rollflow --out "$OUT" \
