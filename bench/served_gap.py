@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -38,12 +39,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def stats(g, wall: float) -> dict:
+SWITCH = {"switch": 0.0002, "switch_long": 0.05}  # GIL switch intervals of the server_thread variants
+
+
+def stats(g, wall: float, host: dict | None = None) -> dict:
+    """`g`: the GraphDecoder's counters; `host`: Generator.host_stats (the loop's reading of tokens and stops,
+    joining, and the process's garbage collections during the batch)."""
     steps = max(g.steps, 1)
-    return {"wall_s": round(wall, 3), "steps": g.steps, "ms_per_step": round(wall / steps * 1e3, 3),
-            "gpu_wait_s": round(g.wait_s, 3), "gpu_busy_s": round(g.gpu_s, 3), "launch_s": round(g.launch_s, 3),
-            "gpu_ms_per_step": round(g.gpu_s / steps * 1e3, 3),
-            "gpu_idle_ms_per_step": round((wall - g.gpu_s) / steps * 1e3, 3)}
+    out = {"wall_s": round(wall, 3), "steps": g.steps, "ms_per_step": round(wall / steps * 1e3, 3),
+           "gpu_wait_s": round(g.wait_s, 3), "gpu_busy_s": round(g.gpu_s, 3), "launch_s": round(g.launch_s, 3),
+           "gpu_ms_per_step": round(g.gpu_s / steps * 1e3, 3),
+           "gpu_idle_ms_per_step": round((wall - g.gpu_s) / steps * 1e3, 3)}
+    for k, v in (host or {}).items():
+        out[k] = round(v, 3)
+        if k.endswith("_s"):
+            out[k[:-2] + "_ms_per_step"] = round(v / steps * 1e3, 3)
+    return out
 
 
 def main() -> int:
@@ -53,7 +64,8 @@ def main() -> int:
     p.add_argument("--ways", default="inproc,thread,server_thread,served")
     p.add_argument("--server-variants", default="default",
                    help="server_thread runs, comma-separated: default (uvicorn's uvloop), asyncio (uvicorn on "
-                        "asyncio's loop), switch (sys.setswitchinterval(0.0002) in this process)")
+                        "asyncio's loop), switch / switch_long (sys.setswitchinterval(0.0002) / (0.05) in this "
+                        "process), gc_off (Python's cyclic garbage collector disabled during the rollout)")
     p.add_argument("--py-spy", default=None, help="path of a py-spy binary, to dump the served engine's threads")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -109,7 +121,7 @@ def main() -> int:
             t = time.perf_counter()
             gen.generate(reqs("inproc"))
             torch.cuda.synchronize()
-            res["inproc"] = stats(gen.graphs, time.perf_counter() - t)
+            res["inproc"] = stats(gen.graphs, time.perf_counter() - t, gen.host_stats)
             print("inproc", res["inproc"], flush=True)
 
         async def threaded() -> float:
@@ -121,13 +133,13 @@ def main() -> int:
             return time.perf_counter() - t
 
         if "thread" in ways:
-            res["thread"] = stats(gen.graphs, asyncio.run(threaded()))
+            res["thread"] = stats(gen.graphs, asyncio.run(threaded()), gen.host_stats)
             print("thread", res["thread"], flush=True)
         if "server_idle" in ways or "server_submit" in ways:
             server = ServerThread(state, "127.0.0.1", free_loopback_port())
             server.start()
             if "server_idle" in ways:  # the server runs, nobody calls it; generate as in `thread`
-                res["server_idle"] = stats(gen.graphs, asyncio.run(threaded()))
+                res["server_idle"] = stats(gen.graphs, asyncio.run(threaded()), gen.host_stats)
                 print("server_idle", res["server_idle"], flush=True)
             if "server_submit" in ways:  # the server's own scheduler, no HTTP: 64 submits of 8 on its loop
                 srv_loop = state.scheduler._task.get_loop()
@@ -141,29 +153,33 @@ def main() -> int:
                 asyncio.run_coroutine_threadsafe(submit_all(), srv_loop).result(timeout=600)
                 while len(state.scheduler.batch_seconds) == batches:  # requests are answered before it is noted
                     time.sleep(0.01)
-                res["server_submit"] = {**stats(gen.graphs, state.scheduler.batch_seconds[-1]),
+                res["server_submit"] = {**stats(gen.graphs, state.scheduler.batch_seconds[-1], gen.host_stats),
                                         "submit_wall_s": round(time.perf_counter() - t, 3),
                                         "batch_sizes": state.scheduler.batch_sizes[-3:]}
                 print("server_submit", res["server_submit"], flush=True)
             server.server.should_exit = True
             server.thread.join(timeout=10)
         if "server_thread" in ways:
-            for variant in a.server_variants.split(","):  # default | asyncio (not uvloop) | switch (GIL interval)
+            for variant in a.server_variants.split(","):  # default | asyncio | switch | switch_long | gc_off
                 server = ServerThread(state, "127.0.0.1", free_loopback_port())
                 if variant == "asyncio":
                     server.config.loop = "asyncio"
                 before = sys.getswitchinterval()
-                if variant == "switch":
-                    sys.setswitchinterval(0.0002)
+                if variant in SWITCH:
+                    sys.setswitchinterval(SWITCH[variant])
+                if variant == "gc_off":
+                    gc.disable()
                 url = server.start()
+                batches = len(state.scheduler.batch_seconds)
                 wall = rollout(url, 0)
-                while not state.scheduler.batch_seconds:  # requests are answered before the batch is noted
+                while len(state.scheduler.batch_seconds) == batches:  # requests are answered before it is noted
                     time.sleep(0.01)
                 sys.setswitchinterval(before)
+                gc.enable()
                 name = "server_thread" if variant == "default" else f"server_thread_{variant}"
-                res[name] = {**stats(gen.graphs, state.scheduler.batch_seconds[-1]),
+                res[name] = {**stats(gen.graphs, state.scheduler.batch_seconds[-1], gen.host_stats),
                              "rollout_wall_s": round(wall, 3), "batch_sizes": state.scheduler.batch_sizes[-3:],
-                             "loop": variant, "switch_interval_s": 0.0002 if variant == "switch" else before}
+                             "loop": variant, "switch_interval_s": SWITCH.get(variant, before)}
                 print(name, res[name], flush=True)
                 server.server.should_exit = True
                 server.thread.join(timeout=10)
@@ -204,7 +220,9 @@ def main() -> int:
             info = httpx.get(url + "/get_server_info").json()
             last = SimpleNamespace(steps=info["last_batch_steps"], wait_s=info["last_batch_gpu_wait_s"],
                                    gpu_s=info["last_batch_gpu_busy_s"], launch_s=info["last_batch_launch_s"])
-            res["served"] = {**stats(last, info["batch_seconds"][-1]), "rollout_wall_s": round(wall, 3),
+            host = {k: info[f"last_batch_{k}"] for k in ("take_s", "join_s", "gc_s", "gc_collections")
+                    if f"last_batch_{k}" in info}
+            res["served"] = {**stats(last, info["batch_seconds"][-1], host), "rollout_wall_s": round(wall, 3),
                              "batch_sizes": info["batch_sizes"], "batch_seconds": info["batch_seconds"],
                              "joined_requests": info["joined_requests"], "py_spy_dumps": dumps}
             print("served", {k: v for k, v in res["served"].items() if k != "py_spy_dumps"}, flush=True)

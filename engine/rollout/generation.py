@@ -107,6 +107,34 @@ class AbortBook:
 JOIN_ROWS = 16
 
 
+class GcClock:
+    """Seconds this process spent in Python's cyclic garbage collector, and how many collections (any thread: a
+    collection stops every Python thread). One per process, installed on first use; read before and after a batch
+    (the graph loop's `host` stats)."""
+
+    _installed: "GcClock | None" = None
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._t0 = 0.0, 0, None
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+            self._t0 = None
+
+    @classmethod
+    def get(cls) -> "GcClock":
+        if cls._installed is None:
+            import gc
+
+            cls._installed = GcClock()
+            gc.callbacks.append(cls._installed._cb)
+        return cls._installed
+
+
 class Feed:
     """Requests offered to a running batch (continuous batching): the server's scheduler puts groups (one
     /generate call each) from its event loop; the generation thread takes the head group between two decode steps
@@ -151,6 +179,9 @@ class Generator:
         self.aborts = AbortBook()
         self.lock = threading.Lock()  # weight updates vs generation
         self.waiting = 0  # threads waiting in `exclusive()` (a running batch then takes no more requests)
+        # the last graph batch's host time: reading tokens and stops (take_s), joining requests (join_s), and the
+        # process's garbage collections meanwhile (gc_s, gc_collections)
+        self.host_stats: dict[str, float] = {}
         self._waiting_lock = threading.Lock()
         self.version = "default"  # SGLang's weight_version of the served weights (set under `lock`)
         self.busy_since: float | None = None  # monotonic time the running batch started (None: idle)
@@ -322,6 +353,9 @@ class Generator:
         for i in range(n0):
             if finish[i] is not None:
                 done(i)
+        # the host's time per part of the loop (bench/served_gap.py: where a served step's milliseconds go)
+        gc_clock = GcClock.get()
+        gc0, gcn0, take_s, join_s = gc_clock.seconds, gc_clock.collections, 0.0, 0.0
         toks, lps = graphs.start(ids, mask, pos, seeds=seeds, max_new=max(r.max_new_tokens for r in reqs),
                                  min_rows=JOIN_ROWS if feed is not None else 1, **knobs)
         at_row = {i: i for i in range(n0) if finish[i] is None}  # row → request
@@ -335,18 +369,23 @@ class Generator:
             if any(len(out_ids[i]) + (got.get(row) == i) < reqs[i].max_new_tokens for row, i in at_row.items()):
                 graphs.launch()  # the next step, before this one is read
                 launched = at_row.copy()
-            self.last_step = time.monotonic()
+            self.last_step = t0 = time.monotonic()
             for row, i in got.items():
                 if at_row.get(row) == i and (f := self._take(reqs[i], int(toks_l[row]), lps_l[row], out_ids[i],
                                                               out_lp[i], stop_ids[i])):
                     finish[i] = f
                     del at_row[row]
                     done(i)
+            t1 = time.monotonic()
+            take_s += t1 - t0
             if feed is not None and not self.waiting:
                 self._join(feed, reqs, at_row, out_ids, out_lp, stop_ids, finish, done)
+                join_s += time.monotonic() - t1
             if launched is None and not at_row:
                 break
         graphs.settle()
+        self.host_stats = {"take_s": take_s, "join_s": join_s, "gc_s": gc_clock.seconds - gc0,
+                           "gc_collections": gc_clock.collections - gcn0}
         return results
 
     def _join(self, feed: Feed, reqs: list[GenRequest], at_row: dict[int, int], out_ids: list[list[int]],

@@ -270,7 +270,8 @@ class BatchingScheduler:
 def decoder_info(gen: Generator) -> dict[str, Any]:
     """How the engine decodes, for /get_server_info: CUDA graphs, fused RMSNorms, GQA folded, torch.compile, requests
     that joined a running batch, and the last graph batch's steps, the host's wait for the GPU (a small wait: the host
-    loop bound the step), the GPU's own time in those steps and the host's time launching them."""
+    loop bound the step), the GPU's own time in those steps, the host's time launching them, reading their tokens
+    (take_s) and joining requests (join_s), and the process's garbage collections meanwhile (gc_s, gc_collections)."""
     g = gen.graphs
     if g is None:
         return {"cuda_graphs": False}
@@ -279,7 +280,8 @@ def decoder_info(gen: Generator) -> dict[str, Any]:
             "compiled_decode": g.step_model is not g.model,
             "joined_requests": g.joined_rows, "last_batch_steps": g.steps,
             "last_batch_gpu_wait_s": round(g.wait_s, 3), "last_batch_gpu_busy_s": round(g.gpu_s, 3),
-            "last_batch_launch_s": round(g.launch_s, 3)}
+            "last_batch_launch_s": round(g.launch_s, 3),
+            **{f"last_batch_{k}": round(v, 3) for k, v in getattr(gen, "host_stats", {}).items()}}
 
 
 class EngineState:
