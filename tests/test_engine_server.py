@@ -45,6 +45,24 @@ def test_generate_fields_and_logprobs_match_a_direct_forward(engine):
     assert torch.allclose(got, ref, atol=1e-4), (got, ref)
 
 
+def test_compact_logprobs_header_gives_the_same_answer(engine):
+    """The rollout loop's header (X-Rollflow-Logprobs): the same tokens and bit-identical log-probs as SGLang's
+    triples, and the answer says which encoding it used; without the header the answer is SGLang's JSON."""
+    from engine.rollout.protocol import COMPACT_F64, COMPACT_HEADER, output_logprobs
+
+    state, url = engine
+    body = {"input_ids": [_prompt_ids(state), _prompt_ids(state, "1+2=")], "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 5}}
+    plain = httpx.post(url + "/generate", json=body, timeout=60)
+    packed = httpx.post(url + "/generate", json=body, headers={COMPACT_HEADER: COMPACT_F64}, timeout=60)
+    assert COMPACT_HEADER not in plain.headers and packed.headers[COMPACT_HEADER] == COMPACT_F64
+    for p, c in zip(plain.json(), packed.json()):
+        assert "output_token_logprobs" in p["meta_info"] and "output_token_logprobs" not in c["meta_info"]
+        ids, lps = output_logprobs(c)
+        assert ids == p["output_ids"] == [t[1] for t in p["meta_info"]["output_token_logprobs"]]
+        assert [x.hex() for x in lps] == [float(t[0]).hex() for t in p["meta_info"]["output_token_logprobs"]]
+
+
 def test_eos_stops_generation_and_is_reported(engine):
     state, url = engine
     r = httpx.post(url + "/generate", json={"input_ids": _prompt_ids(state), "sampling_params": {

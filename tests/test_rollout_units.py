@@ -64,6 +64,25 @@ def test_response_has_sglang_meta_info():
     assert "output_token_logprobs" not in to_response(res, False, "4", 0.25)["meta_info"]
 
 
+def test_compact_logprobs_round_trip_bit_for_bit_and_read_like_triples():
+    import math
+
+    from engine.rollout.generation import GenResult
+    from engine.rollout.protocol import output_logprobs
+
+    lps = [-0.1, -1e-300, -123.456789012345678, math.nextafter(-2.0, 0.0), -0.0]
+    res = GenResult("r1", [5, 6, 7, 8, 9], lps, {"type": "length", "length": 5}, "x", 3)
+    compact = to_response(res, True, "4", 0.25, compact=True)
+    assert "output_token_logprobs" not in compact["meta_info"]
+    ids, got = output_logprobs(compact)
+    assert ids == [5, 6, 7, 8, 9] and [x.hex() for x in got] == [x.hex() for x in lps]
+    assert output_logprobs(to_response(res, True, "4", 0.25)) == (ids, got)  # SGLang's triples read the same
+    assert output_logprobs(to_response(res, False, "4", 0.25)) == (ids, [])
+    compact["output_ids"] = [5, 6]
+    with pytest.raises(ValueError, match="5 log-probs for 2 output_ids"):
+        output_logprobs(compact)
+
+
 # ---- the SGLang command and its log ----------------------------------------------------------------------------
 def test_sglang_command_passes_every_flag_through():
     from engine.config.cli import parse_args

@@ -29,6 +29,7 @@ import httpx
 from engine.data import PromptRow
 from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.rollout.client import generate_async, run_on_rollout_loop
+from engine.rollout.protocol import COMPACT_F64, COMPACT_HEADER, output_logprobs
 from engine.rewards import RewardModel
 from engine.samples import Sample, Status
 
@@ -266,11 +267,10 @@ class _Round:
 
     def _extend(self, row: Partial, o: dict) -> None:
         meta = o.get("meta_info", {})
-        triples = meta.get("output_token_logprobs") or []
-        new = [int(t[1]) for t in triples] if triples else [int(t) for t in o.get("output_ids", [])]
+        new, lps = output_logprobs(o)
         row.ids += new
         row.lengths.append(len(new))
-        row.logprobs += [float(t[0]) for t in triples]
+        row.logprobs += lps
         row.text += o.get("text", "")
         row.versions.append(meta.get("weight_version"))
         fr = meta.get("finish_reason") or {}
@@ -293,7 +293,8 @@ class _Round:
                     "rid": [f"{self.rid(gi)}{j}" for j in todo],
                     "sampling_params": [self._params(gi, j, rows[j], seeds[j]) for j in todo]}
             first = not any(rows[j].versions for j in todo)  # continuations (partial rollout) are not a burst
-            for j, o in zip(todo, await self._send(client, gi, body, len(todo), self.burst if first else None)):
+            headers = {COMPACT_HEADER: COMPACT_F64, **(self.burst if first else {})}  # SGLang ignores both
+            for j, o in zip(todo, await self._send(client, gi, body, len(todo), headers)):
                 self._extend(rows[j], o)
                 if self.partial is not None:
                     self.partial.put(draw, j, rows[j])
