@@ -42,7 +42,7 @@ for step in "$@"; do
                   2>&1 | tail -6 ;;
     rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 240 ;;
     rl-0.5b-rollflow) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --sides rollflow --out "$OUT" \
-                        --timeout 240 --tag-suffix _fused ;;
+                        --timeout 240 --tag-suffix ${RL_TAG_SUFFIX:-_fused} ;;
     rl-0.5b-compiled) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --sides rollflow --out "$OUT" \
                         --timeout 300 --extra=--sglang-enable-torch-compile --tag-suffix _compiled ;;
     rl-0.5b-megatron) python3 bench/gpu_rl_step.py run --shape 0.5b --backend megatron --sides rollflow --out "$OUT" \

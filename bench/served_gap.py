@@ -54,6 +54,9 @@ def stats(g, wall: float, host: dict | None = None) -> dict:
         out[k] = round(v, 3)
         if k.endswith("_s"):
             out[k[:-2] + "_ms_per_step"] = round(v / steps * 1e3, 3)
+    if host and "take_s" in host:  # the host's time outside the GPU wait, launch(), reading tokens and joining
+        other = wall - g.wait_s - g.launch_s - host["take_s"] - host.get("join_s", 0.0)
+        out["other_ms_per_step"] = round(other / steps * 1e3, 3)
     return out
 
 
