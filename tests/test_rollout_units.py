@@ -456,6 +456,15 @@ def test_a_complete_burst_runs_without_linger_even_when_not_held():
     t = time.perf_counter()
     assert _spread(None, 0.0, gap_s=2.0, window_s=4.0) == [6]
     assert time.perf_counter() - t >= 2.0
+    # a call that is a whole batch by itself (EngineClient.generate: the RF14 probe, a score) does not linger
+    from engine.rollout.client import BURST_HEADER, alone
+    from engine.rollout.server import parse_burst
+
+    one = parse_burst(alone()[BURST_HEADER])
+    assert one is not None and one[1] == 1 and one != parse_burst(alone()[BURST_HEADER])
+    t = time.perf_counter()
+    assert _spread(one, 0.0, count=1, gap_s=2.0, window_s=4.0, hold=False) == [1]
+    assert time.perf_counter() - t < 1.5
 
 
 def test_a_burst_that_never_completes_closes_after_its_gap():

@@ -158,8 +158,13 @@ def test_every_body_the_client_side_sends_is_sglangs(recorded_engine, tiny_model
     assert any(isinstance(b.get("sampling_params"), list) and b["sampling_params"][0].get("sampling_seed") is not None
                for b in loop_bodies)  # the rollout loop's batched shape, per-sample seeds
     # the rollout's two groups were announced as one burst of 2 (a header: SGLang's body is untouched)
-    bursts = {h["x-rollflow-burst"] for (p, _, _), h in zip(rec.seen, rec.headers) if "x-rollflow-burst" in h}
+    heads = [h["x-rollflow-burst"] for (p, _, _), h in zip(rec.seen, rec.headers) if "x-rollflow-burst" in h]
+    bursts = {h for h in heads if h.startswith("rf")}
     assert len(bursts) == 1 and next(iter(bursts)).endswith(" 2"), bursts
+    # every other /generate (EngineClient's: the probe, a score) is a burst of one by itself, each id its own
+    alone = [h for h in heads if not h.startswith("rf")]
+    assert alone and all(h.startswith("one-") and h.endswith(" 1") for h in alone), alone
+    assert len(set(alone)) == len(alone)
 
 
 def test_the_raw_tensor_upload_is_the_one_non_sglang_body(recorded_engine):

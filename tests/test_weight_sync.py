@@ -196,3 +196,26 @@ def test_the_probe_after_a_sync_catches_an_engine_serving_other_weights(setup, t
             stages.probe_engines(run, 13, reference)
         (d,) = e.value.diagnoses
         assert d.code == "RF14" and "weight sync to version 13" in d.what and d.facts["mean"] > 1e-2
+
+
+def test_the_sync_reply_carries_the_version_check(monkeypatch):
+    """The built-in engine's last /update_weights_from_tensor reply says which version it serves: push_tensors
+    checks that instead of asking again, and a reply with another version fails the sync naming both; a reply
+    without one (another server) is checked with /get_model_info as before."""
+    from engine.rollout.client import EngineClient, EngineError
+    from engine.weights.sync import push_tensors
+
+    asked = []
+    monkeypatch.setattr(EngineClient, "weight_version", lambda self, timeout_s=None: asked.append(1) or "4")
+    sd = {"w": torch.ones(4)}
+    for reply, fails, asks in (({"success": True, "weight_version": "4"}, False, 0),
+                               ({"success": True, "weight_version": "3"}, True, 0),
+                               ({"success": True}, False, 1)):
+        asked.clear()
+        monkeypatch.setattr(EngineClient, "update_weights_from_tensor_raw", lambda self, blob, **kw: reply)
+        if fails:
+            with pytest.raises(EngineError, match="weight_version '3' after the sync, expected 4"):
+                push_tensors(["http://127.0.0.1:9"], sd, 4, bucket_bytes=2**20, timeout_s=5)
+        else:
+            push_tensors(["http://127.0.0.1:9"], sd, 4, bucket_bytes=2**20, timeout_s=5)
+        assert len(asked) == asks

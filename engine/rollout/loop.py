@@ -28,7 +28,7 @@ import httpx
 
 from engine.data import PromptRow
 from engine.diagnosis import Diagnosis, DiagnosisError
-from engine.rollout.client import generate_async, run_on_rollout_loop
+from engine.rollout.client import BURST_HEADER, generate_async, run_on_rollout_loop
 from engine.rollout.protocol import COMPACT_F64, COMPACT_HEADER, output_logprobs
 from engine.rewards import RewardModel
 from engine.samples import Sample, Status
@@ -192,7 +192,7 @@ class _Round:
         self.sem = asyncio.Semaphore(slots)
         # the groups' first requests go out together: announced to the engines (engine/rollout/server.py:
         # BatchingScheduler) so that a built-in engine runs them as one batch; SGLang ignores the header
-        self.burst = {"X-Rollflow-Burst": f"rf{rollout_id}-{nonce}-d{first_draw} {min(len(prompts), slots)}"}
+        self.burst = {BURST_HEADER: f"rf{rollout_id}-{nonce}-d{first_draw} {min(len(prompts), slots)}"}
         self.client: httpx.AsyncClient | None = None  # set by run
         self.done: list[list[Sample] | None] = [None] * len(prompts)
         self.kept = [False] * len(prompts)

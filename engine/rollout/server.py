@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine import faults
+from engine.rollout.client import BURST_HEADER
 from engine.rollout.generation import JOIN_ROWS, Feed, GenRequest, GenResult, Generator
 from engine.rollout.protocol import COMPACT_F64, COMPACT_HEADER, ProtocolError, to_requests, to_response
 
@@ -48,8 +49,6 @@ class _Pending:
     left: int = 0
 
 
-#: the header a rollflow client puts on the /generate requests it sends together ("<id> <count>"); SGLang ignores it
-BURST_HEADER = "x-rollflow-burst"
 
 
 def parse_burst(value: str | None) -> tuple[str, int] | None:

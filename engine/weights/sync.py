@@ -40,10 +40,16 @@ def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: 
 
     def one(url: str) -> None:
         c = EngineClient(url, timeout_s=timeout_s, api_key=api_key)
+        reply: dict = {}
         for k, blob in enumerate(blobs):
             last = k == len(blobs) - 1
-            c.update_weights_from_tensor_raw(blob, version=version if last else None, flush_cache=last)
-        _check_version(c, version, timeout_s)
+            reply = c.update_weights_from_tensor_raw(blob, version=version if last else None, flush_cache=last)
+        if "weight_version" in reply:  # the built-in engine's reply says what it serves now: no second round trip
+            if reply["weight_version"] != str(version):
+                raise EngineError(f"{url} reports weight_version {reply['weight_version']!r} after the sync, "
+                                  f"expected {version}")
+        else:
+            _check_version(c, version, timeout_s)
 
     _each(urls, one)
     return {"mb": mb, "buckets": float(len(blobs)), "encode_s": t_encode, "seconds": time.perf_counter() - t0}
