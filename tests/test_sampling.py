@@ -160,6 +160,30 @@ def test_the_device_sampling_path_of_the_engine(tiny_model):
         assert torch.allclose(torch.tensor(r.logprobs), direct, atol=1e-4)
 
 
+def test_the_cpu_engine_prefills_each_distinct_prompt_once(tiny_model):
+    """A GRPO group's n rows share one prefill row (the cache is indexed out to them): the same tokens and
+    log-probs as each row generated alone, prompt log-probs included, and one prefill row per distinct prompt."""
+    from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+    from engine.rollout.generation import GenRequest, Generator
+
+    tok = load_tokenizer(tiny_model)
+    gen = Generator(load_causal_lm(tiny_model).eval(), tok, eos_token_ids(tiny_model, tok))
+    prompts = [tok(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+               for q in ("57+38=", "3+4=")]
+    reqs = [GenRequest(rid=f"r{i}", input_ids=prompts[i % 2], max_new_tokens=8, seed=10 + i,
+                       logprob_start_len=0 if i == 3 else -1) for i in range(6)]
+    batch = gen.generate(reqs)
+    assert gen.prefill_rows == 2
+    for r, got in zip(reqs, batch):
+        alone = gen.generate([r])[0]
+        assert got.output_ids == alone.output_ids and got.finish_reason == alone.finish_reason
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    assert batch[3].input_logprobs is not None and batch[3].input_logprobs[0] is None
+    one = gen.generate([reqs[3]])[0].input_logprobs
+    assert torch.allclose(torch.tensor(batch[3].input_logprobs[1:]), torch.tensor(one[1:]), atol=1e-5)
+    assert len({tuple(r.output_ids) for r in batch[0::2]}) > 1  # same prompt, different seeds, different samples
+
+
 def test_a_device_step_counter_draws_the_same_uniforms_and_known_filters_the_same_tokens():
     """What a CUDA graph uses: the step as an int64 tensor (the same bits as the int), and the filter shape passed
     in instead of read from the tensors (the same tokens)."""
