@@ -31,6 +31,8 @@ def test_uniforms_depend_on_seed_and_step_only():
     assert u[0] == u[2] and u[0] != u[1]  # same seed → same draw
     assert counter_uniform(seeds[3:], 3)[0] == u[3]  # alone or in a batch: the same number
     assert counter_uniform(seeds, 4)[0] != u[0]  # the next step draws anew
+    for step in range(4):  # small seeds and steps (a user's sampling_seed 0 at the first step) never draw u = 0
+        assert bool((counter_uniform(torch.arange(-8, 2000), step) > 0).all())
     many = counter_uniform(torch.arange(20000), 0)
     assert 0 <= float(many.min()) and float(many.max()) < 1
     assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.var()) - 1 / 12) < 0.005

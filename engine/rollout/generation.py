@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 import torch
 
+from engine.rollout.sampling import counter_uniform, draw
+
 
 @dataclass
 class GenRequest:
@@ -249,14 +251,13 @@ class Generator:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
         temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs], dtype=torch.float32,
                              device=self.device)  # [b] the T of the returned log-probs (1 when greedy)
-        if self.on_gpu:  # one counter-based draw per row and step (sampling.py); unseeded rows get a random seed
-            seeds = torch.tensor([r.seed if r.seed is not None else random.getrandbits(62) for r in reqs],
-                                 dtype=torch.long, device=self.device)
-            knobs = {"temperature": torch.tensor([r.temperature for r in reqs], device=self.device),
-                     "top_p": torch.tensor([r.top_p for r in reqs], device=self.device),
-                     "top_k": torch.tensor([r.top_k for r in reqs], device=self.device)}
-        else:
-            gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in reqs]
+        # one counter-based draw per row and step for the whole batch (sampling.py), on the CPU too: a row's token
+        # depends on its seed and step only; unseeded rows get a random seed
+        seeds = torch.tensor([r.seed if r.seed is not None else random.getrandbits(62) for r in reqs],
+                             dtype=torch.long, device=self.device)
+        knobs = {"temperature": torch.tensor([r.temperature for r in reqs], device=self.device),
+                 "top_p": torch.tensor([r.top_p for r in reqs], device=self.device),
+                 "top_k": torch.tensor([r.top_k for r in reqs], device=self.device)}
         stop_ids = [set(r.stop_token_ids) | (set() if r.ignore_eos else set(self.eos_ids)) for r in reqs]
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_lp: list[list[float]] = [[] for _ in reqs]
@@ -298,13 +299,7 @@ class Generator:
         last_pos = pos[:, -1]
         step = 0
         while not all(f is not None for f in finish):
-            if self.on_gpu:
-                from engine.rollout.sampling import counter_uniform, draw
-
-                toks, lps = draw(logits, uniforms=counter_uniform(seeds, step), **knobs)  # [b], [b]
-            else:
-                toks = self._sample(logits, reqs, gens)  # [b]
-                lps = torch.log_softmax(logits / temps[:, None], dim=-1).gather(-1, toks[:, None]).squeeze(-1)
+            toks, lps = draw(logits, uniforms=counter_uniform(seeds, step), **knobs)  # [b], [b]
             step += 1
             self.last_step = time.monotonic()
             # one device → host copy per step (not one per row)
@@ -453,24 +448,6 @@ class Generator:
         lp = torch.log_softmax(cols[:-1] / temp, dim=-1).gather(-1, targets)
         full = [None] + [float(x) for x in lp.squeeze(-1)]  # [P]
         return full[r.logprob_start_len:]
-
-    def _sample(self, logits: torch.Tensor, reqs: list[GenRequest], gens: list[torch.Generator | None]) -> torch.Tensor:
-        toks = logits.argmax(-1)
-        for i, r in enumerate(reqs):
-            if r.temperature == 0:
-                continue
-            row = logits[i] / r.temperature
-            if r.top_k > 0:
-                kth = torch.topk(row, min(r.top_k, row.numel())).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, -1)
-            if r.top_p < 1.0:
-                sp, si = probs.sort(descending=True)
-                drop = sp.cumsum(-1) - sp > r.top_p  # keep the smallest prefix with mass >= top_p
-                probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
-                probs = probs / probs.sum()
-            toks[i] = torch.multinomial(probs.cpu(), 1, generator=gens[i]).to(toks.device)[0]
-        return toks
 
     def _stop_string(self, ids: list[int], r: GenRequest) -> str | None:
         text = self._decode(ids, r.skip_special_tokens)

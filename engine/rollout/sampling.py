@@ -27,6 +27,7 @@ def _signed(x: int) -> int:
 
 
 _GOLDEN, _M1, _M2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_OFFSET = _signed(0x632BE59BD9B4E019)  # any odd constant: keeps small seeds and steps away from splitmix64's fixed point
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -45,7 +46,9 @@ def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tens
     """[b] float64 uniforms in [0, 1), one per row: a function of (seed, step) only. `step` may be a [1] int64
     device tensor (a CUDA graph's step counter): int64 products wrap mod 2⁶⁴, the same bits as the int path."""
     mix = step.long() * _signed(0xD1B54A32D192ED03) if torch.is_tensor(step) else _signed(step * 0xD1B54A32D192ED03)
-    z = splitmix64(seeds.long() * _GOLDEN + mix)
+    # + _OFFSET: splitmix64's finaliser maps 0 to 0, so (seed 0, step 0) drew u = 0 (the first token of non-zero
+    # probability, however unlikely) without it
+    z = splitmix64(seeds.long() * _GOLDEN + mix + _OFFSET)
     return _shr(z, 11).double() * 2.0 ** -53  # the top 53 bits
 
 
