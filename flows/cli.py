@@ -69,10 +69,15 @@ def _print_summary(s: dict, cfg) -> None:
 
 
 def cmd_train(argv: list[str]) -> int:
+    from engine.cluster import WORKER_ENV_DEFAULTS
     from engine.config.cli import parse_args
 
     cfg = parse_args(argv, prog="rollflow train")
     _quiet_console()
+    # before torch is imported anywhere (its OpenMP reads it once): the idle side's OpenMP threads sleep instead of
+    # spinning on the cores the other side computes on (the engine and the trainer alternate on the same CPUs);
+    # the Ray workers inherit it (engine/cluster WORKER_ENV_DEFAULTS for joined clusters)
+    os.environ.setdefault("OMP_WAIT_POLICY", WORKER_ENV_DEFAULTS["OMP_WAIT_POLICY"])
     from plumbing import prestart
 
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on

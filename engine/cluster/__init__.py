@@ -12,7 +12,11 @@ from typing import Any, Callable
 
 log = logging.getLogger("rollflow.cluster")
 
-WORKER_ENV_DEFAULTS = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: OMP_WAIT_POLICY=PASSIVE: in a synchronous run the engine and the trainer take turns on the same cores, and an idle
+#: side's spinning OpenMP threads slowed the other (CPU demo, 2 cores, interleaved pairs of 50-step runs: step
+#: 0.385 → 0.339 s and 0.327 → 0.292 s; bench/results/trl_race.md). Overridable from the environment like the rest.
+WORKER_ENV_DEFAULTS = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TOKENIZERS_PARALLELISM": "false",
+                       "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 #: Fault injection (engine/faults.py) set in the driver's environment reaches the engines and workers too, also on a
