@@ -16,9 +16,10 @@ Batch composition changes the floating-point reductions of a row (padding, matmu
 bundled model, a row's log-probs move by up to ~1.4e-5 between "alone" and "in a batch of 38", which can flip a
 sampled token with probability ~1e-5 per token. Per-row seeds make a row reproducible only for a fixed batch.
 
-Sampling: on the CPU each row draws from its own torch.Generator (the results every CPU run and test has recorded);
-on a GPU the whole batch draws at once from counter-based noise keyed by (row seed, step) (engine/rollout/
-sampling.py), and the prefill computes logits of the last prompt position only unless prompt log-probs are asked.
+Sampling: the whole batch draws at once from counter-based noise keyed by (row seed, step) (engine/rollout/
+sampling.py), on the CPU too since 2026-12-03 (before, each CPU row drew from its own torch.Generator: ~8 ms of the
+demo's 20 ms generate now). The eager prefill runs one row per distinct prompt and indexes the cache out to its
+rows; on a GPU it computes logits of the last prompt position only unless prompt log-probs are asked.
 On CUDA the decode steps replay CUDA graphs over a preallocated cache (engine/rollout/cuda_graphs.py) unless
 `cuda_graphs=False` (SGLang's --disable-cuda-graph) or the batch asks for prompt log-probs; there, requests offered
 through a `Feed` join a running batch in its free rows (continuous batching) and each result is delivered when its

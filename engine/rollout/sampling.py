@@ -10,8 +10,8 @@ ops on the device, and the token is the inverse CDF of the row's (filtered) dist
 
 Same seed, step and logits → same token, whatever the batch. Filters: top-k keeps the k largest logits (ties at
 the k-th kept), top-p keeps the smallest prefix of the sorted distribution whose mass reaches p; greedy rows
-(temperature 0) take the argmax. The CPU engine keeps its per-row torch.Generator draws (engine/rollout/
-generation.py), so CPU results stay bit-for-bit what they were.
+(temperature 0) take the argmax. The CPU engine draws this way too (since 2026-12-03; before, it kept a
+torch.Generator per row, and CPU runs sampled other tokens for the same seeds).
 """
 from __future__ import annotations
 
