@@ -22,8 +22,9 @@ def _each(urls: list[str], fn: Callable[[str], None]) -> None:
             f.result()
 
 
-def _check_version(client: EngineClient, version: int, timeout_s: float) -> None:
-    got = client.weight_version(timeout_s)
+def _check_version(client: EngineClient, version: int, timeout_s: float, reply: dict | None = None) -> None:
+    """The engine serves `version`: as its sync reply says (the built-in engine's), else as it answers when asked."""
+    got = reply["weight_version"] if reply and "weight_version" in reply else client.weight_version(timeout_s)
     if got != str(version):
         raise EngineError(f"{client.url} reports weight_version {got!r} after the sync, expected {version}")
 
@@ -44,12 +45,7 @@ def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: 
         for k, blob in enumerate(blobs):
             last = k == len(blobs) - 1
             reply = c.update_weights_from_tensor_raw(blob, version=version if last else None, flush_cache=last)
-        if "weight_version" in reply:  # the built-in engine's reply says what it serves now: no second round trip
-            if reply["weight_version"] != str(version):
-                raise EngineError(f"{url} reports weight_version {reply['weight_version']!r} after the sync, "
-                                  f"expected {version}")
-        else:
-            _check_version(c, version, timeout_s)
+        _check_version(c, version, timeout_s, reply)  # no second round trip when the reply says it
 
     _each(urls, one)
     return {"mb": mb, "buckets": float(len(blobs)), "encode_s": t_encode, "seconds": time.perf_counter() - t0}
