@@ -142,13 +142,26 @@ def _place_only(cfg):
 
 
 def test_busy_gpus_are_retried_with_backoff_until_the_holder_releases_them(prefect_harness, small_cfg, fake_gpus):
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     import ray
 
     holder = placement_group([{"GPU": 1.0}, {"GPU": 1.0}], name="another-job")  # another job holds both GPUs
     ray.get(holder.ready(), timeout=30)
-    threading.Timer(6.0, remove_placement_group, args=(holder,)).start()
+
+    def release_after_a_failed_attempt():
+        """The holder lets go once the run's first attempt has given up (its pending group removed after
+        --placement-timeout), however long the attempt took to get there (was: a fixed 6 s, which a loaded
+        machine's first attempt, 15 s of start-up, outlived: placed at once, no retry, the test failed)."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            states = {v["name"]: v["state"] for v in placement_group_table().values() if v["name"] != "another-job"}
+            if "REMOVED" in states.values():
+                break
+            time.sleep(0.2)
+        remove_placement_group(holder)
+
+    threading.Thread(target=release_after_a_failed_attempt, daemon=True).start()
     # decoupled: 1 train GPU + 1 rollout GPU = 2 of the 2 GPUs
     cfg = small_cfg(rollout_num_gpus=1, placement_timeout=2, placement_retries=4, placement_retry_delay=1,
                     eval_prompt_data="", run_name="busy")
