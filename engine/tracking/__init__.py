@@ -69,9 +69,44 @@ def run_ui_url(uri: str, experiment_id: str | None, run_id: str | None) -> str |
 
 
 def _mlflow_client(uri: str):
+    """MLflow's client for `uri`. A local store that does not exist yet is created here, from the cached schema
+    when there is one (engine/tracking/schema_cache.py: no migrations), else by MLflow's migrations, after which
+    its schema is cached for the next fresh store."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    from engine.tracking import schema_cache
+
+    db = sqlite_path(uri)
+    if db is None or db.exists():
+        return MlflowClient(tracking_uri=uri)
+    if schema_cache.seed(db):
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            client._tracking_client.store  # noqa: B018 — MLflow opens it: its schema check, experiment 0
+            return client
+        except Exception as e:  # noqa: BLE001 — a template MLflow refuses: create the store the usual way
+            log.warning("rollflow: the cached MLflow schema was refused (%s: %s); creating %s with MLflow's "
+                        "migrations", type(e).__name__, e, db)
+            _forget_store(uri)
+            schema_cache.forget(db)
+    client = MlflowClient(tracking_uri=uri)
+    client._tracking_client.store  # noqa: B018 — created and migrated now, so that its schema can be kept
+    schema_cache.remember(db)
+    return client
+
+
+def _forget_store(uri: str) -> None:
+    """Drop MLflow's open engine on `uri` (it caches one per URI): the file under it is about to be removed, and
+    the store made next must not reach the removed file through it."""
+    try:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        with SqlAlchemyStore._engine_map_lock:
+            engine = SqlAlchemyStore._engine_map.pop(uri, None)
+        if engine is not None:
+            engine.dispose()
+    except Exception as e:  # noqa: BLE001 — an MLflow without that cache: nothing to drop
+        log.debug("rollflow: MLflow's engine for %s not dropped (%s)", uri, e)
 
 
 #: MLflow opens an experiment in the layout its kind names: "custom_model_development" is the model-training
