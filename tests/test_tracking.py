@@ -3,6 +3,7 @@ metric docs, artifacts, system metrics, and `rollflow compare` (pure parts and C
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import time
@@ -584,13 +585,19 @@ def test_the_samples_table_is_what_mlflows_table_view_reads(tmp_path):
     t.end()
     import mlflow
 
-    client, before = MlflowClient(uri), mlflow.get_tracking_uri()
+    client, before, env_before = MlflowClient(uri), mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)  # load_table searches runs through the fluent API's tracking URI
     try:
         df = client.load_table(client.get_experiment_by_name("tables").experiment_id, "samples/rollout_0000004.json",
                                run_ids=[t.run_id])
     finally:
+        # set_tracking_uri also sets MLFLOW_TRACKING_URI, which every later run in this process would take as its
+        # store (was: the later tests' runs went to ./mlflow.db, and one found the runs of earlier sessions there)
         mlflow.set_tracking_uri(before)
+        if env_before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env_before
     assert list(df.columns)[:len(SAMPLE_COLUMNS)] == SAMPLE_COLUMNS and len(df) == 6
     assert list(df["advantage (group-normalised reward)"].round(3)) == [-0.707, 0.707] * 3  # (0 − ½) / std(0, 1)
     assert list(df["finish_reason"]) == ["stop"] * 6 and list(df["response_tokens"]) == [2] * 6
