@@ -74,6 +74,13 @@ def code_runtime_env(ray_code: str = "ship") -> dict[str, Any]:
     return env
 
 
+#: A local cluster starts no idle Python workers (Ray prestarts one per CPU for the job's default environment):
+#: the engines and the train workers have environments of their own (their thread counts), so they cannot use
+#: them; only the port registry could, and it starts its own worker beside the engines'. On the 2-core machine
+#: the prestarted ones took ~1 s of CPU each from the start-up of the engines and the trainer.
+LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
 def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship") -> dict[str, Any]:
     """Join `address` (shipping the code as `ray_code` says) or start a local cluster; returns its resources."""
     import ray
@@ -88,6 +95,7 @@ def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "s
             kwargs["runtime_env"] = code_runtime_env(ray_code)
         else:
             kwargs["num_cpus"] = num_cpus or os.cpu_count()
+            kwargs["_system_config"] = LOCAL_SYSTEM_CONFIG
         _keeping_sigterm(lambda: ray.init(**kwargs))
     return dict(ray.cluster_resources())
 
