@@ -89,11 +89,13 @@ def cmd_train(argv: list[str]) -> int:
     try:
         api = prestart.launch_ephemeral_api()
         mlflow_store = prestart.warm_mlflow_store(cfg)
+        imports = prestart.import_in_background("flows.train")  # torch, the stages: while ray.init waits
+        prestart.start_ray(cfg)
+        imports.join()
         from prefect.exceptions import CancelledRun
 
         from flows.train import rl_train
 
-        prestart.start_ray(cfg)
         if api is not None:
             prestart.wait_ephemeral_api(api)
         if mlflow_store is not None:

@@ -65,9 +65,13 @@ def _logger():
 
 # ---- Prefect ----------------------------------------------------------------------------------------------------
 def api_is_ephemeral() -> bool:
+    """No API server of the user's: Prefect's ephemeral one, or the one `rollflow train` launched as such."""
     from prefect.settings import get_current_settings
 
-    return not get_current_settings().api.url
+    from plumbing.prestart import own_api_url
+
+    url = get_current_settings().api.url
+    return not url or url == own_api_url()
 
 
 @contextmanager

@@ -1,18 +1,24 @@
 """Start-up side by side (issue 18): `rollflow train` launches the ephemeral Prefect API server (its own process,
-~5 s of one core) first, then imports the stages and starts the local Ray cluster while that server boots; the
-flow then finds both running. Run one after the other, each left a core idle (measured with vmstat: ~50% idle for
-the first 15 s of a demo start-up).
+~5 s of one core) first, then imports the stages while Ray starts; the flow then finds both running. Run one after
+the other, each left a core idle (measured with vmstat: ~50% idle for the first 15 s of a demo start-up).
 
-The server is a subprocess launched without waiting; Ray starts in the main thread (its SIGTERM handler put back,
-as in place()); MLflow's local SQLite store (a fresh one runs MLflow's schema migrations, ~1.5 s) is created by a
-thread that is joined before the flow starts, so no thread of this module outlives start-up. Whatever cannot be
-pre-started is left to the flow, which starts it the usual way and reports its failure the usual way (a warning
-here says so).
+The server is a subprocess launched without waiting and without importing Prefect's server module here
+(`EphemeralAPI`); once it answers, this process's Prefect uses it as its API. Ray starts in the main thread (its
+SIGTERM handler put back, as in place()) while a thread imports the stages (`import_in_background`: ray.init mostly
+waits). MLflow's local SQLite store is created by a thread; both threads are joined before the flow starts, so no
+thread of this module outlives start-up. Whatever cannot be pre-started is left to the flow, which starts it the
+usual way and reports its failure the usual way (a warning here says so).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
+import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,29 +26,121 @@ from pathlib import Path
 log = logging.getLogger("rollflow.prestart")
 
 
-def launch_ephemeral_api():
-    """Launch Prefect's ephemeral API server (the one its client would start at the flow's first call) without
-    waiting for it; None when the run uses a server of its own (PREFECT_API_URL) or ephemeral mode is off."""
+class EphemeralAPI:
+    """Prefect's ephemeral API server, launched by rollflow: the command and environment Prefect's own
+    `SubprocessASGIServer` uses (uvicorn on `prefect.server.api.server:create_app`, UI off, 127.0.0.1 on a free
+    port of 8000–8999), without importing that module here: the server module (its app, models and database
+    layer) is ~2.5 s of imports on the driver's start-up path that only the server process needs. Once it answers,
+    this process points Prefect at it (`PREFECT_API_URL`), so Prefect's clients use it and never start one of
+    their own; it stays ephemeral for rollflow (`own_api_url`: no GPU slots, nice 10) and stops at exit."""
+
+    port_range = range(8000, 9000)
+
+    def __init__(self):
+        self.port: int | None = None
+        self.server_process: subprocess.Popen | None = None
+        self.running = False
+        self._set_env: list[str] = []
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def _free_port(self) -> int:
+        for _ in range(20):
+            port = random.choice(self.port_range)
+            with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                    return port
+                except OSError:
+                    time.sleep(random.uniform(0.05, 0.2))
+        raise RuntimeError("no free port in 8000-8999 for the ephemeral Prefect API")
+
+    def launch(self) -> "EphemeralAPI":
+        import prefect
+        from prefect.settings import get_current_settings
+
+        self.port = self._free_port()
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+        self.server_process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "error", "--lifespan", "on"], env=env)
+        return self
+
+    def adopt(self) -> None:
+        """Point this process's Prefect at the server (its clients, and the UI links at `prefect server start`'s
+        address, as without a server of one's own); child processes started from now on inherit it."""
+        from prefect.context import refresh_global_settings_context
+
+        self.running = True
+        for key, value in (("PREFECT_API_URL", self.api_url), ("PREFECT_UI_URL", LOCAL_UI_URL)):
+            if key not in os.environ:
+                os.environ[key] = value
+                self._set_env.append(key)
+        refresh_global_settings_context()
+
+    def stop(self) -> None:
+        proc, self.server_process = self.server_process, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.running:
+            self.running = False
+            for key in self._set_env:
+                os.environ.pop(key, None)
+            self._set_env = []
+            try:
+                from prefect.context import refresh_global_settings_context
+
+                refresh_global_settings_context()
+            except Exception:  # noqa: BLE001 — at interpreter exit: nothing uses Prefect any more
+                pass
+
+
+#: where `prefect server start` serves the UI on the local database the ephemeral API writes (docs/prefect.md)
+LOCAL_UI_URL = "http://127.0.0.1:4200"
+
+_own: EphemeralAPI | None = None
+
+
+def own_api_url() -> str | None:
+    """The API URL of the ephemeral server this process launched and uses, else None."""
+    return _own.api_url if _own is not None and _own.running else None
+
+
+def own_api_pid() -> int | None:
+    proc = _own.server_process if _own is not None else None
+    return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def launch_ephemeral_api() -> EphemeralAPI | None:
+    """Launch the ephemeral Prefect API server (the one Prefect's client would start at the flow's first call)
+    without waiting for it; None when the run uses a server of its own (PREFECT_API_URL) or ephemeral mode is off."""
+    global _own
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value() or own_api_url():
         return None
-    from prefect.server.api.server import SubprocessASGIServer
+    import prefect.context
 
-    server = SubprocessASGIServer()  # the instance Prefect's client takes (one per port; None = "any port")
-    if server.running:
-        return None
-    server.port = server.find_available_port()
-    server.server_process = server._run_uvicorn_command()
-    atexit.register(server.stop)  # as SubprocessASGIServer.start does; a SIGTERM meanwhile exits (cmd_train)
-    return server
+    if not hasattr(prefect.context, "refresh_global_settings_context"):  # adopt() needs it
+        return None  # a Prefect without it: its client starts the server itself, as before
+    _own = EphemeralAPI().launch()
+    atexit.register(_own.stop)  # a SIGTERM meanwhile exits (cmd_train), which stops it
+    return _own
 
 
-def wait_ephemeral_api(server, timeout_s: float | None = None) -> bool:
-    """Wait until the launched server answers /health, as SubprocessASGIServer.start would (exit code 3: its port
-    was taken meanwhile, so relaunch on another); then Prefect's client uses it as its own. False (the process
-    stopped, a warning logged) when it did not come up: the flow's client then starts one itself and raises its
-    own error if that fails too."""
+def wait_ephemeral_api(server: EphemeralAPI, timeout_s: float | None = None) -> bool:
+    """Wait until the launched server answers /health (exit code 3: its port was taken meanwhile, so relaunch on
+    another), then make it this process's API (`adopt`). False (the process stopped, a warning logged) when it did
+    not come up: the flow's client then starts one itself and raises its own error if that fails too."""
     import httpx
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
@@ -52,14 +150,13 @@ def wait_ephemeral_api(server, timeout_s: float | None = None) -> bool:
         while time.monotonic() < deadline:
             code = server.server_process.poll()
             if code == 3:
-                server.port = server.find_available_port()
-                server.server_process = server._run_uvicorn_command()
+                server.launch()
                 continue
             if code is not None:
                 break
             try:
                 if client.get(f"{server.api_url}/health", timeout=5).status_code == 200:
-                    server.running = True
+                    server.adopt()
                     return True
             except httpx.HTTPError:
                 pass
@@ -68,11 +165,25 @@ def wait_ephemeral_api(server, timeout_s: float | None = None) -> bool:
     log.warning("rollflow: the Prefect API server launched at start-up did not answer on %s within %.0f s (%s); "
                 "the flow starts its own", server.api_url, timeout_s,
                 f"exit code {code}" if code is not None else "still starting")
-    if code is None:
-        server.server_process.kill()
-        server.server_process.wait()
-    server.server_process = None
+    server.stop()
     return False
+
+
+def import_in_background(module: str) -> threading.Thread:
+    """Import `module` in a thread, joined before the module is used: `ray.init` (main thread only) spends most of
+    its ~4 s waiting for Ray's processes to come up, time the imports (torch, transformers, the stages: ~3 s of
+    CPU) can use. An import that fails there is left to the caller's own import, which raises it."""
+    import importlib
+
+    def run() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as e:  # noqa: BLE001 — imported again by the caller, which raises it
+            log.debug("rollflow: importing %s at start-up failed (%s)", module, e)
+
+    thread = threading.Thread(target=run, name="rollflow-prestart-imports")  # not a daemon: joined at once
+    thread.start()
+    return thread
 
 
 def start_ray(cfg) -> bool:

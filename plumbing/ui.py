@@ -13,6 +13,7 @@ import contextvars
 import logging
 import queue
 import re
+import sys
 import threading
 import time
 import warnings
@@ -81,16 +82,16 @@ def background_ephemeral_api() -> int:
     records task-run events and serves the UI, none of which the training loop waits for, so on a machine whose
     cores are all busy it runs in the gaps (engine/background.py). A server given by PREFECT_API_URL is not
     touched. Returns how many of its threads were lowered."""
-    from prefect.server.api.server import SubprocessASGIServer
-
     from engine.background import lower_process
+    from plumbing.prestart import own_api_pid
 
-    lowered = 0
-    for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):
+    pids = [own_api_pid()]  # the one `rollflow train` launched (plumbing/prestart.py)
+    server_module = sys.modules.get("prefect.server.api.server")  # Prefect's own, if its client started one
+    for server in list(getattr(getattr(server_module, "SubprocessASGIServer", None), "_instances", {}).values()):
         proc = getattr(server, "server_process", None)
         if proc is not None and proc.poll() is None:
-            lowered += lower_process(proc.pid)
-    return lowered
+            pids.append(proc.pid)
+    return sum(lower_process(pid) for pid in pids if pid is not None)
 
 
 _current: UIPublisher | None = None

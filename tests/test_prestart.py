@@ -22,39 +22,45 @@ def _python(code: str, timeout: int = 180) -> str:
 
 def test_the_launched_api_is_the_one_the_flow_client_uses():
     out = _python("""
+        import os, sys
         import psutil
-        from plumbing import prestart
+        from plumbing import limits, prestart, ui
         server = prestart.launch_ephemeral_api()
         assert server is not None and not server.running
         assert prestart.wait_ephemeral_api(server)
+        from prefect import flow
         from prefect.client.orchestration import get_client
-        from prefect.server.api.server import SubprocessASGIServer
-        assert SubprocessASGIServer() is server and server.running
         with get_client(sync_client=True) as client:
             assert str(client.api_url).rstrip('/') == server.api_url.rstrip('/'), (client.api_url, server.api_url)
             assert client.api_healthcheck() is None
+        assert flow(lambda: 7)() == 7  # a flow run on it
+        # still the ephemeral API for rollflow: no GPU slots on it, its priority lowered
+        assert limits.api_is_ephemeral() and ui.background_ephemeral_api() > 0
         kids = [p for p in psutil.Process().children(recursive=True) if 'uvicorn' in ' '.join(p.cmdline())]
-        print('servers', len(kids))
+        print('servers', len(kids), 'server module', 'prefect.server.api.server' in sys.modules)
         server.stop()
+        assert 'PREFECT_API_URL' not in os.environ and 'PREFECT_UI_URL' not in os.environ  # put back
     """)
     assert "servers 1" in out  # the client did not start a second one
+    assert "server module False" in out  # and this process never imported Prefect's server (~2.5 s)
 
 
 def test_a_server_that_does_not_answer_is_stopped_and_left_to_prefect():
     out = _python("""
-        import logging
+        import logging, os
         logging.basicConfig()
         from plumbing import prestart
         server = prestart.launch_ephemeral_api()
         proc = server.server_process
         proc.kill(); proc.wait()
         assert not prestart.wait_ephemeral_api(server, timeout_s=5)
-        assert server.server_process is None and not server.running
-        server.start()  # Prefect's own start works after it
-        print('restarted', server.running)
-        server.stop()
+        assert server.server_process is None and not server.running and 'PREFECT_API_URL' not in os.environ
+        from prefect.client.orchestration import get_client
+        with get_client(sync_client=True) as client:  # Prefect starts its own, as without prestart
+            assert client.api_healthcheck() is None
+            print('prefect started', str(client.api_url) != server.api_url)
     """)
-    assert "restarted True" in out
+    assert "prefect started True" in out
     assert "did not answer" in out and "exit code" in out  # the warning says so
 
 
