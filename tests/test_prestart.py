@@ -76,6 +76,7 @@ def test_a_prestarted_cluster_is_owned_by_the_first_run_only(monkeypatch):
     from engine import cluster
 
     monkeypatch.setattr(cluster, "connected", lambda: True)
+    monkeypatch.setattr(cluster, "_prestarted", False)  # whatever an earlier test of this process left
     assert not cluster.take_prestarted()  # nothing was pre-started: a caller's cluster stays the caller's
     cluster.mark_prestarted()
     assert cluster.take_prestarted()
@@ -83,3 +84,17 @@ def test_a_prestarted_cluster_is_owned_by_the_first_run_only(monkeypatch):
     cluster.mark_prestarted()
     monkeypatch.setattr(cluster, "connected", lambda: False)
     assert not cluster.take_prestarted()  # gone meanwhile: nothing to own
+
+
+def test_background_imports_load_modules_and_leave_failures_to_the_caller():
+    out = _python("""
+        import sys
+        from plumbing import prestart
+        lazy = 'transformers.models.auto.tokenization_auto'  # what transformers' lazy AutoTokenizer loads
+        assert lazy not in sys.modules
+        t = prestart.import_in_background("json.decoder", "transformers:AutoTokenizer", "no_such_module_here")
+        t.join(timeout=120)
+        assert not t.is_alive()
+        print('json.decoder' in sys.modules, lazy in sys.modules, 'no_such_module_here' in sys.modules)
+    """)
+    assert "True True False" in out
