@@ -89,7 +89,9 @@ def cmd_train(argv: list[str]) -> int:
     try:
         api = prestart.launch_ephemeral_api()
         mlflow_store = prestart.warm_mlflow_store(cfg)
-        imports = prestart.import_in_background("flows.train")  # torch, the stages: while ray.init waits
+        # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
+        imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
+                                                "transformers:PreTrainedTokenizerFast")
         prestart.start_ray(cfg)
         imports.join()
         from prefect.exceptions import CancelledRun

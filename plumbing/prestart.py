@@ -169,17 +169,22 @@ def wait_ephemeral_api(server: EphemeralAPI, timeout_s: float | None = None) -> 
     return False
 
 
-def import_in_background(module: str) -> threading.Thread:
-    """Import `module` in a thread, joined before the module is used: `ray.init` (main thread only) spends most of
-    its ~4 s waiting for Ray's processes to come up, time the imports (torch, transformers, the stages: ~3 s of
-    CPU) can use. An import that fails there is left to the caller's own import, which raises it."""
+def import_in_background(*modules: str) -> threading.Thread:
+    """Import `modules` (a "module:name" also loads that lazy attribute) in a thread, joined before they are used:
+    `ray.init` (main thread only) spends most of its ~4 s waiting for Ray's processes to come up, time the imports
+    (torch, transformers, the stages: ~3 s of CPU) can use. An import that fails there is left to the caller's
+    own import, which raises it."""
     import importlib
 
     def run() -> None:
-        try:
-            importlib.import_module(module)
-        except BaseException as e:  # noqa: BLE001 — imported again by the caller, which raises it
-            log.debug("rollflow: importing %s at start-up failed (%s)", module, e)
+        for spec in modules:
+            name, _, attr = spec.partition(":")
+            try:
+                module = importlib.import_module(name)
+                if attr:
+                    getattr(module, attr)
+            except BaseException as e:  # noqa: BLE001 — imported again by the caller, which raises it
+                log.debug("rollflow: importing %s at start-up failed (%s)", spec, e)
 
     thread = threading.Thread(target=run, name="rollflow-prestart-imports")  # not a daemon: joined at once
     thread.start()
