@@ -117,16 +117,48 @@ def track(cfg: RunConfig, *, flow_run_id: str | None = None, flow_run_url: str |
 
 def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | None = None,
           flow_run_url: str | None = None) -> Run:
-    """Start (or join) Ray, read the data, start the rollout engines and the train workers (tracking: `track`)."""
+    """Start (or join) Ray, start the rollout engines and the train workers, and read the data while they start
+    (tracking: `track`)."""
     from engine import cluster
-    from engine.data import PromptDataset, load_prompts
-    from engine.modeling import eos_token_ids, load_tokenizer
-    from engine.rewards import RewardModel
 
     run = Run(cfg)
     run.flow_run_id, run.flow_run_url = flow_run_id, flow_run_url
     run.work_dir.mkdir(parents=True, exist_ok=True)
     resolve_start(run)
+    # a Ray connection made by the caller is left open by run.close(); the one `rollflow train` started before
+    # the flow (plumbing/prestart.py) is this run's
+    run.owns_ray = cluster.take_prestarted() or not cluster.connected()
+    run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus, cfg.ray_code)
+    fits_cluster(cfg)
+    try:
+        # The engines and the train workers start first, side by side: each imports torch and transformers and
+        # loads the model (~5 s of CPU each), so the driver reads the data and opens the tracker meanwhile.
+        # Colocated, they share the GPUs: the engines take their memory fraction first, as before.
+        launch_rollout_engines(run)
+        if cfg.colocate:
+            run.engines.wait_started()
+        run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
+                                             timeout_s=cfg.train_step_timeout, threads=run.train_threads,
+                                             placement=place_train_workers(run), registry=run.ports, wait=False)
+        load_driver_side(run, tracker)
+        run.engines.wait_started()
+        watch_rollout_engines(run)
+        run.train_group.wait_ready()
+        check_disk_sync(run)
+    except BaseException:
+        run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
+        raise
+    return run
+
+
+def load_driver_side(run: Run, tracker: Tracker | None) -> None:
+    """The driver's part of place: tokenizer, prompts, eval sets, reward model, hooks, the RF14 probe prompts, the
+    tracker (and, for a fresh lineage, the run file naming its MLflow run)."""
+    from engine.data import PromptDataset, load_prompts
+    from engine.modeling import eos_token_ids, load_tokenizer
+    from engine.rewards import RewardModel
+
+    cfg = run.cfg
     run.tokenizer = load_tokenizer(cfg.model_dir)
     run.eos_ids = eos_token_ids(cfg.model_dir, run.tokenizer)
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
@@ -140,35 +172,12 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     load_hooks(run)
     run.probe = probe_prompts(run)
 
-    run.tracker = tracker or track(cfg, flow_run_id=flow_run_id, flow_run_url=flow_run_url)
+    run.tracker = tracker or track(cfg, flow_run_id=run.flow_run_id, flow_run_url=run.flow_run_url)
     if run.store and run.start.next_rollout_id == 0 and run.tracker.run_id:  # a fresh lineage: remember its run
         if (checkpoint.read_run_file(run.store) or {}).get("mlflow_run_id") != run.tracker.run_id:
             checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "origin": run.origin,
                                                   "config_hash": cfg.config_hash(), "created_at": time.time(),
                                                   "save": checkpoint.normalize(cfg.save)})
-
-    # a Ray connection made by the caller is left open by run.close(); the one `rollflow train` started before
-    # the flow (plumbing/prestart.py) is this run's
-    run.owns_ray = cluster.take_prestarted() or not cluster.connected()
-    run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus, cfg.ray_code)
-    fits_cluster(cfg)
-    try:
-        # Engines and train workers start side by side: each imports torch and loads the model (seconds).
-        # Colocated, they share the GPUs: the engines take their memory fraction first, as before.
-        launch_rollout_engines(run)
-        if cfg.colocate:
-            run.engines.wait_started()
-        run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
-                                             timeout_s=cfg.train_step_timeout, threads=run.train_threads,
-                                             placement=place_train_workers(run), registry=run.ports, wait=False)
-        run.engines.wait_started()
-        watch_rollout_engines(run)
-        run.train_group.wait_ready()
-        check_disk_sync(run)
-    except BaseException:
-        run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
-        raise
-    return run
 
 
 def hook_args(run: Run, rollout_id: int, *, evaluation: bool = False):
