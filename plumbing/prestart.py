@@ -212,10 +212,10 @@ def start_ray(cfg) -> bool:
 
 
 def warm_mlflow_store(cfg) -> threading.Thread | None:
-    """Create the run's local MLflow store (`sqlite:///…`: import MLflow, run its schema migrations) in a thread
-    while Ray and the Prefect API start; MLflow caches the store per URI, so the flow's tracker opens it at once.
-    Join the thread before the flow (two stores migrating one file at once would race). None for a tracking
-    server (`http(s)://`: nothing to create)."""
+    """Create the run's local MLflow store (`sqlite:///…`: import MLflow, copy the cached schema or run the
+    migrations, engine/tracking/schema_cache.py) in a thread while Ray and the Prefect API start; MLflow caches the
+    store per URI, so the flow's tracker opens it at once. Join the thread before the flow (two stores created in
+    one file at once would race). None for a tracking server (`http(s)://`: nothing to create)."""
     from engine.tracking import default_tracking_uri, sqlite_path
 
     work_dir = Path(cfg.work_dir).resolve()
@@ -228,7 +228,7 @@ def warm_mlflow_store(cfg) -> threading.Thread | None:
             from engine.tracking import _mlflow_client
 
             work_dir.mkdir(parents=True, exist_ok=True)
-            _mlflow_client(uri)._tracking_client.store  # noqa: B018 — creating it is the point
+            _mlflow_client(uri)  # opens the store (a new one from the cached schema, else migrated)
         except Exception as e:  # noqa: BLE001 — the tracker opens it again and reports (training goes on)
             log.warning("rollflow: creating the MLflow store at start-up failed (%s: %s); the tracker retries",
                         type(e).__name__, e)
