@@ -190,6 +190,6 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         raise
     finally:
         ui.say_lost(cfg, tracker)
-        ui.close()
+        ui.close(stopping.time_left(60.0))  # after a SIGTERM, what is left of its grace period
         if run is not None:
             run.close()

@@ -6,14 +6,17 @@ or a C++ abort behind. So the first SIGTERM only asks to stop: the flow checks b
 unwinds from there — engines and workers stopped, Ray shut down, the writer lock released, the MLflow run KILLED —
 and the flow run ends Cancelled with where to resume (the marker still names the last complete iteration; the same
 command resumes from it). A stage that does not end within GRACE_S seconds is interrupted the hard way (Prefect's
-TerminationSignal in the main thread); a second SIGTERM does that at once.
+TerminationSignal in the main thread); a second SIGTERM does that at once. The handler only notes the time; a
+watcher thread logs and keeps the grace period (see sigterm_stops).
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -28,39 +31,76 @@ class StopRequested(KeyboardInterrupt):
     """Raised by check() at a stage boundary after a SIGTERM (a BaseException, like Ctrl-C: no retry catches it)."""
 
 
-_requested = threading.Event()
+_requested_at: float | None = None  # time.monotonic() of the first SIGTERM in the block; None: not asked to stop
+_grace_s = GRACE_S
 
 
 def check() -> None:
     """Between two stages: raise StopRequested when a SIGTERM asked the run to stop."""
-    if _requested.is_set():
+    if _requested_at is not None:
         raise StopRequested("SIGTERM")
+
+
+def requested() -> bool:
+    """Whether a SIGTERM asked the run to stop."""
+    return _requested_at is not None
+
+
+def time_left(default: float, floor: float = 2.0) -> float:
+    """How long a clean-up step may wait: `default` without a SIGTERM; after one, what is left of the grace period
+    (at least `floor`), so that publishing the UI's last state does not keep a stopped run past it."""
+    if _requested_at is None:
+        return default
+    return min(default, max(floor, _requested_at + _grace_s - time.monotonic()))
 
 
 @contextmanager
 def sigterm_stops(grace_s: float = GRACE_S) -> Iterator[None]:
-    """Handle SIGTERM as the module docstring says for the block (main thread only; elsewhere a no-op)."""
+    """Handle SIGTERM as the module docstring says for the block (main thread only; elsewhere a no-op).
+
+    The handler itself only notes the time. It runs between two bytecodes of the main thread, which may then hold
+    a lock that is not reentrant: Prefect's service lookup and queues, which every log record and event bound for
+    the Prefect API passes through, or threading's own (a thread start). Logging there, or starting the grace
+    timer there, would take that lock again and hang the run for good (seen: a SIGTERM during a training run, and
+    the process never exited). A watcher thread does both instead, a tenth of a second later at most."""
+    global _requested_at, _grace_s
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _grace_s = grace_s
 
     def handler(signum, frame):
-        if _requested.is_set():  # the second SIGTERM, or the grace timer: interrupt where it is
+        global _requested_at
+        if _requested_at is not None:  # the second SIGTERM, or the watcher at the grace deadline
             raise TerminationSignal(signal=signum)
-        _requested.set()
+        _requested_at = time.monotonic()
+
+    done = threading.Event()
+
+    def watch() -> None:
+        while _requested_at is None and not done.wait(0.1):
+            pass
+        if _requested_at is None:  # the block ended without a SIGTERM
+            return
         log.warning("rollflow: SIGTERM: stopping after the current stage (at most %.0f s); a second SIGTERM stops "
                     "at once", grace_s)
-        timer = threading.Timer(grace_s, lambda: os.kill(os.getpid(), signal.SIGTERM))
-        timer.daemon = True
-        timer.start()
+        if not done.wait(max(0.0, _requested_at + grace_s - time.monotonic())):
+            log.warning("rollflow: the current stage did not end within %.0f s of SIGTERM: interrupting it", grace_s)
+            os.kill(os.getpid(), signal.SIGTERM)
 
-    _requested.clear()
+    _requested_at = None
     before = signal.signal(signal.SIGTERM, handler)
+    # in the block's context: its warnings are the flow run's logs in the Prefect UI
+    watcher = threading.Thread(target=contextvars.copy_context().run, args=(watch,), name="rollflow-sigterm",
+                               daemon=True)
+    watcher.start()
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
-        _requested.clear()
+        done.set()
+        watcher.join(5.0)  # a stop that came just before the block ended still gets its warning
+        _requested_at = None
 
 
 def resume_point(cfg) -> str:

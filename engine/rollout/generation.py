@@ -84,6 +84,7 @@ class AbortBook:
         self._live: set[str] = set()
         self._aborted: set[str] = set()
         self._lock = threading.Lock()
+        self._stopped = False  # every rid, live or not: the server is stopping
 
     def add(self, rids: list[str]) -> None:
         with self._lock:
@@ -101,8 +102,13 @@ class AbortBook:
             self._aborted |= hit
             return len(hit)
 
+    def stop(self) -> None:
+        """Abort every request, now and later: the server is stopping. Takes no lock, so a signal handler may call
+        it (it runs in the main thread, which may be holding this book's lock at that moment)."""
+        self._stopped = True
+
     def is_aborted(self, rid: str) -> bool:
-        return rid in self._aborted
+        return self._stopped or rid in self._aborted
 
 
 #: a batch that takes joining requests has at least this many rows (a decode step costs about the same up to ~64

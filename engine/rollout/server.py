@@ -820,7 +820,9 @@ def _stopping_server(state: EngineState, config):
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            state.stop_generating()
+            # a signal handler, run between two bytecodes of the main thread, which may be holding the abort book's
+            # lock then (it serves the requests): stop() takes no lock, unlike stop_generating()
+            state.generator.aborts.stop()
             super().handle_exit(sig, frame)
 
     return Server(config)
