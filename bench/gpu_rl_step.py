@@ -268,8 +268,8 @@ def report(dirs: list[Path], decode: Path | None, write: Path | None, command: s
                            "same_call": peer["call"] == r["call"]}
     result["trl_ratio_by_run"] = ratios
     same = {k: v for k, v in ratios.items() if v["same_call"]}
-    if same:  # the headline: the 0.5B torch run when it has a same-call peer, else the first such run
-        key = next((k for k in same if "05b_torch" in k), next(iter(same)))
+    if same:  # the headline: the newest 0.5B torch run with a same-call peer (the current code), else the first
+        key = ([k for k in same if "05b_torch" in k] or [next(iter(same))])[-1]
         result["trl_ratio"], result["trl_ratio_run"] = same[key]["trl_ratio"], key
         result["trl_ratio_min"] = min(v["trl_ratio"] for v in ratios.values())
     lines = ["| run | call | s per step (measured) | rollout / pack / train / sync (s) | steps/s | × TRL | "

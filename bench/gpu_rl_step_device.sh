@@ -40,7 +40,7 @@ for step in "$@"; do
                      --modes announced --rollouts 3 --out "$OUT/rollout_batching_gpu.json" 2>&1 | tail -8 ;;
     continuous) timeout 300 python3 bench/gpu_continuous_batching.py --out "$OUT/gpu_continuous_batching.json" \
                   2>&1 | tail -6 ;;
-    rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 240 ;;
+    rl-0.5b) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --out "$OUT" --timeout 360 ;;  # TRL: ~150 s first step
     rl-0.5b-rollflow) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --sides rollflow --out "$OUT" \
                         --timeout 240 --tag-suffix ${RL_TAG_SUFFIX:-_fused} ;;
     rl-0.5b-compiled) python3 bench/gpu_rl_step.py run --shape 0.5b --backend torch --sides rollflow --out "$OUT" \
