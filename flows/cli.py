@@ -68,11 +68,24 @@ def _print_summary(s: dict, cfg) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _fail_fast_if_save_in_use(cfg) -> None:
+    """A --save that another live run writes fails before the ~20 s of start-up (Prefect's API, Ray, the actors),
+    with the diagnosis the flow's writer lock gives (plumbing/limits.py still takes the lock: this only reads it).
+    Not with --wait-for-save-lock or --flow-retries, which wait for the holder inside the flow."""
+    if not cfg.save or cfg.wait_for_save_lock or cfg.flow_retries:
+        return
+    from engine.checkpoint.writer import SaveInUse, busy, live_holder
+
+    if (holder := live_holder(cfg.save)) is not None:
+        raise SaveInUse(busy(cfg.save, holder, 0.0))
+
+
 def cmd_train(argv: list[str]) -> int:
     from engine.cluster import WORKER_ENV_DEFAULTS
     from engine.config.cli import parse_args
 
     cfg = parse_args(argv, prog="rollflow train")
+    _fail_fast_if_save_in_use(cfg)
     _quiet_console()
     # before torch is imported anywhere (its OpenMP reads it once): the idle side's OpenMP threads sleep instead of
     # spinning on the cores the other side computes on (the engine and the trainer alternate on the same CPUs);

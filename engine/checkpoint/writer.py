@@ -179,6 +179,18 @@ class WriterLock:
             log.warning("--save %s: could not remove the writer lock (%s)", self.store.url, e)
 
 
+def live_holder(save: str) -> dict[str, Any] | None:
+    """The record of a run that holds --save's writer lock and may still be writing; None when there is no lock, its
+    holder is gone, or the location cannot be read now (taking the lock reports that). Reads only."""
+    try:
+        holder = WriterLock(save).holder()
+    except Exception:  # noqa: BLE001 — the lock attempt in the flow names a storage problem properly
+        return None
+    if holder is None or holder_gone(holder, now=time.time(), machine=machine_id()):
+        return None
+    return holder
+
+
 def busy(url: str, holder: dict[str, Any], wait_s: float) -> Diagnosis:
     from engine.tracking.secrets import redact_text
 
