@@ -76,17 +76,21 @@ def sigterm_stops(grace_s: float = GRACE_S) -> Iterator[None]:
         _requested_at = time.monotonic()
 
     done = threading.Event()
+    ending = threading.Lock()  # the watcher's SIGTERM never comes after the block ended (another handler by then)
 
     def watch() -> None:
         while _requested_at is None and not done.wait(0.1):
             pass
-        if _requested_at is None:  # the block ended without a SIGTERM
+        asked = _requested_at  # read once (the block's end clears it only after this thread is done)
+        if asked is None:  # the block ended without a SIGTERM
             return
         log.warning("rollflow: SIGTERM: stopping after the current stage (at most %.0f s); a second SIGTERM stops "
                     "at once", grace_s)
-        if not done.wait(max(0.0, _requested_at + grace_s - time.monotonic())):
+        if not done.wait(max(0.0, asked + grace_s - time.monotonic())):
             log.warning("rollflow: the current stage did not end within %.0f s of SIGTERM: interrupting it", grace_s)
-            os.kill(os.getpid(), signal.SIGTERM)
+            with ending:
+                if not done.is_set():
+                    os.kill(os.getpid(), signal.SIGTERM)
 
     _requested_at = None
     before = signal.signal(signal.SIGTERM, handler)
@@ -97,8 +101,9 @@ def sigterm_stops(grace_s: float = GRACE_S) -> Iterator[None]:
     try:
         yield
     finally:
+        with ending:
+            done.set()
         signal.signal(signal.SIGTERM, before)
-        done.set()
         watcher.join(5.0)  # a stop that came just before the block ended still gets its warning
         _requested_at = None
 
