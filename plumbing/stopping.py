@@ -41,11 +41,6 @@ def check() -> None:
         raise StopRequested("SIGTERM")
 
 
-def requested() -> bool:
-    """Whether a SIGTERM asked the run to stop."""
-    return _requested_at is not None
-
-
 def time_left(default: float, floor: float = 2.0) -> float:
     """How long a clean-up step may wait: `default` without a SIGTERM; after one, what is left of the grace period
     (at least `floor`), so that publishing the UI's last state does not keep a stopped run past it."""
@@ -101,11 +96,13 @@ def sigterm_stops(grace_s: float = GRACE_S) -> Iterator[None]:
     try:
         yield
     finally:
-        with ending:
-            done.set()
-        signal.signal(signal.SIGTERM, before)
-        watcher.join(5.0)  # a stop that came just before the block ended still gets its warning
-        _requested_at = None
+        try:
+            with ending:  # a SIGTERM sent just before raises here; the rest still runs
+                done.set()
+        finally:
+            signal.signal(signal.SIGTERM, before)
+            watcher.join(5.0)  # a stop that came just before the block ended still gets its warning
+            _requested_at = None
 
 
 def resume_point(cfg) -> str:
