@@ -84,7 +84,12 @@ class Run:
     # overlap, so each gets cores / (workers + engines) (on a busy 2-core machine OpenMP with 2 threads per process
     # was 3-4x slower than 1 thread: measured). Synchronous runs alternate — the engines generate while the
     # trainer waits, then the trainer trains while the engines wait — so each side gets the cores its own
-    # processes share: cores / max(workers, engines) (the demo's train step 1.6x faster with 2 threads than 1).
+    # processes share, less one core left to the driver: (cores - 1) / max(workers, engines). The driver is not
+    # idle while a side computes (the rollout loop's HTTP, Prefect's task and event bookkeeping, MLflow, the local
+    # Prefect API server: ~0.75 of a core at the CPU demo's 3 steps/s), and an OpenMP team whose threads it
+    # preempts waits for them at every parallel region. The CPU demo's train step, the same micro-batches in one
+    # process with OMP_WAIT_POLICY=PASSIVE: 2 threads 164 ms, 1 thread 89 ms; in the flow, interleaved pairs of
+    # 60-step runs: train stage 0.169 → 0.113 s and 0.146 → 0.114 s (bench/results/trl_race.md).
     @property
     def cpus(self) -> int:
         return int(self.cfg.num_cpus or os.cpu_count() or 1)
@@ -92,8 +97,9 @@ class Run:
     @property
     def threads_per_process(self) -> int:
         dp, engines = self.cfg.dp_size, self.cfg.rollout_num_engines
-        together = dp + engines if self.cfg.async_mode != "off" else max(dp, engines)
-        return max(1, self.cpus // together)
+        if self.cfg.async_mode != "off":
+            return max(1, self.cpus // (dp + engines))
+        return max(1, (self.cpus - 1) // max(dp, engines))
 
     @property
     def train_threads(self) -> int:

@@ -216,9 +216,11 @@ def test_megatron_cuda_graphs_flag_reaches_the_kernels():
 def test_train_threads_sizes_the_workers():
     assert Run(RunConfig(train_threads=3)).train_threads == 3
     # 0: synchronous runs alternate engine and trainer, each gets the cores; async ones share them
-    assert Run(RunConfig(num_cpus=8, rollout_num_engines=1)).train_threads == 8
+    assert Run(RunConfig(num_cpus=8, rollout_num_engines=1)).train_threads == 7  # one core left to the driver
     assert Run(RunConfig(num_cpus=8, rollout_num_engines=1, async_mode="one-step")).train_threads == 4
-    assert Run(RunConfig(num_cpus=8, rollout_num_engines=3)).threads_per_process == 2  # max(1 worker, 3 engines)
+    assert Run(RunConfig(num_cpus=8, rollout_num_engines=3)).threads_per_process == 2  # 7 // max(1 worker, 3 engines)
+    assert Run(RunConfig(num_cpus=2, rollout_num_engines=1)).threads_per_process == 1  # the CPU demo: 1 + the driver
+    assert Run(RunConfig(num_cpus=1, rollout_num_engines=1)).threads_per_process == 1
 
 
 # ---- sync: deadlines and bucket sizes -------------------------------------------------------------------------------

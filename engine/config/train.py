@@ -84,4 +84,4 @@ class TrainArgs(Section):
     """Seed for data order, sampling and initialisation."""
 
     train_threads: int = Field(0, ge=0)
-    """torch CPU threads per train worker (0 = the cores shared by the processes running at once: cores / max(workers, engines) in a synchronous run, whose trainer and engines take turns; cores / (workers + engines) with --async-mode)."""
+    """torch CPU threads per train worker (0 = the cores shared by the processes running at once: (cores - 1) / max(workers, engines) in a synchronous run, whose trainer and engines take turns while the driver keeps one core for its bookkeeping; cores / (workers + engines) with --async-mode)."""
