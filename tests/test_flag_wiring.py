@@ -215,7 +215,7 @@ def test_megatron_cuda_graphs_flag_reaches_the_kernels():
 
 def test_train_threads_sizes_the_workers():
     assert Run(RunConfig(train_threads=3)).train_threads == 3
-    # 0: synchronous runs alternate engine and trainer, each gets the cores; async ones share them
+    # 0: synchronous runs alternate engine and trainer, each gets the cores less one for the driver; async runs share
     assert Run(RunConfig(num_cpus=8, rollout_num_engines=1)).train_threads == 7  # one core left to the driver
     assert Run(RunConfig(num_cpus=8, rollout_num_engines=1, async_mode="one-step")).train_threads == 4
     assert Run(RunConfig(num_cpus=8, rollout_num_engines=3)).threads_per_process == 2  # 7 // max(1 worker, 3 engines)

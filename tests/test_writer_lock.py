@@ -146,22 +146,20 @@ def test_one_writer_on_s3(s3_server):
 
 def test_rollflow_train_on_a_save_in_use_fails_before_its_start_up(tmp_path):
     """`rollflow train` reads the lock before starting Prefect's API, Ray and the actors (flows/cli.py): the second
-    run fails in seconds naming the first, not after ~20 s of start-up; a holder that is gone does not stop it."""
+    run fails naming the first, having started nothing (no Ray, no work directory); a holder that is gone does not
+    stop it."""
     from engine.checkpoint.writer import live_holder
 
     save = str(tmp_path / "ck")
     holder = _hold(save)
     try:
         assert live_holder(save)["pid"] == holder.pid
-        t0 = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", "examples/demo.yaml", "--save", save,
                             "--work-dir", str(tmp_path / "w"), "--no-progress"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        took = time.monotonic() - t0
         out = r.stdout + r.stderr
         assert r.returncode == 1 and "[CONCURRENCY error]" in out and f"pid {holder.pid}" in out, out
         assert "Ray" not in out and not (tmp_path / "w").exists(), out  # nothing started, nothing written
-        assert took < 30, took
     finally:
         _kill(holder)
     holder.wait()
