@@ -45,6 +45,25 @@ def test_generate_fields_and_logprobs_match_a_direct_forward(engine):
     assert torch.allclose(got, ref, atol=1e-4), (got, ref)
 
 
+def test_serving_leaves_the_process_random_states_alone(engine):
+    """Unseeded requests and a score (prefill) do not draw from the process's python / numpy / torch generators: an
+    engine serving from a train worker's process must not move the RNG states its checkpoints carry."""
+    import random
+
+    import numpy as np
+
+    state, url = engine
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    ids = _prompt_ids(state)
+    for body in ({"input_ids": [ids, ids], "sampling_params": {"temperature": 1.0, "max_new_tokens": 4}},
+                 {"input_ids": [ids], "return_logprob": True, "logprob_start_len": 0,
+                  "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}):
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
+    assert torch.equal(torch.get_rng_state(), before[2])
+
+
 def test_compact_logprobs_header_gives_the_same_answer(engine):
     """The rollout loop's header (X-Rollflow-Logprobs): the same tokens and bit-identical log-probs as SGLang's
     triples, and the answer says which encoding it used; without the header the answer is SGLang's JSON."""

@@ -40,6 +40,11 @@ import torch
 
 from engine.rollout.sampling import counter_uniform, draw
 
+#: Seeds of requests that bring none. A generator of its own: the process's `random` is not drawn from, so an
+#: engine serving from a train worker's process (--rollout-engine-process trainer) leaves the RNG states that the
+#: worker's checkpoints carry as they would be without it (a resumed run's checkpoints stay bitwise the same).
+_UNSEEDED = random.Random()
+
 
 @dataclass
 class GenRequest:
@@ -260,7 +265,7 @@ class Generator:
                              device=self.device)  # [b] the T of the returned log-probs (1 when greedy)
         # one counter-based draw per row and step for the whole batch (sampling.py), on the CPU too: a row's token
         # depends on its seed and step only; unseeded rows get a random seed
-        seeds = torch.tensor([r.seed if r.seed is not None else random.getrandbits(62) for r in reqs],
+        seeds = torch.tensor([r.seed if r.seed is not None else _UNSEEDED.getrandbits(62) for r in reqs],
                              dtype=torch.long, device=self.device)
         knobs = {"temperature": torch.tensor([r.temperature for r in reqs], device=self.device),
                  "top_p": torch.tensor([r.top_p for r in reqs], device=self.device),
@@ -427,7 +432,8 @@ class Generator:
         dev = self.device
         toks, lps = graphs.join(
             rows, [r.input_ids for r in taken],
-            seeds=torch.tensor([r.seed if r.seed is not None else random.getrandbits(62) for r in taken], device=dev),
+            seeds=torch.tensor([r.seed if r.seed is not None else _UNSEEDED.getrandbits(62) for r in taken],
+                               device=dev),
             temperature=torch.tensor([r.temperature for r in taken], device=dev),
             top_p=torch.tensor([r.top_p for r in taken], device=dev),
             top_k=torch.tensor([r.top_k for r in taken], device=dev))
