@@ -74,6 +74,8 @@ class Run:
         self.owns_ray = True  # this run connected to (or started) Ray, so close() disconnects
         self.on_gpu = False  # the engines (and colocated trainers) sit on GPU bundles
         self.engine_dtype = "float32"  # the built-in engines' dtype (--rollout-dtype, resolved by place)
+        self.engine_spec = None  # engine.rollout.actor.EngineSpec (stages.plan_rollout_engines)
+        self.engine_in_trainer = False  # the engine serves from train rank 0's process (--rollout-engine-process)
         # cuda_ipc | object_store | disk: place decides (stages.sync_transport); until then what the flag says
         self.sync_transport = "disk" if cfg.weight_sync_method == "disk" else "object_store"
         self.probe: list[list[int]] = []  # prompts every engine answers after a sync, scored by the trainer (RF14)

@@ -134,12 +134,18 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         # The engines and the train workers start first, side by side: each imports torch and transformers and
         # loads the model (~5 s of CPU each), so the driver reads the data and opens the tracker meanwhile.
         # Colocated, they share the GPUs: the engines take their memory fraction first, as before.
-        launch_rollout_engines(run)
+        # With the engine in train rank 0's process (--rollout-engine-process), the worker starts first and
+        # serves the engine once it has loaded the model (its calls run in order).
+        plan_rollout_engines(run)
+        if not run.engine_in_trainer:
+            launch_rollout_engines(run)
         if cfg.colocate:
             run.engines.wait_started()
         run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
                                              timeout_s=cfg.train_step_timeout, threads=run.train_threads,
                                              placement=place_train_workers(run), registry=run.ports, wait=False)
+        if run.engine_in_trainer:
+            launch_rollout_engines(run, host=run.train_group.workers[0])
         load_driver_side(run, tracker)
         run.engines.wait_started()
         watch_rollout_engines(run)
@@ -214,11 +220,31 @@ def fits_cluster(cfg: RunConfig) -> None:
         raise PlacementInfeasible(errors)
 
 
-def launch_rollout_engines(run: Run) -> None:
-    """The placement group and the engines on their bundles, starting (`run.engines.wait_started()` waits)."""
+def engine_in_trainer(cfg: RunConfig, cluster_gpus: float) -> bool:
+    """Whether the built-in engine serves from train rank 0's process (--rollout-engine-process): auto where the
+    flags allow it (RunConfig.engine_in_trainer_blockers) and the cluster has no GPUs; trainer on a cluster with
+    GPUs is a ConfigError (GPU engines and trainers are placed on GPU bundles of their own)."""
+    if cfg.rollout_engine_process == "own":
+        return False
+    if cluster_gpus > 0:
+        if cfg.rollout_engine_process == "trainer":
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--rollout-engine-process trainer on a cluster with {cluster_gpus:g} GPUs: the engine in the "
+                     "trainer's process is for CPU runs (on GPUs the engines and the train ranks have bundles of "
+                     "their own; --colocate shares the GPUs)",
+                fix="--rollout-engine-process auto (own on GPUs) or own",
+                facts={"field": "rollout_engine_process", "value": "trainer", "cluster_gpus": cluster_gpus}))
+        return False
+    return not cfg.engine_in_trainer_blockers()
+
+
+def plan_rollout_engines(run: Run) -> None:
+    """The placement group of the engines, their spec, where they run and how weights reach them (`run.spec`,
+    `run.engine_in_trainer`, `run.sync_transport`); `launch_rollout_engines` starts them."""
     from engine import cluster
     from engine.cluster.placement import group_name, place as place_group, remove_leftovers, rollout_layout
-    from engine.rollout.engines import EngineGroup, engine_spec
+    from engine.rollout.engines import engine_spec
 
     cfg = run.cfg
     run.ports = cluster.port_registry()
@@ -230,19 +256,32 @@ def launch_rollout_engines(run: Run) -> None:
         log.warning("removed %d placement group(s) named %s left by an earlier attempt of this run", gone, name)
     run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
     run.on_gpu = layout.gpus_per_engine > 0
+    run.engine_in_trainer = engine_in_trainer(cfg, run.cluster.get("GPU", 0.0))
     import secrets
 
-    spec = engine_spec(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"), on_gpu=run.on_gpu,
+    # in the trainer's process the engine leaves the thread count to the trainer (torch's is one per process)
+    spec = engine_spec(cfg, threads=None if run.engine_in_trainer else run.threads_per_process,
+                       log_dir=str(run.work_dir / "logs"), on_gpu=run.on_gpu,
                        api_key=secrets.token_urlsafe(24))  # this run's engines answer only to its own clients
+    run.engine_spec = spec
     run.engine_dtype = spec.dtype
-    run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu)
-    log.info("rollflow: engines %s %s, weight sync by %s", "on GPU" if run.on_gpu else "on CPU", spec.dtype,
-             run.sync_transport)
+    run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu, in_trainer=run.engine_in_trainer)
+    log.info("rollflow: engines %s %s%s, weight sync by %s", "on GPU" if run.on_gpu else "on CPU", spec.dtype,
+             " in train rank 0's process" if run.engine_in_trainer else "", run.sync_transport)
     if not (cfg.log_kl or cfg.use_kl_loss or cfg.kl_coef > 0):
         log.info("rollflow: no KL term (--kl-coef 0, no --use-kl-loss): the reference forward runs on the first "
                  "step only (RF01) and train/kl is not logged; --log-kl logs it every rollout")
-    run.engines = EngineGroup(spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
-                              runtime_env=cluster._threads_env(run.threads_per_process)).launch()
+
+
+def launch_rollout_engines(run: Run, host=None) -> None:
+    """The engines of `plan_rollout_engines` on their bundles, or served from `host` (a train worker actor),
+    starting (`run.engines.wait_started()` waits)."""
+    from engine import cluster
+    from engine.rollout.engines import EngineGroup
+
+    cfg = run.cfg
+    run.engines = EngineGroup(run.engine_spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
+                              runtime_env=cluster._threads_env(run.threads_per_process), host=host).launch()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
     run.engines.resync = lambda slots: (push_weights(run, slots, run.state.weight_version)
                                         if run.state.weight_version else None)
@@ -291,12 +330,14 @@ def check_disk_sync(run: Run) -> None:
             facts={"field": "weight_sync_method", "value": "disk", "blind": blind, "path": str(where)}))
 
 
-def sync_transport(cfg: RunConfig, *, on_gpu: bool) -> str:
-    """How weights reach the engines (one decision per run): `disk`; `cuda_ipc` when each built-in engine shares
-    its GPU with a train rank that can gather the full weights (colocated; Megatron without pipeline stages);
-    else `object_store`."""
+def sync_transport(cfg: RunConfig, *, on_gpu: bool, in_trainer: bool = False) -> str:
+    """How weights reach the engines (one decision per run): `disk`; `in_process` when the engine serves from
+    the train worker's process (a copy there); `cuda_ipc` when each built-in engine shares its GPU with a train
+    rank that can gather the full weights (colocated; Megatron without pipeline stages); else `object_store`."""
     if cfg.weight_sync_method == "disk":
         return "disk"
+    if in_trainer:
+        return "in_process"
     if cfg.colocate and on_gpu and cfg.rollout_engine == "builtin" and \
             (cfg.train_backend == "torch" or cfg.pipeline_model_parallel_size == 1):
         return "cuda_ipc"
@@ -852,7 +893,7 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
     exported = exported or (lambda: None)
     import shutil
 
-    from engine.weights.sync import push_disk, push_ipc, push_object_store
+    from engine.weights.sync import push_disk, push_in_process, push_ipc, push_object_store
 
     cfg = run.cfg
     key = getattr(run.engines, "api_key", None)
@@ -867,6 +908,8 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
         finally:
             run.train_group.ipc_release()
         nbytes = sum(b.nbytes for b in per_rank[next(iter(source.values()))]) if source else 0
+    elif run.sync_transport == "in_process":
+        nbytes = push_in_process(slots, version, timeout_s=cfg.weight_sync_timeout, exported=exported)
     elif run.sync_transport == "object_store":
         ref, mb = run.train_group.weights_ref()
         exported()
@@ -1095,13 +1138,15 @@ def evaluated(run: Run, step: int) -> float | None:
 # ---- summary ---------------------------------------------------------------------------------------------------
 def placement_info(run: Run) -> dict[str, Any]:
     """Where the run's processes are: each train rank's node (ip, id, pid), the rendezvous address, the directories
-    some ranks did not see (their files went through Ray's object store), each engine's node and URL."""
+    some ranks did not see (their files went through Ray's object store), each engine's node, process and URL,
+    and whether the engine serves from train rank 0's process (--rollout-engine-process)."""
     tg, eng = run.train_group, run.engines
     return {"master": getattr(tg, "master", None),
             "train": list(getattr(tg, "nodes", []) or []),
             "shipped_dirs": dict(getattr(tg, "blind", {}) or {}),  # dir → ranks that got its files via Ray
+            "engine_in_trainer": run.engine_in_trainer,
             "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
-                         "url": s.url} for s in getattr(eng, "slots", [])]}
+                         "pid": s.info.get("pid"), "url": s.url} for s in getattr(eng, "slots", [])]}
 
 
 def summary(run: Run) -> dict[str, Any]:

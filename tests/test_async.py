@@ -126,6 +126,9 @@ def test_one_step_async_flow_overlaps_rollout_and_train(prefect_harness, shared_
     result = rl_train(cfg)
     h = result["history"]
     assert result["rollouts"] == 4 and result["async_mode"] == "one-step" and result["loop_wall_s"] > 0
+    # rollout and training overlap: the engine has a process of its own (--rollout-engine-process auto)
+    (eng,), (rank0,) = result["placement"]["engines"], result["placement"]["train"]
+    assert not result["placement"]["engine_in_trainer"] and eng["pid"] != rank0["pid"], result["placement"]
     assert [h["async/staleness_max"][str(i)] for i in range(4)] == [0.0, 1.0, 1.0, 1.0]  # rollout 0: on-policy
     assert all(h["async/stale_dropped"][str(i)] == 0.0 for i in range(4))
     assert [h["sync/weight_version"][str(i)] for i in range(4)] == [1.0, 2.0, 3.0, 4.0]

@@ -55,6 +55,7 @@ FLAG_TESTS = {
     "data_source_path": "test_hooks.py::test_custom_data_source_feeds_the_rollout_and_is_checkpointed",
     "rollout_max_truncated_share": "test_flag_wiring.py::test_rollout_flags_reach_the_loop_and_the_truncation_limit",
     "rollout_engine_python": "test_flag_wiring.py::test_engine_spec_flags",
+    "rollout_engine_process": "test_flag_wiring.py::test_where_the_engine_runs",
     "rollout_engine_start_timeout": "test_flag_wiring.py::test_engine_spec_flags",
     "use_fault_tolerance": "test_rollout_loop.py::test_without_fault_tolerance_a_dead_engine_fails_the_rollout",
     "rollout_health_check_interval": "test_flag_wiring.py::test_place_flags",

@@ -99,9 +99,14 @@ def test_place_flags(tmp_path, monkeypatch):
         address=address, num_cpus=num_cpus, ray_code=ray_code) or {"CPU": 2})
     monkeypatch.setattr(stages, "fits_cluster", lambda cfg: None)
 
-    def launch(run):
-        run.engines = SimpleNamespace(wait_started=lambda: None)
+    def plan(run):
         run.placement = SimpleNamespace(layout=SimpleNamespace(train_bundles=[]))  # CPU engines only
+        run.engine_in_trainer = stages.engine_in_trainer(run.cfg, 0.0)
+
+    def launch(run, host=None):
+        seen["engine_host"] = host
+        run.engines = SimpleNamespace(wait_started=lambda: None)
+    monkeypatch.setattr(stages, "plan_rollout_engines", plan)
     monkeypatch.setattr(stages, "launch_rollout_engines", launch)
 
     class FakeTrainGroup:
@@ -125,6 +130,7 @@ def test_place_flags(tmp_path, monkeypatch):
     run = stages.place(cfg, tracker=SimpleNamespace(run_id=None))
     assert seen["address"] == "auto" and seen["num_cpus"] == 3 and seen["ray_code"] == "image"
     assert seen["train"]["placement"] is None  # one node on CPU: the workers are not placed
+    assert seen["engine_host"] is None  # --use-fault-tolerance: the engine has a process of its own
     assert seen["train"]["timeout_s"] == 77.0 and seen["train"]["threads"] == 2
     order = [r.row for r in run.dataset.next_batch(5)]
     assert run.dataset.shuffle and order != [1, 2, 3, 4, 5] and run.dataset.seed == 11  # shuffled, by --seed
@@ -139,6 +145,32 @@ def test_the_doctor_reads_the_cluster_ray_address_names(monkeypatch):
 
     monkeypatch.setattr(checks.Environment, "from_ray", staticmethod(lambda address: f"cluster at {address}"))
     assert checks.Environment.for_config(RunConfig(ray_address="10.0.0.1:6379")) == "cluster at 10.0.0.1:6379"
+
+
+def test_where_the_engine_runs():
+    """--rollout-engine-process: auto serves the engine from train rank 0's process exactly when the flags and the
+    cluster allow it; trainer where they do not is a ConfigError naming the field and what stands in the way;
+    in the trainer's process the weights go by an in-process copy (tests/test_flow.py runs it end to end)."""
+    from engine import stages
+    from engine.diagnosis import ConfigError
+
+    assert stages.engine_in_trainer(RunConfig(), 0.0)  # the CPU demo's shape: one engine, one rank, sync
+    assert stages.engine_in_trainer(RunConfig(rollout_engine_process="trainer"), 0.0)
+    for over in ({"rollout_engine_process": "own"}, {"async_mode": "one-step"}, {"use_fault_tolerance": True},
+                 {"rollout_num_engines": 2}, {"actor_num_gpus_per_node": 2}):
+        assert not stages.engine_in_trainer(RunConfig(**over), 0.0), over
+    assert not stages.engine_in_trainer(RunConfig(), 1.0)  # GPU engines have bundles of their own
+    with pytest.raises(ConfigError) as e:
+        stages.engine_in_trainer(RunConfig(rollout_engine_process="trainer"), 2.0)
+    assert e.value.diagnoses[0].facts["field"] == "rollout_engine_process" and "2 GPUs" in str(e.value)
+    for over, named in (({"async_mode": "one-step"}, "--async-mode one-step"),
+                        ({"use_fault_tolerance": True}, "--use-fault-tolerance")):
+        with pytest.raises(ConfigError) as e:
+            RunConfig(rollout_engine_process="trainer", **over)
+        assert named in str(e.value) and e.value.diagnoses[0].facts["field"] == "rollout_engine_process"
+    assert stages.sync_transport(RunConfig(), on_gpu=False, in_trainer=True) == "in_process"
+    assert stages.sync_transport(RunConfig(), on_gpu=False) == "object_store"
+    assert stages.sync_transport(RunConfig(weight_sync_method="disk"), on_gpu=False, in_trainer=True) == "disk"
 
 
 def test_engine_spec_flags():

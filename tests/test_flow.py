@@ -27,6 +27,11 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
 
     assert result["rollouts"] == 2
     assert 0.0 <= result["reward_first"] <= 1.0 and result["test_accuracy_after"] is not None
+    # a one-node CPU run with one engine and one train rank: the engine serves from the train worker's process
+    # (--rollout-engine-process auto) and takes its weights by an in-process copy
+    (eng,), (rank0,) = result["placement"]["engines"], result["placement"]["train"]
+    assert result["placement"]["engine_in_trainer"] and eng["pid"] == rank0["pid"], result["placement"]
+    assert result["weight_sync"] == "in_process"
 
     # the checkpoint: marker written last, naming the last rollout, whose iteration dir exists
     assert checkpoint.read_marker(cfg.save) == 1

@@ -176,7 +176,9 @@ def test_model_missing_on_a_node_names_the_node(cluster, driver_only, tiny_model
 
     model = driver_only / "model"
     shutil.copytree(tiny_model, model)
-    cfg = _cfg(str(model), driver_only / "missing", num_rollout=1, ray_address=cluster.address)
+    # the engine in an actor of its own: its bundle needs a CPU, so it lands on a worker node, which lacks the model
+    cfg = _cfg(str(model), driver_only / "missing", num_rollout=1, ray_address=cluster.address,
+               rollout_engine_process="own")
     with pytest.raises(DiagnosisError) as e:
         rl_train(cfg)
     text = str(e.value)
@@ -189,8 +191,10 @@ def test_disk_sync_to_engines_that_do_not_see_the_directory_fails_at_placement(c
     from engine.diagnosis import DiagnosisError
     from flows.train import rl_train
 
+    # the engine in an actor of its own, on a node that does not see the driver's directory (auto would serve it
+    # from train rank 0's process, which the same check covers as "train rank 0")
     cfg = _cfg(tiny_model, driver_only / "disk", num_rollout=1, ray_address=cluster.address,
-               weight_sync_method="disk")
+               weight_sync_method="disk", rollout_engine_process="own")
     with pytest.raises(DiagnosisError) as e:
         rl_train(cfg)
     text = str(e.value)

@@ -31,7 +31,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
-                "update_weight_buffer_size",
+                "update_weight_buffer_size", "rollout_engine_process",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change"}
 
 
@@ -52,6 +52,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     def _consistent(self) -> "RunConfig":
         self.batch  # raises an RF06 ConfigError with the working values
         self._async_consistent()
+        if self.rollout_engine_process == "trainer" and (why := self.engine_in_trainer_blockers()):
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--rollout-engine-process trainer: the engine cannot run in train rank 0's process with "
+                     f"{'; '.join(why)}",
+                fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
+                facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
         if self.train_share_prefix == "on" and self.train_backend != "torch":
             from engine.diagnosis import ConfigError, Diagnosis
 
@@ -135,6 +144,25 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         now = self.fixed_settings()
         return [(k, recorded[k], now[k]) for k in RESUME_FIXED
                 if k in recorded and k not in allowed and recorded[k] != now[k]]
+
+    def engine_in_trainer_blockers(self) -> list[str]:
+        """Why the built-in engine cannot serve from a thread of train rank 0's process (--rollout-engine-process
+        trainer); [] when nothing in the flags forbids it. Engines on GPUs are checked at place, on the cluster."""
+        why = []
+        if self.rollout_engine != "builtin":
+            why.append(f"--rollout-engine {self.rollout_engine} (it runs a server process of its own)")
+        if self.rollout_num_engines > 1:
+            why.append(f"--rollout-num-engines {self.rollout_num_engines} (one engine per process)")
+        if self.train_world_size > 1:
+            why.append(f"{self.train_world_size} train ranks (one train rank only)")
+        if self.async_mode != "off":
+            why.append(f"--async-mode {self.async_mode} (the engine and the trainer would compute at once in one "
+                       "process)")
+        if self.use_fault_tolerance:
+            why.append("--use-fault-tolerance (a failed engine would take the trainer with it)")
+        if self.colocate:
+            why.append("--colocate (GPU engines)")
+        return why
 
     @property
     def train_world_size(self) -> int:

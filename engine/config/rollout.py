@@ -38,6 +38,9 @@ class RolloutArgs(Section):
     rollout_engine: Literal["builtin", "sglang"] = "builtin"
     """Rollout server kind: builtin (transformers, CPU or GPU, same HTTP API) or sglang (python -m sglang.launch_server)."""
 
+    rollout_engine_process: Literal["auto", "own", "trainer"] = "auto"
+    """Where the built-in engine runs: own (a Ray actor process of its own) or trainer (a thread of train rank 0's process, serving the same HTTP API: one process fewer imports torch and transformers at start, and a weight sync is an in-memory copy instead of a trip through Ray's object store). trainer needs one CPU engine, one train rank, --async-mode off and no --use-fault-tolerance (an engine failure takes the trainer with it); auto = trainer where that holds, else own."""
+
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights and compute of the built-in engine: auto = bfloat16 on a GPU when the trainer trains in bf16 (--bf16), else
     float32, so the engine serves the trainer's weights in the precision they are trained in (CPU: float32)."""

@@ -34,10 +34,36 @@ class Slot:
         return self.info.get("url")
 
 
+class _HostedMethod:
+    def __init__(self, host, name: str, start: tuple | None = None):
+        self.host, self.name, self.start = host, name, start
+
+    def remote(self, *args):
+        if self.start is not None:
+            return self.host.engine_start.remote(*self.start)
+        return self.host.engine_call.remote(self.name, *args)
+
+
+class HostedEngine:
+    """Rollout engine `index` served from a thread of a train worker's process (--rollout-engine-process trainer),
+    as the group sees an engine actor: `handle.<method>.remote(...)` calls EngineActor.<method> in that process."""
+
+    def __init__(self, host, spec: EngineSpec, index: int, registry):
+        self.host, self._start = host, (spec, index, registry)
+
+    def __getattr__(self, name: str) -> _HostedMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _HostedMethod(self.host, name, self._start if name == "start" else None)
+
+
 class EngineGroup:
     def __init__(self, spec: EngineSpec, placement, registry, *, fault_tolerant: bool = False,
-                 runtime_env: dict | None = None):
+                 runtime_env: dict | None = None, host=None):
+        """host: the train worker actor whose process serves the (one) engine (--rollout-engine-process trainer);
+        None: every engine is a Ray actor of its own."""
         self.spec, self.placement, self.registry = spec, placement, registry
+        self.host = host
         self.fault_tolerant = fault_tolerant
         self.runtime_env = runtime_env or {}
         self._starting: list = []  # the start calls `launch` made and `wait_started` waits for
@@ -53,6 +79,8 @@ class EngineGroup:
     def _new_actor(self, slot: Slot):
         import ray
 
+        if self.host is not None:
+            return HostedEngine(self.host, self.spec, slot.index, self.registry)
         lay = self.placement.layout
         cls = ray.remote(max_restarts=0, max_concurrency=4)(EngineActor)
         env = dict(self.runtime_env.get("env_vars", {}))
@@ -92,6 +120,13 @@ class EngineGroup:
         from engine.rollout.actor import kill_process_group
 
         if slot.actor is None:
+            return
+        if isinstance(slot.actor, HostedEngine):  # the trainer's process: stop its server, keep the process
+            try:
+                ray.get(slot.actor.stop.remote(), timeout=15)
+            except Exception as e:
+                log.warning("rollout engine %d in the train worker's process did not stop: %s", slot.index, e)
+            slot.actor = None
             return
         try:
             ray.get(slot.actor.stop.remote(), timeout=15)

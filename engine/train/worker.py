@@ -55,6 +55,7 @@ class TrainWorker:
         self.returns: list[list[torch.Tensor]] = []
         self.step_tokens: list[float] = []
         self._ipc = None  # the IPC buckets of a sync in progress (engine/weights/ipc.py)
+        self._engine = None  # the built-in engine served from this process (--rollout-engine-process trainer)
         if not lazy:
             self.setup(master)
 
@@ -331,6 +332,33 @@ class TrainWorker:
             return None, 0.0
         host = numpy_state(state)
         return host, host.nbytes / 2**20
+
+    # ---- the built-in engine in this process (--rollout-engine-process trainer) ----------------------------------
+    def engine_start(self, spec, index: int, registry) -> dict[str, Any]:
+        """Serve rollout engine `index` from threads of this process (engine/rollout/actor.py: the same server as
+        an engine actor's); a second call replaces the first engine (a restart). Returns the engine's info."""
+        from engine.rollout.actor import EngineActor
+
+        if self._engine is not None:
+            self._engine.stop()
+        self._engine = EngineActor(spec, index, registry)
+        return self._engine.start()
+
+    def engine_call(self, name: str, *args) -> Any:
+        """`EngineActor.<name>(*args)` of the engine this process serves (engine/rollout/engines.py:HostedEngine)."""
+        if self._engine is None:
+            raise RuntimeError(f"train rank {self.rank} serves no rollout engine")
+        return getattr(self._engine, name)(*args)
+
+    def engine_take_weights(self, version: str) -> tuple[str, int]:
+        """The engine in this process copies this rank's current weights as `version`: one in-memory copy (the
+        engine keeps its own model), no object store. Returns (the version the engine serves now, bytes copied)."""
+        from engine.weights import unique_tensors
+
+        if self._engine is None or self._engine.state is None:
+            raise RuntimeError(f"train rank {self.rank} serves no rollout engine")
+        copied = self._engine.state.update_from_named(unique_tensors(self._state()), version)
+        return str(self._engine.state.weight_version), copied
 
     def ipc_export(self, export: bool, dtype: str, bucket_bytes: int) -> list:
         """This rank's weights as CUDA IPC buckets in `dtype` when `export` (the rank shares its GPU with an

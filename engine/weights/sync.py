@@ -59,6 +59,19 @@ def push_object_store(slots: list, ref, version: int, *, timeout_s: float) -> No
     _check_served(slots, served, version)
 
 
+def push_in_process(slots: list, version: int, *, timeout_s: float, exported: Callable[[], None]) -> int:
+    """Every engine served from a train worker's process (engine/rollout/engines.py:HostedEngine) copies that
+    worker's weights as `version`; `exported` is called once the copies are asked for (the worker runs what is
+    asked after them on the weights it copied). Returns the bytes copied into one engine."""
+    import ray
+
+    calls = [s.actor.host.engine_take_weights.remote(str(version)) for s in slots]
+    exported()
+    replies = ray.get(calls, timeout=timeout_s)
+    _check_served(slots, [v for v, _ in replies], version)
+    return replies[0][1] if replies else 0
+
+
 def _check_served(slots: list, served: list[str], version: int) -> None:
     """The version each engine actor says it serves after the update (its reply: the check costs no round trip)."""
     for s, got in zip(slots, served):
