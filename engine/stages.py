@@ -1145,6 +1145,7 @@ def placement_info(run: Run) -> dict[str, Any]:
             "train": list(getattr(tg, "nodes", []) or []),
             "shipped_dirs": dict(getattr(tg, "blind", {}) or {}),  # dir → ranks that got its files via Ray
             "engine_in_trainer": run.engine_in_trainer,
+            "train_prestarted": bool(getattr(tg, "prestarted", False)),  # started with Ray by `rollflow train`
             "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
                          "pid": s.info.get("pid"), "url": s.url} for s in getattr(eng, "slots", [])]}
 

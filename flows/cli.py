@@ -105,7 +105,8 @@ def cmd_train(argv: list[str]) -> int:
         # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
         imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
                                                 "transformers:PreTrainedTokenizerFast")
-        prestart.start_ray(cfg)
+        if prestart.start_ray(cfg):  # a one-rank CPU run's train worker starts loading on the idle core
+            prestart.start_train_worker(cfg)
         imports.join()
         from prefect.exceptions import CancelledRun
 

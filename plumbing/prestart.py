@@ -5,8 +5,10 @@ the other, each left a core idle (measured with vmstat: ~50% idle for the first 
 The server is a subprocess launched without waiting and without importing Prefect's server module here
 (`EphemeralAPI`); once it answers, this process's Prefect uses it as its API. Ray starts in the main thread (its
 SIGTERM handler put back, as in place()) while a thread imports the stages (`import_in_background`: ray.init mostly
-waits). MLflow's local SQLite store is created by a thread; both threads are joined before the flow starts, so no
-thread of this module outlives start-up. Whatever cannot be pre-started is left to the flow, which starts it the
+waits). On a one-rank CPU run the train worker is started right after Ray, with its model load (`start_train_worker`):
+it imports torch and transformers on the core the driver leaves idle during the flow's start and preflight, and
+place() adopts it. MLflow's local SQLite store is created by a thread; both threads are joined before the flow
+starts, so no thread of this module outlives start-up. Whatever cannot be pre-started is left to the flow, which starts it the
 usual way and reports its failure the usual way (a warning here says so).
 """
 from __future__ import annotations
@@ -209,6 +211,22 @@ def start_ray(cfg) -> bool:
         return False
     cluster.mark_prestarted()
     return True
+
+
+def start_train_worker(cfg) -> bool:
+    """After `start_ray`: the run's train worker and its model load, started now on a one-rank CPU run
+    (engine/cluster `prestart_train_worker`; place() adopts it). False, with the reason logged, when it was not
+    started: place() starts the workers as it would anyway."""
+    from engine import cluster
+    from engine.run import Run
+
+    try:
+        run = Run(cfg)
+        return cluster.prestart_train_worker(cfg, train_iters=run.plan.train_iters, threads=run.train_threads)
+    except Exception as e:  # noqa: BLE001 — place() starts the workers and reports what fails
+        log.warning("rollflow: starting the train worker at start-up failed (%s: %s); the flow's place step "
+                    "starts it", type(e).__name__, e)
+        return False
 
 
 def warm_mlflow_store(cfg) -> threading.Thread | None:

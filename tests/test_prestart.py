@@ -98,3 +98,36 @@ def test_background_imports_load_modules_and_leave_failures_to_the_caller():
         print('json.decoder' in sys.modules, lazy in sys.modules, 'no_such_module_here' in sys.modules)
     """)
     assert "True True False" in out
+
+
+def test_a_prestarted_train_worker_is_adopted_by_its_own_run_only(shared_ray, small_cfg):
+    """prestart_train_worker on a one-rank CPU run: TrainGroup adopts that worker (its setup already asked) for the
+    same config, iterations and threads; a group for another config kills it and starts its own. Several ranks:
+    nothing is prestarted (they are placed by place())."""
+    import ray
+
+    from engine import cluster
+
+    cfg, other = small_cfg(), small_cfg(lr=3e-4)
+    assert not cluster.prestart_train_worker(small_cfg(actor_num_gpus_per_node=2), train_iters=2, threads=1)
+    assert cluster.prestart_train_worker(cfg, train_iters=2, threads=1)
+    first = cluster._prestarted_worker["worker"]
+    group = cluster.TrainGroup(cfg, train_iters=2, timeout_s=120, threads=1)
+    try:
+        assert group.prestarted and group.workers == [first] and group.nodes[0]["pid"]
+        assert cluster.take_prestarted_worker(cfg, 2, 1) is None  # adopted once
+    finally:
+        group.shutdown()
+    assert cluster.prestart_train_worker(cfg, train_iters=2, threads=1)
+    stale = cluster._prestarted_worker["worker"]
+    group = cluster.TrainGroup(other, train_iters=2, timeout_s=120, threads=1)
+    try:
+        assert not group.prestarted and group.workers != [stale]
+        try:
+            ray.get(stale.where.remote(), timeout=60)
+            alive = True
+        except ray.exceptions.RayActorError:
+            alive = False
+        assert not alive  # killed, not left holding its model
+    finally:
+        group.shutdown()

@@ -34,9 +34,16 @@ def test_a_diagnosed_failure_shows_the_diagnosis_not_tracebacks(tmp_path):
 def test_a_finished_run_launched_again_has_nothing_to_do(tmp_path):
     args = ["--num-rollout", "1", "--eval-prompt-data", "", "--work-dir", str(tmp_path / "w"),
             "--save", str(tmp_path / "ck")]
-    first = train(*args)
+    first = train(*args, "--summary-json", str(tmp_path / "summary.json"))
     assert first.returncode == 0, first.stdout + first.stderr
     assert "rollflow: 1 rollout in" in first.stdout
+    # the demo's shape on a local cluster: the train worker `rollflow train` started with Ray was the one place
+    # used, and the engine served from its process
+    import json
+
+    where = json.loads((tmp_path / "summary.json").read_text())["placement"]
+    assert where["train_prestarted"] and where["engine_in_trainer"], where
+    assert where["engines"][0]["pid"] == where["train"][0]["pid"], where
     again = train(*args)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "nothing to do: iteration 0 is already saved and --num-rollout is 1" in again.stdout, again.stdout

@@ -161,6 +161,55 @@ def reserve_fn(registry):
     return lambda node, k: ray.get(registry.reserve.remote(node, k))
 
 
+_prestarted_worker: dict[str, Any] | None = None  # the train worker `rollflow train` started with Ray
+
+
+def _worker_class(cfg):
+    import ray
+
+    from engine.train.worker import TrainWorker
+
+    gpus = 1 if cfg.train_backend == "megatron" else 0
+    return ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(TrainWorker)
+
+
+def _worker_key(cfg, train_iters: int, threads: int) -> tuple:
+    return cfg.model_dump_json(), train_iters, threads
+
+
+def prestart_train_worker(cfg, *, train_iters: int, threads: int) -> bool:
+    """Start a one-rank CPU run's train worker and its `setup` (imports, model load) right after `rollflow train`
+    started Ray: they run on the core the driver leaves idle during the flow's start and preflight (vmstat: ~45%
+    idle for those seconds on the 2-core machine), and `TrainGroup` adopts the worker when the run's config, train
+    iterations and threads are the same (else it is killed and a new one started, as without this). False where
+    the train ranks are placed (GPUs, several ranks or nodes)."""
+    global _prestarted_worker
+    import ray
+
+    if cfg.train_world_size != 1 or cfg.actor_num_nodes != 1 or ray.cluster_resources().get("GPU", 0):
+        return False
+    w = _worker_class(cfg).options(runtime_env=_threads_env(threads)).remote(
+        cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=train_iters, threads=threads, lazy=True)
+    _prestarted_worker = {"key": _worker_key(cfg, train_iters, threads), "worker": w, "ready": w.setup.remote(None)}
+    return True
+
+
+def take_prestarted_worker(cfg, train_iters: int, threads: int) -> dict[str, Any] | None:
+    """The prestarted worker ({worker, ready}) when it was started for this run, once; one started for another
+    config is killed."""
+    global _prestarted_worker
+    import ray
+
+    taken, _prestarted_worker = _prestarted_worker, None
+    if taken is None:
+        return None
+    if taken["key"] == _worker_key(cfg, train_iters, threads):
+        return taken
+    ray.kill(taken["worker"], no_restart=True)
+    log.info("the train worker started with Ray was for another configuration: killed, a new one starts")
+    return None
+
+
 class TrainGroup:
     """The DP train workers; every call waits at most `timeout_s`."""
 
@@ -171,8 +220,6 @@ class TrainGroup:
         `layout.train_bundles[r]`) or the CPU train group of `train_placement` (several nodes); None: anywhere."""
         import ray
 
-        from engine.train.worker import TrainWorker
-
         self.timeout_s = timeout_s
         world = cfg.train_world_size
         # Megatron's rank order is tp-cp-ep-dp-pp: rank r belongs to DP replica (r // TP) mod DP.
@@ -181,10 +228,20 @@ class TrainGroup:
         # Megatron shards the model over ranks, the torch backend over DP ranks (FSDP2): gathering the weights is
         # then a collective every rank joins
         self.collective = cfg.train_backend == "megatron" or world > 1
-        gpus = 1 if cfg.train_backend == "megatron" else 0
-        cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(TrainWorker)
+        cls = _worker_class(cfg)
         cfg_dict = cfg.model_dump()
         lay = placement.layout if placement is not None else None
+        taken = take_prestarted_worker(cfg, train_iters, threads)
+        self.prestarted = taken is not None and world == 1 and lay is None  # adopted (prestart_train_worker)
+        self.nodes: list[dict[str, Any]] = []  # per rank: node_ip, node_id, pid (wait_ready fills it)
+        self._seen: dict[str, list[bool]] = {}  # directory → per rank: its node sees it (`seeing`)
+        if taken is not None and not self.prestarted:
+            ray.kill(taken["worker"], no_restart=True)
+        if self.prestarted:
+            self.workers, self.master, self._ready = [taken["worker"]], None, [taken["ready"]]
+            if wait:
+                self.wait_ready()
+            return
 
         def where(r: int) -> dict:  # a GPU layout puts rank r on bundle r (colocated: 0.8 of it, see placement.py)
             if lay is None or not lay.train_bundles:
@@ -199,8 +256,6 @@ class TrainGroup:
         # rank 0 picks it once it runs there, and every rank's setup waits for that answer (Ray passes the ref on).
         self.master = self.workers[0].rendezvous.remote(registry or port_registry()) if world > 1 else None
         self._ready = [w.setup.remote(self.master) for w in self.workers]
-        self.nodes: list[dict[str, Any]] = []  # per rank: node_ip, node_id, pid (wait_ready fills it)
-        self._seen: dict[str, list[bool]] = {}  # directory → per rank: its node sees it (`seeing`)
         if wait:
             self.wait_ready()
 
