@@ -240,7 +240,7 @@ def engine_in_trainer(cfg: RunConfig, cluster_gpus: float) -> bool:
 
 
 def plan_rollout_engines(run: Run) -> None:
-    """The placement group of the engines, their spec, where they run and how weights reach them (`run.spec`,
+    """The placement group of the engines, their spec, where they run and how weights reach them (`run.engine_spec`,
     `run.engine_in_trainer`, `run.sync_transport`); `launch_rollout_engines` starts them."""
     from engine import cluster
     from engine.cluster.placement import group_name, place as place_group, remove_leftovers, rollout_layout
