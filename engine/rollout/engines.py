@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from engine.rollout.actor import EngineActor, EngineSpec
@@ -34,27 +35,18 @@ class Slot:
         return self.info.get("url")
 
 
-class _HostedMethod:
-    def __init__(self, host, name: str, start: tuple | None = None):
-        self.host, self.name, self.start = host, name, start
-
-    def remote(self, *args):
-        if self.start is not None:
-            return self.host.engine_start.remote(*self.start)
-        return self.host.engine_call.remote(self.name, *args)
-
-
 class HostedEngine:
     """Rollout engine `index` served from a thread of a train worker's process (--rollout-engine-process trainer),
     as the group sees an engine actor: `handle.<method>.remote(...)` calls EngineActor.<method> in that process."""
 
     def __init__(self, host, spec: EngineSpec, index: int, registry):
-        self.host, self._start = host, (spec, index, registry)
+        self.host = host
+        self.start = SimpleNamespace(remote=lambda: host.engine_start.remote(spec, index, registry))
 
-    def __getattr__(self, name: str) -> _HostedMethod:
+    def __getattr__(self, name: str) -> SimpleNamespace:
         if name.startswith("_"):
             raise AttributeError(name)
-        return _HostedMethod(self.host, name, self._start if name == "start" else None)
+        return SimpleNamespace(remote=lambda *args: self.host.engine_call.remote(name, *args))
 
 
 class EngineGroup:
