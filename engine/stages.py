@@ -885,11 +885,13 @@ def disk_full(run: Run, rollout_id: int, e: BaseException, free_before: int | No
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------
-def push_weights(run: Run, slots: list, version: int, exported: Callable[[], None] | None = None
-                 ) -> dict[str, float]:
+def push_weights(run: Run, slots: list, version: int, exported: Callable[[], None] | None = None,
+                 probe_scores: dict | None = None) -> dict[str, float]:
     """The trainer's weights to these engines as `version` (run.sync_transport), checked on every engine.
     `exported` is called once the trainer has handed its weights over (a copy in Ray's object store, a directory,
-    IPC buckets): from then on the trainer may train again while the engines load them (--async-mode)."""
+    IPC buckets): from then on the trainer may train again while the engines load them (--async-mode).
+    probe_scores (a dict, weight_sync in_process once the probe has its stored sequences): the RF14 probe's
+    scores are computed in the same call, by the trainer and by each engine, into probe_scores[url]."""
     exported = exported or (lambda: None)
     import shutil
 
@@ -909,7 +911,12 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
             run.train_group.ipc_release()
         nbytes = sum(b.nbytes for b in per_rank[next(iter(source.values()))]) if source else 0
     elif run.sync_transport == "in_process":
-        nbytes = push_in_process(slots, version, timeout_s=cfg.weight_sync_timeout, exported=exported)
+        probe = None
+        if probe_scores is not None and run.probe and getattr(run, "probe_seqs", None):
+            probe = (_probe_batch(run), sampling_params(run).temperature or 1.0,
+                     [list(p) + list(r) for p, r in run.probe_seqs])
+        nbytes = push_in_process(slots, version, timeout_s=cfg.weight_sync_timeout, exported=exported, probe=probe,
+                                 scored=probe_scores)
     elif run.sync_transport == "object_store":
         ref, mb = run.train_group.weights_ref()
         exported()
@@ -959,16 +966,26 @@ def probe_reference(run: Run):
     return start() if start is not None else None
 
 
-def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 16) -> dict[str, float]:
+def _answer_diffs(seqs: list, reference, lps: list[list[float]]):
+    """|trainer − engine| log-prob over the stored probe answers' tokens ([K]); lps: the engine's log-probs of
+    every token after the first of each (prompt + answer)."""
+    import torch
+
+    got = torch.tensor([x for (p, _), seq in zip(seqs, lps) for x in seq[len(p) - 1:]])
+    return (reference.float() - got).abs()
+
+
+def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 16,
+                  scored: dict | None = None) -> dict[str, float]:
     """RF14 right after a sync, before any rollout uses the weights. The first probe of a process: every serving
     engine samples a short answer to each probe prompt (fixed seeds, the run's sampling settings) and the trainer
     scores those tokens — the same quantity as train/mismatch; the first engine's answers are kept. Later probes
     are teacher-forced on those sequences: `reference` holds the trainer's log-probs (probe_reference, of the
     weights that went out; or the function probe_reference_start returned, waited for once the first engine has
-    scored) and every engine scores the same tokens (a prefill). Returns the largest per-engine mean |Δ log-prob|
-    as `sync/probe_mismatch`."""
-    import torch
-
+    scored) and every engine scores the same tokens (a prefill). scored[url] = (the trainer's log-probs, the
+    engine's per sequence): both sides already scored the stored sequences in the sync call (an engine in the
+    train worker's process, push_weights' probe_scores). Returns the largest per-engine mean |Δ log-prob| as
+    `sync/probe_mismatch`."""
     from engine.diagnosis import DiagnosisError
     from engine.packing.microbatch import make_micro_batch
     from engine.rollout.client import EngineClient
@@ -983,13 +1000,15 @@ def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 
     means = []
     for url in run.engines.serving():
         client = EngineClient(url, timeout_s=cfg.weight_sync_timeout, api_key=run.engines.api_key)
-        if reference is not None:
+        if scored and url in scored:
+            ref, lps = scored[url]
+            diffs = _answer_diffs(run.probe_seqs, ref, lps)
+        elif reference is not None:
             seqs = run.probe_seqs
-            scored = client.score([list(p) + list(r) for p, r in seqs], params.temperature or 1.0)
+            lps = client.score([list(p) + list(r) for p, r in seqs], params.temperature or 1.0)
             if callable(reference):
                 reference = reference()
-            got = torch.tensor([x for (p, _), lps in zip(seqs, scored) for x in lps[len(p) - 1:]])
-            diffs = (reference.float() - got).abs()  # [K] over the stored answers' tokens
+            diffs = _answer_diffs(seqs, reference, lps)
         else:
             outs = client.generate(
                 {"input_ids": run.probe, "return_logprob": True,
@@ -1032,11 +1051,13 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
         if run.engines.released:
             run.engines.resume_memory()
         reference = []
+        # an engine in the train worker's process: both sides score the probe in the sync call itself
+        scored: dict | None = {} if run.sync_transport == "in_process" else None
 
         def handoff() -> None:
             # the trainer's probe log-probs are asked before anything else can reach it; then it is free, unless
             # this is the process's first probe: then it still has to score what the engines sample (below)
-            if (start := probe_reference_start(run)) is not None:
+            if scored is None and (start := probe_reference_start(run)) is not None:
                 reference.append(start)
             if exported is not None and reference:
                 exported.set()
@@ -1044,7 +1065,7 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
         if pause:
             paused = {"sync/paused_requests": float(run.engines.pause_generation())}
         try:
-            out = push_weights(run, run.engines.serving_slots(), version, exported=handoff)
+            out = push_weights(run, run.engines.serving_slots(), version, exported=handoff, probe_scores=scored)
             run.state.weight_version = version
         finally:
             if pause:
@@ -1052,7 +1073,7 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
     if loaded is not None:
         loaded.set()
     out.update(paused)
-    out.update(probe_engines(run, version, reference[0] if reference else None))
+    out.update(probe_engines(run, version, reference[0] if reference else None, scored=scored))
     if exported is not None:
         exported.set()
     if run.cfg.offload_train:

@@ -96,6 +96,10 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
                 "pack/micro_batches_per_rank"):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == [0, 1], key
+    # RF14 after both syncs: the first samples the probe answers over HTTP, the second scores them in the sync
+    # call itself (the engine in the train worker's process); fp32 on both sides
+    probe = client.get_metric_history(run.info.run_id, "sync/probe_mismatch")
+    assert sorted(m.step for m in probe) == [0, 1] and all(m.value < 1e-4 for m in probe), probe
     assert run.info.status == "FINISHED"
 
     # the eval curves: every --eval-interval and per named set, with mean@k and pass@k of k samples per prompt

@@ -219,3 +219,50 @@ def test_the_sync_reply_carries_the_version_check(monkeypatch):
         else:
             push_tensors(["http://127.0.0.1:9"], sd, 4, bucket_bytes=2**20, timeout_s=5)
         assert len(asked) == asks
+
+
+def test_an_engine_in_the_train_workers_process_is_probed_in_the_sync_call(tiny_model, monkeypatch):
+    """--rollout-engine-process trainer: the weight copy, the trainer's and the engine's probe scores are one call
+    (TrainWorker.engine_take_weights). The engine's numbers are what its HTTP /generate answers for the same
+    sequences, and a copy that did not land is RF14 at that sync."""
+    from types import SimpleNamespace
+
+    from engine import stages
+    from engine.config import RunConfig
+    from engine.diagnosis import DiagnosisError
+    from engine.modeling import eos_token_ids
+    from engine.rollout.client import EngineClient
+    from engine.train.worker import TrainWorker
+
+    cfg = RunConfig(hf_checkpoint=tiny_model, rollout_temperature=1.0, train_threads=1)
+    worker = TrainWorker(cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=4, threads=1)
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8)
+    server = ServerThread(state, "127.0.0.1", _free_port())
+    url = server.start()
+    try:
+        worker._engine = SimpleNamespace(state=state)  # what engine_start leaves (without Ray's port registry)
+        seqs = [([11, 12, 13, 14], [20, 21, 22]), ([30, 31], [40, 41, 42, 43, 44])]
+        probe_run = SimpleNamespace(probe_seqs=seqs)
+        probe = (stages._probe_batch(probe_run), 1.0, [p + r for p, r in seqs])
+        _train_a_little(worker.backend, 7)
+        version, copied, (ref, lps, scored_under) = worker.engine_take_weights("3", probe)
+        assert version == scored_under == "3" and copied > 0
+        assert lps == EngineClient(url).score([p + r for p, r in seqs], 1.0)  # the HTTP answer, number for number
+        assert ref.numel() == 8 and float(stages._answer_diffs(seqs, ref, lps).max()) < 1e-5
+
+        run = SimpleNamespace(cfg=cfg, probe=[p for p, _ in seqs], probe_seqs=seqs, eos_ids=eos_token_ids(tiny_model),
+                              engine_dtype="float32",
+                              train_dtype="float32", engines=SimpleNamespace(serving=lambda: [url], api_key=None))
+        assert stages.probe_engines(run, 3, scored={url: (ref, lps)})["sync/probe_mismatch"] < 1e-5
+        # a copy that does not land: the engine says version 4 but keeps version 3's weights
+        monkeypatch.setattr(state, "update_from_named",
+                            lambda named, v: (setattr(state, "weight_version", v), 0)[1])
+        _train_a_little(worker.backend, 8)
+        _, _, (ref, lps, scored_under) = worker.engine_take_weights("4", probe)
+        assert scored_under == "4"
+        with pytest.raises(DiagnosisError) as e:
+            stages.probe_engines(run, 4, scored={url: (ref, lps)})
+        (d,) = e.value.diagnoses
+        assert d.code == "RF14" and "weight sync to version 4" in d.what and d.facts["mean"] > 1e-2
+    finally:
+        server.stop()

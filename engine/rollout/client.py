@@ -57,6 +57,13 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def score_body(input_ids: list[list[int]], temperature: float) -> dict[str, Any]:
+    """The /generate body that scores sequences: a prefill only, returning every token's log-prob after the
+    first (EngineClient.score; the built-in engine's EngineState.score_local parses the same body)."""
+    return {"input_ids": input_ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+
+
 def _answers(r: httpx.Response, url: str) -> list[dict]:
     """/generate's answer as a list (SGLang answers one object for a single input, a list for a batch)."""
     if r.status_code >= 400:
@@ -174,8 +181,7 @@ class EngineClient:
               ) -> list[list[float]]:
         """log π(seq[k] | seq[:k]) for k ≥ 1 of each sequence, under the served weights (a prefill: /generate with
         max_new_tokens 0, return_logprob, logprob_start_len 0; SGLang's `input_token_logprobs`)."""
-        out = self.generate({"input_ids": input_ids, "return_logprob": True, "logprob_start_len": 0,
-                             "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}, timeout_s)
+        out = self.generate(score_body(input_ids, temperature), timeout_s)
         try:
             return [[float(e[0]) for e in o["meta_info"]["input_token_logprobs"][1:]] for o in out]
         except (KeyError, TypeError, IndexError) as e:

@@ -327,6 +327,19 @@ class EngineState:
     def weight_version(self, v: str) -> None:
         self.generator.version = v
 
+    def score_local(self, input_ids: list[list[int]], temperature: float) -> tuple[list[list[float]], str]:
+        """What EngineClient.score answers, computed in this process without HTTP: the same body through the same
+        parser into this engine's generator (its lock orders the call with the serving thread's batches). Used by
+        the RF14 probe of an engine served from the train worker's process (TrainWorker.engine_take_weights).
+        Returns (log-probs of each sequence's tokens after the first, the weight_version they were computed
+        under)."""
+        from engine.rollout.client import score_body
+
+        reqs, _ = to_requests(score_body(input_ids, temperature), self.tokenize, self.default_max_new, self.limits)
+        results = self.generator.generate(reqs)
+        version = results[0].weight_version if results else self.weight_version
+        return [[float(x) for x in r.input_logprobs[1:]] for r in results], str(version)
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 

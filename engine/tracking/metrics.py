@@ -114,7 +114,8 @@ METRICS: list[MetricDoc] = [
                                             "(continued under them)"),
     MetricDoc("sync/probe_mismatch", "min", "after the sync: mean \\|log π_engine − log π_trainer\\| on short answers "
                                             "to a few fixed prompts (sampled by the engines at the first probe, then "
-                                            "the same tokens scored by both; above `--logprob-mismatch-threshold` → "
+                                            "the same tokens scored by both, in the sync call itself for an engine in "
+                                            "the train worker's process; above `--logprob-mismatch-threshold` → "
                                             "RF14)"),
     MetricDoc("memory/<stage>_peak_gib", "min", "GPU runs: the most GPU memory (GiB, reserved by the allocators) held "
                                                "during rollout / train / sync, trainers + engines (their sum bounds "

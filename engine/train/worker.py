@@ -350,15 +350,25 @@ class TrainWorker:
             raise RuntimeError(f"train rank {self.rank} serves no rollout engine")
         return getattr(self._engine, name)(*args)
 
-    def engine_take_weights(self, version: str) -> tuple[str, int]:
+    def engine_take_weights(self, version: str, probe: tuple | None = None) -> tuple[str, int, tuple | None]:
         """The engine in this process copies this rank's current weights as `version`: one in-memory copy (the
-        engine keeps its own model), no object store. Returns (the version the engine serves now, bytes copied)."""
+        engine keeps its own model), no object store. `probe` (the RF14 probe's stored sequences: a MicroBatch,
+        the temperature and the token lists): then both sides score them here, right after the copy — this rank's
+        log-probs of the answers, and the engine's of every token through its own request parser and generator
+        (EngineState.score_local), the numbers its HTTP /generate would answer; no Ray or HTTP round trip.
+        Returns (the version the engine serves now, bytes copied, None or (trainer log-probs [K], engine log-probs
+        per sequence, the weight_version the engine scored under))."""
         from engine.weights import unique_tensors
 
         if self._engine is None or self._engine.state is None:
             raise RuntimeError(f"train rank {self.rank} serves no rollout engine")
-        copied = self._engine.state.update_from_named(unique_tensors(self._state()), version)
-        return str(self._engine.state.weight_version), copied
+        state = self._engine.state
+        copied = state.update_from_named(unique_tensors(self._state()), version)
+        scored = None
+        if probe is not None:
+            mb, temperature, seqs = probe
+            scored = (self.score(mb)[0][mb.loss_mask > 0], *state.score_local(seqs, temperature))
+        return str(state.weight_version), copied, scored
 
     def ipc_export(self, export: bool, dtype: str, bucket_bytes: int) -> list:
         """This rank's weights as CUDA IPC buckets in `dtype` when `export` (the rank shares its GPU with an

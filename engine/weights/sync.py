@@ -59,16 +59,25 @@ def push_object_store(slots: list, ref, version: int, *, timeout_s: float) -> No
     _check_served(slots, served, version)
 
 
-def push_in_process(slots: list, version: int, *, timeout_s: float, exported: Callable[[], None]) -> int:
+def push_in_process(slots: list, version: int, *, timeout_s: float, exported: Callable[[], None],
+                    probe: tuple | None = None, scored: dict | None = None) -> int:
     """Every engine served from a train worker's process (engine/rollout/engines.py:HostedEngine) copies that
     worker's weights as `version`; `exported` is called once the copies are asked for (the worker runs what is
-    asked after them on the weights it copied). Returns the bytes copied into one engine."""
+    asked after them on the weights it copied). `probe`: the RF14 probe's sequences, scored by both sides in the
+    same call (TrainWorker.engine_take_weights); their numbers land in `scored[url]`. Returns the bytes copied
+    into one engine."""
     import ray
 
-    calls = [s.actor.host.engine_take_weights.remote(str(version)) for s in slots]
+    calls = [s.actor.host.engine_take_weights.remote(str(version), probe) for s in slots]
     exported()
     replies = ray.get(calls, timeout=timeout_s)
-    _check_served(slots, [v for v, _ in replies], version)
+    _check_served(slots, [v for v, _, _ in replies], version)
+    for s, (_, _, numbers) in zip(slots, replies):
+        if numbers is not None and scored is not None:
+            if numbers[2] != str(version):
+                raise EngineError(f"{s.url} scored the probe under weight_version {numbers[2]!r}, expected "
+                                  f"{version}")
+            scored[s.url] = numbers[:2]
     return replies[0][1] if replies else 0
 
 
