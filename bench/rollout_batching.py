@@ -6,7 +6,10 @@
 
 The engine runs in its own process (`rollflow serve`, CPU, the bundled model), as in a run; this process runs the
 rollout loop (engine/rollout/loop.py) for --rollouts rollouts of --groups groups × 8 samples, first with the
-`X-Rollflow-Burst` header left off (how the loop sent before it announced its bursts), then as the loop sends now.
+`X-Rollflow-Burst` header left off (how the loop sent before it announced its bursts), then as the loop sends now
+(one request per group, the burst announced), then `joined`: as the loop sends to a run's built-in CPU engine (the
+groups that start together in one /generate of at most --join-rows rows, the run's --sglang-max-running-requests
+default; engine/rollout/engines.py:EngineGroup.join_rows).
 Recorded per rollout: the engine's batch sizes and each batch's generation time (its /get_server_info) and the
 rollout's wall time. Each batch is a whole generation, so a rollout split into k batches generates k times in a
 row; the wall time less the generation time is what HTTP, JSON and the loop cost.
@@ -36,7 +39,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--model", default="tiny", help="tiny (the bundled model), 0.5b or 1.5b (random, bf16)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--modes", default="unannounced,announced")
+    p.add_argument("--modes", default="unannounced,announced,joined")
+    p.add_argument("--join-rows", type=int, default=256)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "rollout_batching.json"))
     a = p.parse_args()
 
@@ -86,11 +90,13 @@ def main() -> int:
             if mode == "unannounced":  # the loop as it sent before it announced its bursts
                 def no_header(self, *args, **kw):
                     init(self, *args, **kw)
-                    self.burst = None
+                    self.burst = {}
 
                 loop._Round.__init__ = no_header
             else:
                 loop._Round.__init__ = init
+            pool = loop.StaticEngines([url])
+            pool.join_rows = a.join_rows if mode == "joined" else 0
             rows = []
             for i in range(a.rollouts):
                 before = len(httpx.get(url + "/get_server_info").json()["batch_sizes"])  # (batch_seconds alike)
@@ -98,7 +104,7 @@ def main() -> int:
                 loop.generate_rollout(draw, rollout_id=i, batch_size=a.groups, n=8,
                                       params=loop.SamplingParams(max_new_tokens=a.max_new_tokens, temperature=1.0),
                                       reward_model=RewardModel("exact_match", None), seed=1,
-                                      engines=loop.StaticEngines([url]), timeout_s=600, concurrency=8 * a.groups)
+                                      engines=pool, timeout_s=600, concurrency=8 * a.groups)
                 wall = time.perf_counter() - t
                 info = httpx.get(url + "/get_server_info").json()
                 sizes, secs = info["batch_sizes"][before:], info["batch_seconds"][before:]

@@ -51,13 +51,14 @@ def test_a_hung_engine_request_hits_the_deadline_and_the_rollout_is_retried(pref
                                                                            monkeypatch):
     from flows.train import rl_train
 
-    # request 2 of the engine (a group of rollout 0) never answers; everything else is served
-    monkeypatch.setenv("ROLLFLOW_ENGINE_FAULT", "hang@2")
+    # the engine's first /generate (rollout 0's: a built-in CPU engine takes a round's groups as one request,
+    # EngineGroup.join_rows) never answers; everything else is served
+    monkeypatch.setenv("ROLLFLOW_ENGINE_FAULT", "hang@0")
     monkeypatch.setenv("ROLLFLOW_FAULT_STATE", str(tmp_path / "fired"))
     cfg = small_cfg(eval_prompt_data="", num_rollout=1, rollout_timeout=8, rollout_retries=1, run_name="hang")
     t0 = time.monotonic()
     result = rl_train(cfg)
-    assert (tmp_path / "fired").read_text() == "engine-hang@2\n"
+    assert (tmp_path / "fired").read_text() == "engine-hang@0\n"
     assert result["rollouts"] == 1 and time.monotonic() - t0 >= 8
 
     fr, trs = _runs(result["flow_run_id"])
@@ -75,13 +76,14 @@ def test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_st
     from engine import checkpoint
     from flows.train import rl_train
 
-    # 4 groups = 4 requests per rollout: request 5 is in rollout 1, after iteration 0 was saved
-    monkeypatch.setenv("ROLLFLOW_ENGINE_FAULT", "exit@5")
+    # /generate requests: 0 is rollout 0 (its groups in one request, EngineGroup.join_rows), 1 the RF14 probe's
+    # sampling after sync 0, 2 rollout 1: after iteration 0 was saved
+    monkeypatch.setenv("ROLLFLOW_ENGINE_FAULT", "exit@2")
     monkeypatch.setenv("ROLLFLOW_FAULT_STATE", str(tmp_path / "fired"))
     cfg = small_cfg(eval_prompt_data="", num_rollout=2, save_interval=1, rollout_retries=0, flow_retries=1,
                     flow_retry_delay=0, run_name="killed")
     result = rl_train(cfg)
-    assert (tmp_path / "fired").read_text() == "engine-exit@5\n"
+    assert (tmp_path / "fired").read_text() == "engine-exit@2\n"
 
     fr, trs = _runs(result["flow_run_id"])
     assert fr.state.is_completed() and fr.run_count == 2  # attempt 1 failed in rollout-1, attempt 2 resumed

@@ -73,6 +73,35 @@ def test_groups_come_back_in_prompt_order_with_statuses_rewards_and_logprobs(eng
     assert 0.0 <= m["rollout/truncated_share"] <= 1.0
 
 
+def test_groups_that_start_together_share_one_request_per_engine_when_the_pool_says_so(engine, draw):
+    """EnginePool.join_rows (a built-in CPU engine: it answers a batch only once every row is done): the groups a
+    round starts together go out as one /generate of at most join_rows rows, and each group gets its own rows back:
+    every sample continues its own prompt with its own log-probs (the engine scores each sequence alone and agrees)."""
+    from engine.rollout.client import EngineClient
+
+    state, url = engine
+    pool = StaticEngines([url])
+    pool.join_rows = 6  # two groups of 3 per request: 4 groups → 2 requests
+    before = len(state.scheduler.batch_sizes)
+    res = _run(engine, draw, engines=pool)
+    assert state.scheduler.batch_sizes[before:] == [6, 6]  # two requests, each a batch by itself
+    assert [g[0].metadata["row"] for g in res.groups] == [1, 2, 3, 4]
+    client = EngineClient(url)
+    for gi, g in enumerate(res.groups):
+        prompt = g[0].tokens[:g[0].prompt_length]
+        assert len(g) == 3 and all(s.tokens[:s.prompt_length] == prompt for s in g)
+        for s in g:
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.response_length > 0
+            (scored,) = client.score([s.tokens], temperature=1.0)
+            got = scored[s.prompt_length - 1:]
+            assert max(abs(a - b) for a, b in zip(got, s.rollout_log_probs)) < 1e-4, (gi, got, s.rollout_log_probs)
+    # the pool's default (and SGLang's, and a GPU engine's): one request per group
+    before = len(state.scheduler.batch_sizes)
+    draw.dataset.load_state({"epoch": 0, "offset": 0})
+    _run(engine, draw)
+    assert state.scheduler.batch_sizes[before:] == [3, 3, 3, 3]  # deterministic: one request per batch
+
+
 def test_same_rollout_id_same_samples_other_id_other_samples(engine, draw):
     def tokens(rollout_id):
         draw.dataset.load_state({"epoch": 0, "offset": 0})

@@ -471,3 +471,21 @@ def test_a_burst_that_never_completes_closes_after_its_gap():
     """Announced as 10 but only 4 come (the rest went to another engine): the batch closes burst_gap_s after the
     last one instead of waiting for the rest."""
     assert _spread(("b", 10), 0.0, count=4) == [4]
+
+
+def test_only_built_in_cpu_engines_take_a_rounds_groups_in_one_request():
+    """EngineGroup.join_rows: the built-in engine on a CPU answers a batch once every row is done, so a round's
+    groups go to it joined (at most its batch's rows); SGLang and GPU engines answer each request as it finishes
+    (rewards scored meanwhile, a filtered round cut early) and keep one request per group."""
+    from types import SimpleNamespace
+
+    from engine.rollout.actor import EngineSpec
+    from engine.rollout.engines import EngineGroup
+
+    def group(kind: str, gpus: int) -> EngineGroup:
+        spec = EngineSpec(kind=kind, model_path="m", log_dir="l", max_batch=96)
+        return EngineGroup(spec, SimpleNamespace(layout=SimpleNamespace(engine_bundles=[0], gpus_per_engine=gpus)),
+                           registry=None)
+
+    assert group("builtin", 0).join_rows == 96
+    assert group("builtin", 1).join_rows == 0 and group("sglang", 1).join_rows == 0

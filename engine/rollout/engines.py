@@ -169,6 +169,16 @@ class EngineGroup:
     def serving(self) -> list[str]:
         return [s.url for s in self.slots if s.serving and s.url]
 
+    @property
+    def join_rows(self) -> int:
+        """Built-in engines on CPUs answer a batch only once all its rows are done (no continuous batching there),
+        so a rollout's groups that start together go to each as one /generate of at most its batch's rows
+        (--sglang-max-running-requests; engine/rollout/loop.py:_Round): the same batch, one HTTP exchange instead
+        of one per group. SGLang and GPU engines deliver each request as it finishes (rewards scored meanwhile, a
+        dynamic filter's round cut early): 0, one request per group."""
+        return self.spec.max_batch if self.spec.kind == "builtin" and not self.placement.layout.gpus_per_engine \
+            else 0
+
     def serving_slots(self) -> list[Slot]:
         return [s for s in self.slots if s.serving and s.url]
 

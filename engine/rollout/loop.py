@@ -28,7 +28,7 @@ import httpx
 
 from engine.data import PromptRow
 from engine.diagnosis import Diagnosis, DiagnosisError
-from engine.rollout.client import BURST_HEADER, generate_async, run_on_rollout_loop
+from engine.rollout.client import BURST_HEADER, alone, generate_async, run_on_rollout_loop
 from engine.rollout.protocol import COMPACT_F64, COMPACT_HEADER, output_logprobs
 from engine.rewards import RewardModel
 from engine.samples import Sample, Status
@@ -65,6 +65,9 @@ class Prompt:
 class EnginePool(Protocol):
     fault_tolerant: bool
     api_key: str | None  # sent as `Authorization: Bearer` (SGLang's --api-key)
+    # optional `join_rows` (int, default 0): engines that answer a request only once all its rows are done (the
+    # built-in engine on a CPU runs each batch to its end): the groups a round sends at once then share one
+    # /generate per engine of at most this many rows (_Round._send): the same engine work, one HTTP exchange
 
     def serving(self) -> list[str]: ...
 
@@ -202,6 +205,11 @@ class _Round:
         self.hook_urls: dict[int, set[str]] = {}  # group → engines a generate hook sent its requests to
         self.retries = 0
         self.tasks: list[asyncio.Task] = []
+        # EnginePool.join_rows: what the groups send in one event-loop turn goes out as one /generate per engine
+        # (_flush, split where it would pass join_rows rows); each group gets its own slice of the answer
+        self.join_rows = int(getattr(engines, "join_rows", 0) or 0)
+        self._queued: dict[str, list[tuple[dict, asyncio.Future]]] = {}
+        self._flushes: set[asyncio.Task] = set()
 
     def rid(self, gi: int) -> str:
         return f"rf{self.rollout_id}-{self.nonce}-d{self.first_draw + gi}-"
@@ -312,6 +320,8 @@ class _Round:
             self.outstanding[url] += count
             self.inflight[gi] = url
             try:
+                if self.join_rows:
+                    return await self._queue(client, url, body)
                 return await generate_async(client, url, body, headers)
             except httpx.TransportError as e:
                 if not self.engines.fault_tolerant:
@@ -323,6 +333,57 @@ class _Round:
             finally:
                 self.outstanding[url] -= count
                 self.inflight.pop(gi, None)
+
+    def _queue(self, client: httpx.AsyncClient, url: str, body: dict) -> asyncio.Future:
+        """`body` (one group's /generate) joins what goes to `url` at the end of this event-loop turn: the groups
+        that start together (every group of a round, when the concurrency allows) are one request."""
+        fut = asyncio.get_running_loop().create_future()
+        if not any(self._queued.values()):
+            asyncio.get_running_loop().call_soon(self._flush, client)
+        self._queued.setdefault(url, []).append((body, fut))
+        return fut
+
+    def _flush(self, client: httpx.AsyncClient) -> None:
+        queued, self._queued = self._queued, {}
+        for url, parts in queued.items():
+            chunks: list[list[tuple[dict, asyncio.Future]]] = [[]]
+            rows = 0
+            for part in parts:
+                k = len(part[0]["input_ids"])
+                if chunks[-1] and rows + k > self.join_rows:
+                    chunks.append([])
+                    rows = 0
+                chunks[-1].append(part)
+                rows += k
+            for chunk in chunks:
+                task = asyncio.get_running_loop().create_task(self._post_joined(client, url, chunk))
+                self._flushes.add(task)
+                task.add_done_callback(self._flushes.discard)
+
+    async def _post_joined(self, client: httpx.AsyncClient, url: str, parts: list[tuple[dict, asyncio.Future]]
+                           ) -> None:
+        """One /generate holding every part's rows in order (a batch by itself: the engine starts it at once);
+        each part gets its rows' answers, or the failure."""
+        keys = ("input_ids", "rid", "sampling_params")
+        body = {"return_logprob": True, **{k: [x for b, _ in parts for x in b[k]] for k in keys}}
+        try:
+            answers = await generate_async(client, url, body, {COMPACT_HEADER: COMPACT_F64, **alone()})
+            if len(answers) != len(body["input_ids"]):
+                raise EngineFailure(f"engine {url} answered {len(answers)} results for {len(body['input_ids'])} "
+                                    "inputs")
+        except BaseException as e:
+            for _, fut in parts:
+                if not fut.done():
+                    fut.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        at = 0
+        for b, fut in parts:
+            k = len(b["input_ids"])
+            if not fut.done():
+                fut.set_result(answers[at:at + k])
+            at += k
 
     def _samples(self, gi: int, rows: list[Partial]) -> list[Sample]:
         p, group = self.prompts[gi], []
@@ -402,9 +463,9 @@ class _Round:
                         raise t.exception()
         finally:
             left_over = {gi: self._urls(gi) for gi, t in enumerate(self.tasks) if not t.done()}
-            for t in self.tasks:
+            for t in [*self.tasks, *self._flushes]:
                 t.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await asyncio.gather(*self.tasks, *self._flushes, return_exceptions=True)
             for gi, urls in left_over.items():  # requests still on an engine (error or deadline)
                 for url in urls:
                     await self._abort(url, self.rid(gi))
