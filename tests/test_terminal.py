@@ -2,6 +2,7 @@
 finished run launched again as "nothing to do"."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,9 @@ def test_a_finished_run_launched_again_has_nothing_to_do(tmp_path):
     where = json.loads((tmp_path / "summary.json").read_text())["placement"]
     assert where["train_prestarted"] and where["engine_in_trainer"], where
     assert where["engines"][0]["pid"] == where["train"][0]["pid"], where
+    # the local cluster's workers run at the driver's priority, above the bookkeeping lowered to nice 10
+    # (Ray's own default, worker_niceness 15, would put the trainer below the MLflow sender and the Prefect API)
+    assert where["train"][0]["nice"] == os.getpriority(os.PRIO_PROCESS, 0), where
     again = train(*args)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "nothing to do: iteration 0 is already saved and --num-rollout is 1" in again.stdout, again.stdout

@@ -78,7 +78,12 @@ def code_runtime_env(ray_code: str = "ship") -> dict[str, Any]:
 #: the engines and the train workers have environments of their own (their thread counts), so they cannot use
 #: them; only the port registry could, and it starts its own worker beside the engines'. On the 2-core machine
 #: the prestarted ones took ~1 s of CPU each from the start-up of the engines and the trainer.
-LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+#: Its workers run at the driver's priority (nice 0). Ray's default (`worker_niceness` 15) keeps its own daemons
+#: ahead of the workers; here the workers are the work (train ranks, engines) and would lose the CPU to the
+#: bookkeeping that engine/background.py lowers to nice 10 (the MLflow sender, the Prefect API server). Measured
+#: on the CPU demo: bench/results/trl_race.md, "Ray's workers at the driver's priority". A cluster rollflow joins
+#: (--ray-address) keeps its own setting.
+LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False, "worker_niceness": 0}
 
 
 def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship") -> dict[str, Any]:

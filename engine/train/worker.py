@@ -79,15 +79,17 @@ class TrainWorker:
 
     @staticmethod
     def where() -> dict[str, Any]:
-        """This process's Ray node (id and IP; None outside Ray) and pid."""
+        """This process's Ray node (id and IP; None outside Ray), pid and scheduling priority (`nice`: 0 on a local
+        cluster rollflow started, Ray's `worker_niceness` elsewhere; engine/cluster/__init__.py)."""
         import os
 
         import ray
 
+        nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None
         if not ray.is_initialized():
-            return {"node_ip": None, "node_id": None, "pid": os.getpid()}
+            return {"node_ip": None, "node_id": None, "pid": os.getpid(), "nice": nice}
         return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "nice": nice}
 
     def rendezvous(self, registry) -> str:
         """Rank 0: `host:port` of the process group's store on THIS node (its IP, a port the cluster's registry
