@@ -56,7 +56,8 @@ class RolloutArgs(Section):
     """Rollout engines on a cluster without GPUs (or with --rollout-num-gpus 0); decoupled on GPUs without --rollout-num-gpus, they take engines × GPUs-per-engine GPUs."""
 
     rollout_concurrency: int = Field(64, ge=1)
-    """Most generate requests in flight across all engines."""
+    """Most samples being generated at once across all engines: a rollout keeps this ÷ --n-samples-per-prompt
+    groups in flight (one /generate per group; to a built-in CPU engine, the groups that start together in one)."""
 
     rollout_timeout: float = Field(600.0, gt=0)
     """Seconds a whole rollout may take before it fails (and may be retried)."""

@@ -371,10 +371,10 @@ class _Round:
             if len(answers) != len(body["input_ids"]):
                 raise EngineFailure(f"engine {url} answered {len(answers)} results for {len(body['input_ids'])} "
                                     "inputs")
-        except BaseException as e:
+        except BaseException as e:  # the engine's failure is each group's; a cancelled post cancels them
             for _, fut in parts:
                 if not fut.done():
-                    fut.set_exception(e)
+                    fut.cancel() if isinstance(e, asyncio.CancelledError) else fut.set_exception(e)
             if not isinstance(e, Exception):
                 raise
             return
