@@ -251,8 +251,8 @@ def test_an_engine_in_the_train_workers_process_is_probed_in_the_sync_call(tiny_
         assert ref.numel() == 8 and float(stages._answer_diffs(seqs, ref, lps).max()) < 1e-5
 
         run = SimpleNamespace(cfg=cfg, probe=[p for p, _ in seqs], probe_seqs=seqs, eos_ids=eos_token_ids(tiny_model),
-                              engine_dtype="float32",
-                              train_dtype="float32", engines=SimpleNamespace(serving=lambda: [url], api_key=None))
+                              engine_dtype="float32", train_dtype="float32",
+                              engines=SimpleNamespace(serving=lambda: [url], api_key=None))
         assert stages.probe_engines(run, 3, scored={url: (ref, lps)})["sync/probe_mismatch"] < 1e-5
         # a copy that does not land: the engine says version 4 but keeps version 3's weights
         monkeypatch.setattr(state, "update_from_named",
