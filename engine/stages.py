@@ -742,8 +742,15 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     old_from = old_log_probs_source(run, first)
     # the reference forward only where KL is used (worker: --use-kl-loss, --kl-coef), asked for (--log-kl) or
     # checked (RF01, the run's first step)
-    facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=first or cfg.log_kl,
-                                                       normalized=normalized, old_from=old_from))
+    need_ref = first or cfg.log_kl
+    first_parts = None  # step 0's metrics when the workers ran it in the set_rollout call
+    if old_from == "forward":  # the mismatch (and on the first step RF01) is judged between the two calls
+        facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=need_ref,
+                                                           normalized=normalized, old_from=old_from))
+    else:  # judged after step 0 anyway (its forward gives the trainer's side): one call where the backend allows
+        per_rank_facts, first_parts = run.train_group.set_rollout_and_step(
+            per_rank_steps, rewards, need_ref, normalized, old_from, run.plan.global_batch_size)
+        facts = reduce_metrics(per_rank_facts)
     trained = sum(float(mb.loss_mask.sum()) for rank in per_rank_steps for step in rank for mb in step)
     on_policy = getattr(packed, "staleness_max", 0) == 0
 
@@ -770,7 +777,8 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         raise DiagnosisError(d)
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
-        parts = run.train_group.train_step(k, run.plan.global_batch_size)
+        parts = first_parts if k == 0 and first_parts is not None else \
+            run.train_group.train_step(k, run.plan.global_batch_size)
         faults.at("during_train", rollout_id)
         m = reduce_metrics(parts)
         if k == 0 and "train/mismatch" not in mismatch:  # reported by the step's own forward

@@ -178,11 +178,20 @@ def test_ppo_critic_starts_at_zero_learns_and_round_trips(tiny_model, tmp_path):
 class InProcessGroup:
     def __init__(self, worker):
         self.worker = worker
+        self.calls: list[str] = []  # the worker calls the stage made, in order (each a Ray round trip in a run)
 
     def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False, old_from="forward"):
+        self.calls.append("set_rollout")
         return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized, old_from)]
 
+    def set_rollout_and_step(self, per_rank_steps, rewards, need_ref, normalized, old_from, global_batch_size):
+        self.calls.append("set_rollout_and_step")
+        facts, out = self.worker.set_rollout_and_step(per_rank_steps[0], rewards, need_ref, normalized, old_from,
+                                                      global_batch_size)
+        return [facts], None if out is None else [out]
+
     def train_step(self, k, global_batch_size):
+        self.calls.append("train_step")
         return [self.worker.train_step(k, global_batch_size)]
 
 
@@ -435,6 +444,55 @@ def test_old_log_probs_without_their_forward_train_the_same(tiny_model, old_from
     assert a["pg_loss_sum"] == pytest.approx(b["pg_loss_sum"], abs=1e-7)
     if old_from == "train":
         assert facts["mismatch_max"] == pytest.approx(0.5, abs=1e-6)
+
+
+@pytest.mark.parametrize("old_from", ["train", "rollout"])
+def test_set_rollout_and_step_in_one_call_is_the_two_calls(tiny_model, old_from):
+    """The folded call (set_rollout, then step 0 in the same worker call) updates the weights bitwise as the two
+    calls do and returns the same metrics; where the mismatch is judged before the update (old_from "forward",
+    or a backend without the step's log-probs) it runs no step at all."""
+    cfg = make_cfg(tiny_model, use_rollout_logprobs=old_from == "rollout", logprob_mismatch_threshold=1e3)
+    two, one = make_worker(cfg), make_worker(cfg)
+    steps, rewards = one_rollout()
+    facts = two.set_rollout(steps, rewards, need_ref=False, old_from=old_from)
+    a = two.train_step(0, 8)
+    steps2, _ = one_rollout()
+    facts2, b = one.set_rollout_and_step(steps2, rewards, False, False, old_from, 8)
+    assert facts2 == facts and b is not None
+    assert {k: v for k, v in b.items() if k != "seconds"} == {k: v for k, v in a.items() if k != "seconds"}
+    for k, v in params(two.backend.model).items():
+        assert torch.equal(v, params(one.backend.model)[k]), k
+    for w, frm in ((make_worker(cfg), "forward"), (make_worker(cfg), "rollout")):
+        if frm == "rollout":
+            del w.backend.last_log_probs  # a backend that does not keep its step's log-probs (Megatron)
+        before = params(w.backend.model)
+        f, out = w.set_rollout_and_step(one_rollout()[0], rewards, False, False, frm, 8)
+        assert out is None and f["mismatch_count"] > 0  # judged by the driver before it asks for the step
+        assert all(torch.equal(before[k], v) for k, v in params(w.backend.model).items())
+
+
+def test_train_stage_asks_for_the_first_step_with_the_rollout_when_nothing_is_judged_between(tiny_model):
+    """The stage's worker calls: the run's first step needs RF01 and the mismatch between set_rollout and the
+    update (two calls); a later one-step rollout judges the mismatch from the step's own forward (one call); a
+    backend without the step's log-probs judges it before the update again (two)."""
+    from engine.stages import train
+
+    def calls(rollout_id, drop_step_log_probs=False, **over):
+        cfg = make_cfg(tiny_model, logprob_mismatch_threshold=1e3, **over)
+        w = make_worker(cfg)
+        if drop_step_log_probs:
+            del w.backend.last_log_probs
+        run = stage_run(cfg, w)
+        out = train(run, packed_rollout(rollout_id=rollout_id))
+        assert math.isfinite(out["train/mismatch"]) and math.isfinite(out["train/loss"])
+        return run.train_group.calls
+
+    assert calls(0) == ["set_rollout", "train_step"]
+    assert calls(1) == ["set_rollout_and_step"]
+    assert calls(1, use_rollout_logprobs=True) == ["set_rollout_and_step"]
+    assert calls(1, use_rollout_logprobs=True, drop_step_log_probs=True) == ["set_rollout_and_step", "train_step"]
+    # a KL reward needs the old log-probs (and the reference) before the step
+    assert calls(1, kl_coef=0.1, advantage_estimator="reinforce_plus_plus") == ["set_rollout", "train_step"]
 
 
 def test_train_stage_skips_the_reference_forward_after_the_first_step_unless_kl_is_used(tiny_model):

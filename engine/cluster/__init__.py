@@ -290,6 +290,18 @@ class TrainGroup:
         return self._all(lambda w: w.set_rollout, rewards, need_ref, normalized, old_from,
                          per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
+    def set_rollout_and_step(self, per_rank_steps: list[list[list[Any]]], rewards: list[float], need_ref: bool,
+                             normalized: bool, old_from: str, global_batch_size: int
+                             ) -> tuple[list[dict[str, float]], list[dict[str, Any]] | None]:
+        """set_rollout and, where the workers defer the mismatch to the step's forward, train_step(0) in the same
+        call (engine.train.worker.set_rollout_and_step): (facts per rank, step 0's metrics per rank or None)."""
+        pairs = self._all(lambda w: w.set_rollout_and_step, rewards, need_ref, normalized, old_from,
+                          global_batch_size, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
+        stepped = [out is not None for _, out in pairs]
+        if any(stepped) and not all(stepped):  # every rank has the same backend and flags: never expected
+            raise RuntimeError(f"train ranks disagree on running step 0 with set_rollout: {stepped}")
+        return [f for f, _ in pairs], [out for _, out in pairs] if all(stepped) else None
+
     def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
         return self._all(lambda w: w.train_step, k, global_batch_size)
 

@@ -205,6 +205,17 @@ class TrainWorker:
         facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
         return facts
 
+    def set_rollout_and_step(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool,
+                             normalized: bool, old_from: str, global_batch_size: int
+                             ) -> tuple[dict[str, float], dict[str, Any] | None]:
+        """`set_rollout`, then `train_step(0)` in the same call when nothing is judged between the two: the
+        mismatch comes with the step's own forward (old_from "train", or "rollout" on a backend that keeps its
+        step's log-probs), so the driver's RF14 check follows the step either way. One round trip fewer per
+        rollout. Returns (facts, step 0's metrics); the metrics are None when the mismatch was computed here, and
+        the driver then judges it before it asks for the step."""
+        facts = self.set_rollout(steps, rewards, need_ref, normalized, old_from)
+        return facts, self.train_step(0, global_batch_size) if self.mismatch_deferred else None
+
     def _mismatch(self, steps: list[list[MicroBatch]], old: list[list[torch.Tensor]]) -> dict[str, float]:
         """Σ, count and max of |log π_engine − log π_trainer| over trained tokens (trainer = the weights before the
         update, the ones the engine should serve)."""
