@@ -237,6 +237,10 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/rollflow_bench_trl_race")
     p.add_argument("--name", default="trl_race", help="results as <out>/<name>.json and <name>_table.md")
     p.add_argument("--extra", default="", help="more `rollflow train` flags for the rollflow sides, one string")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the sides this many times, interleaved (all sides, then all again, ...): each number is "
+                        "then the median over the rounds, and the ratios to TRL are given per round (the 2-core VM "
+                        "drifts by 15-30%% within minutes; a ratio within one round compares like with like)")
     p.add_argument("--side-process", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.side_process == "trl":
@@ -245,31 +249,69 @@ def main() -> int:
     sides = [x for x in a.sides.split(",") if x]
     if any(x not in SIDES for x in sides):
         p.error(f"--sides {a.sides!r}: any of {', '.join(SIDES)}")
-    res = {}
-    for side in sides:
-        work = Path(a.work) / side
-        res[side] = run_trl(a.num_rollout, work) if side == "trl" else run_rollflow(side, a.num_rollout, work,
-                                                                                      a.extra.split())
-        r = res[side]
-        print(f"[{time.strftime('%H:%M:%S')}] {side}: start-up {r['startup_s']} s, {r['step_s']} s/step, "
-              f"to 0.8: {r['time_to_reward_s']['0.8']} s, peak {r['peak_rss_mb']} MB in {r['processes']} processes",
-              flush=True)
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: at least 1")
+    rounds = []
+    for i in range(a.rounds):
+        res = {}
+        for side in sides:
+            work = Path(a.work) / side
+            res[side] = run_trl(a.num_rollout, work) if side == "trl" else run_rollflow(side, a.num_rollout, work,
+                                                                                          a.extra.split())
+            r = res[side]
+            print(f"[{time.strftime('%H:%M:%S')}] round {i + 1}/{a.rounds}, {side}: start-up {r['startup_s']} s, "
+                  f"{r['step_s']} s/step, to 0.8: {r['time_to_reward_s']['0.8']} s, peak {r['peak_rss_mb']} MB in "
+                  f"{r['processes']} processes", flush=True)
+        rounds.append(res)
     out = {"command": "python bench/trl_race.py " + " ".join(f"'{x}'" if " " in x or not x else x
                                                            for x in sys.argv[1:]),
            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "num_rollout": a.num_rollout, "window": WINDOW, "sides": res}
-    if "trl" in res:
-        for side in res:
+           "num_rollout": a.num_rollout, "window": WINDOW,
+           "sides": rounds[0] if a.rounds == 1 else {side: median_side([r[side] for r in rounds]) for side in sides}}
+    if a.rounds > 1:
+        out["rounds"] = rounds
+    if "trl" in sides:
+        for side in sides:
             if side != "trl":
-                out[f"{side}_step_ratio_vs_trl"] = round(res[side]["step_s"] / res["trl"]["step_s"], 3)
-                t_r, t_t = res[side]["time_to_reward_s"]["0.8"], res["trl"]["time_to_reward_s"]["0.8"]
-                out[f"{side}_time_to_0.8_ratio_vs_trl"] = round(t_r / t_t, 3) if t_r and t_t else None
+                steps = [round(r[side]["step_s"] / r["trl"]["step_s"], 3) for r in rounds]
+                to = [r[side]["time_to_reward_s"]["0.8"] and r["trl"]["time_to_reward_s"]["0.8"]
+                      and round(r[side]["time_to_reward_s"]["0.8"] / r["trl"]["time_to_reward_s"]["0.8"], 3)
+                      for r in rounds]
+                out[f"{side}_step_ratio_vs_trl"] = statistics.median(steps)
+                out[f"{side}_time_to_0.8_ratio_vs_trl"] = statistics.median(to) if None not in to else None
+                if a.rounds > 1:  # the same ratios within each round (the medians above are of these)
+                    out[f"{side}_step_ratio_vs_trl_rounds"] = steps
+                    out[f"{side}_time_to_0.8_ratio_vs_trl_rounds"] = to
     dst = Path(a.out)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     (dst / f"{a.name}_table.md").write_text(table(out) + "\n")
     print(table(out))
     return 0
+
+
+def median_side(runs: list[dict]) -> dict:
+    """One side over several rounds: the median of every number (top-level, per stage, per threshold) and of the
+    reward at each step; a threshold counts as not reached (None) when most rounds did not reach it. The per-step
+    times (done_s) stay in each round's own record."""
+    def med(xs: list):
+        got = [x for x in xs if x is not None]
+        if len(got) * 2 <= len(xs):
+            return None
+        m = statistics.median(got)
+        return int(round(m)) if all(isinstance(x, int) for x in got) else round(m, 4)
+
+    out: dict = {"rounds": len(runs)}
+    for k, v in runs[0].items():
+        if isinstance(v, dict):
+            out[k] = {kk: med([r[k].get(kk) for r in runs]) for kk in v}
+        elif k == "rewards":
+            out[k] = [round(statistics.median(xs), 4) for xs in zip(*(r[k] for r in runs))]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = med([r[k] for r in runs])
+        elif not isinstance(v, list):
+            out[k] = v
+    return out
 
 
 def table(out: dict) -> str:
@@ -289,9 +331,14 @@ def table(out: dict) -> str:
         row(f"· {k} (s)", lambda r, k=k: f"{r['split_s'].get(k)}" if r["split_s"].get(k) is not None else "—")
     row("peak memory (MB, process tree)", lambda r: f"{r['peak_rss_mb']} in {r['processes']} processes")
     row("last-5 mean reward", lambda r: f"{sum(r['rewards'][-5:]) / 5:.3f}")
+    n = len(out.get("rounds", [])) or 1
+    notes = [f"- {side}: whole step ÷ TRL's in each round {out[f'{side}_step_ratio_vs_trl_rounds']}, time to 0.8 ÷ "
+             f"TRL's {out[f'{side}_time_to_0.8_ratio_vs_trl_rounds']}"
+             for side in res if f"{side}_step_ratio_vs_trl_rounds" in out]  # the VM's noise, measured
+    each = f"{n} interleaved rounds, medians; " if n > 1 else ""
     return "\n".join([f"`{out['command']}` on {out['machine']['host']} ({out['machine']['cpus']} CPUs, "
-                      f"{out['machine']['platform']}), {out['date']}; {out['num_rollout']} steps per side.", "",
-                      *rows])
+                      f"{out['machine']['platform']}), {out['date']}; {each}{out['num_rollout']} steps per side.",
+                      "", *rows, *([""] + notes if notes else [])])
 
 
 if __name__ == "__main__":
