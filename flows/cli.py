@@ -93,6 +93,7 @@ def cmd_train(argv: list[str]) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", WORKER_ENV_DEFAULTS["OMP_WAIT_POLICY"])
     from plumbing import prestart
 
+    prestart.defer_gc()  # until training starts (flows/train.py), or start-up or the flow fails
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
         print(f"rollflow train {cfg.experiment_name}: starting the Prefect API and Ray, then preflight, the engines "
               "and the train workers …", file=sys.stderr, flush=True)
@@ -116,6 +117,9 @@ def cmd_train(argv: list[str]) -> int:
             prestart.wait_ephemeral_api(api)
         if mlflow_store is not None:
             mlflow_store.join()
+    except BaseException:
+        prestart.gc_ready()  # the collector back on for a caller that goes on (a test calling main)
+        raise
     finally:
         signal.signal(signal.SIGTERM, before)
     try:
@@ -123,6 +127,8 @@ def cmd_train(argv: list[str]) -> int:
     except CancelledRun as e:
         print(f"rollflow: the flow run was cancelled: {e}", file=sys.stderr, flush=True)
         return 143
+    finally:
+        prestart.gc_ready()
     if cfg.summary_json:
         Path(cfg.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.summary_json).write_text(json.dumps(result, indent=2))

@@ -307,7 +307,14 @@ def test_summary_json_is_written_by_rollflow_train(tmp_path, monkeypatch):
     monkeypatch.setattr(prestart, "launch_ephemeral_api", lambda: None)  # outlive the test in this process)
     monkeypatch.setattr(prestart, "start_ray", lambda cfg: False)
     out = tmp_path / "deep" / "summary.json"
-    assert main(["train", "--summary-json", str(out), "--eval-prompt-data", ""]) == 0
+    import gc
+
+    try:
+        assert main(["train", "--summary-json", str(out), "--eval-prompt-data", ""]) == 0
+        # start-up ran without the cyclic collector; it is back on, start-up's objects frozen (plumbing/prestart)
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
     assert json.loads(out.read_text()) == summary
 
 
