@@ -274,7 +274,7 @@ def defer_gc() -> None:
 
 def gc_ready() -> None:
     """When training starts (and at the latest when the flow returns): what start-up built is frozen out of the
-    collector's walks (gc.freeze; without it a full collection during the loop took 0.39-0.42 s, one step 2-3x its
+X
     length) and the collector is turned back on. Only where `defer_gc` turned it off (the CLI's process): a library
     caller's objects are left to its own collector."""
     global _gc_deferred
