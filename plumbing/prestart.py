@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import logging
 import os
 import random
@@ -26,14 +25,17 @@ import threading
 import time
 from pathlib import Path
 
+from engine import startgc
+
 log = logging.getLogger("rollflow.prestart")
 
 
 class EphemeralAPI:
     """Prefect's ephemeral API server, launched by rollflow: the command and environment Prefect's own
     `SubprocessASGIServer` uses (uvicorn on `prefect.server.api.server:create_app`, UI off, 127.0.0.1 on a free
-    port of 8000–8999), without importing that module here: the server module (its app, models and database
-    layer) is ~2.5 s of imports on the driver's start-up path that only the server process needs. Once it answers,
+    port of 8000–8999; run by plumbing/api_server.py, which builds the app without the cyclic collector), without
+    importing that module here: the server module (its app, models and database layer) is ~2.5 s of imports on the
+    driver's start-up path that only the server process needs. Once it answers,
     this process points Prefect at it (`PREFECT_API_URL`), so Prefect's clients use it and never start one of
     their own; it stays ephemeral for rollflow (`own_api_url`: no GPU slots, nice 10) and stops at exit."""
 
@@ -61,16 +63,13 @@ class EphemeralAPI:
         raise RuntimeError("no free port in 8000-8999 for the ephemeral Prefect API")
 
     def launch(self) -> "EphemeralAPI":
-        import prefect
         from prefect.settings import get_current_settings
 
         self.port = self._free_port()
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
-        self.server_process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "error", "--lifespan", "on"], env=env)
+        self.server_process = subprocess.Popen(  # uvicorn on Prefect's create_app, its start-up without the GC
+            [sys.executable, str(Path(__file__).with_name("api_server.py")), str(self.port)], env=env)
         return self
 
     def adopt(self) -> None:
@@ -258,27 +257,15 @@ def warm_mlflow_store(cfg) -> threading.Thread | None:
 
 
 # ---- the driver's cyclic garbage collector ------------------------------------------------------------------------
-_gc_deferred = False
-
-
 def defer_gc() -> None:
-    """`rollflow train`'s start-up runs without the cyclic garbage collector: its imports (torch, transformers,
-    Prefect, Ray, MLflow) and the flow's start create millions of long-lived objects and hardly any garbage, yet
-    each full collection walks them all (a GC callback in the CPU demo's driver: 8 full collections before the
-    first step, 2.2 s in all, the longest 0.82 s). `gc_ready` turns it back on."""
-    global _gc_deferred
-    if gc.isenabled():
-        gc.disable()
-        _gc_deferred = True
+    """`rollflow train`'s start-up runs without the cyclic garbage collector (engine/startgc.py: 8 full collections
+    before the CPU demo's first step, 2.2 s in all); `gc_ready` turns it back on."""
+    startgc.defer()
 
 
 def gc_ready() -> None:
-    """When training starts (and at the latest when the flow returns): what start-up built is frozen out of the
-X
-    length) and the collector is turned back on. Only where `defer_gc` turned it off (the CLI's process): a library
-    caller's objects are left to its own collector."""
-    global _gc_deferred
-    if _gc_deferred:
-        _gc_deferred = False
-        gc.freeze()
-        gc.enable()
+    """When training starts (and at the latest when the flow returns): start-up's objects frozen out of the
+    collector's walks (a full collection during training then takes 0.05-0.07 s instead of 0.39-0.51 s), the
+    collector back on. Only where `defer_gc` turned it off (the CLI's process): a library caller's objects are left
+    to its own collector."""
+    startgc.ready()

@@ -36,7 +36,9 @@ def test_the_launched_api_is_the_one_the_flow_client_uses():
         assert flow(lambda: 7)() == 7  # a flow run on it
         # still the ephemeral API for rollflow: no GPU slots on it, its priority lowered
         assert limits.api_is_ephemeral() and ui.background_ephemeral_api() > 0
-        kids = [p for p in psutil.Process().children(recursive=True) if 'uvicorn' in ' '.join(p.cmdline())]
+        # ours runs plumbing/api_server.py; one Prefect's client started itself would run `-m uvicorn`
+        kids = [p for p in psutil.Process().children(recursive=True)
+                if any(w in ' '.join(p.cmdline()) for w in ('uvicorn', 'api_server.py'))]
         print('servers', len(kids), 'server module', 'prefect.server.api.server' in sys.modules)
         server.stop()
         assert 'PREFECT_API_URL' not in os.environ and 'PREFECT_UI_URL' not in os.environ  # put back
@@ -100,6 +102,40 @@ def test_background_imports_load_modules_and_leave_failures_to_the_caller():
     assert "True True False" in out
 
 
+def _gc_state(actor) -> tuple[bool, int, str | None]:
+    """In an actor's process: whether the collector is on, how many objects are frozen, and the defer variable."""
+    import ray
+
+    def state(_self):
+        import gc
+
+        from engine.startgc import DEFER_ENV
+
+        return gc.isenabled(), gc.get_freeze_count(), os.environ.get(DEFER_ENV)
+
+    return ray.get(actor.__ray_call__.remote(state), timeout=60)
+
+
+def test_importing_engine_defers_the_collector_only_where_rollflow_asked():
+    """A Ray worker rollflow starts has ROLLFLOW_DEFER_GC=1 (engine/startgc.py): importing `engine` (before the
+    actor's module imports torch) turns the collector off and drops the variable, so child processes start
+    normally; `ready` turns it back on with start-up's objects frozen. Without the variable nothing changes."""
+    code = """
+        import gc, os, sys
+        import engine, torch
+        from engine import startgc
+        print('before', gc.isenabled(), os.environ.get(startgc.DEFER_ENV), gc.get_freeze_count())
+        startgc.ready()
+        print('after', gc.isenabled(), gc.get_freeze_count() > 10000)
+    """
+    asked = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "ROLLFLOW_DEFER_GC": "1"})
+    assert "before False None 0" in asked.stdout and "after True True" in asked.stdout, asked.stdout + asked.stderr
+    plain = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env={k: v for k, v in os.environ.items() if k != "ROLLFLOW_DEFER_GC"})
+    assert "before True None 0" in plain.stdout and "after True False" in plain.stdout, plain.stdout + plain.stderr
+
+
 def test_a_prestarted_train_worker_is_adopted_by_its_own_run_only(shared_ray, small_cfg):
     """prestart_train_worker on a one-rank CPU run: TrainGroup adopts that worker (its setup already asked) for the
     same config, iterations and threads; a group for another config kills it and starts its own. Several ranks:
@@ -115,6 +151,8 @@ def test_a_prestarted_train_worker_is_adopted_by_its_own_run_only(shared_ray, sm
     group = cluster.TrainGroup(cfg, train_iters=2, timeout_s=120, threads=1)
     try:
         assert group.prestarted and group.workers == [first] and group.nodes[0]["pid"]
+        enabled, frozen, env = _gc_state(first)  # its start-up ran without the collector, which is back on
+        assert enabled and frozen > 100_000 and env is None, (enabled, frozen, env)
         assert cluster.take_prestarted_worker(cfg, 2, 1) is None  # adopted once
     finally:
         group.shutdown()

@@ -81,6 +81,16 @@ def test_engines_on_their_bundles_with_distinct_gpus_and_ports(two_engines):
         assert r.status_code == 200
 
 
+def test_an_engine_actor_starts_up_without_the_collector_and_turns_it_back_on(two_engines):
+    """Each engine actor's process imports torch and transformers and loads the model with the cyclic collector off
+    (engine/startgc.py); when `start` returns it is back on, with what start-up built frozen out of its walks."""
+    from test_prestart import _gc_state
+
+    for s in two_engines.slots:
+        enabled, frozen, env = _gc_state(s.actor)
+        assert enabled and frozen > 100_000 and env is None, (s.index, enabled, frozen, env)
+
+
 def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engines, tiny_model):
     from engine.config.data import BUNDLED_TRAIN
     from engine.data import PromptDataset, load_prompts

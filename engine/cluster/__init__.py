@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from engine import startgc
+
 log = logging.getLogger("rollflow.cluster")
 
 #: OMP_WAIT_POLICY=PASSIVE: in a synchronous run the engine and the trainer take turns on the same cores, and an idle
@@ -31,9 +33,10 @@ def worker_env() -> dict[str, str]:
 
 
 def _threads_env(threads: int) -> dict[str, Any]:
-    """OpenMP/MKL threads are fixed before torch is imported in the worker (set_num_threads later is not enough)."""
+    """OpenMP/MKL threads are fixed before torch is imported in the worker (set_num_threads later is not enough).
+    The train worker's start-up runs without the cyclic collector until its setup returns (engine/startgc.py)."""
     t = str(max(1, threads))
-    return {"env_vars": {**worker_env(), "OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t}}
+    return {"env_vars": {**worker_env(), "OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, startgc.DEFER_ENV: "1"}}
 
 
 def check_reachable(address: str, timeout_s: float = 10.0) -> None:

@@ -51,6 +51,16 @@ class EngineActor:
         return allocate_ports(lambda n, m: ray.get(self.registry.reserve.remote(n, m)), node, k)
 
     def start(self) -> dict[str, Any]:
+        """Start the engine (its server and model, or SGLang's process). The end of this actor's start-up: the
+        collector, off since the process started (engine/startgc.py), comes back on, also on a failure."""
+        from engine import startgc
+
+        try:
+            return self._start()
+        finally:
+            startgc.ready()
+
+    def _start(self) -> dict[str, Any]:
         import ray
 
         from dataclasses import replace

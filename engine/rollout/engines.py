@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from engine import startgc
 from engine.rollout.actor import EngineActor, EngineSpec
 from engine.rollout.client import EngineClient
 
@@ -76,6 +77,7 @@ class EngineGroup:
         lay = self.placement.layout
         cls = ray.remote(max_restarts=0, max_concurrency=4)(EngineActor)
         env = dict(self.runtime_env.get("env_vars", {}))
+        env[startgc.DEFER_ENV] = "1"  # its start-up without the cyclic collector, until `start` returns
         if lay.gpus_per_engine:  # SGLang addresses GPUs base_gpu_id.. itself: Ray must not hide the others
             env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         return cls.options(num_cpus=0, num_gpus=lay.engine_gpu_fraction,

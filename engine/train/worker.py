@@ -61,7 +61,16 @@ class TrainWorker:
 
     def setup(self, master: str | None) -> dict[str, Any]:
         """Join the process group at `master` (world > 1), build the backend (and PPO's critic), load the model.
-        Returns where this rank runs (`where`)."""
+        Returns where this rank runs (`where`). The end of this actor's start-up: the collector, off since the
+        process started (engine/startgc.py), comes back on with start-up's objects frozen, also on a failure."""
+        from engine import startgc
+
+        try:
+            return self._setup(master)
+        finally:
+            startgc.ready()
+
+    def _setup(self, master: str | None) -> dict[str, Any]:
         from engine.cluster.nodes import require_model
         from engine.train.backend import create_backend
 
