@@ -91,9 +91,10 @@ def cmd_train(argv: list[str]) -> int:
     # spinning on the cores the other side computes on (the engine and the trainer alternate on the same CPUs);
     # the Ray workers inherit it (engine/cluster WORKER_ENV_DEFAULTS for joined clusters)
     os.environ.setdefault("OMP_WAIT_POLICY", WORKER_ENV_DEFAULTS["OMP_WAIT_POLICY"])
+    from engine import startgc
     from plumbing import prestart
 
-    prestart.defer_gc()  # until training starts (flows/train.py), or start-up or the flow fails
+    startgc.defer()  # until training starts (flows/train.py), or start-up or the flow fails
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
         print(f"rollflow train {cfg.experiment_name}: starting the Prefect API and Ray, then preflight, the engines "
               "and the train workers …", file=sys.stderr, flush=True)
@@ -118,7 +119,7 @@ def cmd_train(argv: list[str]) -> int:
         if mlflow_store is not None:
             mlflow_store.join()
     except BaseException:
-        prestart.gc_ready()  # the collector back on for a caller that goes on (a test calling main)
+        startgc.ready()  # the collector back on for a caller that goes on (a test calling main)
         raise
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -128,7 +129,7 @@ def cmd_train(argv: list[str]) -> int:
         print(f"rollflow: the flow run was cancelled: {e}", file=sys.stderr, flush=True)
         return 143
     finally:
-        prestart.gc_ready()
+        startgc.ready()
     if cfg.summary_json:
         Path(cfg.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.summary_json).write_text(json.dumps(result, indent=2))

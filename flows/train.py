@@ -16,11 +16,11 @@ from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
 
 import tasks
-from engine import stages
+from engine import stages, startgc
 from engine.config import RunConfig
 from engine.diagnosis import DiagnosisError
 from engine.tracking.record import finish, prefect_ui_url
-from plumbing import limits, policy, prestart, stopping, ui
+from plumbing import limits, policy, stopping, ui
 from flows.params import CfgParam, SecretSafeFlow, flow_run_name, run_config
 
 
@@ -160,7 +160,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         else:
             t.evaluate(r, 0)
         progress = ui.Progress(run, start)
-        prestart.gc_ready()  # the collector back on, start-up's objects frozen out of its walks
+        startgc.ready()  # the collector back on, start-up's objects frozen out of its walks
         run.state.loop_started = time.perf_counter()
         run.state.loop_started_unix = time.time()
         if cfg.async_mode != "off":

@@ -25,8 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-from engine import startgc
-
 log = logging.getLogger("rollflow.prestart")
 
 
@@ -255,17 +253,3 @@ def warm_mlflow_store(cfg) -> threading.Thread | None:
     thread.start()
     return thread
 
-
-# ---- the driver's cyclic garbage collector ------------------------------------------------------------------------
-def defer_gc() -> None:
-    """`rollflow train`'s start-up runs without the cyclic garbage collector (engine/startgc.py: 8 full collections
-    before the CPU demo's first step, 2.2 s in all); `gc_ready` turns it back on."""
-    startgc.defer()
-
-
-def gc_ready() -> None:
-    """When training starts (and at the latest when the flow returns): start-up's objects frozen out of the
-    collector's walks (a full collection during training then takes 0.05-0.07 s instead of 0.39-0.51 s), the
-    collector back on. Only where `defer_gc` turned it off (the CLI's process): a library caller's objects are left
-    to its own collector."""
-    startgc.ready()

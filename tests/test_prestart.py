@@ -174,25 +174,25 @@ def test_a_prestarted_train_worker_is_adopted_by_its_own_run_only(shared_ray, sm
 def test_start_up_defers_the_garbage_collector_and_training_freezes_what_start_up_built():
     """`rollflow train` turns the cyclic collector off for its start-up (its imports build millions of long-lived
     objects that each full collection walked: 2.2 s of the CPU demo's start-up) and back on when training starts,
-    with start-up's objects frozen out of its walks; a library caller (no defer_gc) keeps its collector as it is."""
+    with start-up's objects frozen out of its walks; a library caller (no defer) keeps its collector as it is."""
     import gc
 
-    from plumbing import prestart
+    from engine import startgc
 
     def is_frozen(obj) -> bool:  # tracked, but in none of the collector's generations: in the permanent one
         return gc.is_tracked(obj) and not any(o is obj for o in gc.get_objects())
 
     assert gc.isenabled() and gc.get_freeze_count() == 0
     try:
-        prestart.gc_ready()  # not deferred here: nothing frozen, nothing changed
+        startgc.ready()  # not deferred here: nothing frozen, nothing changed
         assert gc.isenabled() and gc.get_freeze_count() == 0
-        prestart.defer_gc()
+        startgc.defer()
         assert not gc.isenabled()
         built = [[] for _ in range(10)]  # objects start-up leaves alive (lists: the collector tracks them)
-        prestart.gc_ready()
+        startgc.ready()
         assert gc.isenabled() and all(is_frozen(o) for o in built)
         later = []  # built during training
-        prestart.gc_ready()  # once only: a second call freezes nothing
+        startgc.ready()  # once only: a second call freezes nothing
         assert not is_frozen(later) and gc.isenabled()
         # (the freeze count itself is no witness: it drops whenever a frozen object is freed)
     finally:
