@@ -58,7 +58,7 @@ class Run:
         self.engines = None  # engine.rollout.engines.EngineGroup
         self.placement = None  # engine.cluster.placement.Placement
         self.train_placement = None  # CPU train workers over several nodes (stages.place_train_workers)
-        self.ports = None  # the cluster's port registry (a Ray actor)
+        self.ports = None  # the cluster's port registry (engine/rollout/ports.py: in its key-value store)
         self.sample_filter = None  # --dynamic-sampling-filter-path, loaded
         self.hooks = None  # engine.rollout.hooks.Hooks: slime's hook flags, loaded by stages.place
         self.data_source = None  # --data-source-path's object, else the prompt file's rows (stages.data_source)

@@ -63,7 +63,7 @@ def two_engines(ray_cluster, tiny_model, tmp_path_factory):
 
 
 def test_engines_on_their_bundles_with_distinct_gpus_and_ports(two_engines):
-    import ray
+    from engine.rollout.ports import PortRegistry
 
     group = two_engines
     infos = [s.info for s in group.slots]
@@ -73,12 +73,31 @@ def test_engines_on_their_bundles_with_distinct_gpus_and_ports(two_engines):
     assert all(len(g) == 1 for g in gpus) and gpus[0] != gpus[1]  # each on its own (fake) GPU
     ports = [p for i in infos for p in i["ports"]]
     assert len(set(ports)) == len(ports) == 2 and infos[0]["node"] == infos[1]["node"]  # RF08: no collision
-    handed = ray.get(ray.get_actor("rollflow-ports", namespace="rollflow").handed_out.remote())
+    handed = PortRegistry().handed_out()  # the cluster's store, as the engines' processes wrote it
     assert set(ports) <= set(handed[infos[0]["node"]])
     for url in group.serving():
         r = httpx.post(url + "/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 2}},
                        headers=AUTH, timeout=60)
         assert r.status_code == 200
+
+
+def test_the_cluster_port_registry_is_shared_by_concurrent_processes_without_collisions(ray_cluster):
+    """RF08 across processes: four Ray tasks reserve ports on one node at once through the cluster's key-value
+    store (no actor of its own); no port is handed out twice, and the driver sees every one of them."""
+    import ray
+
+    from engine.rollout.ports import PortRegistry
+
+    node = f"test-node-{os.getpid()}"
+
+    @ray.remote(num_cpus=0)
+    def take(registry, k):
+        return [p for _ in range(k) for p in registry.reserve(node, 1)]
+
+    got = ray.get([take.remote(PortRegistry(), 25) for _ in range(4)], timeout=120)
+    flat = [p for ports in got for p in ports]
+    assert len(flat) == 100 and len(set(flat)) == 100
+    assert set(flat) <= set(PortRegistry().handed_out()[node])
 
 
 def test_an_engine_actor_starts_up_without_the_collector_and_turns_it_back_on(two_engines):

@@ -146,9 +146,9 @@ def test_truncation_share_above_threshold_is_rf10():
 
 # ---- ports -------------------------------------------------------------------------------------------------------
 def test_registry_never_hands_a_port_twice_per_node():
-    from engine.rollout.ports import PortRegistry, allocate_ports
+    from engine.rollout.ports import LocalKV, PortRegistry, allocate_ports
 
-    reg = PortRegistry(start=41000, end=41100)
+    reg = PortRegistry(start=41000, end=41100, kv=LocalKV())
     a = allocate_ports(reg.reserve, "n1", 3)
     b = allocate_ports(reg.reserve, "n1", 3)
     c = allocate_ports(reg.reserve, "n2", 3)
@@ -156,14 +156,32 @@ def test_registry_never_hands_a_port_twice_per_node():
     assert set(c) & set(a)  # another node may reuse numbers
 
 
+def test_registries_sharing_one_store_never_collide_and_wrap_only_after_the_whole_range():
+    """Two processes' registries on one store (as two runs on one Ray cluster share its key-value store): every
+    port once, in order; a new round only when the range is used up; a request larger than the range is refused."""
+    from engine.rollout.ports import LocalKV, PortRegistry
+
+    kv = LocalKV()
+    a, b = PortRegistry(41000, 41006, kv=kv), PortRegistry(41000, 41006, kv=kv)
+    got = a.reserve("n", 2) + b.reserve("n", 2) + a.reserve("n", 1)
+    assert got == [41000, 41001, 41002, 41003, 41004]
+    kv.put("next/n", "41000")  # a stale cursor (another process reserved meanwhile): the taken keys are skipped
+    assert b.reserve("n", 1) == [41005]
+    assert a.handed_out() == {"n": list(range(41000, 41006))}
+    assert a.reserve("n", 2) == [41000, 41001]  # all six were handed out: the round starts again
+    assert a.handed_out() == {"n": [41000, 41001]}
+    with pytest.raises(ValueError, match="7 ports asked of a registry of 6"):
+        a.reserve("n", 7)
+
+
 def test_taken_port_is_skipped_and_its_holder_named():
-    from engine.rollout.ports import PortRegistry, allocate_ports, port_holder, port_holder_pid, port_in_use
+    from engine.rollout.ports import LocalKV, PortRegistry, allocate_ports, port_holder, port_holder_pid, port_in_use
 
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
         taken = s.getsockname()[1]
-        reg = PortRegistry(start=taken, end=taken + 50)
+        reg = PortRegistry(start=taken, end=taken + 50, kv=LocalKV())
         got = allocate_ports(reg.reserve, "n", 2)
         assert taken not in got and len(got) == 2
         import os

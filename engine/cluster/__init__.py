@@ -79,7 +79,7 @@ def code_runtime_env(ray_code: str = "ship") -> dict[str, Any]:
 
 #: A local cluster starts no idle Python workers (Ray prestarts one per CPU for the job's default environment):
 #: the engines and the train workers have environments of their own (their thread counts), so they cannot use
-#: them; only the port registry could, and it starts its own worker beside the engines'. On the 2-core machine
+#: them (the port registry has no process: it lives in the cluster's key-value store). On the 2-core machine
 #: the prestarted ones took ~1 s of CPU each from the start-up of the engines and the trainer.
 #: Its workers run at the driver's priority (nice 0). Ray's default (`worker_niceness` 15) keeps its own daemons
 #: ahead of the workers; here the workers are the work (train ranks, engines) and would lose the CPU to the
@@ -153,20 +153,11 @@ def shutdown() -> None:
 
 
 def port_registry():
-    """The cluster's one port registry (RF08): a detached named actor shared by every run on this Ray cluster."""
-    import ray
-
+    """The cluster's one port registry (RF08): kept in the cluster's key-value store (engine/rollout/ports.py),
+    shared by every run on this Ray cluster; a plain value that Ray calls carry to the engines and train ranks."""
     from engine.rollout.ports import PortRegistry
 
-    return ray.remote(num_cpus=0)(PortRegistry).options(name="rollflow-ports", namespace="rollflow",
-                                                         lifetime="detached", get_if_exists=True).remote()
-
-
-def reserve_fn(registry):
-    """`reserve(node, k)` of the registry actor, for engine.rollout.ports.allocate_ports."""
-    import ray
-
-    return lambda node, k: ray.get(registry.reserve.remote(node, k))
+    return PortRegistry()
 
 
 _prestarted_worker: dict[str, Any] | None = None  # the train worker `rollflow train` started with Ray

@@ -44,11 +44,9 @@ class EngineActor:
         self.info: dict[str, Any] = {}
 
     def _ports(self, node: str, k: int) -> list[int]:
-        import ray
-
         from engine.rollout.ports import allocate_ports
 
-        return allocate_ports(lambda n, m: ray.get(self.registry.reserve.remote(n, m)), node, k)
+        return allocate_ports(self.registry.reserve, node, k)
 
     def start(self) -> dict[str, Any]:
         """Start the engine (its server and model, or SGLang's process). The end of this actor's start-up: the

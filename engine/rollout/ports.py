@@ -1,9 +1,11 @@
 """One port allocator for every server, router and NCCL port of a run (RF08): never guessed, checked free.
 
-`PortRegistry` remembers every port it handed out, per node; the cluster runs exactly one of it (a detached named
-Ray actor, shared by every run on the cluster), so two engines on one host can never be given the same port. It
-hands ports out in order and wraps around only after 30000 of them; the caller checks each port free *on its own
-node* before use (`allocate_ports`), so a port some other process holds is skipped.
+`PortRegistry` remembers every port it handed out, per node, in a key-value store with put-if-absent: on a Ray
+cluster, the cluster's own store (Ray's GCS key-value store, `GcsKV`), shared by every run on the cluster and by
+every process of a run, so two engines on one host can never be given the same port. No process of its own: it
+was a detached actor, whose worker process took ~1.4 s of CPU from a CPU run's start-up for a few calls (issue
+18). It hands ports out in order and wraps around only after the whole range was handed out; the caller checks
+each port free *on its own node* before use (`allocate_ports`), so a port some other process holds is skipped.
 
 When a port is taken anyway (a race with another program, or a port the user chose), `port_in_use` names the
 process that holds it, read from /proc (Linux; the owner is found for processes of the same user).
@@ -39,30 +41,115 @@ def is_port_free(port: int, host: str = "0.0.0.0") -> bool:
     return True
 
 
-class PortRegistry:
-    """Hands out distinct ports per node from [start, end); a port is never handed out twice in a run."""
+class LocalKV:
+    """A key-value store with put-if-absent in this process (a registry that is not the cluster's: tests)."""
 
-    def __init__(self, start: int = PORT_RANGE[0], end: int = PORT_RANGE[1]):
-        self.start, self.end = start, end
-        self.next: dict[str, int] = {}
-        self.handed: dict[str, list[int]] = {}
+    def __init__(self):
+        self.data: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def reserve(self, node: str, k: int) -> list[int]:
-        """k ports never handed out before on `node` (after the range is used up it wraps around: the caller's
-        free check still keeps a port in use from being given again)."""
+    def put_new(self, key: str, value: str = "") -> bool:
+        """Store `value` under `key` unless the key exists; True when it was stored."""
         with self._lock:
-            first = self.next.get(node, self.start)
-            if first + k > self.end:
-                first = self.start
-            ports = list(range(first, first + k))
-            self.next[node] = first + k
-            self.handed.setdefault(node, []).extend(ports)
-            return ports
+            if key in self.data:
+                return False
+            self.data[key] = value
+            return True
+
+    def get(self, key: str) -> str | None:
+        return self.data.get(key)
+
+    def put(self, key: str, value: str) -> None:
+        self.data[key] = value
+
+    def delete_prefix(self, prefix: str) -> None:
+        with self._lock:
+            for key in [k for k in self.data if k.startswith(prefix)]:
+                del self.data[key]
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k in list(self.data) if k.startswith(prefix)]
+
+
+class GcsKV:
+    """The connected Ray cluster's key-value store (its GCS), in namespace `rollflow-ports`: atomic put-if-absent,
+    reachable from the driver and every worker of every run on the cluster. Needs `ray.init` in this process."""
+
+    namespace = "rollflow-ports"
+
+    def put_new(self, key: str, value: str = "") -> bool:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        return not _internal_kv_put(key, value, overwrite=False, namespace=self.namespace)  # True: it existed
+
+    def get(self, key: str) -> str | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        value = _internal_kv_get(key, namespace=self.namespace)
+        return None if value is None else value.decode()
+
+    def put(self, key: str, value: str) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(key, value, overwrite=True, namespace=self.namespace)
+
+    def delete_prefix(self, prefix: str) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        _internal_kv_del(prefix, del_by_prefix=True, namespace=self.namespace)
+
+    def keys(self, prefix: str) -> list[str]:
+        from ray.experimental.internal_kv import _internal_kv_list
+
+        return [k.decode() for k in _internal_kv_list(prefix, namespace=self.namespace)]
+
+
+class PortRegistry:
+    """Hands out distinct ports per node from [start, end); a port is never handed out twice until the whole range
+    was. `kv`: where the handed-out ports are kept — None: the connected Ray cluster's store (`GcsKV`, looked up at
+    each call, so the registry is a plain value a Ray call can carry); a `LocalKV`: this process only.
+
+    Each port is a key claimed with put-if-absent, so two processes reserving at once (two runs on one cluster,
+    two engines starting) never get the same port; a per-node cursor (a hint, not a lock) makes reservations go
+    in order instead of retrying the same keys."""
+
+    def __init__(self, start: int = PORT_RANGE[0], end: int = PORT_RANGE[1], kv: LocalKV | None = None):
+        if not 0 < start < end <= 65536:
+            raise ValueError(f"port range [{start}, {end}) is empty or outside 1–65535")
+        self.start, self.end = start, end
+        self.kv = kv
+
+    def _kv(self) -> LocalKV | GcsKV:
+        return self.kv if self.kv is not None else GcsKV()
+
+    def reserve(self, node: str, k: int) -> list[int]:
+        """k ports never handed out before on `node` (once every port of the range was, the node's record is
+        cleared and the range starts again: the caller's free check keeps a port in use from being given)."""
+        kv, span = self._kv(), self.end - self.start
+        if not 0 < k <= span:
+            raise ValueError(f"{k} ports asked of a registry of {span} ([{self.start}, {self.end}))")
+        cursor = kv.get(f"next/{node}")
+        port = int(cursor) if cursor and self.start <= int(cursor) < self.end else self.start
+        out: list[int] = []
+        tried = 0
+        while len(out) < k:
+            if tried == span:  # every port of the range is handed out on this node: a new round
+                kv.delete_prefix(f"port/{node}/")
+                tried = 0
+            if kv.put_new(f"port/{node}/{port}"):
+                out.append(port)
+            port = port + 1 if port + 1 < self.end else self.start
+            tried += 1
+        kv.put(f"next/{node}", str(port))
+        return out
 
     def handed_out(self) -> dict[str, list[int]]:
-        with self._lock:
-            return {n: list(p) for n, p in self.handed.items()}
+        """{node: the ports handed out on it (this round), ascending}."""
+        out: dict[str, list[int]] = {}
+        for key in self._kv().keys("port/"):
+            node, _, port = key[len("port/"):].rpartition("/")
+            out.setdefault(node, []).append(int(port))
+        return {n: sorted(p) for n, p in out.items()}
 
 
 def _free_on_node(port: int, node: str, host: str) -> bool:

@@ -108,7 +108,7 @@ class TrainWorker:
         from engine.rollout.ports import allocate_ports
 
         node = ray.util.get_node_ip_address()
-        (port,) = allocate_ports(lambda n, k: ray.get(registry.reserve.remote(n, k)), node, 1)
+        (port,) = allocate_ports(registry.reserve, node, 1)
         return f"[{node}]:{port}" if ":" in node else f"{node}:{port}"
 
     @property
