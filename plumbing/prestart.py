@@ -1,15 +1,21 @@
-"""Start-up side by side (issue 18): `rollflow train` launches the ephemeral Prefect API server (its own process,
-~5 s of one core) first, then imports the stages while Ray starts; the flow then finds both running. Run one after
-the other, each left a core idle (measured with vmstat: ~50% idle for the first 15 s of a demo start-up).
+"""Start-up side by side (issue 18): `rollflow train` starts Ray while a thread imports the stages, then the train
+worker (one-rank CPU runs), and launches the ephemeral Prefect API server (its own process, ~4 s of one core) while
+that worker loads; the flow then finds all of them running. Run one after the other, each left a core idle
+(measured with vmstat: ~50% idle for the first 15 s of a demo start-up).
 
-The server is a subprocess launched without waiting and without importing Prefect's server module here
-(`EphemeralAPI`); once it answers, this process's Prefect uses it as its API. Ray starts in the main thread (its
-SIGTERM handler put back, as in place()) while a thread imports the stages (`import_in_background`: ray.init mostly
-waits). On a one-rank CPU run the train worker is started right after Ray, with its model load (`start_train_worker`):
-it imports torch and transformers on the core the driver leaves idle during the flow's start and preflight, and
-place() adopts it. MLflow's local SQLite store is created by a thread; both threads are joined before the flow
-starts, so no thread of this module outlives start-up. Whatever cannot be pre-started is left to the flow, which starts it the
-usual way and reports its failure the usual way (a warning here says so).
+Ray comes first because it heads the longest chain: the train worker can only start once Ray is up, and then
+imports torch and transformers (~4 s of one core) before the first step. The server's boot, launched before Ray,
+took the CPU Ray's start needed (Ray up at ~6 s instead of ~3.5 s) and left a core idle at the end while only the
+worker still loaded; launched after it, the boot runs beside the worker's load (bench/results/trl_race.md: start-up
+0.4–1.0 s shorter in 4 of 4 interleaved pairs).
+
+Ray starts in the main thread (its SIGTERM handler put back, as in place()) while a thread imports the stages
+(`import_in_background`: ray.init mostly waits). On a one-rank CPU run the train worker is started right after Ray,
+with its model load (`start_train_worker`), and place() adopts it. The server is a subprocess launched without
+waiting and without importing Prefect's server module here (`EphemeralAPI`); once it answers, this process's Prefect
+uses it as its API. MLflow's local SQLite store is created by a thread; both threads are joined before the flow
+starts, so no thread of this module outlives start-up. Whatever cannot be pre-started is left to the flow, which
+starts it the usual way and reports its failure the usual way (a warning here says so).
 """
 from __future__ import annotations
 
