@@ -73,6 +73,7 @@ class Run:
         self.cluster: dict[str, Any] = {}
         self.owns_ray = True  # this run connected to (or started) Ray, so close() disconnects
         self.on_gpu = False  # the engines (and colocated trainers) sit on GPU bundles
+        self.prestarted_engine: dict[str, Any] | None = None  # adopted from `rollflow train` (stages.place)
         self.engine_dtype = "float32"  # the built-in engines' dtype (--rollout-dtype, resolved by place)
         self.engine_spec = None  # engine.rollout.actor.EngineSpec (stages.plan_rollout_engines)
         self.engine_in_trainer = False  # the engine serves from train rank 0's process (--rollout-engine-process)

@@ -263,6 +263,12 @@ def plan_rollout_engines(run: Run) -> None:
     spec = engine_spec(cfg, threads=None if run.engine_in_trainer else run.threads_per_process,
                        log_dir=str(run.work_dir / "logs"), on_gpu=run.on_gpu,
                        api_key=secrets.token_urlsafe(24))  # this run's engines answer only to its own clients
+    # `rollflow train` may have started this engine with Ray already (engine/cluster prestart_engine): adopted
+    # when it was started for this very spec and threads (it then serves with its own token), else killed
+    run.prestarted_engine = cluster.take_prestarted_engine(None if run.engine_in_trainer else spec,
+                                                           run.threads_per_process)
+    if run.prestarted_engine is not None:
+        spec = run.prestarted_engine["spec"]
     run.engine_spec = spec
     run.engine_dtype = spec.dtype
     run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu, in_trainer=run.engine_in_trainer)
@@ -281,7 +287,8 @@ def launch_rollout_engines(run: Run, host=None) -> None:
 
     cfg = run.cfg
     run.engines = EngineGroup(run.engine_spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
-                              runtime_env=cluster._threads_env(run.threads_per_process), host=host).launch()
+                              runtime_env=cluster._threads_env(run.threads_per_process), host=host,
+                              prestarted=None if host is not None else run.prestarted_engine).launch()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
     run.engines.resync = lambda slots: (push_weights(run, slots, run.state.weight_version)
                                         if run.state.weight_version else None)
@@ -1175,6 +1182,7 @@ def placement_info(run: Run) -> dict[str, Any]:
             "shipped_dirs": dict(getattr(tg, "blind", {}) or {}),  # dir → ranks that got its files via Ray
             "engine_in_trainer": run.engine_in_trainer,
             "train_prestarted": bool(getattr(tg, "prestarted", False)),  # started with Ray by `rollflow train`
+            "engine_prestarted": run.prestarted_engine is not None,  # likewise, engine 0
             "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
                          "pid": s.info.get("pid"), "url": s.url} for s in getattr(eng, "slots", [])]}
 

@@ -107,8 +107,9 @@ def cmd_train(argv: list[str]) -> int:
         # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
         imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
                                                 "transformers:PreTrainedTokenizerFast")
-        if prestart.start_ray(cfg):  # a one-rank CPU run's train worker starts loading at once
+        if prestart.start_ray(cfg):  # a one-rank CPU run's train worker (and its own engine) start loading at once
             prestart.start_train_worker(cfg)
+            prestart.start_engine(cfg)
         api = prestart.launch_ephemeral_api()
         mlflow_store = prestart.warm_mlflow_store(cfg)
         imports.join()

@@ -11,7 +11,8 @@ worker still loaded; launched after it, the boot runs beside the worker's load (
 
 Ray starts in the main thread (its SIGTERM handler put back, as in place()) while a thread imports the stages
 (`import_in_background`: ray.init mostly waits). On a one-rank CPU run the train worker is started right after Ray,
-with its model load (`start_train_worker`), and place() adopts it. The server is a subprocess launched without
+with its model load (`start_train_worker`), and so is a CPU run's one rollout engine when it has a process of its
+own (--async-mode: `start_engine`); place() adopts them. The server is a subprocess launched without
 waiting and without importing Prefect's server module here (`EphemeralAPI`); once it answers, this process's Prefect
 uses it as its API. MLflow's local SQLite store is created by a thread; both threads are joined before the flow
 starts, so no thread of this module outlives start-up. Whatever cannot be pre-started is left to the flow, which
@@ -229,6 +230,23 @@ def start_train_worker(cfg) -> bool:
         return cluster.prestart_train_worker(cfg, train_iters=run.plan.train_iters, threads=run.train_threads)
     except Exception as e:  # noqa: BLE001 — place() starts the workers and reports what fails
         log.warning("rollflow: starting the train worker at start-up failed (%s: %s); the flow's place step "
+                    "starts it", type(e).__name__, e)
+        return False
+
+
+def start_engine(cfg) -> bool:
+    """After `start_ray`: a CPU run's one rollout engine in a process of its own (--async-mode, or
+    --rollout-engine-process own), started now with its model load (engine/cluster `prestart_engine`; place()
+    adopts it). False, with the reason logged where it failed, when it was not started: place() starts the engines
+    as it would anyway."""
+    from engine import cluster
+    from engine.run import Run
+
+    try:
+        run = Run(cfg)
+        return cluster.prestart_engine(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
+    except Exception as e:  # noqa: BLE001 — place() starts the engines and reports what fails
+        log.warning("rollflow: starting the rollout engine at start-up failed (%s: %s); the flow's place step "
                     "starts it", type(e).__name__, e)
         return False
 

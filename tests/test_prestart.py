@@ -1,5 +1,6 @@
-"""Start-up side by side (plumbing/prestart.py): the Prefect API server launched before the imports is the one the
-flow's client uses; a server that never answers is stopped and left to Prefect; a pre-started Ray is owned once.
+"""Start-up side by side (plumbing/prestart.py): the Prefect API server launched before the flow is the one the
+flow's client uses; a server that never answers is stopped and left to Prefect; a pre-started Ray is owned once;
+the train worker and an engine of its own started with Ray are adopted by their own run only.
 
 Each Prefect case runs in a fresh interpreter: the ephemeral server is a per-process singleton."""
 from __future__ import annotations
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,6 +172,48 @@ def test_a_prestarted_train_worker_is_adopted_by_its_own_run_only(shared_ray, sm
         assert not alive  # killed, not left holding its model
     finally:
         group.shutdown()
+
+
+def test_a_prestarted_engine_is_adopted_by_its_own_run_only(shared_ray, small_cfg):
+    """prestart_engine on a CPU run whose engine has a process of its own (--async-mode): the run's engine plan
+    adopts that actor and its start, and the engine answers with the token it was started with, which is now the
+    run's; for another spec (other threads) it is killed. With the engine in the trainer's process (sync mode), or
+    several engines, nothing is prestarted."""
+    import httpx
+    import ray
+
+    from engine import cluster, stages
+    from engine.run import Run
+
+    assert not cluster.prestart_engine(small_cfg(), threads=1, log_dir="/tmp")  # served from the trainer's process
+    assert not cluster.prestart_engine(small_cfg(async_mode="one-step", rollout_num_engines=2), threads=1,
+                                       log_dir="/tmp")
+    cfg = small_cfg(async_mode="one-step")
+    run = Run(cfg)
+    run.cluster, run.owns_ray = dict(ray.cluster_resources()), False  # close() leaves the shared cluster up
+    assert cluster.prestart_engine(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
+    first = cluster._prestarted_engine
+    try:
+        stages.plan_rollout_engines(run)
+        stages.launch_rollout_engines(run)
+        run.engines.wait_started()
+        assert run.prestarted_engine is first and run.engines.slots[0].actor is first["actor"]
+        assert run.engine_spec.api_key == first["spec"].api_key and run.engines.api_key == first["spec"].api_key
+        assert cluster.take_prestarted_engine(run.engine_spec, run.threads_per_process) is None  # adopted once
+        url = run.engines.serving()[0]
+        body = {"text": "1+1=", "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(url + "/generate", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {run.engines.api_key}"}).status_code == 200
+        assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 401
+        enabled, frozen, env = _gc_state(first["actor"])  # started up without the collector, which is back on
+        assert enabled and frozen > 100_000 and env is None, (enabled, frozen, env)
+    finally:
+        run.close()
+    assert cluster.prestart_engine(cfg, threads=run.threads_per_process, log_dir=str(run.work_dir / "logs"))
+    stale = cluster._prestarted_engine
+    assert cluster.take_prestarted_engine(stale["spec"], run.threads_per_process + 1) is None
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(stale["actor"].stop.remote(), timeout=60)  # killed, not left holding its model
 
 
 def test_start_up_defers_the_garbage_collector_and_training_freezes_what_start_up_built():

@@ -32,6 +32,19 @@ def test_a_diagnosed_failure_shows_the_diagnosis_not_tracebacks(tmp_path):
     assert r.returncode == 2 and "Traceback" in out and "[DATA error]" in out, out
 
 
+def test_an_async_run_trains_with_the_engine_started_beside_ray(tmp_path):
+    """--async-mode one-step on the CPU demo: `rollflow train` starts the engine's own process right after Ray,
+    beside the train worker, and place adopts both (plumbing/prestart.py)."""
+    import json
+
+    r = train("--num-rollout", "2", "--eval-prompt-data", "", "--async-mode", "one-step", "--work-dir",
+              str(tmp_path / "w"), "--save", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "s.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    where = json.loads((tmp_path / "s.json").read_text())["placement"]
+    assert where["train_prestarted"] and where["engine_prestarted"] and not where["engine_in_trainer"], where
+    assert where["engines"][0]["pid"] != where["train"][0]["pid"], where
+
+
 def test_a_finished_run_launched_again_has_nothing_to_do(tmp_path):
     args = ["--num-rollout", "1", "--eval-prompt-data", "", "--work-dir", str(tmp_path / "w"),
             "--save", str(tmp_path / "ck")]

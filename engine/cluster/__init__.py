@@ -209,6 +209,54 @@ def take_prestarted_worker(cfg, train_iters: int, threads: int) -> dict[str, Any
     return None
 
 
+_prestarted_engine: dict[str, Any] | None = None  # the rollout engine `rollflow train` started with Ray
+
+
+def prestart_engine(cfg, *, threads: int, log_dir: str) -> bool:
+    """Start a CPU run's one built-in rollout engine in a process of its own (--async-mode, or
+    --rollout-engine-process own) right after `rollflow train` started Ray, beside the train worker: its process
+    imports torch and transformers and loads the model (~4 s of one core on the 2-core machine) while the flow
+    starts, instead of after place() asks for it. place() adopts it when the run's engine spec and threads are
+    the same (its token is then the run's, `take_prestarted_engine`); else it is killed and the engines start as
+    without this. False where nothing is prestarted: GPUs, SGLang, several engines, the engine in the trainer's
+    process."""
+    global _prestarted_engine
+    import secrets
+
+    import ray
+
+    from engine.rollout.engines import engine_spec, new_engine_actor
+
+    in_trainer = cfg.rollout_engine_process != "own" and not cfg.engine_in_trainer_blockers()
+    if (cfg.rollout_engine != "builtin" or cfg.rollout_num_engines != 1 or cfg.colocate or in_trainer
+            or ray.cluster_resources().get("GPU", 0)):
+        return False
+    spec = engine_spec(cfg, threads=threads, log_dir=log_dir, on_gpu=False, api_key=secrets.token_urlsafe(24))
+    actor = new_engine_actor(spec, 0, port_registry(), _threads_env(threads))  # EngineGroup's runtime env
+    _prestarted_engine = {"spec": spec, "threads": threads, "actor": actor, "started": actor.start.remote()}
+    return True
+
+
+def take_prestarted_engine(spec, threads: int) -> dict[str, Any] | None:
+    """The prestarted engine ({spec, actor, started}) when it was started for this spec (its run token aside) and
+    these threads, once; the caller then uses its spec (the token its server checks). One started for another
+    spec, or when the run has no engine process of its own (spec None), is killed."""
+    global _prestarted_engine
+    import dataclasses
+
+    import ray
+
+    taken, _prestarted_engine = _prestarted_engine, None
+    if taken is None:
+        return None
+    if spec is not None and dataclasses.replace(taken["spec"], api_key=spec.api_key) == spec \
+            and taken["threads"] == threads:
+        return taken
+    ray.kill(taken["actor"], no_restart=True)
+    log.info("the rollout engine started with Ray was for another configuration: killed, a new one starts")
+    return None
+
+
 class TrainGroup:
     """The DP train workers; every call waits at most `timeout_s`."""
 

@@ -52,11 +52,14 @@ class HostedEngine:
 
 class EngineGroup:
     def __init__(self, spec: EngineSpec, placement, registry, *, fault_tolerant: bool = False,
-                 runtime_env: dict | None = None, host=None):
+                 runtime_env: dict | None = None, host=None, prestarted: dict | None = None):
         """host: the train worker actor whose process serves the (one) engine (--rollout-engine-process trainer);
-        None: every engine is a Ray actor of its own."""
+        None: every engine is a Ray actor of its own. prestarted: engine 0's actor and its `start` call, made by
+        `rollflow train` right after Ray started (engine/cluster `prestart_engine`, for this very spec): `launch`
+        adopts them instead of starting an actor."""
         self.spec, self.placement, self.registry = spec, placement, registry
         self.host = host
+        self.prestarted = prestarted
         self.fault_tolerant = fault_tolerant
         self.runtime_env = runtime_env or {}
         self._starting: list = []  # the start calls `launch` made and `wait_started` waits for
@@ -70,20 +73,12 @@ class EngineGroup:
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def _new_actor(self, slot: Slot):
-        import ray
-
         if self.host is not None:
             return HostedEngine(self.host, self.spec, slot.index, self.registry)
         lay = self.placement.layout
-        cls = ray.remote(max_restarts=0, max_concurrency=4)(EngineActor)
-        env = dict(self.runtime_env.get("env_vars", {}))
-        env[startgc.DEFER_ENV] = "1"  # its start-up without the cyclic collector, until `start` returns
-        if lay.gpus_per_engine:  # SGLang addresses GPUs base_gpu_id.. itself: Ray must not hide the others
-            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-        return cls.options(num_cpus=0, num_gpus=lay.engine_gpu_fraction,
-                           scheduling_strategy=self.placement.strategy(slot.bundle),
-                           runtime_env={**self.runtime_env, "env_vars": env}).remote(self.spec, slot.index,
-                                                                                    self.registry)
+        return new_engine_actor(self.spec, slot.index, self.registry, self.runtime_env,
+                                gpus=lay.engine_gpu_fraction, scheduling_strategy=self.placement.strategy(slot.bundle),
+                                gpu_visible=bool(lay.gpus_per_engine))
 
     def start(self) -> "EngineGroup":
         """Start every engine in parallel; wait at most the start timeout (a failure names the engine)."""
@@ -92,9 +87,15 @@ class EngineGroup:
     def launch(self) -> "EngineGroup":
         """Ask every engine to start and return at once (`wait_started` waits): the caller can start other
         actors meanwhile."""
+        adopted, self.prestarted = self.prestarted, None
+        self._starting = []
         for s in self.slots:
-            s.actor = self._new_actor(s)
-        self._starting = [s.actor.start.remote() for s in self.slots]
+            if adopted is not None and s.index == 0:
+                s.actor = adopted["actor"]
+                self._starting.append(adopted["started"])
+            else:
+                s.actor = self._new_actor(s)
+                self._starting.append(s.actor.start.remote())
         return self
 
     def wait_started(self) -> "EngineGroup":
@@ -232,6 +233,25 @@ class EngineGroup:
             for url in self.serving():
                 self.client(url).resume_memory()
             self.released = False
+
+
+def new_engine_actor(spec: EngineSpec, index: int, registry, runtime_env: dict, *, gpus: float = 0.0,
+                     scheduling_strategy=None, gpu_visible: bool = False):
+    """An engine actor (its `start` not yet called): EngineGroup's on its bundle, or `rollflow train`'s prestarted
+    one (no strategy: anywhere on the one-node local cluster). Its process starts up without the cyclic collector
+    until `start` returns (engine/startgc.py); gpu_visible: SGLang addresses GPUs base_gpu_id.. itself, so Ray must
+    not hide the others."""
+    import ray
+
+    cls = ray.remote(max_restarts=0, max_concurrency=4)(EngineActor)
+    env = dict(runtime_env.get("env_vars", {}))
+    env[startgc.DEFER_ENV] = "1"
+    if gpu_visible:
+        env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": gpus, "runtime_env": {**runtime_env, "env_vars": env}}
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    return cls.options(**options).remote(spec, index, registry)
 
 
 def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool, api_key: str | None = None) -> EngineSpec:
