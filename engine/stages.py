@@ -236,7 +236,7 @@ def engine_in_trainer(cfg: RunConfig, cluster_gpus: float) -> bool:
                 fix="--rollout-engine-process auto (own on GPUs) or own",
                 facts={"field": "rollout_engine_process", "value": "trainer", "cluster_gpus": cluster_gpus}))
         return False
-    return not cfg.engine_in_trainer_blockers()
+    return cfg.engine_in_trainer_on_cpu()
 
 
 def plan_rollout_engines(run: Run) -> None:

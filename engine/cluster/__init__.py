@@ -227,9 +227,8 @@ def prestart_engine(cfg, *, threads: int, log_dir: str) -> bool:
 
     from engine.rollout.engines import engine_spec, new_engine_actor
 
-    in_trainer = cfg.rollout_engine_process != "own" and not cfg.engine_in_trainer_blockers()
-    if (cfg.rollout_engine != "builtin" or cfg.rollout_num_engines != 1 or cfg.colocate or in_trainer
-            or ray.cluster_resources().get("GPU", 0)):
+    if (cfg.rollout_engine != "builtin" or cfg.rollout_num_engines != 1 or cfg.colocate
+            or cfg.engine_in_trainer_on_cpu() or ray.cluster_resources().get("GPU", 0)):
         return False
     spec = engine_spec(cfg, threads=threads, log_dir=log_dir, on_gpu=False, api_key=secrets.token_urlsafe(24))
     actor = new_engine_actor(spec, 0, port_registry(), _threads_env(threads))  # EngineGroup's runtime env

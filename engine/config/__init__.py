@@ -164,6 +164,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             why.append("--colocate (GPU engines)")
         return why
 
+    def engine_in_trainer_on_cpu(self) -> bool:
+        """Whether the built-in engine serves from train rank 0's process on a cluster without GPUs
+        (--rollout-engine-process auto or trainer, and no blocker); stages.engine_in_trainer adds the GPU case."""
+        return self.rollout_engine_process != "own" and not self.engine_in_trainer_blockers()
+
     @property
     def train_world_size(self) -> int:
         """Train ranks (GPUs, or CPU workers): nodes × GPUs per node."""
