@@ -128,7 +128,7 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     # a Ray connection made by the caller is left open by run.close(); the one `rollflow train` started before
     # the flow (plumbing/prestart.py) is this run's
     run.owns_ray = cluster.take_prestarted() or not cluster.connected()
-    run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus, cfg.ray_code)
+    run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus, cfg.ray_code, cfg.ray_services)
     fits_cluster(cfg)
     try:
         # The engines and the train workers start first, side by side: each imports torch and transformers and

@@ -208,7 +208,7 @@ def start_ray(cfg) -> bool:
     if cfg.ray_address or cluster.connected():
         return False
     try:
-        cluster.connect(None, cfg.num_cpus, cfg.ray_code)
+        cluster.connect(None, cfg.num_cpus, cfg.ray_code, cfg.ray_services)
     except Exception as e:  # noqa: BLE001 — place() starts it again inside the flow and reports its error
         log.warning("rollflow: starting Ray at start-up failed (%s: %s); the flow's place step tries again",
                     type(e).__name__, e)

@@ -152,3 +152,59 @@ def test_s3_prompt_data_is_read_through_the_cache(s3_bucket, tmp_path, monkeypat
         load_prompts(f"{s3_bucket}/data/nope.jsonl", input_key="prompt", label_key="label", flag="--prompt-data")
     (d,) = e.value.diagnoses
     assert d.what.startswith(f"--prompt-data {s3_bucket}/data/nope.jsonl: cannot be read (FileNotFoundError")
+
+
+def test_a_lean_local_cluster_runs_only_the_gcs_the_raylet_and_its_agents():
+    """--ray-services lean (the default) on a real local start, in a fresh interpreter: no autoscaler monitor, log
+    monitor or API server among the head's processes, and tasks still run; Ray's Node is as it was afterwards."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import ray
+from ray._private import node, worker
+from engine import cluster
+before = {m: getattr(node.Node, m) for m in cluster.LEAN_LEAVES_OUT}
+cluster.connect(None, 1, "ship", "lean")
+print(sorted(worker._global_node.all_processes))
+print(ray.get(ray.remote(lambda: 6 * 7).remote()))
+print(all(getattr(node.Node, m) is fn for m, fn in before.items()))
+ray.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    procs, answer, restored = out.stdout.strip().splitlines()[-3:]
+    assert "gcs_server" in procs and "raylet" in procs, procs
+    assert not any(p in procs for p in ("'monitor'", "log_monitor", "dashboard")), procs
+    assert answer == "42" and restored == "True"
+
+
+def test_full_services_start_rays_own_and_a_ray_without_the_hooks_is_reported(monkeypatch, caplog):
+    """`full` leaves Ray's Node alone; `lean` swaps the three methods for the start only; a Ray whose Node lacks
+    one starts its full services with a warning that says so (never silently)."""
+    from ray._private import node
+
+    from engine import cluster
+
+    original = {m: getattr(node.Node, m) for m in cluster.LEAN_LEAVES_OUT}
+    with cluster._services("full"):
+        assert all(getattr(node.Node, m) is fn for m, fn in original.items())
+    with cluster._services("lean"):
+        assert all(getattr(node.Node, m) is not fn for m, fn in original.items())
+        assert node.Node.start_monitor(object()) is None
+    assert all(getattr(node.Node, m) is fn for m, fn in original.items())
+    monkeypatch.delattr(node.Node, "start_log_monitor")
+    with caplog.at_level("WARNING", logger="rollflow.cluster"), cluster._services("lean"):
+        assert getattr(node.Node, "start_monitor") is original["start_monitor"]
+    assert "no Node.start_log_monitor" in caplog.text and "full services" in caplog.text
+
+
+def test_full_ray_services_with_a_joined_cluster_is_a_config_error(small_cfg):
+    from engine.diagnosis import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        small_cfg(ray_address="auto", ray_services="full")
+    assert "--ray-services full" in str(e.value) and "ray_services" in str(e.value.diagnoses[0].facts)
+    assert small_cfg(ray_address="auto").ray_services == "lean"

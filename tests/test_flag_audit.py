@@ -144,6 +144,7 @@ FLAG_TESTS = {
     "colocate": "test_rollout_units.py::test_colocated_engines_share_the_train_bundles",
     "rollout_num_gpus": "test_rollout_units.py::test_decoupled_engines_follow_the_train_bundles",
     "num_cpus": "test_flag_wiring.py::test_place_flags",
+    "ray_services": "test_cluster_units.py::test_a_lean_local_cluster_runs_only_the_gcs_the_raylet_and_its_agents",
     # orchestration
     "placement_timeout": "test_orchestration.py::test_busy_gpus_are_retried_with_backoff_until_the_holder_releases_them",
     "placement_retries": "test_orchestration.py::test_busy_gpus_are_retried_with_backoff_until_the_holder_releases_them",

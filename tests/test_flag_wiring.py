@@ -95,8 +95,8 @@ def test_place_flags(tmp_path, monkeypatch):
 
     seen: dict = {}
     monkeypatch.setattr(cluster, "connected", lambda: False)
-    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus, ray_code: seen.update(
-        address=address, num_cpus=num_cpus, ray_code=ray_code) or {"CPU": 2})
+    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus, ray_code, services: seen.update(
+        address=address, num_cpus=num_cpus, ray_code=ray_code, services=services) or {"CPU": 2})
     monkeypatch.setattr(stages, "fits_cluster", lambda cfg: None)
 
     def plan(run):
@@ -129,6 +129,7 @@ def test_place_flags(tmp_path, monkeypatch):
                     rollout_health_check_first_wait=6.0)
     run = stages.place(cfg, tracker=SimpleNamespace(run_id=None))
     assert seen["address"] == "auto" and seen["num_cpus"] == 3 and seen["ray_code"] == "image"
+    assert seen["services"] == "lean"
     assert seen["train"]["placement"] is None  # one node on CPU: the workers are not placed
     assert seen["engine_host"] is None  # --use-fault-tolerance: the engine has a process of its own
     assert seen["train"]["timeout_s"] == 77.0 and seen["train"]["threads"] == 2

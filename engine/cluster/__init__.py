@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from engine import startgc
 
@@ -89,8 +90,48 @@ def code_runtime_env(ray_code: str = "ship") -> dict[str, Any]:
 LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False, "worker_niceness": 0}
 
 
-def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship") -> dict[str, Any]:
-    """Join `address` (shipping the code as `ray_code` says) or start a local cluster; returns its resources."""
+#: Ray's head-node services a local cluster leaves out with --ray-services lean (the default): the autoscaler
+#: monitor (a local cluster does not scale), the log monitor (it streams worker output to drivers; rollflow starts Ray
+#: with log_to_driver=False, and the workers write their log files themselves) and the state/job API server (no
+#: dashboard either way; `ray list` and `ray job` need it). Each is a Python process that imports much of Ray: on the
+#: 2-core machine together ~2 s of CPU at start-up, and ray.init waits for the API server's port (~1 s).
+LEAN_LEAVES_OUT = ("start_monitor", "start_log_monitor", "start_api_server")
+
+
+@contextmanager
+def _services(services: str) -> Iterator[None]:
+    """Around a local ray.init: with `lean`, the head's Node leaves out LEAN_LEAVES_OUT. These are methods of Ray's
+    private Node class (checked for on every start): on a Ray without them the cluster starts with its full
+    services, and a warning says so."""
+    from ray._private import node as ray_node
+
+    missing = [m for m in LEAN_LEAVES_OUT if not callable(getattr(ray_node.Node, m, None))]
+    if services != "lean" or missing:
+        if services == "lean":
+            import ray
+
+            log.warning("rollflow: Ray %s has no Node.%s: the local cluster starts with Ray's full services "
+                        "(--ray-services lean cannot leave them out; ~1 s more start-up)", ray.__version__,
+                        ", Node.".join(missing))
+        yield
+        return
+    saved = {m: ray_node.Node.__dict__.get(m) for m in LEAN_LEAVES_OUT}
+    for m in LEAN_LEAVES_OUT:
+        setattr(ray_node.Node, m, lambda self, *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for m, fn in saved.items():
+            if fn is None:
+                delattr(ray_node.Node, m)
+            else:
+                setattr(ray_node.Node, m, fn)
+
+
+def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship",
+            services: str = "lean") -> dict[str, Any]:
+    """Join `address` (shipping the code as `ray_code` says) or start a local cluster with `services`
+    (--ray-services); returns its resources."""
     import ray
 
     if address and not ray.is_initialized():
@@ -104,7 +145,8 @@ def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "s
         else:
             kwargs["num_cpus"] = num_cpus or os.cpu_count()
             kwargs["_system_config"] = LOCAL_SYSTEM_CONFIG
-        _keeping_sigterm(lambda: ray.init(**kwargs))
+        with _services("full" if address else services):
+            _keeping_sigterm(lambda: ray.init(**kwargs))
     return dict(ray.cluster_resources())
 
 

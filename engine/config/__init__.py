@@ -27,7 +27,7 @@ SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Checkp
 
 #: Fields that do not change what is trained (left out of the config hash).
 NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
-                "ray_code", "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
+                "ray_code", "ray_services", "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
@@ -70,6 +70,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      "runs a shared prompt once",
                 fix="--train-share-prefix auto (off on this backend) or --train-backend torch",
                 facts={"field": "train_share_prefix", "value": "on"}))
+        if self.ray_services == "full" and self.ray_address:
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--ray-services full with --ray-address {self.ray_address}: the services are chosen when a "
+                     "cluster starts, and a joined cluster runs the ones it was started with",
+                fix="drop --ray-services (`ray start` starts Ray's defaults), or drop --ray-address for a local "
+                    "cluster with Ray's full services",
+                facts={"field": "ray_services", "value": "full"}))
         unknown = [f for f in self.allow_config_change if f.replace("-", "_") not in RESUME_FIXED]
         if unknown:
             from engine.diagnosis import ConfigError, Diagnosis

@@ -27,3 +27,6 @@ class ClusterArgs(Section):
 
     num_cpus: Optional[int] = Field(None, ge=1)
     """CPUs for the local Ray cluster started by the run (default: all)."""
+
+    ray_services: Literal["lean", "full"] = "lean"
+    """What the local Ray cluster started by the run runs besides its GCS, raylet and the raylet's two agents. `lean`: nothing else; Ray's autoscaler monitor (a local cluster does not scale), its log monitor (it streams worker output to drivers, which rollflow turns off; the workers' log files are written as always) and its state/job API server (`ray list …`, `ray job …` against the local cluster need it) are left out: ~2 s less CPU and ~1 s less start-up on the 2-core machine (bench/results/trl_race.md). `full`: Ray's defaults. A cluster joined with --ray-address runs what it was started with (`full` is then an error)."""
