@@ -105,6 +105,20 @@ def test_background_imports_load_modules_and_leave_failures_to_the_caller():
     assert "True True False" in out
 
 
+def test_the_driver_starts_the_train_worker_without_importing_torch():
+    """What `start_train_worker` needs in the driver (the run's numbers, the actor class, its runtime env) imports
+    no torch: torch's import in the driver's background thread holds its module lock, and the worker's creation
+    waited ~0.6–1 s for it before its own process could start importing."""
+    out = _python("""
+        import sys
+        from engine import cluster
+        from engine.run import Run
+        from engine.train.worker import TrainWorker
+        print('torch' in sys.modules)
+    """)
+    assert out.strip().endswith("False"), out
+
+
 def _gc_state(actor) -> tuple[bool, int, str | None]:
     """In an actor's process: whether the collector is on, how many objects are frozen, and the defer variable."""
     import ray

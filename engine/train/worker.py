@@ -15,16 +15,18 @@ A worker trains on the GPU Ray assigned it (Ray narrows CUDA_VISIBLE_DEVICES to 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the driver defines this actor class without it
+    import torch
 
-from engine.packing.microbatch import MicroBatch
+    from engine.packing.microbatch import MicroBatch
 
 
 def worker_device() -> str:
     """`cuda` when Ray gave this process a GPU (and CUDA works here), else `cpu`."""
     import ray
+    import torch
 
     gpus = ray.get_gpu_ids() if ray.is_initialized() else []
     return "cuda" if gpus and torch.cuda.is_available() else "cpu"
@@ -45,6 +47,8 @@ class TrainWorker:
         self.rank, self.world_size, self.train_iters = rank, world_size, train_iters
         self.device = worker_device()
         if self.device == "cuda":
+            import torch
+
             torch.cuda.set_device(0)
         self.backend = None
         self.critic = None
@@ -135,6 +139,8 @@ class TrainWorker:
         `mismatch_count` / `mismatch_max` (RF14), the tokens --use-mis masked (`mis_masked`; their loss mask is 0
         from here on, so advantages, token counts and the loss leave them out), and this rank's token count.
         """
+        import torch
+
         from engine.algorithms import compute_advantages, kl, masked_whiten, whiten_stats
 
         cfg = self.cfg
@@ -400,6 +406,8 @@ class TrainWorker:
         return self._ipc.buckets if self._ipc is not None else []
 
     def ipc_release(self) -> None:
+        import torch
+
         self._ipc = None
         torch.cuda.ipc_collect()  # blocks the engines held: freed now that they have copied out of them
 
