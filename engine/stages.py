@@ -1176,6 +1176,8 @@ def placement_info(run: Run) -> dict[str, Any]:
     """Where the run's processes are: each train rank's node (ip, id, pid), the rendezvous address, the directories
     some ranks did not see (their files went through Ray's object store), each engine's node, process and URL,
     and whether the engine serves from train rank 0's process (--rollout-engine-process)."""
+    from engine import cluster
+
     tg, eng = run.train_group, run.engines
     return {"master": getattr(tg, "master", None),
             "train": list(getattr(tg, "nodes", []) or []),
@@ -1183,6 +1185,7 @@ def placement_info(run: Run) -> dict[str, Any]:
             "engine_in_trainer": run.engine_in_trainer,
             "train_prestarted": bool(getattr(tg, "prestarted", False)),  # started with Ray by `rollflow train`
             "engine_prestarted": run.prestarted_engine is not None,  # likewise, engine 0
+            "ray_services": cluster.services_started(),  # lean / full for a local cluster the run started; None joined
             "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
                          "pid": s.info.get("pid"), "url": s.url} for s in getattr(eng, "slots", [])]}
 

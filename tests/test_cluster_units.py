@@ -166,11 +166,14 @@ import ray
 from ray._private import node, worker
 from engine import cluster
 before = {m: getattr(node.Node, m) for m in cluster.LEAN_LEAVES_OUT}
+assert cluster.services_started() is None
 cluster.connect(None, 1, "ship", "lean")
+assert cluster.services_started() == "lean"
 print(sorted(worker._global_node.all_processes))
 print(ray.get(ray.remote(lambda: 6 * 7).remote()))
 print(all(getattr(node.Node, m) is fn for m, fn in before.items()))
 ray.shutdown()
+assert cluster.services_started() is None
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)
@@ -189,15 +192,16 @@ def test_full_services_start_rays_own_and_a_ray_without_the_hooks_is_reported(mo
     from engine import cluster
 
     original = {m: getattr(node.Node, m) for m in cluster.LEAN_LEAVES_OUT}
-    with cluster._services("full"):
-        assert all(getattr(node.Node, m) is fn for m, fn in original.items())
-    with cluster._services("lean"):
+    with cluster._services("full") as started:
+        assert all(getattr(node.Node, m) is fn for m, fn in original.items()) and started == "full"
+    with cluster._services("lean") as started:
+        assert started == "lean"
         assert all(getattr(node.Node, m) is not fn for m, fn in original.items())
         assert node.Node.start_monitor(object()) is None
     assert all(getattr(node.Node, m) is fn for m, fn in original.items())
     monkeypatch.delattr(node.Node, "start_log_monitor")
-    with caplog.at_level("WARNING", logger="rollflow.cluster"), cluster._services("lean"):
-        assert getattr(node.Node, "start_monitor") is original["start_monitor"]
+    with caplog.at_level("WARNING", logger="rollflow.cluster"), cluster._services("lean") as started:
+        assert getattr(node.Node, "start_monitor") is original["start_monitor"] and started == "full"
     assert "no Node.start_log_monitor" in caplog.text and "full services" in caplog.text
 
 

@@ -58,6 +58,7 @@ def test_a_finished_run_launched_again_has_nothing_to_do(tmp_path):
     where = json.loads((tmp_path / "summary.json").read_text())["placement"]
     assert where["train_prestarted"] and where["engine_in_trainer"], where
     assert where["engines"][0]["pid"] == where["train"][0]["pid"], where
+    assert where["ray_services"] == "lean", where  # the local cluster without Ray's three unused services
     # the local cluster's workers run at the driver's priority, above the bookkeeping lowered to nice 10
     # (Ray's own default, worker_niceness 15, would put the trainer below the MLflow sender and the Prefect API)
     assert where["train"][0]["nice"] == os.getpriority(os.PRIO_PROCESS, 0), where

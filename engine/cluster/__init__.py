@@ -98,11 +98,27 @@ LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_d
 LEAN_LEAVES_OUT = ("start_monitor", "start_log_monitor", "start_api_server")
 
 
+#: (GCS address, services) of the local cluster this process started last: what `services_started` reports
+_started: tuple[str, str] | None = None
+
+
+def services_started() -> str | None:
+    """`lean` or `full`: the services of the local cluster this process started, when it is the one connected now;
+    None for a cluster joined (or started by someone else). The run's summary reports it (placement.ray_services),
+    so a `lean` asked for on a Ray that cannot leave them out shows as `full` there, as in the log."""
+    import ray
+
+    if _started is None or not ray.is_initialized():
+        return None
+    address, services = _started
+    return services if ray.get_runtime_context().gcs_address == address else None
+
+
 @contextmanager
-def _services(services: str) -> Iterator[None]:
+def _services(services: str) -> Iterator[str]:
     """Around a local ray.init: with `lean`, the head's Node leaves out LEAN_LEAVES_OUT. These are methods of Ray's
     private Node class (checked for on every start): on a Ray without them the cluster starts with its full
-    services, and a warning says so."""
+    services, and a warning says so. Yields the services the start gets."""
     from ray._private import node as ray_node
 
     missing = [m for m in LEAN_LEAVES_OUT if not callable(getattr(ray_node.Node, m, None))]
@@ -113,13 +129,13 @@ def _services(services: str) -> Iterator[None]:
             log.warning("rollflow: Ray %s has no Node.%s: the local cluster starts with Ray's full services "
                         "(--ray-services lean cannot leave them out; ~1 s more start-up)", ray.__version__,
                         ", Node.".join(missing))
-        yield
+        yield "full"
         return
     saved = {m: ray_node.Node.__dict__.get(m) for m in LEAN_LEAVES_OUT}
     for m in LEAN_LEAVES_OUT:
         setattr(ray_node.Node, m, lambda self, *args, **kwargs: None)
     try:
-        yield
+        yield "lean"
     finally:
         for m, fn in saved.items():
             if fn is None:
@@ -132,6 +148,7 @@ def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "s
             services: str = "lean") -> dict[str, Any]:
     """Join `address` (shipping the code as `ray_code` says) or start a local cluster with `services`
     (--ray-services); returns its resources."""
+    global _started
     import ray
 
     if address and not ray.is_initialized():
@@ -145,8 +162,10 @@ def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "s
         else:
             kwargs["num_cpus"] = num_cpus or os.cpu_count()
             kwargs["_system_config"] = LOCAL_SYSTEM_CONFIG
-        with _services("full" if address else services):
+        with _services("full" if address else services) as started:
             _keeping_sigterm(lambda: ray.init(**kwargs))
+        if not address:
+            _started = (ray.get_runtime_context().gcs_address, started)
     return dict(ray.cluster_resources())
 
 
