@@ -27,11 +27,11 @@ SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Checkp
 
 #: Fields that do not change what is trained (left out of the config hash).
 NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "mlflow_tracking_uri", "ray_address",
-                "ray_code", "ray_services", "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
+                "ray_code", "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
-                "update_weight_buffer_size", "rollout_engine_process",
+                "update_weight_buffer_size", "rollout_engine_process", "ray_services",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change"}
 
 
