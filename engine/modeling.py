@@ -7,6 +7,7 @@ under the temp dir when the model directory is read-only).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 from contextlib import contextmanager
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from filelock import FileLock
+
+log = logging.getLogger("rollflow")
 
 
 @contextmanager
@@ -41,14 +44,41 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):
+def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", impl: str = "auto"):
+    """The causal LM in `path` on `device`: rollflow's native code (engine/native_model.py) or transformers' class,
+    as --model-impl says (auto: native where `native_model.unsupported` finds nothing against it). `impl_of(model)`
+    tells which; the choice and its reason are logged."""
     import torch
+
+    from engine import native_model
+
+    why = native_model.unsupported(path, device) if impl != "transformers" else "--model-impl transformers"
+    if why is None:
+        with model_dir_lock(path):
+            model = native_model.load(path, getattr(torch, dtype))
+        log.info("model code: rollflow's native %s (%s)", model.config.shape.family, path)
+        return model.to(device)
+    if impl == "native":
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                    what=f"--model-impl native: rollflow's model code cannot run {path}: {why}",
+                                    fix="--model-impl auto (transformers' class where native cannot) or transformers",
+                                    facts={"field": "model_impl", "value": "native", "reason": why}))
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     with model_dir_lock(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    log.info("model code: transformers' %s (%s; native: %s)", type(model).__name__, path, why)
     return model.to(device)
+
+
+def impl_of(model) -> str:
+    """"native" (rollflow's engine/native_model.py) or "transformers"."""
+    from engine.native_model import NativeCausalLM
+
+    return "native" if isinstance(model, NativeCausalLM) else "transformers"
 
 
 def weight_numel(path: str | os.PathLike) -> int | None:

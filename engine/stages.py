@@ -1187,7 +1187,8 @@ def placement_info(run: Run) -> dict[str, Any]:
             "engine_prestarted": run.prestarted_engine is not None,  # likewise, engine 0
             "ray_services": cluster.services_started(),  # lean / full for a local cluster the run started; None joined
             "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
-                         "pid": s.info.get("pid"), "url": s.url} for s in getattr(eng, "slots", [])]}
+                         "pid": s.info.get("pid"), "url": s.url, "model_impl": s.info.get("model_impl")}
+                        for s in getattr(eng, "slots", [])]}
 
 
 def summary(run: Run) -> dict[str, Any]:

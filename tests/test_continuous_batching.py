@@ -21,7 +21,7 @@ def _graph_generator(tiny_model) -> Generator:
     from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(tiny_model)
-    model = load_causal_lm(tiny_model).eval()
+    model = load_causal_lm(tiny_model, impl="transformers").eval()  # the GPU's model code (CUDA graphs hook it)
     gen = Generator(model, tok, eos_token_ids(tiny_model, tok))
     gen.on_gpu = True  # the device sampler and the graph decoder's logic, on the CPU
     gen.graphs = GraphDecoder(model, gen._cache_kw, capture=False)
@@ -133,7 +133,7 @@ def graph_engine(tiny_model):
     from engine.rollout.ports import free_loopback_port
     from engine.rollout.server import EngineState, ServerThread
 
-    state = EngineState(tiny_model, threads=1, max_new_tokens=8)
+    state = EngineState(tiny_model, threads=1, max_new_tokens=8, model_impl="transformers")  # as on a GPU
     state.generator.on_gpu = True
     state.generator.graphs = GraphDecoder(state.generator.model, state.generator._cache_kw, capture=False)
     server = ServerThread(state, "127.0.0.1", free_loopback_port())

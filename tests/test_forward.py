@@ -16,7 +16,7 @@ LENGTHS = [(5, 1), (9, 14), (3, 2), (12, 7), (2, 20), (7, 3)]  # (prompt, respon
 def qwen2(tiny_model):
     from engine.modeling import load_causal_lm
 
-    ref = load_causal_lm(tiny_model).eval()  # transformers' own sdpa attention, one sample at a time
+    ref = load_causal_lm(tiny_model, impl="transformers").eval()  # transformers' sdpa attention, one sample at a time
     packed = copy.deepcopy(ref)
     use_varlen_attention(packed)
     return ref, packed

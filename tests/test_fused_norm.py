@@ -7,12 +7,12 @@ from engine.rollout.fused import fuse_rms_norms
 
 
 def test_fused_rms_norm_matches_transformers():
-    ref = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu").eval()
+    ref = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu", impl="transformers").eval()
     ids = torch.randint(0, ref.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ref(input_ids=ids).logits
     for exact in (True, False):
-        model = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu").eval()
+        model = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu", impl="transformers").eval()
         n = fuse_rms_norms(model, exact=exact)
         assert n == 2 * model.config.num_hidden_layers + 1  # two per layer and the final norm
         with torch.no_grad():
@@ -40,7 +40,7 @@ def test_fused_rotary_leaves_cpu_and_autograd_calls_to_transformers():
 
     from engine.rollout.fused import fuse_rotary, unfuse_rotary
 
-    model = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu").eval()
+    model = load_causal_lm(BUNDLED_MODEL, dtype="float32", device="cpu", impl="transformers").eval()
     mod = sys.modules[type(model).__module__]
     orig = mod.apply_rotary_pos_emb
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -211,7 +211,7 @@ def test_the_graph_decode_logic_equals_the_eager_loop_on_the_cpu(tiny_model):
     from engine.rollout.generation import GenRequest, Generator
 
     tok = load_tokenizer(tiny_model)
-    model = load_causal_lm(tiny_model).eval()
+    model = load_causal_lm(tiny_model, impl="transformers").eval()  # the GPU's model code
     eager = Generator(model, tok, eos_token_ids(tiny_model, tok))
     eager.on_gpu = True  # the device sampler, on the CPU
     graphed = Generator(model, tok, eos_token_ids(tiny_model, tok))

@@ -49,13 +49,15 @@ def _engine(fake_python, tiny_model, tmp_path, sglang_args, env=None):
 
 def test_launched_server_serves_with_passed_flags_and_its_log_captured(fake_python, tiny_model, tmp_path):
     eng = _engine(fake_python, tiny_model, tmp_path, {"mem-fraction-static": "0.7",
-                                                        "enable-deterministic-inference": True})
+                                                        "enable-deterministic-inference": True,
+                                                        "model-impl": "transformers"})
     url = eng.start(timeout_s=180)
     try:
         r = httpx.post(url + "/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 2}},
                        timeout=60).json()
         assert r["meta_info"]["completion_tokens"] >= 1
-        assert httpx.get(url + "/get_server_info").json()["deterministic"] is True  # the --sglang-* flag arrived
+        info = httpx.get(url + "/get_server_info").json()
+        assert info["deterministic"] is True and info["model_impl"] == "transformers"  # the --sglang-* flags arrived
         log = eng.log_text()
         assert log.startswith(f"$ {fake_python} -m sglang.launch_server --model-path {tiny_model}")
         assert "--nccl-port" in log and "--mem-fraction-static 0.7" in log  # flags it does not use are listed

@@ -59,6 +59,8 @@ def test_a_finished_run_launched_again_has_nothing_to_do(tmp_path):
     assert where["train_prestarted"] and where["engine_in_trainer"], where
     assert where["engines"][0]["pid"] == where["train"][0]["pid"], where
     assert where["ray_services"] == "lean", where  # the local cluster without Ray's three unused services
+    # the bundled Qwen2 on the CPU: rollflow's own model code in the trainer and the engine (--model-impl auto)
+    assert where["train"][0]["model_impl"] == where["engines"][0]["model_impl"] == "native", where
     # the local cluster's workers run at the driver's priority, above the bookkeeping lowered to nice 10
     # (Ray's own default, worker_niceness 15, would put the trainer below the MLflow sender and the Prefect API)
     assert where["train"][0]["nice"] == os.getpriority(os.PRIO_PROCESS, 0), where

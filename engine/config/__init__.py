@@ -31,7 +31,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
-                "update_weight_buffer_size", "rollout_engine_process", "ray_services",
+                "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change"}
 
 
@@ -80,6 +80,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 fix="drop --ray-services (`ray start` starts Ray's defaults), or drop --ray-address for a local "
                     "cluster with Ray's full services",
                 facts={"field": "ray_services", "value": "full"}))
+        if self.model_impl != "auto" and self.train_backend != "torch" and self.rollout_engine != "builtin":
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--model-impl {self.model_impl} with --train-backend {self.train_backend} and --rollout-engine "
+                     f"{self.rollout_engine}: neither loads rollflow's model code (Megatron and SGLang have their own)",
+                fix="drop --model-impl (SGLang's own flag is --sglang-model-impl)",
+                facts={"field": "model_impl", "value": self.model_impl}))
         unknown = [f for f in self.allow_config_change if f.replace("-", "_") not in RESUME_FIXED]
         if unknown:
             from engine.diagnosis import ConfigError, Diagnosis

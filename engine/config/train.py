@@ -10,6 +10,14 @@ class TrainArgs(Section):
     train_backend: Literal["torch", "megatron"] = "torch"
     """Training backend: torch (transformers model, gloo/NCCL) or megatron (megatron-core, GPU only)."""
 
+    model_impl: Literal["auto", "native", "transformers"] = "auto"
+    """The model code of the torch backend and the built-in engine. native: rollflow's own Llama-family code (Qwen2,
+    Qwen3, Llama with default RoPE, on the CPU; transformers' parameter names and, in float32, its numbers bit for
+    bit; engine/native_model.py), which starts without importing transformers' modeling tree (~2.6 s of one core per
+    process). transformers: transformers' classes. auto: native where the model and the device allow it, else
+    transformers; each process logs which it loaded and why. The megatron backend and an SGLang engine have their
+    own model code (SGLang: --sglang-model-impl)."""
+
     tensor_model_parallel_size: int = Field(1, ge=1)
     """Megatron tensor parallelism (TP): GPUs that split each layer's matrices (megatron backend only)."""
 

@@ -32,6 +32,7 @@ class EngineSpec:
     cuda_graphs: bool = True  # the built-in engine decodes through CUDA graphs on a GPU (--sglang-disable-cuda-graph)
     compile_decode: bool = False  # ... with its decode step compiled (--sglang-enable-torch-compile)
     max_total_tokens: int | None = None  # the KV-cache tokens of one batch (--sglang-max-total-tokens)
+    model_impl: str = "auto"  # the built-in engine's model code (--model-impl)
 
 
 class EngineActor:
@@ -78,6 +79,7 @@ class EngineActor:
             url, ports, child = self._start_sglang(node, base_gpu, log)
         self.info = {"url": url, "node": node, "node_id": ray.get_runtime_context().get_node_id(),
                      "pid": os.getpid(), "child_pid": child, "gpu_ids": gpu_ids,
+                     "model_impl": self.state.model_impl if self.state is not None else None,
                      "base_gpu_id": base_gpu, "ports": ports, "log": log}
         return self.info
 
@@ -94,7 +96,8 @@ class EngineActor:
                             max_new_tokens=self.spec.max_new_tokens, deterministic=self.spec.deterministic,
                             max_batch=self.spec.max_batch, api_key=self.spec.api_key,
                             weight_dirs=self.spec.weight_dirs, cuda_graphs=self.spec.cuda_graphs,
-                            compile_decode=self.spec.compile_decode, max_total_tokens=self.spec.max_total_tokens)
+                            compile_decode=self.spec.compile_decode, max_total_tokens=self.spec.max_total_tokens,
+                            model_impl=self.spec.model_impl)
         self.state = state
         for attempt in range(3):  # a port checked free can be taken before the bind (another cluster on the node)
             (port,) = self._ports(node, 1)

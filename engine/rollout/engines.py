@@ -55,8 +55,9 @@ class EngineGroup:
                  runtime_env: dict | None = None, host=None, prestarted: dict | None = None):
         """host: the train worker actor whose process serves the (one) engine (--rollout-engine-process trainer);
         None: every engine is a Ray actor of its own. prestarted: engine 0's actor and its `start` call, made by
-        `rollflow train` right after Ray started (engine/cluster `prestart_engine`, for this very spec): `launch`
-        adopts them instead of starting an actor."""
+        `rollflow train` right after Ray started (engine/cluster `prestart_engine`, for this very spec; with a host,
+        the `engine_start` call made on the prestarted train worker, `prestart_train_worker`): `launch` adopts them
+        instead of starting an actor."""
         self.spec, self.placement, self.registry = spec, placement, registry
         self.host = host
         self.prestarted = prestarted
@@ -90,8 +91,8 @@ class EngineGroup:
         adopted, self.prestarted = self.prestarted, None
         self._starting = []
         for s in self.slots:
-            if adopted is not None and s.index == 0:
-                s.actor = adopted["actor"]
+            if adopted is not None and s.index == 0:  # a hosted engine's actor is its host's (`_new_actor`)
+                s.actor = adopted["actor"] if "actor" in adopted else self._new_actor(s)
                 self._starting.append(adopted["started"])
             else:
                 s.actor = self._new_actor(s)
@@ -271,7 +272,7 @@ def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool, api_key
                       weight_dirs=[str(Path(cfg.work_dir).resolve() / "weights")],
                       cuda_graphs=not cfg.sglang_args.get("disable-cuda-graph"),
                       compile_decode=bool(cfg.sglang_args.get("enable-torch-compile")),
-                      max_total_tokens=_count_arg(cfg, "max-total-tokens"))
+                      max_total_tokens=_count_arg(cfg, "max-total-tokens"), model_impl=cfg.model_impl)
 
 
 def _count_arg(cfg, key: str) -> int | None:

@@ -291,10 +291,11 @@ class EngineState:
                  deterministic: bool = False, batch_gap_s: float = 0.01, api_key: str | None = None,
                  admin_api_key: str | None = None, weight_dirs: list[str] | None = None,
                  max_request_bytes: int = 16 * 2**20, max_queued: int | None = None, watchdog_s: float = 300.0,
-                 cuda_graphs: bool = True, compile_decode: bool = False, max_total_tokens: int | None = None):
+                 cuda_graphs: bool = True, compile_decode: bool = False, max_total_tokens: int | None = None,
+                 model_impl: str = "auto"):
         import torch
 
-        from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+        from engine.modeling import eos_token_ids, impl_of, load_causal_lm, load_tokenizer
         from engine.rollout.protocol import Limits
 
         self.api_key, self.admin_api_key = api_key, admin_api_key
@@ -305,7 +306,8 @@ class EngineState:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.dtype, self.default_max_new = model_path, device, dtype, max_new_tokens
         self.tokenizer = load_tokenizer(model_path)
-        model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
+        model = load_causal_lm(model_path, dtype=dtype, device=device, impl=model_impl).eval()
+        self.model_impl = impl_of(model)  # native or transformers (/get_server_info)
         self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device,
                                    cuda_graphs=cuda_graphs, compile_decode=compile_decode)
         self.limits = Limits(context_len=int(getattr(model.config, "max_position_embeddings", None) or 2**31),
@@ -595,7 +597,8 @@ def create_app(state: EngineState):
     @app.get("/server_info")
     async def server_info():
         sched = state.scheduler
-        return {**info(), "device": state.device, "pid": os.getpid(), "deterministic": state.deterministic,
+        return {**info(), "device": state.device, "pid": os.getpid(), "model_impl": state.model_impl,
+                "deterministic": state.deterministic,
                 "batch_window_s": state.batch_window_s, "batch_sizes": sched.batch_sizes[-100:] if sched else [],
                 "batch_seconds": sched.batch_seconds[-100:] if sched else [],
                 "continuous_batching": bool(sched and sched.continuous), **decoder_info(state.generator)}
@@ -866,6 +869,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and compute (SGLang's flag; auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                   help="the model code: rollflow's native Llama-family code (Qwen2, Qwen3, Llama on the CPU), "
+                        "transformers' classes, or auto (native where it can run the model; the log says which). "
+                        "SGLang's flag of this name takes its own values")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="most sequences generated as one batch (SGLang's flag; default 256)")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -923,8 +930,10 @@ def main(argv: list[str] | None = None) -> int:
                         api_key=a.api_key, admin_api_key=a.admin_api_key, weight_dirs=a.weight_dir,
                         max_queued=a.max_queued_requests, watchdog_s=a.watchdog_timeout,
                         max_request_bytes=int(a.max_request_mb * 2**20), cuda_graphs=not a.disable_cuda_graph,
-                        compile_decode=a.enable_torch_compile, max_total_tokens=a.max_total_tokens)
-    print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device}, {dtype})",
+                        compile_decode=a.enable_torch_compile, max_total_tokens=a.max_total_tokens,
+                        model_impl=a.model_impl)
+    print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device}, {dtype}, "
+          f"{state.model_impl} model code)",
           flush=True)
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level="warning",
                             timeout_graceful_shutdown=5)

@@ -44,7 +44,7 @@ class TorchCritic:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = torch.device(device)
         self.spec = LossSpec.of(cfg)
-        lm = load_causal_lm(cfg.hf_checkpoint)
+        lm = load_causal_lm(cfg.hf_checkpoint, impl=cfg.model_impl)
         use_varlen_attention(lm)
         # dropout off, as the policy; the critic stays fp32 and replicated (its gradients are all-reduced)
         self.model = ValueModel(lm.base_model, lm.config.hidden_size).to(self.device).eval()

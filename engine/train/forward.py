@@ -199,7 +199,13 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def use_varlen_attention(model) -> None:
-    """Register `varlen_attention` with transformers and switch `model` (a PreTrainedModel) to it."""
+    """Switch `model` to `varlen_attention`: rollflow's native model takes the function; a transformers
+    PreTrainedModel gets it registered with transformers' AttentionInterface."""
+    from engine.native_model import NativeCausalLM
+
+    if isinstance(model, NativeCausalLM):
+        model.set_attention(VARLEN, varlen_attention)
+        return
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN, varlen_attention)

@@ -58,7 +58,7 @@ def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: 
 
 class TorchBackend:
     def __init__(self, cfg, *, rank: int = 0, world_size: int = 1, train_iters: int = 1, device: str = "cpu"):
-        from engine.modeling import load_causal_lm
+        from engine.modeling import impl_of, load_causal_lm
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = torch.device(device)
@@ -68,7 +68,8 @@ class TorchBackend:
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # of the forward's weights
-        model = load_causal_lm(cfg.hf_checkpoint, device=str(self.device))  # fp32
+        model = load_causal_lm(cfg.hf_checkpoint, device=str(self.device), impl=cfg.model_impl)  # fp32
+        self.model_impl = impl_of(model)  # native or transformers (the run's summary: placement.train)
         use_varlen_attention(model)
         if cfg.recompute_activations:
             recompute_decoder_layers(model)
@@ -117,7 +118,8 @@ class TorchBackend:
 
     def _ref_model(self):
         if self.ref is None:
-            self.ref = self._placed_ref(load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint))
+            self.ref = self._placed_ref(load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint,
+                                                       self.cfg.model_impl))
         return self.ref
 
     def _placed_ref(self, model):
@@ -348,14 +350,14 @@ class TorchBackend:
         from engine.weights import load_weights_dir
 
         if (Path(path) / "config.json").is_file():  # HF dir: from_pretrained handles shards and key renames
-            state = load_causal_lm(path).state_dict()
+            state = load_causal_lm(path, impl=self.cfg.model_impl).state_dict()
         else:
             state = load_weights_dir(Path(path) / "model")
         if not ref:
             self._load_full(state, path)
             return
         if self.ref is None:  # the frozen architecture; its weights are replaced just below
-            self.ref = self._placed_ref(load_reference(None, self.cfg.hf_checkpoint))
+            self.ref = self._placed_ref(load_reference(None, self.cfg.hf_checkpoint, self.cfg.model_impl))
         load_state_strict(self.ref, state, path)
 
     def export_hf(self, path: str) -> None:
@@ -365,7 +367,7 @@ class TorchBackend:
         if self.rank != 0:
             return
         if self.sharded or self.masters:  # the full fp32 weights, through a plain copy of the architecture
-            model = load_causal_lm(self.cfg.hf_checkpoint)
+            model = load_causal_lm(self.cfg.hf_checkpoint, impl=self.cfg.model_impl)
             load_state_strict(model, state, "the trainer")
             model.save_pretrained(path)
         else:
@@ -488,7 +490,7 @@ def load_state_strict(model, state: dict[str, torch.Tensor], source: str) -> Non
     model.load_state_dict(state, strict=False)
 
 
-def load_reference(ref_load: str | None, hf_checkpoint: str):
+def load_reference(ref_load: str | None, hf_checkpoint: str, impl: str = "auto"):
     """The frozen reference: an HF directory, or a checkpoint directory's latest iteration (RF01 if neither)."""
     from engine import checkpoint
     from engine.modeling import load_causal_lm
@@ -496,9 +498,9 @@ def load_reference(ref_load: str | None, hf_checkpoint: str):
 
     src = Path(ref_load or hf_checkpoint)
     if (src / "config.json").is_file():
-        model = load_causal_lm(str(src))
+        model = load_causal_lm(str(src), impl=impl)
     elif (it := checkpoint.read_marker(src)) is not None:
-        model = load_causal_lm(hf_checkpoint)  # architecture from the policy's HF config, weights from src
+        model = load_causal_lm(hf_checkpoint, impl=impl)  # architecture from the policy's HF config, weights from src
         load_state_strict(model, load_weights_dir(checkpoint.iter_dir(src, it) / "model"), str(src))
     else:
         raise DiagnosisError(Diagnosis(

@@ -88,7 +88,7 @@ class TrainWorker:
 
             self.critic = TorchCritic(self.cfg, rank=self.rank, world_size=self.world_size,
                                       train_iters=self.train_iters, device=self.device)
-        return self.where()
+        return {**self.where(), "model_impl": getattr(self.backend, "model_impl", None)}
 
     @staticmethod
     def where() -> dict[str, Any]:
