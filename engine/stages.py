@@ -269,6 +269,8 @@ def plan_rollout_engines(run: Run) -> None:
                                                            run.threads_per_process)
     if run.prestarted_engine is not None:
         spec = run.prestarted_engine["spec"]
+    elif run.engine_in_trainer and (hosted := cluster.prestarted_hosted_spec(spec)) is not None:
+        spec = hosted  # the prestarted train worker serves it (adopted with the worker: launch_rollout_engines)
     run.engine_spec = spec
     run.engine_dtype = spec.dtype
     run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu, in_trainer=run.engine_in_trainer)
@@ -286,9 +288,12 @@ def launch_rollout_engines(run: Run, host=None) -> None:
     from engine.rollout.engines import EngineGroup
 
     cfg = run.cfg
+    if host is not None:  # served by the train worker: its start call made with the prestarted worker, if it was
+        hosted = getattr(run.train_group, "hosted_engine", None)
+        run.prestarted_engine = hosted if hosted is not None and hosted["spec"] == run.engine_spec else None
     run.engines = EngineGroup(run.engine_spec, run.placement, run.ports, fault_tolerant=cfg.use_fault_tolerance,
                               runtime_env=cluster._threads_env(run.threads_per_process), host=host,
-                              prestarted=None if host is not None else run.prestarted_engine).launch()
+                              prestarted=run.prestarted_engine).launch()
     # a restarted engine gets the weights of the last sync before it serves (initial weights: nothing to send)
     run.engines.resync = lambda slots: (push_weights(run, slots, run.state.weight_version)
                                         if run.state.weight_version else None)
@@ -1184,7 +1189,7 @@ def placement_info(run: Run) -> dict[str, Any]:
             "shipped_dirs": dict(getattr(tg, "blind", {}) or {}),  # dir → ranks that got its files via Ray
             "engine_in_trainer": run.engine_in_trainer,
             "train_prestarted": bool(getattr(tg, "prestarted", False)),  # started with Ray by `rollflow train`
-            "engine_prestarted": run.prestarted_engine is not None,  # likewise, engine 0
+            "engine_prestarted": run.prestarted_engine is not None,  # likewise, engine 0 (or the worker's)
             "ray_services": cluster.services_started(),  # lean / full for a local cluster the run started; None joined
             "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
                          "pid": s.info.get("pid"), "url": s.url, "model_impl": s.info.get("model_impl")}

@@ -219,15 +219,16 @@ def start_ray(cfg) -> bool:
 
 
 def start_train_worker(cfg) -> bool:
-    """After `start_ray`: the run's train worker and its model load, started now on a one-rank CPU run
-    (engine/cluster `prestart_train_worker`; place() adopts it). False, with the reason logged, when it was not
-    started: place() starts the workers as it would anyway."""
+    """After `start_ray`: the run's train worker and its model load, started now on a one-rank CPU run, and the
+    engine it serves with --rollout-engine-process trainer (engine/cluster `prestart_train_worker`; place() adopts
+    them). False, with the reason logged, when it was not started: place() starts the workers as it would anyway."""
     from engine import cluster
     from engine.run import Run
 
     try:
         run = Run(cfg)
-        return cluster.prestart_train_worker(cfg, train_iters=run.plan.train_iters, threads=run.train_threads)
+        return cluster.prestart_train_worker(cfg, train_iters=run.plan.train_iters, threads=run.train_threads,
+                                             log_dir=str(run.work_dir / "logs"))
     except Exception as e:  # noqa: BLE001 — place() starts the workers and reports what fails
         log.warning("rollflow: starting the train worker at start-up failed (%s: %s); the flow's place step "
                     "starts it", type(e).__name__, e)

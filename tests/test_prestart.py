@@ -257,3 +257,58 @@ def test_start_up_defers_the_garbage_collector_and_training_freezes_what_start_u
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_the_prestarted_train_worker_serves_its_engine_once_adopted(shared_ray, small_cfg):
+    """Sync CPU run (the engine in the trainer's process): prestart_train_worker also starts the engine the worker
+    serves, right after its setup. The run's plan takes that engine's spec (its token), and launching the engines
+    on the adopted worker adopts that start call: the engine answers with the run's token. A worker prestarted for
+    another config is killed with its engine, and the run's engine starts on its own worker."""
+    import httpx
+    import ray
+
+    from engine import cluster, stages
+    from engine.run import Run
+
+    def prestart(cfg) -> Run:
+        run = Run(cfg)
+        run.cluster, run.owns_ray = dict(ray.cluster_resources()), False  # close() leaves the shared cluster up
+        assert cluster.prestart_train_worker(cfg, train_iters=run.plan.train_iters, threads=run.train_threads,
+                                             log_dir=str(run.work_dir / "logs"))
+        return run
+
+    def place(run: Run) -> None:
+        stages.plan_rollout_engines(run)
+        run.train_group = cluster.TrainGroup(run.cfg, train_iters=run.plan.train_iters, timeout_s=120,
+                                             threads=run.train_threads, registry=run.ports, wait=False)
+        stages.launch_rollout_engines(run, host=run.train_group.workers[0])
+        run.engines.wait_started()
+        run.train_group.wait_ready()
+
+    cfg = small_cfg()
+    run = prestart(cfg)
+    hosted = cluster._prestarted_worker["engine"]
+    assert hosted is not None and hosted["spec"].threads is None  # the trainer's threads, as place() makes it
+    try:
+        place(run)
+        assert run.train_group.prestarted and run.prestarted_engine is hosted and run.engine_spec is hosted["spec"]
+        url = run.engines.serving()[0]
+        body = {"text": "1+1=", "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(url + "/generate", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {run.engines.api_key}"}).status_code == 200
+        assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 401
+        assert run.engines.slots[0].info["pid"] == run.train_group.nodes[0]["pid"]  # served from the worker
+    finally:
+        run.close()
+    prestart(small_cfg(lr=3e-4))  # prestarted for another config than the run's
+    run = Run(cfg)
+    run.cluster, run.owns_ray = dict(ray.cluster_resources()), False
+    stale_worker = cluster._prestarted_worker["worker"]
+    try:
+        place(run)
+        assert not run.train_group.prestarted and run.prestarted_engine is None
+        assert run.engines.slots[0].info["pid"] == run.train_group.nodes[0]["pid"]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(stale_worker.where.remote(), timeout=60)  # killed, with the engine it served
+    finally:
+        run.close()

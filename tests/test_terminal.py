@@ -56,7 +56,7 @@ def test_a_finished_run_launched_again_has_nothing_to_do(tmp_path):
     import json
 
     where = json.loads((tmp_path / "summary.json").read_text())["placement"]
-    assert where["train_prestarted"] and where["engine_in_trainer"], where
+    assert where["train_prestarted"] and where["engine_in_trainer"] and where["engine_prestarted"], where
     assert where["engines"][0]["pid"] == where["train"][0]["pid"], where
     assert where["ray_services"] == "lean", where  # the local cluster without Ray's three unused services
     # the bundled Qwen2 on the CPU: rollflow's own model code in the trainer and the engine (--model-impl auto)

@@ -237,21 +237,46 @@ def _worker_key(cfg, train_iters: int, threads: int) -> tuple:
     return cfg.model_dump_json(), train_iters, threads
 
 
-def prestart_train_worker(cfg, *, train_iters: int, threads: int) -> bool:
+def prestart_train_worker(cfg, *, train_iters: int, threads: int, log_dir: str | None = None) -> bool:
     """Start a one-rank CPU run's train worker and its `setup` (imports, model load) right after `rollflow train`
     started Ray: they run on the core the driver leaves idle during the flow's start and preflight (vmstat: ~45%
     idle for those seconds on the 2-core machine), and `TrainGroup` adopts the worker when the run's config, train
     iterations and threads are the same (else it is killed and a new one started, as without this). False where
-    the train ranks are placed (GPUs, several ranks or nodes)."""
+    the train ranks are placed (GPUs, several ranks or nodes).
+
+    With the engine in the trainer's process (--rollout-engine-process, `log_dir` given), the worker's next call
+    starts that engine too: its tokenizer, model and HTTP server come up while the driver is still starting the
+    flow (timestamps on the CPU demo: the driver reached place() ~0.7 s after the worker was ready, and the
+    engine's start then took 1.1–1.4 s before the loop could begin). place() adopts it with the worker when the
+    run's engine spec is the same, its token aside (`prestarted_hosted_spec`)."""
     global _prestarted_worker
+    import secrets
+
     import ray
+
+    from engine.rollout.engines import engine_spec
 
     if cfg.train_world_size != 1 or cfg.actor_num_nodes != 1 or ray.cluster_resources().get("GPU", 0):
         return False
     w = _worker_class(cfg).options(runtime_env=_threads_env(threads)).remote(
         cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=train_iters, threads=threads, lazy=True)
-    _prestarted_worker = {"key": _worker_key(cfg, train_iters, threads), "worker": w, "ready": w.setup.remote(None)}
+    _prestarted_worker = {"key": _worker_key(cfg, train_iters, threads), "worker": w, "ready": w.setup.remote(None),
+                          "engine": None}
+    if log_dir is not None and cfg.engine_in_trainer_on_cpu():  # the spec as plan_rollout_engines makes it
+        spec = engine_spec(cfg, threads=None, log_dir=log_dir, on_gpu=False, api_key=secrets.token_urlsafe(24))
+        _prestarted_worker["engine"] = {"spec": spec, "started": w.engine_start.remote(spec, 0, port_registry())}
     return True
+
+
+def prestarted_hosted_spec(spec):
+    """The spec of the engine the prestarted train worker serves, when it is `spec` but for its token (place()
+    then uses it: that server checks its own token); None otherwise."""
+    import dataclasses
+
+    hosted = (_prestarted_worker or {}).get("engine")
+    if hosted is not None and dataclasses.replace(hosted["spec"], api_key=spec.api_key) == spec:
+        return hosted["spec"]
+    return None
 
 
 def take_prestarted_worker(cfg, train_iters: int, threads: int) -> dict[str, Any] | None:
@@ -340,6 +365,8 @@ class TrainGroup:
         lay = placement.layout if placement is not None else None
         taken = take_prestarted_worker(cfg, train_iters, threads)
         self.prestarted = taken is not None and world == 1 and lay is None  # adopted (prestart_train_worker)
+        # the engine it serves, started after its setup ({spec, started}: the start call), when it was asked to
+        self.hosted_engine = taken.get("engine") if self.prestarted else None
         self.nodes: list[dict[str, Any]] = []  # per rank: node_ip, node_id, pid (wait_ready fills it)
         self._seen: dict[str, list[bool]] = {}  # directory → per rank: its node sees it (`seeing`)
         if taken is not None and not self.prestarted:
