@@ -78,8 +78,11 @@ def unsupported(path: str | Path, device: str = "cpu") -> str | None:
         return f"RoPE type {shape.rope_type!r} (native: default)"
     if shape.num_moe_layers:
         return "mixture-of-experts layers"
-    if not weight_files(path):
-        return "no safetensors weights (model.safetensors or its index)"
+    try:
+        if not weight_files(path):
+            return "no safetensors weights (model.safetensors or its index)"
+    except (ValueError, KeyError) as e:  # an index that is not JSON, or without a weight_map
+        return f"model.safetensors.index.json: {e!r}"
     return None
 
 
@@ -88,9 +91,9 @@ class NativeConfig:
     tie_word_embeddings, ...), its shape, and the attention the model calls."""
 
     def __init__(self, raw: dict[str, Any]):
-        self.raw = dict(raw)
         for k, v in raw.items():
             setattr(self, k, v)
+        self.raw = dict(raw)  # after: a key of that name in config.json does not replace it
         self.shape = ModelShape.from_hf_config(raw)
         self.tie_word_embeddings = self.shape.tie_embeddings
         self.attention_dropout = float(raw.get("attention_dropout") or 0.0)

@@ -153,6 +153,8 @@ def test_what_native_does_not_cover_loads_transformers_and_says_why(tiny_model, 
     (tmp_path / "nosafe" / "config.json").write_text((tmp_path / "act" / "config.json").read_text()
                                                      .replace('"gelu"', '"silu"'))
     assert "no safetensors" in native_model.unsupported(tmp_path / "nosafe")
+    (tmp_path / "nosafe" / "model.safetensors.index.json").write_text("{not json")
+    assert "model.safetensors.index.json" in native_model.unsupported(tmp_path / "nosafe")
     # auto: transformers' class where native cannot; native: a config error naming the flag and the reason
     assert impl_of(load_causal_lm(cases["rope"])) == "transformers"
     with pytest.raises(ConfigError) as e:
