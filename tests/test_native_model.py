@@ -182,3 +182,19 @@ def test_model_impl_reaches_the_trainer_and_the_engine():
         assert TorchBackend(cfg).model_impl == loaded
         spec = engine_spec(cfg, threads=1, log_dir="/tmp", on_gpu=False)
         assert EngineState(spec.model_path, model_impl=spec.model_impl).model_impl == loaded
+
+
+def test_preflight_finds_what_native_cannot_run_before_anything_starts(small_cfg, tiny_model, tmp_path):
+    from engine.doctor.checks import CHECKS, Environment, native_model_code_runs
+
+    assert native_model_code_runs in CHECKS["MODEL"]
+    cpu, gpu = Environment(gpus=0.0), Environment(gpus=8.0, source="the Ray cluster")
+    assert native_model_code_runs(small_cfg(model_impl="native"), cpu) == []
+    assert native_model_code_runs(small_cfg(), gpu) == []  # auto: transformers' classes on CUDA, nothing to report
+    (d,) = native_model_code_runs(small_cfg(model_impl="native"), gpu)
+    assert d.severity == "error" and "device cuda" in d.what and "the Ray cluster" in d.what
+    assert d.facts["field"] == "model_impl" and "--model-impl auto" in d.fix
+    scaled = edited(tiny_model, tmp_path / "scaled", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 10000.0})
+    (d,) = native_model_code_runs(small_cfg(model_impl="native", hf_checkpoint=scaled), cpu)
+    assert "RoPE type 'linear'" in d.what

@@ -374,6 +374,25 @@ def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
     return out
 
 
+@check("MODEL")
+def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
+    """--model-impl native: rollflow's model code can run the model where the run puts it (the CPU; a cluster with
+    GPUs trains and generates on CUDA). Found here, before any process starts, not at the worker's model load.
+    auto needs no check: it loads transformers' classes wherever the native code cannot run."""
+    from engine.native_model import unsupported
+
+    path = Path(cfg.model_dir)
+    if cfg.model_impl != "native" or not (path / "config.json").is_file():
+        return []  # model_dir_usable reports a missing config.json
+    device = "cuda" if env.gpus > 0 else "cpu"
+    if (why := unsupported(path, device)) is None:
+        return []
+    return [Diagnosis(code="MODEL", severity="error",
+                      what=f"--model-impl native: rollflow's model code cannot run {path} on {env.source} ({why})",
+                      fix="--model-impl auto (transformers' classes where the native code cannot run) or transformers",
+                      facts={"field": "model_impl", "value": "native", "reason": why})]
+
+
 @check("RF10")
 def model_has_stop(cfg, env: Environment) -> list[Diagnosis]:
     from engine.modeling import read_model_json
