@@ -36,7 +36,7 @@ class RolloutArgs(Section):
     """Stop token ids sent to the engine as `stop_token_ids`, added to the model's EOS (RF10)."""
 
     rollout_engine: Literal["builtin", "sglang"] = "builtin"
-    """Rollout server kind: builtin (transformers, CPU or GPU, same HTTP API) or sglang (python -m sglang.launch_server)."""
+    """Rollout server kind: builtin (rollflow's engine over a Hugging Face model, CPU or GPU, SGLang's HTTP API; --model-impl) or sglang (python -m sglang.launch_server)."""
 
     rollout_engine_process: Literal["auto", "own", "trainer"] = "auto"
     """Where the built-in engine runs: own (a Ray actor process of its own) or trainer (a thread of train rank 0's process, serving the same HTTP API: one process fewer imports torch and transformers at start, and a weight sync is an in-memory copy instead of a trip through Ray's object store). trainer needs one CPU engine, one train rank, --async-mode off and no --use-fault-tolerance (an engine failure takes the trainer with it); auto = trainer where that holds, else own."""

@@ -8,7 +8,7 @@ from engine.config.base import Section
 
 class TrainArgs(Section):
     train_backend: Literal["torch", "megatron"] = "torch"
-    """Training backend: torch (transformers model, gloo/NCCL) or megatron (megatron-core, GPU only)."""
+    """Training backend: torch (a Hugging Face model in PyTorch, gloo/NCCL; --model-impl) or megatron (megatron-core, GPU only)."""
 
     model_impl: Literal["auto", "native", "transformers"] = "auto"
     """The model code of the torch backend and the built-in engine. native: rollflow's own Llama-family code (Qwen2,

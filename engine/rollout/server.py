@@ -860,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.rollout.ports import is_port_free, port_in_use
 
     p = argparse.ArgumentParser(prog="rollflow serve", description="The built-in engine: SGLang's HTTP API over a "
-                                "transformers model (CPU or GPU). Accepts SGLang's launch_server flags.")
+                                "Hugging Face model (CPU or GPU; --model-impl). Accepts SGLang's launch_server flags.")
     p.add_argument("--model-path", "--hf-checkpoint", dest="model_path", default=BUNDLED_MODEL,
                    help="model directory (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
