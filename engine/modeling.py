@@ -54,10 +54,13 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", im
 
     why = native_model.unsupported(path, device) if impl != "transformers" else "--model-impl transformers"
     if why is None:
-        with model_dir_lock(path):
-            model = native_model.load(path, getattr(torch, dtype))
-        log.info("model code: rollflow's native %s (%s)", model.config.shape.family, path)
-        return model.to(device)
+        try:
+            with model_dir_lock(path):
+                model = native_model.load(path, getattr(torch, dtype))
+            log.info("model code: rollflow's native %s (%s)", model.config.shape.family, path)
+            return model.to(device)
+        except native_model.WeightsMismatch as e:  # transformers' loader may know the key renames it needs
+            why = str(e)
     if impl == "native":
         from engine.diagnosis import ConfigError, Diagnosis
 

@@ -369,9 +369,15 @@ class NativeCausalLM(nn.Module):
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+class WeightsMismatch(ValueError):
+    """The directory's weight names are not the model's (a checkpoint that needs transformers' key renames)."""
+
+
 def load(path: str | Path, dtype: torch.dtype = torch.float32) -> NativeCausalLM:
     """The model in a Hugging Face directory (`unsupported(path)` is None), its weights cast to `dtype` (buffers
-    such as RoPE's stay float32, as transformers keeps them). Names that do not match are an error."""
+    such as RoPE's stay float32, as transformers keeps them). Names that do not match raise WeightsMismatch; RoPE
+    inverse frequencies that older checkpoints saved (`*.rotary_emb.inv_freq`) are recomputed, as transformers
+    does."""
     from safetensors.torch import load_file
 
     config = NativeConfig(json.loads((Path(path) / "config.json").read_text()))
@@ -380,12 +386,13 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> NativeCausalLM
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
         state.update(load_file(str(f)))
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     names = set(model.state_dict())
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing, unexpected = sorted(names - set(state) - tied), sorted(set(state) - names)
     if missing or unexpected:
-        raise ValueError(f"{path}: the weights do not match a {config.shape.family} model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise WeightsMismatch(f"the weights do not match a {config.shape.family} model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
     if tied:
         state.pop("lm_head.weight", None)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)

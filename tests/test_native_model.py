@@ -198,3 +198,27 @@ def test_preflight_finds_what_native_cannot_run_before_anything_starts(small_cfg
                                                                       "rope_theta": 10000.0})
     (d,) = native_model_code_runs(small_cfg(model_impl="native", hf_checkpoint=scaled), cpu)
     assert "RoPE type 'linear'" in d.what
+
+
+def test_weight_names_native_does_not_know_load_transformers_class_under_auto(tiny_model, tmp_path):
+    """A checkpoint that saved RoPE's inverse frequencies (older Llama-family ones did) loads natively: they are
+    recomputed. A name the model does not have: auto loads transformers' class (its loader knows key renames and
+    ignores extras); native refuses, naming the key."""
+    from safetensors.torch import load_file, save_file
+
+    def with_extra(name: str, key: str) -> str:
+        d = edited(tiny_model, tmp_path / name)
+        state = load_file(f"{d}/model.safetensors")
+        save_file({**state, key: torch.ones(8)}, f"{d}/model.safetensors", metadata={"format": "pt"})
+        return d
+
+    old = with_extra("old", "model.layers.0.self_attn.rotary_emb.inv_freq")
+    ids = torch.tensor([[5, 17, 99, 3]])
+    with torch.no_grad():
+        assert torch.equal(load_causal_lm(old, impl="native")(input_ids=ids).logits,
+                           load_causal_lm(tiny_model, impl="native")(input_ids=ids).logits)
+    odd = with_extra("odd", "model.extra.weight")
+    assert impl_of(load_causal_lm(odd)) == "transformers"
+    with pytest.raises(ConfigError) as e:
+        load_causal_lm(odd, impl="native")
+    assert "model.extra.weight" in str(e.value)
