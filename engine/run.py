@@ -81,6 +81,8 @@ class Run:
         self.sync_transport = "disk" if cfg.weight_sync_method == "disk" else "object_store"
         self.probe: list[list[int]] = []  # prompts every engine answers after a sync, scored by the trainer (RF14)
         self.probe_seqs: list[tuple[list[int], list[int]]] = []  # (prompt, sampled answer): later probes score them
+        # weight version → what the trainer handed over for it (stages.handed): a retried sync reuses it
+        self.handed_over: dict[int, dict[str, Any]] = {}
 
     # ---- CPU threads ------------------------------------------------------------------------------------------
     # Processes that run at the same time share the cores: with --async-mode the engines and the train workers

@@ -905,6 +905,33 @@ def disk_full(run: Run, rollout_id: int, e: BaseException, free_before: int | No
 
 
 # ---- sync ------------------------------------------------------------------------------------------------------
+def handed(run: Run, version: int, what: str, make: Callable[[], Any]) -> Any:
+    """What the trainer hands over for weight version `version` (`what`: its weights, its probe log-probs), made by
+    `make` once: a retried sync reuses it. Once handed over the trainer may train on (--async-mode), so asking it
+    again would give the next step's weights under this version's name."""
+    got = run.handed_over.setdefault(version, {})
+    if what not in got:
+        got[what] = make()
+    return got[what]
+
+
+def _weights_dir(run: Run, version: int) -> Path:
+    return run.work_dir / "weights" / f"v{version:06d}"
+
+
+def forget_handed(run: Run, keep: int | None = None) -> None:
+    """Drop what the trainer handed over for every version but `keep` (an object-store copy, a weights directory,
+    also one a failed run left): a sync that succeeded needs it no more, a failed one is superseded by the next."""
+    import shutil
+
+    for version in [v for v in list(run.handed_over) if v != keep]:
+        run.handed_over.pop(version, None)
+    if run.sync_transport == "disk":  # versioned and deleted after use
+        for d in (run.work_dir / "weights").glob("v*"):
+            if keep is None or d != _weights_dir(run, keep):
+                shutil.rmtree(d, ignore_errors=True)
+
+
 def push_weights(run: Run, slots: list, version: int, exported: Callable[[], None] | None = None,
                  probe_scores: dict | None = None) -> dict[str, float]:
     """The trainer's weights to these engines as `version` (run.sync_transport), checked on every engine.
@@ -913,8 +940,6 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
     probe_scores (a dict, weight_sync in_process once the probe has its stored sequences): the RF14 probe's
     scores are computed in the same call, by the trainer and by each engine, into probe_scores[url]."""
     exported = exported or (lambda: None)
-    import shutil
-
     from engine.weights.sync import push_disk, push_in_process, push_ipc, push_object_store
 
     cfg = run.cfg
@@ -938,21 +963,28 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
         nbytes = push_in_process(slots, version, timeout_s=cfg.weight_sync_timeout, exported=exported, probe=probe,
                                  scored=probe_scores)
     elif run.sync_transport == "object_store":
-        ref, mb = run.train_group.weights_ref()
+        ref, mb = handed(run, version, "weights", run.train_group.weights_ref)
         exported()
         push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
         nbytes = mb * 2**20
     else:
-        path = run.work_dir / "weights" / f"v{version:06d}"
-        run.train_group.save_weights(str(path))
+        path = _weights_dir(run, version)
+        handed(run, version, "weights", lambda: _save_weights(run, path))
         exported()
         nbytes = sum(f.stat().st_size for f in path.glob("*"))
-        try:
-            push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout, api_key=key)
-        finally:
-            shutil.rmtree(path, ignore_errors=True)  # versioned and deleted after use
+        push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout, api_key=key)
     secs = time.perf_counter() - t0
     return {"sync/mb": nbytes / 2**20, "sync/gb_per_s": nbytes / 1e9 / max(secs, 1e-9)}
+
+
+def _save_weights(run: Run, path: Path) -> str:
+    import shutil
+
+    try:
+        return run.train_group.save_weights(str(path))
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # half written: the retry writes it again
+        raise
 
 
 def _probe_batch(run: Run):
@@ -1067,7 +1099,8 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
     t0 = time.perf_counter()
     version = rollout_id + 1
     paused = {}
-    with run.engines.lock:
+    with run.engines.lock:  # a restarted engine's resync pushes under it too: nothing it reads is dropped meanwhile
+        forget_handed(run, keep=version)
         if run.engines.released:
             run.engines.resume_memory()
         reference = []
@@ -1077,7 +1110,8 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
         def handoff() -> None:
             # the trainer's probe log-probs are asked before anything else can reach it; then it is free, unless
             # this is the process's first probe: then it still has to score what the engines sample (below)
-            if scored is None and (start := probe_reference_start(run)) is not None:
+            if scored is None and (start := handed(run, version, "reference",
+                                                   lambda: probe_reference_start(run))) is not None:
                 reference.append(start)
             if exported is not None and reference:
                 exported.set()
@@ -1094,6 +1128,8 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
         loaded.set()
     out.update(paused)
     out.update(probe_engines(run, version, reference[0] if reference else None, scored=scored))
+    with run.engines.lock:
+        forget_handed(run)
     if exported is not None:
         exported.set()
     if run.cfg.offload_train:

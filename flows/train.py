@@ -53,27 +53,31 @@ def _async_loop(t, r, run, start: int, progress) -> None:
     weights of version ≥ j − K (version v = the weights after v train steps), so every sample of rollout j is at
     most K versions older than the step that trains it (stages.staleness_guard enforces it). The engines get the
     newest weights whenever no rollout is in flight (generation never runs on half-updated weights): the trainer
-    does its part of the sync first (probe scores, weights handed over), the engines load them, and then the
-    trainer trains on while the rollouts that need that version start next to the sync's RF14 probe (a failed
-    probe fails the run at the next rollout id, before anything generated after it is trained). With
-    --partial-rollout the sync comes right after each step instead: the engines pause (abort) what they generate,
-    take the weights and continue, and the rollout continues those samples under the new version; the checkpoint
-    saved next keeps how far they got. Each id still has one rollout-{id}, pack-{id} and train-{id} task; a sync is named by the step
-    whose weights it pushes. Evaluations run on synced engines.
+    hands them over first (its probe scores, a copy of its weights) and trains on while the engines load them; the
+    rollouts that need that version start once they are loaded, next to the sync's RF14 probe (a failed probe
+    fails the run at the next rollout id, before anything generated after it is trained). While a step trains,
+    the driver packs the next rollout as soon as it is generated. With --partial-rollout the sync comes right after
+    each step instead: the engines pause (abort) what they generate, take the weights and continue, and the rollout
+    continues those samples under the new version (packed at its own id); the checkpoint saved next keeps how far
+    they got. Each id still has one rollout-{id}, pack-{id} and train-{id} task; a sync is named by the step whose
+    weights it pushes. Evaluations run on synced engines.
     """
+    import concurrent.futures
     import threading
 
     cfg = run.cfg
     K, N = cfg.staleness_bound, cfg.num_rollout
     inflight: dict = {}  # rollout id → its task's future
+    packed_ahead: dict = {}  # rollout id → its pack, made while the step before it trained
     launched = start
-    pending = None  # (future, version) of a sync the engines are still loading
+    pending = None  # (future, version, loaded event) of a sync the engines load or probe
+    training = None  # the train step's future while it runs
 
     def served() -> int:
-        return pending[1] if pending else run.state.weight_version
+        return pending[1] if pending and pending[2].is_set() else run.state.weight_version
 
     def launch() -> None:
-        """The rollouts the served version allows (a pending sync's weights are loaded: start_sync waited)."""
+        """The rollouts the served version allows."""
         nonlocal launched
         while launched < N and launched - K <= served():
             inflight[launched] = t.rollout.submit(r, launched)
@@ -86,23 +90,24 @@ def _async_loop(t, r, run, start: int, progress) -> None:
             fut, pending = pending[0], None
             fut.result()
 
+    def wait_for(done: threading.Event, fut) -> None:
+        """Until the sync stage sets `done` (a retry too), or its task failed for good: then its error."""
+        while not done.wait(1.0):
+            if fut.state.is_final():
+                fut.result()  # a sync that succeeded set it
+                break
+
     def start_sync(trained: int, pause: bool = False) -> None:
-        """The weights after `trained` steps to the engines, overlapping the next train step: returns once the
-        engines serve them (the sync stays pending until its RF14 probe is done); then any evaluation due at that
-        version."""
+        """The weights after `trained` steps to the engines: returns once the trainer has handed them over (the
+        sync stays pending while the engines load them and answer its RF14 probe); then any evaluation due at that
+        version, on the synced engines."""
         nonlocal pending
         settle()
         stopping.check()
         exported, loaded = threading.Event(), threading.Event()
         fut = t.sync.submit(r, trained - 1, pause=pause, exported=exported, loaded=loaded)
-        # the trainer's part (exported) and the engines' load (loaded) are done: set by the sync stage, a retry too.
-        # The process's first probe scores the engines' samples on the trainer, so `exported` waits for it.
-        for done in (loaded, exported):
-            while not done.wait(1.0):
-                if fut.state.is_final():
-                    fut.result()  # failed for good: its error (a sync that succeeded set both)
-                    break
-        pending = (fut, trained)
+        wait_for(exported, fut)  # the process's first probe has the trainer score the engines' samples: it waits
+        pending = (fut, trained, loaded)
         if stages.should_eval(cfg, trained - 1) and trained < N:
             settle()
             t.evaluate(r, trained)
@@ -118,18 +123,40 @@ def _async_loop(t, r, run, start: int, progress) -> None:
         start_sync(trained, pause=bool(inflight))
         launch()
 
+    def while_training(nxt: int) -> None:
+        """What the driver does while the trainer trains: the rollouts a sync's newly loaded weights allow, then
+        rollout `nxt` packed as soon as it is generated (a failed one is left for the loop to raise). Not with
+        --partial-rollout: there the rollout in flight is the sync's to pause right after the step."""
+        if pending:
+            wait_for(pending[2], pending[0])
+        launch()
+        fut = inflight.get(nxt)
+        if fut is None or cfg.partial_rollout:
+            return
+        done, _ = concurrent.futures.wait([training.wrapped_future, fut.wrapped_future],
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        if fut.wrapped_future in done:
+            fut.wait()
+            if fut.state.is_completed():
+                packed_ahead[nxt] = t.pack(r, inflight.pop(nxt).result())
+
     try:
         launch()
         for rollout_id in range(start, N):
             stopping.check()
-            fut = inflight.pop(rollout_id)
+            packed = packed_ahead.pop(rollout_id, None)
             settle()  # the sync this rollout may have waited for: its own error first (the rollout's is 'upstream')
-            batch = fut.result()
+            if packed is None:
+                batch = inflight.pop(rollout_id).result()
             sync_if_idle(rollout_id)
             launch()
             stopping.check()
-            packed = t.pack(r, batch)
-            t.train(r, packed)
+            if packed is None:
+                packed = t.pack(r, batch)
+            training = t.train.submit(r, packed)
+            while_training(rollout_id + 1)
+            training.result()
+            training = None
             if cfg.partial_rollout and rollout_id + 1 < N:
                 sync_now(rollout_id + 1)
             stopping.check()
@@ -138,8 +165,8 @@ def _async_loop(t, r, run, start: int, progress) -> None:
             progress.done(rollout_id)
         sync_if_idle(N)
         settle()
-    finally:
-        for f in [*inflight.values(), *([pending[0]] if pending else [])]:  # a failed step: let them end first
+    finally:  # a failed step: let them end first
+        for f in [*inflight.values(), *([pending[0]] if pending else []), *([training] if training else [])]:
             f.wait(timeout=30)
 
 

@@ -143,6 +143,59 @@ def test_one_step_async_flow_overlaps_rollout_and_train(prefect_harness, shared_
         assert runs[f"rollout-{i + 1}"].start_time < runs[f"train-{i}"].end_time
 
 
+def test_one_step_trains_while_the_engines_load_and_a_retried_sync_pushes_what_was_handed_over(
+        prefect_harness, shared_ray, small_cfg, monkeypatch):
+    """Step v trains while the engines load the weights v steps made (the trainer handed them over first); the driver
+    packs rollout i+1 while step i trains; a sync that fails after the hand-over is retried with the weights that
+    were handed over (the same object), not with what the trainer holds by then (it has trained on since)."""
+    import time
+
+    from test_orchestration import _runs
+
+    import engine.weights.sync as weight_sync
+    from engine import stages
+    from flows.train import rl_train
+
+    real_push, real_train = weight_sync.push_object_store, stages.train
+    pushes = []  # (version, the weights' object id, start, end, ok)
+
+    def slow_push(slots, ref, version, *, timeout_s):
+        t0 = time.time()
+        time.sleep(0.3)  # engines that take a while to load
+        ok = not (version == 2 and not any(p[0] == 2 for p in pushes))  # the first push of version 2 fails
+        if ok:
+            real_push(slots, ref, version, timeout_s=timeout_s)
+        pushes.append((version, ref.hex(), t0, time.time(), ok))
+        if not ok:
+            raise RuntimeError("injected: the engines did not take version 2")
+
+    def slow_train(run, packed):
+        time.sleep(1.0)  # a step longer than a rollout
+        return real_train(run, packed)
+
+    monkeypatch.setattr(weight_sync, "push_object_store", slow_push)
+    monkeypatch.setattr(stages, "train", slow_train)
+    cfg = small_cfg(async_mode="one-step", num_rollout=4, eval_prompt_data="", run_name="hand-over")
+    result = rl_train(cfg)
+    h = result["history"]
+    assert result["rollouts"] == 4
+    assert [h["sync/weight_version"][str(i)] for i in range(4)] == [1.0, 2.0, 3.0, 4.0]
+    assert [h["async/staleness_max"][str(i)] for i in range(4)] == [0.0, 1.0, 1.0, 1.0]
+    v2 = [p for p in pushes if p[0] == 2]
+    assert [p[4] for p in v2] == [False, True] and v2[0][1] == v2[1][1], pushes  # the same handed-over weights
+    fr, trs = _runs(result["flow_run_id"])
+    assert fr.state.is_completed()
+    runs = {t.name: t for t in trs}
+    assert runs["sync-1"].run_count == 2 and runs["sync-0"].run_count == 1
+    loaded = {p[0]: p[3] for p in pushes if p[4]}
+    # step v began before the engines had loaded the weights of v steps (not v = 1: the process's first probe has
+    # the trainer score what the engines sample, so that hand-over ends after the load)
+    for v in (2, 3):
+        assert runs[f"train-{v}"].start_time.timestamp() < loaded[v], (v, runs[f"train-{v}"].start_time, loaded)
+    for i in (0, 1):  # rollout i+1, generated while step i trained, was packed before that step ended
+        assert runs[f"pack-{i + 1}"].start_time < runs[f"train-{i}"].end_time, i
+
+
 # ---- partial rollouts: pause, continue under new weights, resume from a checkpoint's buffer -----------------------
 KEY = "adm1n"
 

@@ -99,12 +99,18 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
         train_group = FakeTrainGroup()
         sync_transport = "disk"
         engines = SimpleNamespace(api_key=KEY)
+        handed_over: dict = {}
 
-    out = stages.push_weights(FakeRun(), [SimpleNamespace(url=url)], 8)
-    assert written == [work / "weights" / "v000008"] and not written[0].exists()  # deleted after use
+    run = FakeRun()
+    (work / "weights" / "v000003").mkdir(parents=True)  # what a failed run left
+    out = stages.push_weights(run, [SimpleNamespace(url=url)], 8)
     assert out["sync/mb"] > 3.0
     after, version = _engine_logprobs(url, seq)
     assert version == "8" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
+    stages.push_weights(run, [SimpleNamespace(url=url)], 8)  # a retry: the directory already handed over
+    assert written == [work / "weights" / "v000008"] and written[0].exists()
+    stages.forget_handed(run)  # the sync is done (stages.sync, after its probe)
+    assert not written[0].exists() and not (work / "weights" / "v000003").exists()  # deleted after use
 
 
 def test_sampled_rollout_logprobs_match_the_trainer_after_sync(setup):
