@@ -196,6 +196,31 @@ def test_one_step_trains_while_the_engines_load_and_a_retried_sync_pushes_what_w
         assert runs[f"pack-{i + 1}"].start_time < runs[f"train-{i}"].end_time, i
 
 
+def test_one_step_sync_that_fails_for_good_after_the_hand_over_fails_the_run(prefect_harness, shared_ray, small_cfg,
+                                                                               monkeypatch):
+    """The trainer trains on after the hand-over; when the engines never take that version (every attempt fails),
+    the run fails with the sync's error instead of waiting for weights that never load (the loop waits for them
+    while the step trains)."""
+    import time
+
+    import engine.weights.sync as weight_sync
+    from flows.train import rl_train
+
+    real_push = weight_sync.push_object_store
+
+    def push(slots, ref, version, *, timeout_s):
+        if version == 2:
+            raise RuntimeError("injected: the engines never take version 2")
+        real_push(slots, ref, version, timeout_s=timeout_s)
+
+    monkeypatch.setattr(weight_sync, "push_object_store", push)
+    cfg = small_cfg(async_mode="one-step", num_rollout=4, eval_prompt_data="", run_name="sync-fails")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="never take version 2"):
+        rl_train(cfg)
+    assert time.monotonic() - t0 < 120
+
+
 # ---- partial rollouts: pause, continue under new weights, resume from a checkpoint's buffer -----------------------
 KEY = "adm1n"
 
