@@ -196,6 +196,31 @@ def test_one_step_trains_while_the_engines_load_and_a_retried_sync_pushes_what_w
         assert runs[f"pack-{i + 1}"].start_time < runs[f"train-{i}"].end_time, i
 
 
+def test_bounded_flow_trains_every_rollout_once_within_its_staleness(prefect_harness, shared_ray, small_cfg):
+    """--async-mode bounded --max-staleness 2: several rollouts in flight, a sync only when the engines are idle, the
+    next rollout packed during a step; every rollout is trained once and no trained sample is over the bound."""
+    from collections import Counter
+
+    from test_orchestration import _runs
+
+    from flows.train import rl_train
+
+    cfg = small_cfg(async_mode="bounded", max_staleness=2, num_rollout=5, eval_prompt_data="", use_tis=True,
+                    run_name="bounded")
+    result = rl_train(cfg)
+    h = result["history"]
+    assert result["rollouts"] == 5 and result["async_mode"] == "bounded"
+    assert all(h["async/staleness_max"][str(i)] <= 2 for i in range(5)), h["async/staleness_max"]
+    assert max(h["async/staleness_max"].values()) >= 1  # rollouts did run ahead of the trainer
+    assert all(h["async/stale_dropped"][str(i)] == 0.0 for i in range(5))
+    fr, trs = _runs(result["flow_run_id"])
+    assert fr.state.is_completed()
+    names = Counter(t.name for t in trs)
+    for i in range(5):  # one task run each, run once
+        assert names[f"rollout-{i}"] == names[f"pack-{i}"] == names[f"train-{i}"] == 1, names
+    assert all(t.run_count == 1 and t.state.is_completed() for t in trs if not t.name.startswith("sync-"))
+
+
 def test_one_step_sync_that_fails_for_good_after_the_hand_over_fails_the_run(prefect_harness, shared_ray, small_cfg,
                                                                                monkeypatch):
     """The trainer trains on after the hand-over; when the engines never take that version (every attempt fails),
