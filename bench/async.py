@@ -2,8 +2,9 @@
 
     python bench/async.py --num-rollout 40 --repeats 2 --out bench/results
 
-Runs `rollflow train --config examples/demo.yaml` (the demo: its engine and its trainer are separate processes on
-the machine's cores) with --async-mode off, one-step, bounded (--max-staleness 2) and one-step --partial-rollout, `--repeats` times each,
+Runs `rollflow train --config examples/demo.yaml` (the demo; on a CPU the sync mode serves the engine from the
+trainer's process and the async modes give it a process of its own, --rollout-engine-process auto) with
+--async-mode off, one-step, bounded (--max-staleness 2) and one-step --partial-rollout, `--repeats` times each,
 alternating, same seed, each run with its own work dir, Prefect API and Ray. Per run, from rollflow's own summary:
 `loop_wall_s` (the loop over rollout ids: no start-up, no first or last evaluation), per-rollout completion times,
 the rollout rewards, the greedy test accuracy before and after. Writes async.json (`speedup_vs_sync` = sync wall per
