@@ -136,8 +136,11 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         # Colocated, they share the GPUs: the engines take their memory fraction first, as before.
         # With the engine in train rank 0's process (--rollout-engine-process), the worker starts first and
         # serves the engine once it has loaded the model (its calls run in order).
-        plan_rollout_engines(run)
-        if not run.engine_in_trainer:
+        if cfg.replay:  # --load-debug-rollout-data: the rollouts come from files, no engine starts
+            plan_train_only(run)
+        else:
+            plan_rollout_engines(run)
+        if not run.engine_in_trainer and not cfg.replay:
             launch_rollout_engines(run)
         if cfg.colocate:
             run.engines.wait_started()
@@ -147,8 +150,9 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         if run.engine_in_trainer:
             launch_rollout_engines(run, host=run.train_group.workers[0])
         load_driver_side(run, tracker)
-        run.engines.wait_started()
-        watch_rollout_engines(run)
+        if run.engines is not None:
+            run.engines.wait_started()
+            watch_rollout_engines(run)
         run.train_group.wait_ready()
         check_disk_sync(run)
     except BaseException:
@@ -173,7 +177,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     run.eval_sets = {name: load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key,
                                         metadata_key=cfg.metadata_key,
                                         flag="--eval-prompt-data")[: cfg.eval_max_samples]
-                     for name, path in cfg.eval_sets}
+                     for name, path in ([] if cfg.replay else cfg.eval_sets)}  # a replay has no engine to evaluate on
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
     load_hooks(run)
     run.probe = probe_prompts(run)
@@ -281,6 +285,27 @@ def plan_rollout_engines(run: Run) -> None:
                  "step only (RF01) and train/kl is not logged; --log-kl logs it every rollout")
 
 
+def plan_train_only(run: Run) -> None:
+    """--load-debug-rollout-data: no engines; on GPUs a bundle per train rank (`train_only_layout`); the weights
+    go nowhere (`run.sync_transport` "none")."""
+    from engine import cluster
+    from engine.cluster.placement import group_name, place as place_group, remove_leftovers, train_only_layout
+
+    cfg = run.cfg
+    run.ports = cluster.port_registry()
+    layout = train_only_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.train_world_size)
+    if layout is not None:
+        name = group_name(run.key)
+        if gone := remove_leftovers(name):
+            log.warning("removed %d placement group(s) named %s left by an earlier attempt of this run", gone, name)
+        run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
+        run.on_gpu = True
+    cluster.take_prestarted_engine(None, run.threads_per_process)  # none is started for a replay; killed if it was
+    run.sync_transport = "none"
+    log.warning("rollflow: --load-debug-rollout-data: no rollout engine, no weight sync and no evaluation; rollout "
+                "i is read from %s", cfg.load_debug_rollout_data.replace("{rollout_id}", "<i>"))
+
+
 def launch_rollout_engines(run: Run, host=None) -> None:
     """The engines of `plan_rollout_engines` on their bundles, or served from `host` (a train worker actor),
     starting (`run.engines.wait_started()` waits)."""
@@ -305,7 +330,7 @@ def place_train_workers(run: Run):
     from engine.cluster.placement import cpu_train_layout, group_name, place as place_group, remove_leftovers
 
     cfg = run.cfg
-    if run.placement.layout.train_bundles:
+    if run.placement is not None and run.placement.layout.train_bundles:
         return run.placement
     layout = cpu_train_layout(nodes=cfg.actor_num_nodes, per_node=cfg.actor_num_gpus_per_node)
     if layout is None:
@@ -537,6 +562,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     from engine.rollout.hooks import Hooks, PromptDataSource, apply_reward_post_process, apply_sample_filter
 
     cfg = run.cfg
+    if cfg.replay:
+        return replayed(run, rollout_id)
     t0 = time.perf_counter()
     src = data_source(run)
     position = src.state()
@@ -588,7 +615,42 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
         from engine.tracking.record import log_rollout
 
         log_rollout(run.tracker, cfg, rollout_id, result.groups, run.history_copy())  # samples + plots, when due
+    if cfg.save_debug_rollout_data:
+        save_rollout(run, rollout_id, result.groups, metrics, version)
     return RolloutBatch(rollout_id, result.groups, metrics)
+
+
+def save_rollout(run: Run, rollout_id: int, groups: list[list[Sample]], metrics: dict[str, float],
+                 version: int) -> None:
+    """--save-debug-rollout-data: the rollout's samples and metrics to its file (engine/rollout/replay.py)."""
+    from engine.rollout import replay
+
+    cfg = run.cfg
+    path = replay.save(cfg.save_debug_rollout_data, rollout_id, groups, metrics,
+                       {"hf_checkpoint": cfg.hf_checkpoint, "rollout_batch_size": cfg.rollout_batch_size,
+                        "n_samples_per_prompt": cfg.n_samples_per_prompt, "weight_version": version})
+    log.info("rollout %d saved to %s", rollout_id, path)
+
+
+def replayed(run: Run, rollout_id: int) -> RolloutBatch:
+    """--load-debug-rollout-data: rollout `rollout_id` as the recording run saved it (its samples, and its rollout
+    metrics, published again with rollout/replayed = 1 and the seconds the read took)."""
+    from engine.model_shape import read as model_shape
+    from engine.rollout import replay
+
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    groups, saved, _ = replay.load(cfg.load_debug_rollout_data, rollout_id, batch_size=cfg.rollout_batch_size,
+                                   n=cfg.n_samples_per_prompt, vocab_size=model_shape(cfg.model_dir).vocab_size,
+                                   hf_checkpoint=cfg.hf_checkpoint)
+    kept = {k: v for k, v in saved.items() if k.startswith("rollout/") and k not in ("rollout/seconds",
+                                                                                      "rollout/tokens_per_s")}
+    metrics = publish(run, rollout_id, {**kept, "rollout/replayed": 1.0, "rollout/seconds": time.perf_counter() - t0})
+    if run.tracker is not None:
+        from engine.tracking.record import log_rollout
+
+        log_rollout(run.tracker, cfg, rollout_id, groups, run.history_copy())
+    return RolloutBatch(rollout_id, groups, metrics)
 
 
 PARTIAL_FILE = "rollout_buffer.json"
@@ -770,7 +832,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         """RF14 on the engine-vs-trainer numbers. It compares the engine with the same weights; a stale batch
         (async) differs by its policy's updates on purpose — there the probe after each sync is the RF14 check."""
         mm = {"train/mismatch": f["mismatch"], "train/mismatch_max": f["mismatch_max"]}
-        if on_policy and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=f["mismatch"],
+        if on_policy and not cfg.replay and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=f["mismatch"],
                                                   worst=f["mismatch_max"], tokens=trained,
                                                   threshold=cfg.mismatch_threshold(run.engine_dtype),
                                                   engine_dtype=run.engine_dtype, train_dtype=run.train_dtype)):
@@ -1096,6 +1158,8 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
     weights handed over), so the next train step can start while the engines load and answer the probe.
     loaded (a threading.Event, --async-mode): set once every engine serves the new version, before the probe, so the
     next rollout can start while the probe runs (a failed probe fails the run before that rollout is trained)."""
+    if run.engines is None:  # --load-debug-rollout-data: no engine to sync
+        return {}
     t0 = time.perf_counter()
     version = rollout_id + 1
     paused = {}
@@ -1146,8 +1210,8 @@ def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
     if not run.on_gpu:
         return {}
     train = [m.get("peak_gib", 0.0) for m in run.train_group.memory()]
-    engines = [m.get("peak_gib", 0.0) for m in ray.get([s.actor.memory.remote() for s in run.engines.serving_slots()],
-                                                       timeout=60)]
+    slots = run.engines.serving_slots() if run.engines is not None else []
+    engines = [m.get("peak_gib", 0.0) for m in ray.get([s.actor.memory.remote() for s in slots], timeout=60)]
     t, e = max(train, default=0.0), max(engines, default=0.0)
     return {f"memory/{stage}_peak_gib": t + e, f"memory/{stage}_train_gib": t, f"memory/{stage}_engine_gib": e}
 

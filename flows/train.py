@@ -202,7 +202,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             if stages.should_save(cfg, rollout_id):
                 t.save(r, rollout_id)
             stopping.check()
-            t.sync(r, rollout_id)
+            if not cfg.replay:  # --load-debug-rollout-data: no engine to send the weights to
+                t.sync(r, rollout_id)
             if stages.should_eval(cfg, rollout_id):
                 t.evaluate(r, rollout_id + 1)
             progress.done(rollout_id)

@@ -27,7 +27,7 @@ def place(cfg: RunConfig, tracker: Tracker | None = None) -> Run:
     except DiagnosisError as e:
         ui.doctor_report(cfg, render_report(e.diagnoses), "placement" + (" (will be retried)" if e.retryable else ""))
         raise
-    engines = run.engines.serving()
+    engines = run.engines.serving() if run.engines is not None else []  # none with --load-debug-rollout-data
     ranks = [n.get("node_ip", "?") for n in run.train_group.nodes]
     get_run_logger().info("place: %d rollout engine(s) at %s, %d train worker(s) on %s%s, %s; %.1f s", len(engines),
                           ", ".join(engines), len(run.train_group.workers), ", ".join(ranks) or "?",

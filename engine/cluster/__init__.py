@@ -305,7 +305,7 @@ def prestart_engine(cfg, *, threads: int, log_dir: str) -> bool:
     starts, instead of after place() asks for it. place() adopts it when the run's engine spec and threads are
     the same (its token is then the run's, `take_prestarted_engine`); else it is killed and the engines start as
     without this. False where nothing is prestarted: GPUs, SGLang, several engines, the engine in the trainer's
-    process."""
+    process, no engine at all (--load-debug-rollout-data)."""
     global _prestarted_engine
     import secrets
 
@@ -313,7 +313,7 @@ def prestart_engine(cfg, *, threads: int, log_dir: str) -> bool:
 
     from engine.rollout.engines import engine_spec, new_engine_actor
 
-    if (cfg.rollout_engine != "builtin" or cfg.rollout_num_engines != 1 or cfg.colocate
+    if (cfg.rollout_engine != "builtin" or cfg.rollout_num_engines != 1 or cfg.colocate or cfg.replay
             or cfg.engine_in_trainer_on_cpu() or ray.cluster_resources().get("GPU", 0)):
         return False
     spec = engine_spec(cfg, threads=threads, log_dir=log_dir, on_gpu=False, api_key=secrets.token_urlsafe(24))

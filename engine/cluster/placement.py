@@ -72,6 +72,15 @@ def rollout_layout(*, cluster_gpus: float, train_gpus: int, colocate: bool, roll
                   train_gpu_fraction=1.0 - ENGINE_GPU_FRACTION if colocate else 1.0)
 
 
+def train_only_layout(*, cluster_gpus: float, train_gpus: int) -> Layout | None:
+    """--load-debug-rollout-data (no engines): a GPU for each train rank, as a decoupled layout gives them; None on
+    a cluster without GPUs (the CPU workers are placed as in any run: `cpu_train_layout`)."""
+    if cluster_gpus <= 0:
+        return None
+    return Layout(bundles=[{"GPU": 1.0} for _ in range(train_gpus)], engine_bundles=[],
+                  train_bundles=list(range(train_gpus)), train_gpu_fraction=1.0)
+
+
 def cpu_train_layout(*, nodes: int, per_node: int) -> Layout | None:
     """CPU train workers over `nodes` > 1 Ray nodes: one bundle {"CPU": per_node} per node, STRICT_SPREAD (no two
     on one node), rank r on bundle r // per_node claiming 1 CPU of it: each node's ranks sit together and

@@ -32,7 +32,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
-                "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change"}
+                "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data"}
 
 
 #: Settings a resume keeps: the checkpoint's manifest records them, and a resume that changes one fails with the
@@ -52,6 +52,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     def _consistent(self) -> "RunConfig":
         self.batch  # raises an RF06 ConfigError with the working values
         self._async_consistent()
+        self._replay_consistent()
         if self.rollout_engine_process == "trainer" and (why := self.engine_in_trainer_blockers()):
             from engine.diagnosis import ConfigError, Diagnosis
 
@@ -146,6 +147,40 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         if errors:
             raise ConfigError(errors)
 
+    @property
+    def replay(self) -> bool:
+        """--load-debug-rollout-data: the rollouts are read from files; no engine starts."""
+        return bool(self.load_debug_rollout_data)
+
+    def _replay_consistent(self) -> None:
+        """--load-debug-rollout-data starts no engine: what needs one would do nothing (the default eval set, the
+        bundled one, is left out and the run says so; another one is an error)."""
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        if not self.replay:
+            return
+        needs = []
+        if self.async_mode != "off":
+            needs.append(f"--async-mode {self.async_mode} (it overlaps generation with training)")
+        if self.colocate:
+            needs.append("--colocate (it shares the GPUs with engines)")
+        if self.eval_interval is not None:
+            needs.append(f"--eval-interval {self.eval_interval} (evaluation generates on the engines)")
+        if self.eval_prompt_data and self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
+            needs.append("--eval-prompt-data (evaluation generates on the engines)")
+        if self.rollout_engine_process != "auto":
+            needs.append(f"--rollout-engine-process {self.rollout_engine_process}")
+        if needs:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--load-debug-rollout-data trains on saved rollouts and starts no rollout engine: "
+                     f"{'; '.join(needs)} would do nothing",
+                fix="drop " + ", ".join(n.split(" (")[0].split(" ")[0] for n in needs) +
+                    (" (--eval-prompt-data '' for a YAML file's)" if any("eval-prompt" in n for n in needs) else "")
+                    + ", or drop --load-debug-rollout-data",
+                facts={"field": "load_debug_rollout_data", "value": self.load_debug_rollout_data,
+                       "needs_engines": needs}))
+
     def fixed_settings(self) -> dict[str, Any]:
         """RESUME_FIXED's values, as the checkpoint manifest records them (G and k as the run uses them: an unset
         --global-batch-size is B·n)."""
@@ -181,6 +216,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             why.append("--use-fault-tolerance (a failed engine would take the trainer with it)")
         if self.colocate:
             why.append("--colocate (GPU engines)")
+        if self.replay:
+            why.append("--load-debug-rollout-data (no engine at all)")
         return why
 
     def engine_in_trainer_on_cpu(self) -> bool:

@@ -7,6 +7,14 @@ from engine.config.base import Section
 from engine.diagnosis import ConfigError, Diagnosis
 
 
+def _with_id(pattern: str) -> str:
+    """`pattern` with `_{rollout_id}` before its .json / .json.gz suffix (else at its end)."""
+    for suffix in (".json.gz", ".json"):
+        if pattern.endswith(suffix):
+            return pattern[: -len(suffix)] + "_{rollout_id}" + suffix
+    return pattern + "_{rollout_id}.json"
+
+
 class RolloutArgs(Section):
     rollout_batch_size: int = Field(8, ge=1)
     """Prompts per rollout (B). One rollout yields B × n samples."""
@@ -113,6 +121,18 @@ class RolloutArgs(Section):
     weight_sync_timeout: float = Field(600.0, gt=0)
     """Seconds one weight sync (all engines) may take before it fails."""
 
+    save_debug_rollout_data: Optional[str] = None
+    """Also write each rollout's scored samples (tokens, rewards, the engine's log-probs, loss masks, metadata) and
+    its metrics to this path, `{rollout_id}` replaced by the rollout id (slime's flag), e.g.
+    `runs/debug/rollout_{rollout_id}.json` (`.json.gz`: compressed). --load-debug-rollout-data replays them."""
+
+    load_debug_rollout_data: Optional[str] = None
+    """Train on the rollouts --save-debug-rollout-data wrote, `{rollout_id}` replaced by the rollout id (slime's
+    flag), instead of generating: no rollout engine starts and no weight sync or evaluation runs, so the trainer
+    sees fixed inputs (e.g. to compare settings or backends on the same samples). Every rollout id of the run must
+    have its file (preflight checks). train/mismatch then measures how far this trainer is from the engine that
+    recorded the samples (0 up to float noise when nothing changed); RF14 does not stop a replay."""
+
     sglang_args: dict[str, str | bool | list[str]] = {}
     """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix)."""
 
@@ -143,6 +163,45 @@ class RolloutArgs(Section):
                      "store; a SGLang server cannot take them that way (its /update_weights_from_tensor takes CUDA IPC "
                      "handles of the same host)",
                 fix="--weight-sync-method disk with --rollout-engine sglang"))
+        errors += self._debug_rollout_errors()
         if errors:
             raise ConfigError(errors)
         return self
+
+    def _debug_rollout_errors(self) -> list[Diagnosis]:
+        """--save/--load-debug-rollout-data: a pattern with `{rollout_id}` on this machine's filesystem, and no
+        rollout flag that a replay (which generates nothing) would ignore."""
+        errors = []
+        for flag, pattern in (("--save-debug-rollout-data", self.save_debug_rollout_data),
+                              ("--load-debug-rollout-data", self.load_debug_rollout_data)):
+            if pattern is None:
+                continue
+            if "{rollout_id}" not in pattern:
+                errors.append(Diagnosis(
+                    code="CONFIG", severity="error",
+                    what=f"{flag} {pattern!r} has no {{rollout_id}}: every rollout would use the same file",
+                    fix=f"{flag} '{_with_id(pattern)}'",
+                    facts={"field": flag[2:].replace("-", "_"), "value": pattern}))
+            elif "://" in pattern:
+                errors.append(Diagnosis(
+                    code="CONFIG", severity="error",
+                    what=f"{flag} {pattern!r}: debug rollout data is read and written on the driver's filesystem "
+                         "only",
+                    fix=f"a local path, e.g. {flag} runs/debug/rollout_{{rollout_id}}.json",
+                    facts={"field": flag[2:].replace("-", "_"), "value": pattern}))
+        if self.load_debug_rollout_data:
+            ignored = [f"--{f.replace('_', '-')}" for f in (
+                "rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
+                "over_sampling_batch_size", "custom_reward_post_process_path", "rollout_sample_filter_path",
+                "data_source_path", "save_debug_rollout_data") if getattr(self, f)]
+            ignored += ["--use-fault-tolerance"] if self.use_fault_tolerance else []
+            if ignored:
+                errors.append(Diagnosis(
+                    code="CONFIG", severity="error",
+                    what=f"--load-debug-rollout-data replays saved samples and generates nothing, so "
+                         f"{', '.join(ignored)} would do nothing (the saved samples already went through the "
+                         "recording run's hooks)",
+                    fix=f"drop {', '.join(ignored)}, or drop --load-debug-rollout-data",
+                    facts={"field": "load_debug_rollout_data", "value": self.load_debug_rollout_data,
+                           "ignored": ignored}))
+        return errors

@@ -421,10 +421,31 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
 
     load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
                  metadata_key=cfg.metadata_key)
-    for _, path in cfg.eval_sets:
+    for _, path in [] if cfg.replay else cfg.eval_sets:  # a replay evaluates nothing
         load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
                      flag="--eval-prompt-data")
     return []
+
+
+@check("DATA")
+def saved_rollouts_present(cfg, env: Environment) -> list[Diagnosis]:
+    """--load-debug-rollout-data: a file for every rollout id of the run, before anything starts."""
+    from engine.rollout.replay import missing, saved_ids, _ranges, _prefix
+
+    if not cfg.replay:
+        return []
+    gone = missing(cfg.load_debug_rollout_data, cfg.num_rollout)
+    if not gone:
+        return []
+    have = saved_ids(cfg.load_debug_rollout_data)
+    run_from = _prefix(have)
+    return [Diagnosis(code="DATA", severity="error",
+                      what=f"--load-debug-rollout-data {cfg.load_debug_rollout_data!r} has no file for rollout(s) "
+                           f"{_ranges(gone)} of --num-rollout {cfg.num_rollout} (saved: {_ranges(have) or 'none'})",
+                      fix=(f"--num-rollout {len(run_from)} (the saved rollouts 0–{len(run_from) - 1})" if run_from
+                           else "record the rollouts first: the same run with --save-debug-rollout-data "
+                                f"{cfg.load_debug_rollout_data!r} instead of --load-debug-rollout-data"),
+                      facts={"field": "load_debug_rollout_data", "missing": gone[:20], "saved": have[:20]})]
 
 
 @check("STORAGE")
@@ -548,6 +569,8 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
     train = n * g
     rollout = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else \
         cfg.rollout_num_engines * cfg.rollout_num_gpus_per_engine
+    if cfg.replay:  # --load-debug-rollout-data starts no engine
+        rollout = 0
     if cfg.colocate:
         need, formula = train, f"colocated: GPUs ≥ actor_num_nodes × actor_num_gpus_per_node = {n} × {g} = {train}"
     else:
