@@ -144,17 +144,19 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
             launch_rollout_engines(run)
         if cfg.colocate:
             run.engines.wait_started()
-        run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
-                                             timeout_s=cfg.train_step_timeout, threads=run.train_threads,
-                                             placement=place_train_workers(run), registry=run.ports, wait=False)
+        if cfg.trains:  # not with --debug-rollout-only
+            run.train_group = cluster.TrainGroup(cfg, train_iters=run.plan.train_iters,
+                                                 timeout_s=cfg.train_step_timeout, threads=run.train_threads,
+                                                 placement=place_train_workers(run), registry=run.ports, wait=False)
         if run.engine_in_trainer:
             launch_rollout_engines(run, host=run.train_group.workers[0])
         load_driver_side(run, tracker)
         if run.engines is not None:
             run.engines.wait_started()
             watch_rollout_engines(run)
-        run.train_group.wait_ready()
-        check_disk_sync(run)
+        if run.train_group is not None:
+            run.train_group.wait_ready()
+            check_disk_sync(run)
     except BaseException:
         run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
         raise
@@ -252,7 +254,8 @@ def plan_rollout_engines(run: Run) -> None:
 
     cfg = run.cfg
     run.ports = cluster.port_registry()
-    layout = rollout_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.train_world_size,
+    layout = rollout_layout(cluster_gpus=run.cluster.get("GPU", 0.0),
+                            train_gpus=cfg.train_world_size if cfg.trains else 0,  # --debug-rollout-only: none
                             colocate=cfg.colocate, rollout_num_gpus=cfg.rollout_num_gpus,
                             gpus_per_engine=cfg.rollout_num_gpus_per_engine, num_engines=cfg.rollout_num_engines)
     name = group_name(run.key)
@@ -277,7 +280,11 @@ def plan_rollout_engines(run: Run) -> None:
         spec = hosted  # the prestarted train worker serves it (adopted with the worker: launch_rollout_engines)
     run.engine_spec = spec
     run.engine_dtype = spec.dtype
-    run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu, in_trainer=run.engine_in_trainer)
+    run.sync_transport = sync_transport(cfg, on_gpu=run.on_gpu, in_trainer=run.engine_in_trainer) if cfg.trains \
+        else "none"
+    if not cfg.trains:
+        log.warning("rollflow: --debug-rollout-only: no train worker; the engines serve %s's weights for the whole "
+                    "run", cfg.hf_checkpoint)
     log.info("rollflow: engines %s %s%s, weight sync by %s", "on GPU" if run.on_gpu else "on CPU", spec.dtype,
              " in train rank 0's process" if run.engine_in_trainer else "", run.sync_transport)
     if not (cfg.log_kl or cfg.use_kl_loss or cfg.kl_coef > 0):
@@ -1209,7 +1216,7 @@ def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
 
     if not run.on_gpu:
         return {}
-    train = [m.get("peak_gib", 0.0) for m in run.train_group.memory()]
+    train = [m.get("peak_gib", 0.0) for m in run.train_group.memory()] if run.train_group is not None else []
     slots = run.engines.serving_slots() if run.engines is not None else []
     engines = [m.get("peak_gib", 0.0) for m in ray.get([s.actor.memory.remote() for s in slots], timeout=60)]
     t, e = max(train, default=0.0), max(engines, default=0.0)

@@ -53,7 +53,9 @@ def _print_summary(s: dict, cfg) -> None:
         head,
         f"  reward (mean of first 3 / last 3 rollouts): {s['reward_first']:.3f} → {s['reward_last']:.3f} "
         f"({delta:+.3f})" if delta is not None else "  reward: no rollouts ran",
-        f"  test accuracy (greedy): {pct(s['test_accuracy_before'])} → {pct(s['test_accuracy_after'])}",
+        f"  test accuracy (greedy): {pct(s['test_accuracy_before'])} → {pct(s['test_accuracy_after'])}"
+        if cfg.trains else f"  test accuracy (greedy, the starting weights): {pct(s['test_accuracy_before'])}; "
+                           "--debug-rollout-only trained nothing",
     ]
     if s.get("save_dir"):
         lines.append(f"  checkpoints: {s['save_dir']} (latest_checkpointed_iteration.txt = {s['last_checkpoint']})")

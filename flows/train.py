@@ -195,6 +195,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         for rollout_id in range(start, cfg.num_rollout) if cfg.async_mode == "off" else ():
             stopping.check()  # a SIGTERM stops the run here, between stages
             batch = t.rollout(r, rollout_id)
+            if not cfg.trains:  # --debug-rollout-only: its samples are logged (and saved) by the rollout
+                batch.take()
+                progress.done(rollout_id)
+                continue
             stopping.check()
             packed = t.pack(r, batch)
             t.train(r, packed)
@@ -208,7 +212,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 t.evaluate(r, rollout_id + 1)
             progress.done(rollout_id)
         run.state.loop_seconds = time.perf_counter() - run.state.loop_started
-        t.evaluate(r, cfg.num_rollout)
+        if cfg.trains:  # --debug-rollout-only: the same weights as the evaluation before the loop
+            t.evaluate(r, cfg.num_rollout)
         progress.close("finished")
         finish(tracker, run.history)
         return stages.summary(run)

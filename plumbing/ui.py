@@ -316,8 +316,9 @@ class Progress:
         self._publish("progress", update_progress_artifact, self.artifact, 100.0 * (rollout_id + 1) / self.total)
         self._publish("summary", _update, self.summary, summary_markdown(run, "training", rollout_id))
         self.bar.update(1)
+        loss = run.history.get("train/loss", {}).get(rollout_id)  # none with --debug-rollout-only
         self.bar.set_postfix(reward=f"{run.history['rollout/reward_mean'][rollout_id]:.3f}",
-                             loss=f"{run.history['train/loss'][rollout_id]:.3g}")
+                             **({"loss": f"{loss:.3g}"} if loss is not None else {}))
 
     def close(self, state: str = "finished") -> None:
         global _progress

@@ -28,10 +28,10 @@ def place(cfg: RunConfig, tracker: Tracker | None = None) -> Run:
         ui.doctor_report(cfg, render_report(e.diagnoses), "placement" + (" (will be retried)" if e.retryable else ""))
         raise
     engines = run.engines.serving() if run.engines is not None else []  # none with --load-debug-rollout-data
-    ranks = [n.get("node_ip", "?") for n in run.train_group.nodes]
+    ranks = [n.get("node_ip", "?") for n in run.train_group.nodes] if run.train_group is not None else []
     get_run_logger().info("place: %d rollout engine(s) at %s, %d train worker(s) on %s%s, %s; %.1f s", len(engines),
-                          ", ".join(engines), len(run.train_group.workers), ", ".join(ranks) or "?",
-                          f" (rendezvous {run.train_group.master})" if run.train_group.master else "",
+                          ", ".join(engines), len(ranks), ", ".join(ranks) or "?",
+                          f" (rendezvous {master})" if (master := getattr(run.train_group, "master", None)) else "",
                           run.start.describe(), time.perf_counter() - t0)
     return run
 

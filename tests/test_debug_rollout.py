@@ -39,6 +39,10 @@ def _groups(B: int = 2, n: int = 3, rollout_id: int = 0) -> list[list[Sample]]:
           over_sampling_batch_size=16), "--dynamic-sampling-filter-path, --over-sampling-batch-size"),
     (dict(load_debug_rollout_data="d/r_{rollout_id}.json", save_debug_rollout_data="e/r_{rollout_id}.json"),
      "--save-debug-rollout-data would do nothing"),
+    (dict(debug_rollout_only=True, save="ck", eval_interval=2), "--save ck, --eval-interval 2 would do nothing"),
+    (dict(debug_rollout_only=True, async_mode="one-step"), "--async-mode one-step would do nothing"),
+    (dict(debug_rollout_only=True, colocate=True), "--colocate"),
+    (dict(debug_rollout_only=True, load_debug_rollout_data="d/r_{rollout_id}.json"), "--load-debug-rollout-data"),
 ])
 def test_flags_a_replay_would_ignore_are_config_errors(kw, says):
     from engine.config import RunConfig
@@ -148,6 +152,9 @@ def test_a_replay_places_the_train_ranks_only():
     env = Environment(gpus=1.0, cpus=16.0, gpus_per_node=[1.0], cpus_per_node=[16.0])
     assert topology_fits_cluster(RunConfig(load_debug_rollout_data="r_{rollout_id}.json"), env) == []
     assert [d.code for d in topology_fits_cluster(RunConfig(), env)] == ["RF02"]
+    # --debug-rollout-only: the engines' GPUs only, even for a trainer that would not fit
+    assert topology_fits_cluster(RunConfig(debug_rollout_only=True, actor_num_gpus_per_node=8), env) == []
+    assert RunConfig(debug_rollout_only=True).engine_in_trainer_blockers() == ["--debug-rollout-only (no trainer)"]
 
 
 @pytest.mark.slow
@@ -185,3 +192,28 @@ def test_a_replayed_run_trains_exactly_what_was_recorded(prefect_harness, shared
                                load_debug_rollout_data=pattern))
     mm = other["history"]["train/mismatch"]
     assert mm["0"] == h["train/mismatch"]["0"] and mm["1"] > 100 * 1e-3, mm
+
+
+@pytest.mark.slow
+def test_rollout_only_generates_without_a_trainer_and_a_replay_trains_on_it(prefect_harness, shared_ray, small_cfg,
+                                                                           tmp_path):
+    """--debug-rollout-only: the engine alone (no train worker, no sync, no checkpoint), the evaluation before the
+    loop, every rollout saved; then a replay trains on those files."""
+    from flows.train import rl_train
+
+    pattern = str(tmp_path / "debug" / "rollout_{rollout_id}.json.gz")
+    only = rl_train(small_cfg(num_rollout=3, save=None, debug_rollout_only=True, save_debug_rollout_data=pattern))
+    assert only["placement"]["train"] == [] and len(only["placement"]["engines"]) == 1, only["placement"]
+    assert not only["placement"]["engine_in_trainer"] and only["weight_sync"] == "none"
+    h = only["history"]
+    assert sorted(h["rollout/reward_mean"]) == ["0", "1", "2"]
+    assert not [k for k in h if k.split("/")[0] in ("train", "pack", "sync", "save")], sorted(h)
+    assert only["test_accuracy_before"] is not None and only["test_accuracy_after"] is None
+    assert only["last_checkpoint"] is None and not (tmp_path / "ckpt").exists()
+    assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == [f"rollout_{i}.json.gz" for i in range(3)]
+
+    rep = rl_train(small_cfg(num_rollout=3, load_debug_rollout_data=pattern))
+    r = rep["history"]
+    assert r["rollout/reward_mean"] == h["rollout/reward_mean"] and sorted(r["train/loss"]) == ["0", "1", "2"]
+    # the recording engine never moved: the first step matches it, later ones drift as the replay trains
+    assert r["train/mismatch"]["0"] < 1e-5 < r["train/mismatch"]["2"], r["train/mismatch"]

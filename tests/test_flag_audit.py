@@ -64,6 +64,7 @@ FLAG_TESTS = {
     "weight_sync_method": "test_weight_sync.py::test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use",
     "save_debug_rollout_data": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
     "load_debug_rollout_data": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
+    "debug_rollout_only": "test_debug_rollout.py::test_rollout_only_generates_without_a_trainer_and_a_replay_trains_on_it",
     "update_weight_buffer_size": "test_flag_wiring.py::test_sync_flags",
     "weight_sync_timeout": "test_flag_wiring.py::test_sync_flags",
     "sglang_args": "test_doctor.py::test_a_misspelt_sglang_flag_is_an_error_naming_the_nearest",

@@ -256,7 +256,8 @@ def prestart_train_worker(cfg, *, train_iters: int, threads: int, log_dir: str |
 
     from engine.rollout.engines import engine_spec
 
-    if cfg.train_world_size != 1 or cfg.actor_num_nodes != 1 or ray.cluster_resources().get("GPU", 0):
+    if (cfg.train_world_size != 1 or cfg.actor_num_nodes != 1 or not cfg.trains
+            or ray.cluster_resources().get("GPU", 0)):
         return False
     w = _worker_class(cfg).options(runtime_env=_threads_env(threads)).remote(
         cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=train_iters, threads=threads, lazy=True)

@@ -53,6 +53,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         self.batch  # raises an RF06 ConfigError with the working values
         self._async_consistent()
         self._replay_consistent()
+        self._rollout_only_consistent()
         if self.rollout_engine_process == "trainer" and (why := self.engine_in_trainer_blockers()):
             from engine.diagnosis import ConfigError, Diagnosis
 
@@ -181,6 +182,33 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 facts={"field": "load_debug_rollout_data", "value": self.load_debug_rollout_data,
                        "needs_engines": needs}))
 
+    def _rollout_only_consistent(self) -> None:
+        """--debug-rollout-only starts no trainer: what needs one would do nothing."""
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        if not self.debug_rollout_only:
+            return
+        needs = [f"{flag} {value}" for flag, value in (
+            ("--load-debug-rollout-data", self.load_debug_rollout_data), ("--save", self.save),
+            ("--load", self.load), ("--ref-load", self.ref_load), ("--eval-interval", self.eval_interval)) if value]
+        needs += [f for f, on in (("--async-mode " + self.async_mode, self.async_mode != "off"),
+                                  ("--colocate", self.colocate), ("--offload-train", self.offload_train),
+                                  ("--rollout-engine-process trainer", self.rollout_engine_process == "trainer"))
+                  if on]
+        if needs:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--debug-rollout-only generates with the starting weights and trains nothing: "
+                     f"{', '.join(needs)} would do nothing (the weights never change, no checkpoint is written)",
+                fix="drop " + ", ".join(n.split(" ")[0] for n in needs) +
+                    (" (--save '' for a YAML file's)" if self.save else "") + ", or drop --debug-rollout-only",
+                facts={"field": "debug_rollout_only", "value": True, "needs_trainer": needs}))
+
+    @property
+    def trains(self) -> bool:
+        """False with --debug-rollout-only: no train worker, no pack, train, save or sync."""
+        return not self.debug_rollout_only
+
     def fixed_settings(self) -> dict[str, Any]:
         """RESUME_FIXED's values, as the checkpoint manifest records them (G and k as the run uses them: an unset
         --global-batch-size is B·n)."""
@@ -218,6 +246,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             why.append("--colocate (GPU engines)")
         if self.replay:
             why.append("--load-debug-rollout-data (no engine at all)")
+        if self.debug_rollout_only:
+            why.append("--debug-rollout-only (no trainer)")
         return why
 
     def engine_in_trainer_on_cpu(self) -> bool:

@@ -133,6 +133,12 @@ class RolloutArgs(Section):
     have its file (preflight checks). train/mismatch then measures how far this trainer is from the engine that
     recorded the samples (0 up to float noise when nothing changed); RF14 does not stop a replay."""
 
+    debug_rollout_only: bool = False
+    """Generate rollouts without training (slime's flag): no train worker starts, and the engines serve
+    --hf-checkpoint's weights for the whole run. Rewards and rollout metrics are logged as in any run (samples
+    saved with --save-debug-rollout-data), and the evaluation before the loop runs; no checkpoint is read or
+    written (so --save, --load and --ref-load are errors with it)."""
+
     sglang_args: dict[str, str | bool | list[str]] = {}
     """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix)."""
 

@@ -556,7 +556,7 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
     n, g = cfg.actor_num_nodes, cfg.actor_num_gpus_per_node
     if env.gpus <= 0:  # CPU mode: one node's workers share its cores; several nodes need a CPU per rank on each
         fit = sum(1 for c in env.cpus_per_node if c >= g)
-        if n > 1 and env.cpus_per_node and fit < n:
+        if n > 1 and env.cpus_per_node and fit < n and cfg.trains:
             out.append(Diagnosis(code="RF02", severity="error",
                                  what=f"--actor-num-nodes {n} puts {g} train worker(s) (--actor-num-gpus-per-node) "
                                       f"on each of {n} different nodes, each worker holding one CPU, but only {fit} "
@@ -566,7 +566,7 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
                                  facts={"need_nodes": n, "fitting_nodes": fit,
                                         "cpus_per_node": env.cpus_per_node}))
         return out
-    train = n * g
+    train = n * g if cfg.trains else 0  # --debug-rollout-only: no train rank
     rollout = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else \
         cfg.rollout_num_engines * cfg.rollout_num_gpus_per_engine
     if cfg.replay:  # --load-debug-rollout-data starts no engine
@@ -591,7 +591,7 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
                              what=f"the run asks for {need} GPUs ({formula}) but {env.source} has "
                                   f"{env.gpus:g}: Ray would wait forever",
                              fix=", or ".join(fixes) or "a larger cluster", facts=facts))
-    elif sum(1 for x in env.gpus_per_node if x >= g) < n:
+    elif cfg.trains and sum(1 for x in env.gpus_per_node if x >= g) < n:
         out.append(Diagnosis(code="RF02", severity="error",
                              what=f"each of the {n} training node(s) needs {g} GPUs on one node, but the nodes have "
                                   f"{env.gpus_per_node} GPUs",
