@@ -197,7 +197,7 @@ def hook_args(run: Run, rollout_id: int, *, evaluation: bool = False):
     from engine.rollout.hooks import HookArgs
 
     return HookArgs(run.cfg, tokenizer=run.tokenizer, sampling_params=sampling_params(run).to_sglang(None),
-                    rollout_id=rollout_id, evaluation=evaluation)
+                    rollout_id=rollout_id, evaluation=evaluation, eval_sets=run.eval_sets if evaluation else None)
 
 
 def load_hooks(run: Run) -> None:
@@ -1246,6 +1246,8 @@ def evaluate(run: Run, step: int) -> float | None:
         return None
     if (done := evaluated(run, step)) is not None:
         return done
+    if getattr(getattr(run, "hooks", None), "evaluate", None) is not None:
+        return custom_evaluate(run, step)
     k = run.cfg.n_samples_per_eval_prompt
     for name, eval_rows in run.eval_sets.items():
         rows = iter(eval_rows)
@@ -1259,6 +1261,26 @@ def evaluate(run: Run, step: int) -> float | None:
                                   hook_args=hook_args(run, -1 - step, evaluation=True),
                                   hook_path=run.cfg.custom_generate_function_path or "")
         publish(run, step, eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups]))
+    return evaluated(run, step)
+
+
+def custom_evaluate(run: Run, step: int) -> float | None:
+    """--eval-function-path: slime's contract, fn(args, rollout_id, None, evaluation=True) with args.eval_sets and
+    args.engine; its per-set rewards published at `step` (hooks.eval_output_metrics). The rollout id is -1 - step,
+    as the built-in evaluation's (never a training rollout's seeds)."""
+    from engine.rollout.hooks import EngineClient, call_hook, eval_output_metrics
+
+    cfg, flag, path = run.cfg, "--eval-function-path", run.cfg.eval_function_path
+    rid = -1 - step
+    engine = EngineClient(None, run.engines, rid_prefix=f"ev{step}-{uuid.uuid4().hex[:6]}-",
+                          timeout_s=cfg.rollout_timeout)
+    args = hook_args(run, rid, evaluation=True).with_engine(engine)
+    metrics = eval_output_metrics(call_hook(flag, path, run.hooks.evaluate, args, rid, None, evaluation=True),
+                                  flag, path)
+    publish(run, step, metrics)
+    if eval_accuracy_key(cfg) not in metrics:
+        log.warning("%s returned no eval set named %r (the first of --eval-prompt-data): the run's headline "
+                    "accuracy is unknown at step %d", flag, eval_accuracy_key(cfg)[5:-9], step)
     return evaluated(run, step)
 
 

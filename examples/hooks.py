@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from engine.rollout.hooks import DynamicFilterOutput, RolloutFnTrainOutput
+from engine.rollout.hooks import DynamicFilterOutput, RolloutFnEvalOutput, RolloutFnTrainOutput
 from engine.samples import Sample, Status
 
 
@@ -98,3 +98,31 @@ def rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> Rol
     groups = [flat[i * n:(i + 1) * n] for i in range(len(groups))]
     right = sum(s.reward for s in flat) / len(flat)
     return RolloutFnTrainOutput(samples=groups, metrics={"rollout/custom_accuracy": right})
+
+
+# --eval-function-path examples/hooks.py:evaluate
+def evaluate(args, rollout_id: int, data_source, evaluation: bool = True) -> RolloutFnEvalOutput:
+    """An evaluation written by hand: every prompt of every eval set (args.eval_sets) answered greedily on the
+    engines, scored by exact match. What the built-in greedy evaluation does, as a starting point for your own
+    (a multi-turn agent, a judge model, pass@k over your own samples)."""
+    tok = args.tokenizer
+    params = {**args.sampling_params, "temperature": 0.0}
+
+    def prompt_ids(prompt) -> list[int]:
+        if not args.apply_chat_template:
+            return tok(str(prompt))["input_ids"]
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+
+    async def one(row) -> tuple[float, bool]:
+        out = await args.engine.generate(prompt_ids(row.prompt), params)
+        answer = tok.decode([int(t[1]) for t in out["meta_info"]["output_token_logprobs"]], skip_special_tokens=True)
+        return float(answer.strip() == str(row.label).strip()), out["meta_info"]["finish_reason"]["type"] == "length"
+
+    async def everything():
+        return {name: await asyncio.gather(*(one(r) for r in rows)) for name, rows in args.eval_sets.items()}
+
+    scored = asyncio.run(everything())
+    return RolloutFnEvalOutput(data={name: {"rewards": [r for r, _ in got], "truncated": [t for _, t in got]}
+                                     for name, got in scored.items()})

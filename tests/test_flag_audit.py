@@ -53,6 +53,7 @@ FLAG_TESTS = {
     "custom_reward_post_process_path": "test_hooks.py::test_post_processed_rewards_replace_the_group_normalisation",
     "rollout_sample_filter_path": "test_hooks.py::test_removed_samples_stay_out_of_the_loss",
     "data_source_path": "test_hooks.py::test_custom_data_source_feeds_the_rollout_and_is_checkpointed",
+    "eval_function_path": "test_hooks.py::test_the_example_eval_function_scores_what_the_built_in_evaluation_scores",
     "rollout_max_truncated_share": "test_flag_wiring.py::test_rollout_flags_reach_the_loop_and_the_truncation_limit",
     "rollout_engine_python": "test_flag_wiring.py::test_engine_spec_flags",
     "rollout_engine_process": "test_flag_wiring.py::test_where_the_engine_runs",

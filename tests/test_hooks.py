@@ -287,3 +287,46 @@ def test_a_data_source_that_cannot_be_built_fails_at_start(tmp_path):
 def test_slime_style_reward_functions_get_args(tmp_path, engine_url):
     batch = rollout(make_run(tmp_path, engine_url, custom_rm_path="hook_fakes:slime_reward"))
     assert all(s.reward == 10.0 + float(s.response.strip() == s.label) for g in batch.groups for s in g)
+
+
+# ---- --eval-function-path ---------------------------------------------------------------------------------------
+def test_the_example_eval_function_scores_what_the_built_in_evaluation_scores(tmp_path, engine_url):
+    """examples/hooks.py:evaluate (greedy, exact match, by hand) through the evaluate stage gives the built-in
+    greedy evaluation's accuracy on the same engine and rows, and its truncated share; both at step 0."""
+    from pathlib import Path
+
+    from engine import stages
+    from engine.config.data import BUNDLED_TEST
+    from engine.data import load_prompts
+
+    ex = Path(__file__).parent.parent / "examples" / "hooks.py"
+    rows = load_prompts(BUNDLED_TEST, input_key="prompt", label_key="label")[:12]
+    accuracy = {}
+    for how in (f"{ex}:evaluate", None):
+        run = make_run(tmp_path, engine_url, eval_prompt_data=BUNDLED_TEST, eval_function_path=how,
+                       rm_type="exact_match", rollout_max_response_len=8)
+        run.eval_sets = {"test": rows}
+        accuracy[how] = stages.evaluate(run, 0)
+        if how:
+            assert set(run.history) == {"eval/test_accuracy", "eval/test_truncated_share"}, sorted(run.history)
+    assert accuracy[f"{ex}:evaluate"] == accuracy[None] and 0 < accuracy[None] < 1, accuracy
+
+
+def test_an_eval_function_that_breaks_the_contract_is_a_hook_error():
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+    from engine.rollout.hooks import RolloutFnEvalOutput, eval_output_metrics
+
+    ok = RolloutFnEvalOutput(data={"aime": {"rewards": [1, 0, 0, 1], "truncated": [False, True, False, False]}},
+                             metrics={"eval/aime_pass_at_4": 1.0, "note": "text is dropped"})
+    assert eval_output_metrics(ok, "--eval-function-path", "m:f") == {
+        "eval/aime_accuracy": 0.5, "eval/aime_truncated_share": 0.25, "eval/aime_pass_at_4": 1.0}
+    assert eval_output_metrics({"gsm8k": {"rewards": [0.5]}}, "f", "p") == {"eval/gsm8k_accuracy": 0.5}
+    for bad, says in (([[1.0]], "returned list"), ({}, "at least one eval set"),
+                      ({"a b": {"rewards": [1]}}, "is not a word"), ({"x": {"rewards": []}}, "non-empty list"),
+                      ({"x": {"rewards": [float("nan")]}}, "finite numbers"),
+                      ({"x": {"rewards": [1, 0], "truncated": [True]}}, "one bool per reward")):
+        with pytest.raises(HookError, match=says):
+            eval_output_metrics(bad, "--eval-function-path", "m:f")
+    with pytest.raises(ConfigError, match="the evaluation it replaces never runs"):
+        RunConfig(eval_function_path="m:f", eval_prompt_data="")

@@ -54,6 +54,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         self._async_consistent()
         self._replay_consistent()
         self._rollout_only_consistent()
+        if self.eval_function_path and not self.eval_prompt_data:
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--eval-function-path {self.eval_function_path!r} with no --eval-prompt-data: the evaluation it "
+                     "replaces never runs",
+                fix="--eval-prompt-data PATH (or NAME PATH pairs; the function reads them as args.eval_sets), or "
+                    "drop --eval-function-path",
+                facts={"field": "eval_function_path", "value": self.eval_function_path}))
         if self.rollout_engine_process == "trainer" and (why := self.engine_in_trainer_blockers()):
             from engine.diagnosis import ConfigError, Diagnosis
 

@@ -88,6 +88,14 @@ class RolloutArgs(Section):
     rollout_sample_filter_path: Optional[str] = None
     """After the rollout (slime's hook): fn(args, groups) sets sample.remove_sample = True on samples to keep out of the loss (they still count in the group's reward normalisation)."""
 
+    eval_function_path: Optional[str] = None
+    """Evaluation written by hand (slime's hook): fn(args, rollout_id, None, evaluation=True) ->
+    RolloutFnEvalOutput(data={name: {"rewards": [...], "truncated": [...]}}) or that dict, called where the built-in
+    evaluation would run (args.eval_sets: --eval-prompt-data's rows by name; args.engine: the engines); logged as
+    eval/<name>_accuracy (the mean reward) and eval/<name>_truncated_share. slime defaults it to
+    --rollout-function-path; here it is set explicitly (it may be the same function). Default: the built-in
+    evaluation."""
+
     data_source_path: Optional[str] = None
     """Where prompts come from (slime's hook): a class built as cls(args) with get_samples(num_prompts) -> list of groups of n Samples; state_dict() / load_state_dict(d) make it resumable. Default: --prompt-data."""
 
@@ -199,7 +207,7 @@ class RolloutArgs(Section):
             ignored = [f"--{f.replace('_', '-')}" for f in (
                 "rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                 "over_sampling_batch_size", "custom_reward_post_process_path", "rollout_sample_filter_path",
-                "data_source_path", "save_debug_rollout_data") if getattr(self, f)]
+                "data_source_path", "save_debug_rollout_data", "eval_function_path") if getattr(self, f)]
             ignored += ["--use-fault-tolerance"] if self.use_fault_tolerance else []
             if ignored:
                 errors.append(Diagnosis(

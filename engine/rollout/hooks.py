@@ -8,6 +8,7 @@
 | `--dynamic-sampling-filter-path`     | `fn(args, group)` (or `fn(group)`)                        | `bool` or `DynamicFilterOutput(keep, reason)`    |
 | `--rollout-sample-filter-path`       | `fn(args, groups)` after the rollout                      | `None`; sets `sample.remove_sample = True` to keep a sample out of the loss |
 | `--data-source-path`                 | `cls(args)`, then `.get_samples(num_prompts)`             | `[[Sample] × n]` per prompt                      |
+| `--eval-function-path`               | `fn(args, rollout_id, None, evaluation=True)` per evaluation | `RolloutFnEvalOutput(data={name: {"rewards": [...], "truncated": [...]}})` or that dict |
 
 `args` is a `HookArgs`: every `rollflow train` flag as an attribute (`args.rollout_max_response_len`,
 `args.n_samples_per_prompt`, …, as slime's argparse namespace), plus `args.engine` (`EngineClient`: `await
@@ -41,6 +42,7 @@ HOOK_FLAGS = {
     "dynamic_sampling_filter_path": "--dynamic-sampling-filter-path",
     "rollout_sample_filter_path": "--rollout-sample-filter-path",
     "data_source_path": "--data-source-path",
+    "eval_function_path": "--eval-function-path",
 }
 
 
@@ -61,6 +63,15 @@ class HookError(DiagnosisError):
 class RolloutFnTrainOutput:
     """What a `--rollout-function-path` function returns (slime's type of the same name)."""
     samples: list[list[Sample]]
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    """What an `--eval-function-path` function returns (slime's type of the same name): per eval set name, the
+    per-sample "rewards" (numbers) and optionally "truncated" (bools, one per reward) and "samples" (kept by the
+    function's caller only for their count); `metrics`, numbers published as they are named."""
+    data: dict[str, dict[str, Any]]
     metrics: dict[str, Any] | None = None
 
 
@@ -150,9 +161,11 @@ class HookArgs:
     params and the rollout id (see the module docstring)."""
 
     def __init__(self, cfg: Any, *, tokenizer: Any, sampling_params: dict[str, Any], rollout_id: int,
-                 engine: EngineClient | None = None, evaluation: bool = False):
+                 engine: EngineClient | None = None, evaluation: bool = False,
+                 eval_sets: dict[str, list] | None = None):
         self.cfg, self.tokenizer, self.sampling_params = cfg, tokenizer, sampling_params
         self.rollout_id, self.engine, self.evaluation = rollout_id, engine, evaluation
+        self.eval_sets = eval_sets or {}  # --eval-prompt-data as loaded: name → rows (prompt, label, metadata)
 
     def __getattr__(self, name: str) -> Any:  # only called for names not set above: the run's flags
         cfg = self.__dict__.get("cfg")
@@ -163,7 +176,8 @@ class HookArgs:
 
     def with_engine(self, engine: EngineClient) -> "HookArgs":
         return HookArgs(self.cfg, tokenizer=self.tokenizer, sampling_params=self.sampling_params,
-                        rollout_id=self.rollout_id, engine=engine, evaluation=self.evaluation)
+                        rollout_id=self.rollout_id, engine=engine, evaluation=self.evaluation,
+                        eval_sets=self.eval_sets)
 
 
 # ---- loading and calling -------------------------------------------------------------------------------------
@@ -384,6 +398,7 @@ class Hooks:
     generate: Callable | None = None
     post_process: Callable | None = None
     sample_filter: Callable | None = None
+    evaluate: Callable | None = None
     paths: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -392,4 +407,38 @@ class Hooks:
                    generate=load_hook(cfg, "custom_generate_function_path"),
                    post_process=load_hook(cfg, "custom_reward_post_process_path"),
                    sample_filter=load_hook(cfg, "rollout_sample_filter_path"),
+                   evaluate=load_hook(cfg, "eval_function_path"),
                    paths={k: getattr(cfg, k) for k in HOOK_FLAGS if getattr(cfg, k, None)})
+
+
+def eval_output_metrics(out: Any, flag: str, path: str) -> dict[str, float]:
+    """An `--eval-function-path` result → eval/<name>_accuracy (the mean reward) and eval/<name>_truncated_share
+    per set, plus its numeric `metrics`; anything else is a HookError naming what is wrong."""
+    import math
+    import re
+
+    data, extra = (out.data, out.metrics or {}) if hasattr(out, "data") else (out, {})
+    if not isinstance(data, dict) or not data:
+        raise HookError.of(flag, path, f"returned {type(data).__name__}; expected RolloutFnEvalOutput(data={{name: "
+                                       "{'rewards': [...]}}}) or that dict, with at least one eval set")
+    metrics: dict[str, float] = {}
+    for name, d in data.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise HookError.of(flag, path, f"eval set name {name!r} is not a word of letters, digits, _ or - (it "
+                                           "names the metrics eval/<name>_*)")
+        rewards = d.get("rewards") if isinstance(d, dict) else None
+        if (not isinstance(rewards, (list, tuple)) or not rewards
+                or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
+                           for r in rewards)):
+            raise HookError.of(flag, path, f"eval set {name!r}: 'rewards' must be a non-empty list of finite "
+                                           f"numbers, one per sample; got {str(rewards)[:120]}")
+        metrics[f"eval/{name}_accuracy"] = sum(rewards) / len(rewards)
+        truncated = d.get("truncated")
+        if truncated is not None:
+            if not isinstance(truncated, (list, tuple)) or len(truncated) != len(rewards):
+                raise HookError.of(flag, path, f"eval set {name!r}: 'truncated' must hold one bool per reward "
+                                               f"({len(rewards)}); got {str(truncated)[:120]}")
+            metrics[f"eval/{name}_truncated_share"] = sum(bool(t) for t in truncated) / len(truncated)
+    metrics.update({k: float(v) for k, v in extra.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return metrics
