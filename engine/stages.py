@@ -679,6 +679,8 @@ def partial_buffer(run: Run, rollout_id: int, position: Any):
     if buf is not None:
         log.info("rollout %d: continuing %d samples kept by the checkpoint (--partial-rollout)", rollout_id, len(buf))
     run.state.partial[rollout_id] = buf = buf or PartialBuffer(rollout_id)
+    if run.tokenizer is not None:  # the engines' decode (skip_special_tokens, SamplingParams.to_sglang)
+        buf.decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)
     return buf
 
 

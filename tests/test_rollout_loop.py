@@ -207,3 +207,49 @@ def test_rollout_deadline(engine, draw):
     # fast machine a whole rollout can finish within 50 ms (it did)
     with pytest.raises(RolloutTimeout, match="--rollout-timeout"):
         _run(engine, draw, timeout_s=0.005, params=SamplingParams(max_new_tokens=200, temperature=1.0))
+
+
+# ---- --partial-rollout: a stop string across the pause between two segments -------------------------------------
+def test_a_stop_string_split_by_a_pause_stops_the_sample_where_one_request_would_have():
+    """Segment 1 ends with "<" (aborted by a weight sync), segment 2 starts with "/a>..." and runs on: neither engine
+    saw "</a>" whole. The continuation is cut after the token that completes it, the text trimmed before it."""
+    from types import SimpleNamespace
+
+    from engine.rollout.loop import Partial, PartialBuffer, _Round, stop_across_segments
+
+    def decode(ids):
+        return "".join(chr(i) for i in ids)
+
+    def segment(text, reason):
+        return {"text": text, "meta_info": {"output_token_logprobs": [[-0.5 - i, ord(c), None] for i, c in enumerate(text)],
+                                            "finish_reason": {"type": reason}, "weight_version": "1"}}
+
+    params = SamplingParams(max_new_tokens=32, stop=["</a>", "zz"])
+    round_ = SimpleNamespace(params=params, partial=PartialBuffer(0, decode=decode))
+    row = Partial()
+    _Round._extend(round_, row, segment("x<", "abort"))
+    assert row.finish_reason is None and row.ids == [ord("x"), ord("<")]  # paused: continued under new weights
+    _Round._extend(round_, row, segment("/a>yy", "length"))
+    assert row.finish_reason == {"type": "stop", "matched": "</a>"}
+    assert decode(row.ids) == "x</a>" and row.text == "x" and row.lengths == [2, 3] and len(row.logprobs) == 5
+
+    # a match inside the new segment only is the engine's (nothing cut here); so is a row without a pause
+    row = Partial(ids=[ord("x")], logprobs=[-1.0], text="x", versions=["0"], lengths=[1])
+    row.ids += [ord(c) for c in "zz"]
+    row.logprobs += [-1.0, -1.0]
+    row.text += "zz"
+    assert stop_across_segments(row, 1, params.stop, decode) is None
+    # of two spanning strings, the one completed first wins (the engine checks after every token), though the
+    # other starts earlier; without a decoder (e.g. no tokenizer) nothing changes
+    row = Partial(ids=[ord(c) for c in "qz</z"], logprobs=[0.0] * 5, text="qz</z", versions=["0"], lengths=[5])
+    row.ids += [ord(c) for c in "a>b"]
+    row.logprobs += [0.0] * 3
+    row.text += "a>b"
+    row.lengths.append(3)
+    assert stop_across_segments(row, 5, ["</za>", "/za"], decode) == {"type": "stop", "matched": "/za"}
+    assert decode(row.ids) == "qz</za" and row.text == "qz<" and row.lengths == [5, 1]
+    row = Partial()
+    plain = SimpleNamespace(params=params, partial=PartialBuffer(0))
+    _Round._extend(plain, row, segment("x<", "abort"))
+    _Round._extend(plain, row, segment("/a>yy", "length"))
+    assert row.finish_reason == {"type": "length"} and decode(row.ids) == "x</a>yy"

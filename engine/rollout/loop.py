@@ -129,10 +129,14 @@ class PartialBuffer:
     it as requests return, and the driver, which writes a snapshot into the checkpoint taken while the rollout is
     in flight (--partial-rollout), so that a resumed run continues those samples instead of redrawing them."""
 
-    def __init__(self, rollout_id: int, rows: dict[tuple[int, int], Partial] | None = None):
+    def __init__(self, rollout_id: int, rows: dict[tuple[int, int], Partial] | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         import threading
 
         self.rollout_id, self._rows, self._lock = rollout_id, dict(rows or {}), threading.Lock()
+        # response ids → text as the engines decode them (skip_special_tokens): finds a stop string that spans the
+        # pause between two segments, which neither segment's engine saw whole (`stop_across_segments`)
+        self.decode = decode
 
     def get(self, draw: int, j: int) -> Partial:
         with self._lock:
@@ -158,6 +162,33 @@ class PartialBuffer:
                                                         r.get("finish_reason"), list(r.get("lengths", [])))
                 for r in snap.get("rows", [])}
         return cls(int(snap["rollout_id"]), rows)
+
+
+def stop_across_segments(row: Partial, ids_before: int, stops: list[str],
+                         decode: Callable[[list[int]], str]) -> dict | None:
+    """A stop string that spans the pause before the segment just added to `row` (its first `ids_before` tokens
+    came before): the engine that generated the segment saw only its own tokens, so it could not match it (SGLang
+    neither). Where one request would have stopped — after the first token whose text completes a stop string
+    (the first such string in `stops` order, as the engines check) — the row is cut, its text set to the
+    response's text before the string (SGLang's default trim), and the finish reason {"type": "stop", "matched": s}
+    returned; None when no stop string spans the pause. Texts come from decoding the response's ids whole (the
+    segments' texts, decoded apart, may split a character)."""
+    before = len(decode(row.ids[:ids_before]))
+    # a spanning string ends within its length of the pause; a token adds ≥ 1 character, or a byte of one (≤ 4)
+    reach = 4 * max(len(s) for s in stops) + 4
+    for k in range(ids_before + 1, min(len(row.ids), ids_before + reach) + 1):
+        text = decode(row.ids[:k])
+        hit = next((s for s in stops if s in text[max(0, before - len(s) + 1):]), None)
+        if hit is None:
+            continue
+        at = text.find(hit, max(0, before - len(hit) + 1))
+        if at >= before:  # inside the new segment: its engine saw it whole and stopped there
+            return None
+        del row.ids[k:], row.logprobs[k:]
+        row.lengths[-1] = k - ids_before
+        row.text = text[:at]
+        return {"type": "stop", "matched": hit}
+    return None
 
 
 class RolloutTimeout(TimeoutError):
@@ -276,12 +307,16 @@ class _Round:
     def _extend(self, row: Partial, o: dict) -> None:
         meta = o.get("meta_info", {})
         new, lps = output_logprobs(o)
+        before = len(row.ids) if row.versions else None  # a continuation: where its tokens start
         row.ids += new
         row.lengths.append(len(new))
         row.logprobs += lps
         row.text += o.get("text", "")
         row.versions.append(meta.get("weight_version"))
         fr = meta.get("finish_reason") or {}
+        if before is not None and self.params.stop and self.partial is not None and self.partial.decode is not None \
+                and (hit := stop_across_segments(row, before, self.params.stop, self.partial.decode)):
+            fr = hit
         if fr.get("type") == "abort" and self.partial is not None and len(row.versions) < MAX_SEGMENTS:
             if len(row.ids) < self.params.max_new_tokens:
                 return  # paused at a weight sync: continued under the new weights
