@@ -253,3 +253,21 @@ def test_a_stop_string_split_by_a_pause_stops_the_sample_where_one_request_would
     _Round._extend(plain, row, segment("x<", "abort"))
     _Round._extend(plain, row, segment("/a>yy", "length"))
     assert row.finish_reason == {"type": "length"} and decode(row.ids) == "x</a>yy"
+
+
+def test_a_runs_partial_buffer_decodes_as_the_engines_do(tiny_model, tmp_path):
+    """stages.partial_buffer gives the buffer the run's tokenizer, special tokens skipped (SamplingParams.to_sglang),
+    also for a buffer a checkpoint restored."""
+    from engine import stages
+    from engine.config import RunConfig
+    from engine.modeling import load_tokenizer
+    from engine.rollout.loop import PartialBuffer
+    from engine.run import Run
+
+    run = Run(RunConfig(hf_checkpoint=tiny_model, work_dir=str(tmp_path), async_mode="one-step",
+                        partial_rollout=True))
+    run.tokenizer = load_tokenizer(tiny_model)
+    ids = run.tokenizer("12+3=15", add_special_tokens=False)["input_ids"] + [run.tokenizer.eos_token_id]
+    assert stages.partial_buffer(run, 0, None).decode(ids) == "12+3=15"
+    run.state.resume_partial[1] = ({"next": 0}, PartialBuffer(1))
+    assert stages.partial_buffer(run, 1, {"next": 0}).decode(ids) == "12+3=15"
