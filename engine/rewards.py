@@ -240,10 +240,85 @@ def _check_reward(r: Any) -> float | dict[str, float]:
     raise ValueError(f"returned {type(r).__name__} {str(r)[:80]!r}; expected a float or a dict of floats")
 
 
+class RemoteRewardError(RuntimeError):
+    """The reward service refused a sample (a 4xx) or did not answer after every attempt."""
+
+
+class RemoteReward:
+    """--rm-type remote_rm (slime's): each sample POSTed to --rm-url as {"prompt", "response", "label"}; the reply's
+    JSON is the reward. A connection error, a timeout, a 429 or a 5xx is retried (ATTEMPTS in all, backoff
+    0.5–1, 1–2, 2–4, 4–8 s); another 4xx is not (the same request would be refused again). Error messages show the
+    URL with any password or token redacted.
+
+    The requests go out from one event loop on a daemon thread of this process, through one client whose
+    connections stay open between groups: 64 samples in 8 groups against a keep-alive loopback `http.server` took
+    0.40–0.42 s this way on the 2-core machine, 2.3–4.4 s with a client and an event loop per group."""
+
+    ATTEMPTS = 5
+    TIMEOUT_S = 120.0
+
+    def __init__(self, url: str):
+        import threading
+
+        from engine.tracking.secrets import redact_text
+
+        self.url, self.shown = url, redact_text(url)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client = None
+        self._lock = threading.Lock()
+
+    def score_sync(self, samples: list[Sample]) -> list[Any]:
+        """`score` on the reward loop, from any thread (one not running that loop)."""
+        return asyncio.run_coroutine_threadsafe(self.score(samples), self._running_loop()).result()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        import threading
+
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="rollflow-remote-rm", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    async def score(self, samples: list[Sample]) -> list[Any]:
+        """One reply (or the exception) per sample, the group's requests in flight together."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.TIMEOUT_S, limits=httpx.Limits(max_connections=64))
+        return await asyncio.gather(*(self._one(self._client, s) for s in samples), return_exceptions=True)
+
+    async def _one(self, client, sample: Sample) -> Any:
+        import random
+
+        import httpx
+
+        payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                r = await client.post(self.url, json=payload)
+                if r.status_code == 429 or r.status_code >= 500:
+                    raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+                if r.status_code >= 400:
+                    raise RemoteRewardError(f"{self.shown} refused the sample: HTTP {r.status_code} "
+                                            f"{r.text[:200]!r}")
+                return r.json()
+            except (httpx.TransportError, httpx.HTTPStatusError) as e:
+                if attempt == self.ATTEMPTS:
+                    raise RemoteRewardError(f"{self.shown} did not answer after {attempt} attempts "
+                                            f"({type(e).__name__}: {e})") from None
+                await asyncio.sleep(2 ** (attempt - 2) * (1 + random.random()))
+            except ValueError as e:  # the reply is not JSON
+                raise RemoteRewardError(f"{self.shown} answered with no JSON ({e}): {r.text[:200]!r}") from None
+        raise AssertionError("unreachable")
+
+
 class RewardModel:
     """Scores groups of samples in place: sets `reward`, or FAILED status with the reason."""
 
-    def __init__(self, rm_type: str | None, custom_rm_path: str | None, group_rm: bool = False):
+    def __init__(self, rm_type: str | None, custom_rm_path: str | None, group_rm: bool = False,
+                 rm_url: str | None = None):
         if custom_rm_path is None and rm_type is None:
             raise ConfigError(Diagnosis(code="CONFIG", severity="error", what="no reward: --rm-type and "
                                         "--custom-rm-path are both unset", fix="--rm-type exact_match"))
@@ -258,7 +333,8 @@ class RewardModel:
             self.custom_is_async = inspect.iscoroutinefunction(custom)
         else:
             self.custom, self.custom_is_async = custom, inspect.iscoroutinefunction(custom)
-        self.builtin = BUILTIN[rm_type] if rm_type and not custom_rm_path else None
+        self.remote = RemoteReward(rm_url) if rm_type == "remote_rm" and not custom_rm_path else None
+        self.builtin = BUILTIN[rm_type] if rm_type in BUILTIN and not custom_rm_path else None
         self.group_rm = group_rm
 
     def score_group(self, group: list[Sample]) -> None:
@@ -279,7 +355,9 @@ class RewardModel:
             for s, r in zip(live, checked):
                 s.reward = r
             return
-        if self.custom is not None and self.custom_is_async:
+        if self.remote is not None:
+            outs = self.remote.score_sync(live)
+        elif self.custom is not None and self.custom_is_async:
             async def all_of_group():
                 return await asyncio.gather(*[self.custom(s) for s in live], return_exceptions=True)
 

@@ -180,7 +180,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
                                         metadata_key=cfg.metadata_key,
                                         flag="--eval-prompt-data")[: cfg.eval_max_samples]
                      for name, path in ([] if cfg.replay else cfg.eval_sets)}  # a replay has no engine to evaluate on
-    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
+    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url)
     load_hooks(run)
     run.probe = probe_prompts(run)
 

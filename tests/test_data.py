@@ -181,3 +181,106 @@ def test_async_group_and_dict_rewards(tmp_path):
     assert all(s.status == Status.COMPLETED and s.reward != s.reward for s in g)
     with pytest.raises(ConfigError, match="--group-rm needs --custom-rm-path"):
         RewardModel("math", None, group_rm=True)
+
+
+# ---- --rm-type remote_rm ------------------------------------------------------------------------------------------
+@pytest.fixture
+def reward_service():
+    """A reward service on loopback: /score → 1.0 when response == label (as JSON), /dict → a dict reward,
+    /flaky → 503 on each sample's first request, /refuse → 400, /text → a reply that is not JSON."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[dict] = []
+    tried: set = set()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append({"path": self.path, **body})
+            path = self.path.split("?")[0]
+            right = float(body["response"].strip() == str(body["label"]))
+            if path == "/flaky" and (key := body["response"]) not in tried:
+                tried.add(key)
+                code, out = 503, b"busy"
+            elif path == "/refuse":
+                code, out = 400, b"bad label"
+            elif path == "/text":
+                code, out = 200, b"yes"
+            elif path == "/dict":
+                code, out = 200, json.dumps({"score": right, "format": 0.5}).encode()
+            else:
+                code, out = 200, json.dumps(right).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", seen
+    server.shutdown()
+
+
+def _group(prompt="1+1=", label="2", responses=("2", "3")):
+    return [Sample(index=i, group_index=0, rollout_id=0, prompt=prompt, response=r, label=label,
+                   status=Status.COMPLETED) for i, r in enumerate(responses)]
+
+
+def test_a_remote_reward_service_scores_each_sample_as_slime_sends_it(reward_service, monkeypatch):
+    from engine.rewards import RemoteReward
+
+    url, seen = reward_service
+    g = _group(responses=("2", "3", " 2 "))
+    RewardModel("remote_rm", None, rm_url=url + "/score").score_group(g)
+    assert [s.reward for s in g] == [1.0, 0.0, 1.0] and all(s.status == Status.COMPLETED for s in g)
+    assert sorted(x["response"] for x in seen) == [" 2 ", "2", "3"]
+    assert set(seen[0]) == {"path", "prompt", "response", "label"} and seen[0]["prompt"] == "1+1="
+
+    g = _group()
+    RewardModel("remote_rm", None, rm_url=url + "/dict").score_group(g)
+    assert [s.reward for s in g] == [{"score": 1.0, "format": 0.5}, {"score": 0.0, "format": 0.5}]
+
+    seen.clear()  # a 503 is retried (each sample's first request here), then scored
+    g = _group()
+    RewardModel("remote_rm", None, rm_url=url + "/flaky").score_group(g)
+    assert [s.reward for s in g] == [1.0, 0.0] and len(seen) == 4
+
+    # a 4xx is not retried; a reply that is not JSON, or no service, fails the sample with the reason, and the
+    # URL's token never shows
+    monkeypatch.setattr(RemoteReward, "ATTEMPTS", 2)
+    port = __import__("engine.rollout.ports", fromlist=["free_loopback_port"]).free_loopback_port()
+    for path, says in ((url + "/refuse?token=s3cr3tvalue", "refused the sample: HTTP 400 'bad label'"),
+                       (url + "/text", "answered with no JSON"),
+                       (f"http://127.0.0.1:{port}/score?token=s3cr3tvalue", "did not answer after 2 attempts")):
+        seen.clear()
+        g = _group()
+        RewardModel("remote_rm", None, rm_url=path).score_group(g)
+        for s in g:
+            assert s.status == Status.FAILED and s.reward == 0.0, (path, s)
+            assert says in s.metadata["failure"] and "s3cr3tvalue" not in s.metadata["failure"], s.metadata
+        if "refuse" in path:
+            assert len(seen) == 2  # once per sample
+
+
+def test_remote_reward_flags_and_preflight(reward_service):
+    from engine.config import RunConfig
+    from engine.doctor.checks import Environment, reward_service_reachable
+    from engine.rollout.ports import free_loopback_port
+
+    for kw, says in ((dict(rm_type="remote_rm"), "needs the service's --rm-url"),
+                     (dict(rm_url="http://h/x"), "is read only with --rm-type remote_rm"),
+                     (dict(rm_type="remote_rm", rm_url="h:1/x"), "is not an http"),
+                     (dict(rm_type="remote_rm", rm_url="http://h/x", custom_rm_path="m:f"), "replaces it"),
+                     (dict(rm_type="remote_rm", rm_url="http://u:pw@h/x?token=abc", custom_rm_path="m:f"), "")):
+        with pytest.raises(ConfigError, match=says) as e:
+            RunConfig(**kw)
+        assert "pw@" not in str(e.value) and "abc" not in str(e.value)
+    url, _ = reward_service
+    assert reward_service_reachable(RunConfig(rm_type="remote_rm", rm_url=url + "/score"), Environment()) == []
+    (d,) = reward_service_reachable(RunConfig(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{free_loopback_port()}/s"),
+                                    Environment())
+    assert d.severity == "warning" and "does not take a connection" in d.what

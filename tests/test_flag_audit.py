@@ -28,6 +28,7 @@ FLAG_TESTS = {
     "rollout_shuffle": "test_flag_wiring.py::test_place_flags",
     "rm_type": "test_flag_wiring.py::test_place_flags",
     "custom_rm_path": "test_data.py::test_async_group_and_dict_rewards",
+    "rm_url": "test_data.py::test_a_remote_reward_service_scores_each_sample_as_slime_sends_it",
     "group_rm": "test_data.py::test_async_group_and_dict_rewards",
     # rollout
     "rollout_batch_size": "test_config.py::test_derived_numbers_are_computed_once",

@@ -1,7 +1,7 @@
 """Model, data and reward flags."""
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine import PROJECT_ROOT
 from engine.config.base import Section
@@ -76,11 +76,36 @@ class DataArgs(Section):
     rollout_shuffle: bool = False
     """Shuffle prompts every epoch (seeded by --seed)."""
 
-    rm_type: Optional[Literal["exact_match", "math", "f1"]] = "exact_match"
-    """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number vs the label, slime's MATH normalisation, then numeric / sympy-equivalent), f1 (SQuAD-normalised token F1, with precision and recall)."""
+    rm_type: Optional[Literal["exact_match", "math", "f1", "remote_rm"]] = "exact_match"
+    """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number vs the label, slime's MATH normalisation, then numeric / sympy-equivalent), f1 (SQuAD-normalised token F1, with precision and recall), remote_rm (a reward service at --rm-url, slime's)."""
+
+    rm_url: Optional[str] = None
+    """--rm-type remote_rm: the reward service's URL (http or https). Each sample is POSTed as slime sends it, JSON {"prompt", "response", "label"}, and the reply's JSON is its reward: a number, or a dict of numbers (its "score" is the reward, the others are logged). A connection error, a 429 or a 5xx is retried 4 times with backoff (~15 s in all); another 4xx, or no answer after that, fails the sample (FAILED, reason in its metadata; a rollout where every sample failed is retried). The samples of a group are sent at once."""
 
     custom_rm_path: Optional[str] = None
     """Custom reward `module:function` or `path/to/file.py:function`, called as fn(sample) -> float | dict (sync or async)."""
 
     group_rm: bool = False
     """Call the custom reward once per group: fn(samples) -> list of rewards."""
+
+    @model_validator(mode="after")
+    def _remote_reward(self) -> "DataArgs":
+        from engine.diagnosis import ConfigError, Diagnosis
+        from engine.tracking.secrets import redact_text
+
+        what = fix = None
+        if self.rm_type == "remote_rm" and not self.rm_url:
+            what, fix = "--rm-type remote_rm needs the service's --rm-url", "--rm-url http://HOST:PORT/PATH"
+        elif self.rm_url and self.rm_type != "remote_rm":
+            what = f"--rm-url {redact_text(self.rm_url)} is read only with --rm-type remote_rm (now {self.rm_type})"
+            fix = "--rm-type remote_rm, or drop --rm-url"
+        elif self.rm_url and not self.rm_url.startswith(("http://", "https://")):
+            what = f"--rm-url {redact_text(self.rm_url)!r} is not an http(s) URL"
+            fix = "--rm-url http://HOST:PORT/PATH (the service takes a POST of JSON)"
+        elif self.rm_type == "remote_rm" and self.custom_rm_path:
+            what = f"--rm-type remote_rm with --custom-rm-path {self.custom_rm_path!r}: the custom reward replaces it"
+            fix = "drop one of them (a custom reward may call your service itself)"
+        if what:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix,
+                                        facts={"field": "rm_url", "rm_type": self.rm_type}))
+        return self

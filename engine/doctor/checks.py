@@ -473,6 +473,30 @@ def save_location_writable(cfg, env: Environment) -> list[Diagnosis]:
                       facts={"path": store.url, "free_bytes": free, "need_bytes": need})]
 
 
+@check("CONFIG")
+def reward_service_reachable(cfg, env: Environment) -> list[Diagnosis]:
+    """--rm-type remote_rm: the service's host and port take a connection (3 s); a warning, since a service may
+    come up after the run starts (until it answers, its samples fail and the rollouts are retried)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from engine.tracking.secrets import redact_text
+
+    if cfg.rm_type != "remote_rm" or not cfg.rm_url:
+        return []
+    url = urlsplit(cfg.rm_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=3).close()
+        return []
+    except OSError as e:
+        return [Diagnosis(code="CONFIG", severity="warning",
+                          what=f"--rm-url {redact_text(cfg.rm_url)}: {url.hostname}:{port} does not take a connection "
+                               f"from here ({type(e).__name__}: {e}); every sample's reward will fail until it does",
+                          fix="start the reward service (or fix --rm-url) before the first rollout ends",
+                          facts={"field": "rm_url", "host": url.hostname, "port": port})]
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
