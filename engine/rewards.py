@@ -172,6 +172,23 @@ def f1_reward(response: str, label: Any) -> dict[str, float]:
 BUILTIN = {"exact_match": exact_match, "math": math_reward, "f1": f1_reward}
 
 
+def rule_based(rm_type: str) -> Callable[[str, Any], Any] | None:
+    """A built-in reward by name, slime's `boxed_` prefix included (`boxed_exact_match`, `boxed_f1`: the response's
+    last \\boxed{…} graded, "" without one); None for a name that is none."""
+    if rm_type.startswith("boxed_"):
+        inner = BUILTIN.get(rm_type[len("boxed_"):])
+        if inner is None:
+            return None
+        from engine.math_grader import last_boxed
+
+        return lambda response, label: inner(last_boxed(response) or "", label)
+    return BUILTIN.get(rm_type)
+
+
+#: every value a sample's metadata "rm_type" may take (with --rm-url: remote_rm too)
+SAMPLE_RM_TYPES = sorted([*BUILTIN, *(f"boxed_{k}" for k in BUILTIN)])
+
+
 # ---- custom functions ------------------------------------------------------------------------------------------
 def load_function(path: str, flag: str) -> Callable:
     """`pkg.module:function`, slime's `pkg.module.function`, or `path/to/file.py:function`; a bad path is a
@@ -333,8 +350,8 @@ class RewardModel:
             self.custom_is_async = inspect.iscoroutinefunction(custom)
         else:
             self.custom, self.custom_is_async = custom, inspect.iscoroutinefunction(custom)
-        self.remote = RemoteReward(rm_url) if rm_type == "remote_rm" and not custom_rm_path else None
-        self.builtin = BUILTIN[rm_type] if rm_type in BUILTIN and not custom_rm_path else None
+        self.remote = RemoteReward(rm_url) if rm_url and not custom_rm_path else None
+        self.builtin = rule_based(rm_type) if rm_type and rm_type != "remote_rm" and not custom_rm_path else None
         self.group_rm = group_rm
 
     def score_group(self, group: list[Sample]) -> None:
@@ -355,9 +372,22 @@ class RewardModel:
             for s, r in zip(live, checked):
                 s.reward = r
             return
-        if self.remote is not None:
-            outs = self.remote.score_sync(live)
-        elif self.custom is not None and self.custom_is_async:
+        if self.custom is None:  # built-in or remote, per sample (slime: a sample's metadata "rm_type" first)
+            outs: list[Any] = [None] * len(live)
+            remote = []
+            for i, s in enumerate(live):
+                try:
+                    grader = self.grader(s)
+                    if grader == "remote":
+                        remote.append(i)
+                    else:
+                        outs[i] = grader(s.response, s.label)
+                except Exception as e:
+                    outs[i] = e
+            if remote:
+                for i, out in zip(remote, self.remote.score_sync([live[i] for i in remote])):
+                    outs[i] = out
+        elif self.custom_is_async:
             async def all_of_group():
                 return await asyncio.gather(*[self.custom(s) for s in live], return_exceptions=True)
 
@@ -366,7 +396,7 @@ class RewardModel:
             outs = []
             for s in live:
                 try:
-                    outs.append(self.custom(s) if self.custom else self.builtin(s.response, s.label))
+                    outs.append(self.custom(s))
                 except Exception as e:
                     outs.append(e)
         for s, out in zip(live, outs):
@@ -376,6 +406,24 @@ class RewardModel:
                 s.reward = _check_reward(out)
             except Exception as e:
                 self._fail(s, e)
+
+    def grader(self, s: Sample) -> Callable[[str, Any], Any] | str:
+        """The reward of sample `s`: its metadata's "rm_type" (slime's per-sample override, e.g. a dataset mixing
+        math and QA rows), else the run's --rm-type; "remote" for the --rm-url service."""
+        name = s.metadata.get("rm_type") if isinstance(s.metadata, dict) else None
+        if not name:
+            if self.remote is not None:
+                return "remote"
+            return self.builtin
+        name = str(name).strip()
+        if name == "remote_rm":
+            if self.remote is None:
+                raise ValueError("the sample's metadata rm_type is remote_rm, but the run has no --rm-url")
+            return "remote"
+        if (fn := rule_based(name)) is None:
+            raise ValueError(f"the sample's metadata rm_type {name!r} is not one of {', '.join(SAMPLE_RM_TYPES)} "
+                             "(or remote_rm with --rm-url)")
+        return fn
 
     @staticmethod
     def _fail(s: Sample, e: BaseException) -> None:

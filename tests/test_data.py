@@ -284,3 +284,46 @@ def test_remote_reward_flags_and_preflight(reward_service):
     (d,) = reward_service_reachable(RunConfig(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{free_loopback_port()}/s"),
                                     Environment())
     assert d.severity == "warning" and "does not take a connection" in d.what
+
+
+def test_a_samples_metadata_names_its_reward_as_in_slime(reward_service):
+    """metadata["rm_type"] overrides --rm-type per sample (a dataset mixing tasks), slime's boxed_ prefix grades the
+    last \\boxed{} only; a name rollflow does not have fails that sample, with the names it has."""
+    url, seen = reward_service
+
+    def sample(response, label, rm_type=None):
+        return Sample(index=0, group_index=0, rollout_id=0, prompt="q", response=response, label=label,
+                      status=Status.COMPLETED, metadata={"rm_type": rm_type} if rm_type else {})
+
+    g = [sample("so \\boxed{7}", "7", "boxed_exact_match"), sample("so \\boxed{7}", "7"),
+         sample("the cat sat", "a cat sat down", "f1"), sample("so \\boxed{\\frac{1}{2}}", "0.5", "math"),
+         sample("7", "7", "nonsense"), sample("7", "7", "remote_rm"), sample("no box", "7", "boxed_exact_match")]
+    RewardModel("exact_match", None).score_group(g)
+    assert g[0].reward == 1.0 and g[1].reward == 0.0  # the run's exact_match compares the whole text
+    assert g[2].reward["score"] == pytest.approx(0.8)  # "cat sat" in "cat sat down" (articles dropped)
+    assert g[3].reward == 1.0 and g[6].reward == 0.0
+    assert g[4].status == Status.FAILED and "'nonsense' is not one of boxed_exact_match" in g[4].metadata["failure"]
+    assert g[5].status == Status.FAILED and "no --rm-url" in g[5].metadata["failure"]
+
+    # with a reward service: rows without rm_type (and remote_rm ones) go to it, the others are graded here
+    seen.clear()
+    g = [sample("7", "7"), sample("so \\boxed{7}", "7", "boxed_exact_match"), sample("8", "7", "remote_rm")]
+    RewardModel("remote_rm", None, rm_url=url + "/score").score_group(g)
+    assert [s.reward for s in g] == [1.0, 1.0, 0.0] and sorted(x["response"] for x in seen) == ["7", "8"]
+
+
+def test_preflight_names_rows_whose_reward_does_not_exist(tmp_path):
+    from engine.config import RunConfig
+    from engine.doctor.checks import Environment, data_readable
+
+    p = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": "1+1", "label": "2", "meta": {"rm_type": t}} for t in
+            ("math", "boxed_f1", "nonsense", "remote_rm", "f1")]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d,) = data_readable(RunConfig(prompt_data=str(p), metadata_key="meta", eval_prompt_data=""), Environment())
+    assert d.code == "DATA" and "line 3: 'nonsense'" in d.what and "line 4: 'remote_rm'" in d.what, d.what
+    assert data_readable(RunConfig(prompt_data=str(p), metadata_key="meta", eval_prompt_data="",
+                                   custom_rm_path="engine.rewards:exact_match"), Environment()) == []
+    (d,) = data_readable(RunConfig(prompt_data=str(p), metadata_key="meta", eval_prompt_data="", rm_type="remote_rm",
+                                   rm_url="http://127.0.0.1:9/x"), Environment())
+    assert "line 3" in d.what and "line 4" not in d.what

@@ -419,12 +419,34 @@ def model_has_stop(cfg, env: Environment) -> list[Diagnosis]:
 def data_readable(cfg, env: Environment) -> list[Diagnosis]:
     from engine.data import load_prompts
 
-    load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
-                 metadata_key=cfg.metadata_key)
+    files = [("--prompt-data", cfg.prompt_data, load_prompts(cfg.prompt_data, input_key=cfg.input_key,
+                                                             label_key=cfg.label_key, metadata_key=cfg.metadata_key))]
     for _, path in [] if cfg.replay else cfg.eval_sets:  # a replay evaluates nothing
-        load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
-                     flag="--eval-prompt-data")
-    return []
+        files.append(("--eval-prompt-data", path, load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key,
+                                                               metadata_key=cfg.metadata_key,
+                                                               flag="--eval-prompt-data")))
+    return [d for flag, path, rows in files if (d := _sample_rm_types(cfg, flag, path, rows))]
+
+
+def _sample_rm_types(cfg, flag: str, path: str, rows) -> Diagnosis | None:
+    """Rows whose metadata names a reward ("rm_type", slime's per-sample override) that does not exist; with
+    --custom-rm-path the custom reward scores every sample and the names are not read."""
+    from engine.rewards import SAMPLE_RM_TYPES
+
+    if cfg.custom_rm_path:
+        return None
+    ok = set(SAMPLE_RM_TYPES) | ({"remote_rm"} if cfg.rm_url else set())
+    bad = [(r.row, str(t)) for r in rows if isinstance(r.metadata, dict) and (t := r.metadata.get("rm_type"))
+           and str(t).strip() not in ok]
+    if not bad:
+        return None
+    shown = ", ".join(f"line {line}: {t!r}" for line, t in bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+    return Diagnosis(code="DATA", severity="error",
+                     what=f"{flag} {path}: {len(bad)} row(s) name a reward in their metadata's rm_type that rollflow "
+                          f"does not have ({shown})",
+                     fix=f"use one of {', '.join(sorted(ok))} (remote_rm: with --rm-type remote_rm --rm-url), or "
+                         "score them with --custom-rm-path",
+                     facts={"flag": flag, "path": path, "rows": [line for line, _ in bad[:20]]})
 
 
 @check("DATA")
