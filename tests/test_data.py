@@ -306,6 +306,9 @@ def test_a_samples_metadata_names_its_reward_as_in_slime(reward_service):
     assert g[5].status == Status.FAILED and "no --rm-url" in g[5].metadata["failure"]
 
     # with a reward service: rows without rm_type (and remote_rm ones) go to it, the others are graded here
+    g = [sample("so \\boxed{7}", "7"), sample("7", "7")]  # the run's reward may be a boxed_ one too
+    RewardModel("boxed_exact_match", None).score_group(g)
+    assert [s.reward for s in g] == [1.0, 0.0]
     seen.clear()
     g = [sample("7", "7"), sample("so \\boxed{7}", "7", "boxed_exact_match"), sample("8", "7", "remote_rm")]
     RewardModel("remote_rm", None, rm_url=url + "/score").score_group(g)
