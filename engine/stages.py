@@ -196,7 +196,8 @@ def hook_args(run: Run, rollout_id: int, *, evaluation: bool = False):
     """`args` of the user hooks (engine/rollout/hooks.py): the flags, the tokenizer, the sampling params."""
     from engine.rollout.hooks import HookArgs
 
-    return HookArgs(run.cfg, tokenizer=run.tokenizer, sampling_params=sampling_params(run).to_sglang(None),
+    params = eval_sampling_params(run) if evaluation else sampling_params(run)
+    return HookArgs(run.cfg, tokenizer=run.tokenizer, sampling_params=params.to_sglang(None),
                     rollout_id=rollout_id, evaluation=evaluation, eval_sets=run.eval_sets if evaluation else None)
 
 
@@ -477,6 +478,19 @@ def sampling_params(run: Run, *, greedy: bool = False):
                           temperature=0.0 if greedy else cfg.rollout_temperature, top_p=cfg.rollout_top_p,
                           top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop),
                           stop_token_ids=sorted(set(run.eos_ids) | set(cfg.rollout_stop_token_ids)))
+
+
+def eval_sampling_params(run: Run):
+    """The evaluation's sampling: the training rollout's, with --eval-temperature (default greedy for one sample
+    per prompt), --eval-top-p and --eval-max-response-len where set."""
+    import dataclasses
+
+    cfg = run.cfg
+    greedy = cfg.n_samples_per_eval_prompt == 1 and cfg.eval_temperature is None
+    base = sampling_params(run, greedy=greedy)
+    return dataclasses.replace(
+        base, temperature=base.temperature if cfg.eval_temperature is None else cfg.eval_temperature,
+        top_p=cfg.eval_top_p or base.top_p, max_new_tokens=cfg.eval_max_response_len or base.max_new_tokens)
 
 
 def _prompts(run: Run, rows: list):
@@ -1256,7 +1270,7 @@ def evaluate(run: Run, step: int) -> float | None:
         # seeds of their own (rollout id -1 - step): never those of a training rollout, the same on a resume
         result = generate_rollout(lambda n: _prompts(run, [r for _, r in zip(range(n), rows)]),
                                   rollout_id=-1 - step, batch_size=len(eval_rows), n=k,
-                                  params=sampling_params(run, greedy=k == 1),
+                                  params=eval_sampling_params(run),
                                   reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
                                   concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout,
                                   generate=getattr(getattr(run, "hooks", None), "generate", None),

@@ -48,6 +48,31 @@ def test_sampling_flags_are_what_the_engines_are_asked_for(tmp_path):
     assert sampling_params(run, greedy=True).temperature == 0.0  # eval: greedy whatever the flag
 
 
+def test_eval_sampling_flags_reach_the_evaluation(tmp_path, monkeypatch):
+    """--eval-temperature / --eval-top-p / --eval-max-response-len are what the evaluation asks the engines for
+    (and a generate hook's args.sampling_params); unset, greedy with one sample, the rollout's with k > 1."""
+    from engine import stages
+    from engine.config.data import BUNDLED_TEST
+    from engine.data import load_prompts
+    from engine.rollout import loop
+
+    def evaluated_with(**over):
+        captured: dict = {}
+        monkeypatch.setattr(loop, "generate_rollout", _fake_generate(captured, truncated=0))
+        run = _run(tmp_path, rollout_temperature=0.7, rollout_top_p=0.9, rollout_max_response_len=33, **over)
+        run.eval_sets = {"test": load_prompts(BUNDLED_TEST, input_key="prompt", label_key="label")[:2]}
+        stages.evaluate(run, 0)
+        return captured["params"], captured["hook_args"].sampling_params
+
+    params, hooked = evaluated_with()
+    assert (params.temperature, params.top_p, params.max_new_tokens) == (0.0, 0.9, 33)
+    params, _ = evaluated_with(n_samples_per_eval_prompt=4)
+    assert params.temperature == 0.7
+    params, hooked = evaluated_with(eval_temperature=0.6, eval_top_p=0.95, eval_max_response_len=64)
+    assert (params.temperature, params.top_p, params.max_new_tokens) == (0.6, 0.95, 64)
+    assert (hooked["temperature"], hooked["top_p"], hooked["max_new_tokens"]) == (0.6, 0.95, 64)
+
+
 def _fake_generate(captured: dict, truncated: int, total: int = 4):
     from engine.rollout.loop import RolloutResult
     from engine.samples import Sample

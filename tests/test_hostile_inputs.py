@@ -362,6 +362,16 @@ def test_prompts_longer_than_the_context_fail_the_doctor_naming_the_lines(tiny_m
     assert not [d for d in _doctor(short) if d.code == "DATA"]
     none_left = RunConfig(hf_checkpoint=tiny_model, prompt_data=data, rollout_max_response_len=ctx)
     assert any("leaves no room" in d.what for d in _doctor(none_left) if d.code == "DATA")
+    # the eval prompts are checked against --eval-max-response-len when it is set (and only when there are some)
+    evals = _rows(tmp_path / "e.jsonl", ["1+1="] * 5 + ["3+" * (ctx // 2 - 60)])
+    longer = RunConfig(hf_checkpoint=tiny_model, prompt_data=short.prompt_data, eval_prompt_data=evals,
+                       rollout_max_response_len=64, eval_max_response_len=ctx - 60, apply_chat_template=True)
+    (d,) = [d for d in _doctor(longer) if d.code == "DATA"]
+    assert "1 of 6 --eval-prompt-data prompts leave less than --eval-max-response-len" in d.what, d.what
+    assert not [d for d in _doctor(RunConfig(**{**longer.model_dump(), "eval_max_response_len": 64}))
+                if d.code == "DATA"]
+    assert not [d for d in _doctor(RunConfig(**{**longer.model_dump(), "eval_prompt_data": [],
+                                                 "eval_max_response_len": 2 * ctx})) if d.code == "DATA"]
 
 
 def test_rf09_reads_rows_across_the_whole_file(tiny_model, tmp_path):

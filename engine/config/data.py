@@ -36,7 +36,18 @@ class DataArgs(Section):
     n_samples_per_eval_prompt: int = Field(1, ge=1)
     """Samples per eval prompt: 1 = greedy (eval/<set>_accuracy); k > 1 = k samples at --rollout-temperature,
     logged as eval/<set>_mean_at_k (their mean reward, also the accuracy) and eval/<set>_pass_at_k (the mean over
-    prompts of the best of k rewards: pass@k for 0/1 rewards)."""
+    prompts of the best of k rewards: pass@k for 0/1 rewards). --eval-temperature changes the temperature."""
+
+    eval_temperature: Optional[float] = Field(None, ge=0.0)
+    """Sampling temperature of the evaluation (slime's flag). Default: 0 (greedy) with --n-samples-per-eval-prompt
+    1, else --rollout-temperature."""
+
+    eval_top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Nucleus threshold of the evaluation (slime's flag). Default: --rollout-top-p."""
+
+    eval_max_response_len: Optional[int] = Field(None, ge=1)
+    """New tokens an evaluation answer may take (slime's flag), e.g. longer than training's. Default:
+    --rollout-max-response-len. Preflight checks the eval prompts against it."""
 
     @field_validator("eval_prompt_data", mode="before")
     @classmethod

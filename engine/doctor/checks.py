@@ -552,13 +552,16 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
     ctx = (read_model_json(cfg.model_dir, "config.json") or {}).get("max_position_embeddings")
     if not isinstance(ctx, int):
         return []
-    room = ctx - cfg.rollout_max_response_len
-    if room <= 0:
-        return [Diagnosis(code="DATA", severity="error",
-                          what=f"--rollout-max-response-len {cfg.rollout_max_response_len} leaves no room for a prompt "
-                               f"in the model's context of {ctx} tokens (max_position_embeddings)",
-                          fix=f"--rollout-max-response-len below {ctx}, leaving room for the longest prompt",
-                          facts={"context": ctx})]
+    answers = {"--prompt-data": ("--rollout-max-response-len", cfg.rollout_max_response_len),
+               "--eval-prompt-data": ("--eval-max-response-len", cfg.eval_max_response_len)
+               if cfg.eval_max_response_len else ("--rollout-max-response-len", cfg.rollout_max_response_len)}
+    for flag, (len_flag, new) in answers.items():
+        if ctx - new <= 0 and (flag == "--prompt-data" or cfg.eval_sets):
+            return [Diagnosis(code="DATA", severity="error",
+                              what=f"{len_flag} {new} leaves no room for a prompt in the model's context of {ctx} "
+                                   "tokens (max_position_embeddings)",
+                              fix=f"{len_flag} below {ctx}, leaving room for the longest prompt",
+                              facts={"context": ctx})]
     try:
         tok = load_tokenizer(cfg.model_dir)
     except Exception:  # noqa: BLE001 — model_dir_usable reports it
@@ -571,6 +574,8 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
     for flag, path in [("--prompt-data", cfg.prompt_data)] + [("--eval-prompt-data", p) for _, p in cfg.eval_sets]:
         if not path:
             continue
+        len_flag, new = answers[flag]
+        room = ctx - new
         rows = load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key, flag=flag)
         long: list[tuple[int, int]] = []  # (line, tokens)
         for r in rows:
@@ -587,11 +592,11 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
             lines = ", ".join(str(line) for line, _ in long[:10]) + (" …" if len(long) > 10 else "")
             out.append(Diagnosis(
                 code="DATA", severity="error",
-                what=f"{len(long)} of {len(rows)} {flag} prompts leave less than --rollout-max-response-len "
-                     f"{cfg.rollout_max_response_len} tokens of the model's context of {ctx} (longest: {worst[1]} "
-                     f"tokens, line {worst[0]}; lines {lines}): the engine refuses them",
-                fix=f"drop or shorten those rows, --rollout-max-response-len ≤ {ctx - worst[1]}, or a model with a "
-                    "longer context", facts={"flag": flag, "lines": [line for line, _ in long], "context": ctx}))
+                what=f"{len(long)} of {len(rows)} {flag} prompts leave less than {len_flag} {new} tokens of the "
+                     f"model's context of {ctx} (longest: {worst[1]} tokens, line {worst[0]}; lines {lines}): the "
+                     "engine refuses them",
+                fix=f"drop or shorten those rows, {len_flag} ≤ {ctx - worst[1]}, or a model with a longer context",
+                facts={"flag": flag, "lines": [line for line, _ in long], "context": ctx}))
     return out
 
 

@@ -52,6 +52,9 @@ METRICS: list[MetricDoc] = [
                                                  "(`--use-fault-tolerance`)"),
     MetricDoc("rollout/continued_samples", None, "`--partial-rollout`: sample segments continued after a pause "
                                                  "(a weight sync aborted them mid-generation)"),
+    MetricDoc("rollout/replayed", None, "`--load-debug-rollout-data`: 1 on every rollout read from a saved file "
+                                        "(its other rollout/ metrics are the recording run's; rollout/seconds is the "
+                                        "read)"),
     MetricDoc("async/staleness_mean", "min", "`--async-mode`: mean over the rollout's samples of (steps the trainer "
                                              "has taken − the weight version that generated the sample)"),
     MetricDoc("async/staleness_max", "min", "`--async-mode`: the largest staleness of a sample of the rollout (never "
@@ -123,9 +126,12 @@ METRICS: list[MetricDoc] = [
     MetricDoc("memory/<stage>_train_gib", None, "of which the train workers (max over them)"),
     MetricDoc("memory/<stage>_engine_gib", None, "of which the rollout engines (max over them)"),
     MetricDoc("eval/<set>_accuracy", "max", "mean reward on eval set <set> (`test` for one `--eval-prompt-data` "
-                                            "path, else its NAME): greedy, or the mean of `--n-samples-per-eval-prompt`"
-                                            " samples (step = rollouts trained: 0 before training, every "
-                                            "`--eval-interval`, num_rollout after)"),
+                                            "path, else its NAME): greedy (or at `--eval-temperature`), or the mean of "
+                                            "`--n-samples-per-eval-prompt` samples; with `--eval-function-path`, the "
+                                            "mean of the rewards it returned (step = rollouts trained: 0 before "
+                                            "training, every `--eval-interval`, num_rollout after)"),
+    MetricDoc("eval/<set>_truncated_share", "min", "`--eval-function-path`: the share of eval set <set>'s samples "
+                                                   "it reported truncated"),
     MetricDoc("eval/<set>_mean_at_k", "max", "with k = `--n-samples-per-eval-prompt` > 1: the mean reward of the k "
                                              "samples per prompt of eval set <set>"),
     MetricDoc("eval/<set>_pass_at_k", "max", "with k > 1: the mean over the set's prompts of the best of k rewards "
