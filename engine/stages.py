@@ -175,6 +175,8 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     run.eos_ids = eos_token_ids(cfg.model_dir, run.tokenizer)
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
                         metadata_key=cfg.metadata_key)
+    if cfg.rollout_max_prompt_len:
+        rows = short_prompts(run, rows)
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
     run.eval_sets = {name: load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key,
                                         metadata_key=cfg.metadata_key,
@@ -190,6 +192,39 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
             checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "origin": run.origin,
                                                   "config_hash": cfg.config_hash(), "created_at": time.time(),
                                                   "save": checkpoint.normalize(cfg.save)})
+
+
+def short_prompts(run: Run, rows: list) -> list:
+    """--rollout-max-prompt-len: the rows whose rendered prompt fits (slime drops the others when it loads the
+    data); the dropped ones are logged; none left is a DATA error."""
+    from engine.diagnosis import DiagnosisError
+    from engine.modeling import render_prompt
+
+    cfg, limit = run.cfg, run.cfg.rollout_max_prompt_len
+    kept, dropped = [], []
+    for r in rows:
+        # a token is at least one byte: a prompt of fewer bytes than the limit is kept without tokenizing it
+        # (the chat template's own tokens are counted by rendering, so only a raw prompt takes the shortcut)
+        if not cfg.apply_chat_template and isinstance(r.prompt, str) and len(r.prompt.encode()) + 2 <= limit:
+            kept.append(r)
+            continue
+        n = len(render_prompt(run.tokenizer, r.prompt, cfg.apply_chat_template))
+        if n <= limit:
+            kept.append(r)
+        else:
+            dropped.append((r.row, n))
+    if dropped:
+        lines = ", ".join(str(line) for line, _ in dropped[:10]) + (" …" if len(dropped) > 10 else "")
+        log.warning("--rollout-max-prompt-len %d: dropped %d of %d --prompt-data rows (lines %s; longest %d tokens)",
+                    limit, len(dropped), len(rows), lines, max(n for _, n in dropped))
+    if not kept:
+        raise DiagnosisError(Diagnosis(
+            code="DATA", severity="error",
+            what=f"--rollout-max-prompt-len {limit} drops every one of the {len(rows)} --prompt-data rows (the "
+                 f"shortest has {min(n for _, n in dropped)} tokens)",
+            fix=f"--rollout-max-prompt-len {min(n for _, n in dropped)} or more, or drop the flag",
+            facts={"field": "rollout_max_prompt_len", "value": limit}))
+    return kept
 
 
 def hook_args(run: Run, rollout_id: int, *, evaluation: bool = False):

@@ -24,8 +24,8 @@ def _run(tmp_path, **over) -> Run:
     from engine.modeling import eos_token_ids, load_tokenizer
     from engine.rewards import RewardModel
 
-    cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, prompt_data=BUNDLED_TRAIN, eval_prompt_data="",
-                    work_dir=str(tmp_path / "w"), rollout_batch_size=2, n_samples_per_prompt=2, **over)
+    cfg = RunConfig(**{"hf_checkpoint": BUNDLED_MODEL, "prompt_data": BUNDLED_TRAIN, "eval_prompt_data": "",
+                       "work_dir": str(tmp_path / "w"), "rollout_batch_size": 2, "n_samples_per_prompt": 2, **over})
     run = Run(cfg)
     run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
     run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
@@ -351,3 +351,36 @@ def test_log_samples_interval():
     cfg = RunConfig(log_samples_interval=5, num_rollout=12)
     assert [i for i in range(12) if should_log_samples(cfg, i)] == [0, 5, 10, 11]  # and always the last
     assert not any(should_log_samples(RunConfig(log_samples_interval=0, num_rollout=12), i) for i in range(12))
+
+
+def test_rollout_max_prompt_len_drops_the_long_rows_when_the_data_is_loaded(tmp_path, caplog):
+    """slime's --rollout-max-prompt-len: rows whose rendered prompt (chat template included) is longer are not
+    drawn; the log names them; a limit that drops every row is a DATA error; preflight does not count the dropped
+    rows against the context; a resume keeps the setting."""
+    import json
+    import logging
+
+    from engine import stages
+    from engine.doctor.checks import Environment, prompts_fit_context
+    from engine.modeling import render_prompt
+
+    p = tmp_path / "d.jsonl"
+    prompts = ["1+1=", "12+34=", "7+" * 1100, "2+2="]
+    p.write_text("".join(json.dumps({"prompt": q, "label": "1"}) + "\n" for q in prompts))
+    run = _run(tmp_path, prompt_data=str(p), apply_chat_template=True)
+    sizes = [len(render_prompt(run.tokenizer, q, True)) for q in prompts]
+    limit = sizes[0]  # "1+1=" and "2+2=" fit, "12+34=" is 2 tokens longer, the third far too long
+    run = _run(tmp_path, prompt_data=str(p), apply_chat_template=True, rollout_max_prompt_len=limit)
+    with caplog.at_level(logging.WARNING):
+        kept = stages.short_prompts(run, run.dataset.rows)
+    assert [r.row for r in kept] == [1, 4] and "dropped 2 of 4 --prompt-data rows (lines 2, 3" in caplog.text
+    stages.load_driver_side(run, SimpleNamespace(run_id=None))  # what place() reads: the dataset drawn from
+    assert [r.row for r in run.dataset.rows] == [1, 4]
+    run = _run(tmp_path, prompt_data=str(p), apply_chat_template=True, rollout_max_prompt_len=2)
+    with pytest.raises(DiagnosisError, match=f"drops every one of the 4 --prompt-data rows.*{min(sizes)} tokens"):
+        stages.short_prompts(run, run.dataset.rows)
+    # the 2,200-token row overflows the tiny model's 2,048-token context; once dropped it does not count
+    cfg = RunConfig(prompt_data=str(p), apply_chat_template=True, eval_prompt_data="", rollout_max_response_len=8)
+    assert [d.code for d in prompts_fit_context(cfg, Environment())] == ["DATA"]
+    assert prompts_fit_context(RunConfig(**{**cfg.model_dump(), "rollout_max_prompt_len": 64}), Environment()) == []
+    assert "rollout_max_prompt_len" in RunConfig(rollout_max_prompt_len=64).fixed_settings()

@@ -41,7 +41,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
 #: optimizer state another backend or estimator wrote.
 RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "rollout_batch_size", "n_samples_per_prompt",
                 "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
-                "train_backend", "advantage_estimator")
+                "train_backend", "advantage_estimator", "rollout_max_prompt_len")
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,

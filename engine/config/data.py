@@ -21,6 +21,12 @@ class DataArgs(Section):
     prompt_data: str = BUNDLED_TRAIN
     """Training prompts: a JSONL or Parquet file, or an s3:// object (fetched once into the cache of docs/cluster.md); `path@[a:b]` takes rows a..b-1 (default: the bundled arithmetic task)."""
 
+    rollout_max_prompt_len: Optional[int] = Field(None, ge=1)
+    """Drop the --prompt-data rows whose prompt is longer than this many tokens (rendered as the engines get it,
+    chat template included) when the data is loaded (slime's flag); the log says how many and which lines. Eval
+    prompts and a --data-source-path class's are not filtered. A resume keeps it (it decides which rows a data
+    position counts)."""
+
     eval_prompt_data: Optional[list[str]] = [BUNDLED_TEST]
     """Held-out prompts scored before and after training (and every --eval-interval): one JSONL or Parquet file
     (metrics eval/test_*), or NAME PATH pairs as slime takes them (`--eval-prompt-data aime aime.jsonl gsm8k
