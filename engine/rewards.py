@@ -264,8 +264,8 @@ class RemoteRewardError(RuntimeError):
 class RemoteReward:
     """--rm-type remote_rm (slime's): each sample POSTed to --rm-url as {"prompt", "response", "label"}; the reply's
     JSON is the reward. A connection error, a timeout, a 429 or a 5xx is retried (ATTEMPTS in all, backoff
-    0.5–1, 1–2, 2–4, 4–8 s); another 4xx is not (the same request would be refused again). Error messages show the
-    URL with any password or token redacted.
+    0.5–1, 1–2, 2–4, 4–8 s); another 4xx is not (the same request would be refused again). Error messages show
+    the URL with any password or token redacted.
 
     The requests go out from one event loop on a daemon thread of this process, through one client whose
     connections stay open between groups: 64 samples in 8 groups against a keep-alive loopback `http.server` took

@@ -16,7 +16,8 @@ def _groups(B: int = 2, n: int = 3, rollout_id: int = 0) -> list[list[Sample]]:
     for g in range(B):
         group = []
         for j in range(n):
-            s = Sample(index=g * n + j, group_index=g, rollout_id=rollout_id, prompt=[{"role": "user", "content": "1+1"}],
+            s = Sample(index=g * n + j, group_index=g, rollout_id=rollout_id,
+                       prompt=[{"role": "user", "content": "1+1"}],
                        tokens=[5, 6, 7, 8 + j], response_length=2, response="2", label="2",
                        reward={"score": float(j % 2), "format": 0.5}, loss_mask=[1, 0],
                        rollout_log_probs=[-0.25, -1.5 - j], status=Status.COMPLETED if j else Status.TRUNCATED,

@@ -221,8 +221,9 @@ def test_a_stop_string_split_by_a_pause_stops_the_sample_where_one_request_would
         return "".join(chr(i) for i in ids)
 
     def segment(text, reason):
-        return {"text": text, "meta_info": {"output_token_logprobs": [[-0.5 - i, ord(c), None] for i, c in enumerate(text)],
-                                            "finish_reason": {"type": reason}, "weight_version": "1"}}
+        triples = [[-0.5 - i, ord(c), None] for i, c in enumerate(text)]
+        return {"text": text, "meta_info": {"output_token_logprobs": triples, "finish_reason": {"type": reason},
+                                            "weight_version": "1"}}
 
     params = SamplingParams(max_new_tokens=32, stop=["</a>", "zz"])
     round_ = SimpleNamespace(params=params, partial=PartialBuffer(0, decode=decode))

@@ -93,7 +93,8 @@ class DataArgs(Section):
     rollout_shuffle: bool = False
     """Shuffle prompts every epoch (seeded by --seed)."""
 
-    rm_type: Optional[Literal["exact_match", "math", "f1", "boxed_exact_match", "boxed_f1", "remote_rm"]] = "exact_match"
+    rm_type: Optional[Literal["exact_match", "math", "f1", "boxed_exact_match", "boxed_f1",
+                              "remote_rm"]] = "exact_match"
     """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number vs the label, slime's MATH normalisation, then numeric / sympy-equivalent), f1 (SQuAD-normalised token F1, with precision and recall), boxed_exact_match / boxed_f1 (slime's boxed_ prefix: the response's last \\boxed{} graded, "" without one), remote_rm (a reward service at --rm-url, slime's). As in slime, a row's metadata (--metadata-key) may name its own, e.g. "rm_type": "math"; preflight checks the names."""
 
     rm_url: Optional[str] = None

@@ -440,7 +440,8 @@ def _sample_rm_types(cfg, flag: str, path: str, rows) -> Diagnosis | None:
            and str(t).strip() not in ok]
     if not bad:
         return None
-    shown = ", ".join(f"line {line}: {t!r}" for line, t in bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+    shown = ", ".join(f"line {line}: {t!r}" for line, t in bad[:5])
+    shown += f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
     return Diagnosis(code="DATA", severity="error",
                      what=f"{flag} {path}: {len(bad)} row(s) name a reward in their metadata's rm_type that rollflow "
                           f"does not have ({shown})",
