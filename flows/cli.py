@@ -100,19 +100,19 @@ def cmd_train(argv: list[str]) -> int:
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
         print(f"rollflow train {cfg.experiment_name}: starting the Prefect API and Ray, then preflight, the engines "
               "and the train workers …", file=sys.stderr, flush=True)
-    # start-up side by side (plumbing/prestart.py): Ray first, a thread importing the stages while ray.init waits;
-    # then, while the train worker loads, the Prefect API server boots in its own process and a thread creates
-    # MLflow's store. Ray and the worker are the longest chain (the worker can only start once Ray is up); the
-    # server's boot fills the cores around it. A SIGTERM meanwhile exits through atexit, which stops them all.
+    # start-up side by side (plumbing/prestart.py): the Prefect API server boots in its own process at nice 10, Ray
+    # starts while a thread imports the stages, then the train worker loads and a thread creates MLflow's store.
+    # Ray and the worker are the longest chain (the worker can only start once Ray is up); the server's boot fills
+    # the idle core around them. A SIGTERM meanwhile exits through atexit, which stops them all.
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
         imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
                                                 "transformers:PreTrainedTokenizerFast")
+        api = prestart.launch_ephemeral_api()
         if prestart.start_ray(cfg):  # a one-rank CPU run's train worker (and its own engine) start loading at once
             prestart.start_train_worker(cfg)
             prestart.start_engine(cfg)
-        api = prestart.launch_ephemeral_api()
         mlflow_store = prestart.warm_mlflow_store(cfg)
         imports.join()
         from prefect.exceptions import CancelledRun

@@ -1,13 +1,15 @@
-"""Start-up side by side (issue 18): `rollflow train` starts Ray while a thread imports the stages, then the train
-worker (one-rank CPU runs), and launches the ephemeral Prefect API server (its own process, ~4 s of one core) while
-that worker loads; the flow then finds all of them running. Run one after the other, each left a core idle
-(measured with vmstat: ~50% idle for the first 15 s of a demo start-up).
+"""Start-up side by side (issue 18): `rollflow train` launches the ephemeral Prefect API server (its own process,
+~4 s of one core, at nice 10), starts Ray while a thread imports the stages, then the train worker (one-rank CPU
+runs); the flow then finds all of them running. Run one after the other, each left a core idle (measured with
+vmstat: ~50% idle for the first 15 s of a demo start-up).
 
-Ray comes first because it heads the longest chain: the train worker can only start once Ray is up, and then
-imports torch and transformers (~4 s of one core) before the first step. The server's boot, launched before Ray,
-took the CPU Ray's start needed (Ray up at ~6 s instead of ~3.5 s) and left a core idle at the end while only the
-worker still loaded; launched after it, the boot runs beside the worker's load (bench/results/trl_race.md: start-up
-0.4–1.0 s shorter in 4 of 4 interleaved pairs).
+Ray heads the longest chain: the train worker can only start once Ray is up, and then imports torch and
+transformers (~4 s of one core) before the first step. The server's boot, launched before Ray at the normal
+priority, took the CPU Ray's start needed (Ray up at ~6 s instead of ~3.5 s); launched after it, it ran beside the
+worker's load, but a core was ~50% idle while Ray started (vmstat, 2026-12-05). Launched first at nice 10 (the
+priority it keeps for the run: plumbing/ui.py `background_ephemeral_api`), it boots in that idle time and yields
+to Ray and the workers otherwise: sync start-up shorter in 8 of 8 interleaved pairs (6.85–7.51 → 6.56–7.01 s), the
+async side's in 6 of 8 (bench/results/trl_race.md).
 
 Ray starts in the main thread (its SIGTERM handler put back, as in place()) while a thread imports the stages
 (`import_in_background`: ray.init mostly waits). On a one-rank CPU run the train worker is started right after Ray,
@@ -75,6 +77,9 @@ class EphemeralAPI:
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
         self.server_process = subprocess.Popen(  # uvicorn on Prefect's create_app, its start-up without the GC
             [sys.executable, str(Path(__file__).with_name("api_server.py")), str(self.port)], env=env)
+        from engine.background import lower_process
+
+        lower_process(self.server_process.pid)  # nice 10 from its start: its boot yields to Ray's and the workers'
         return self
 
     def adopt(self) -> None:

@@ -30,6 +30,8 @@ def test_the_launched_api_is_the_one_the_flow_client_uses():
         from plumbing import limits, prestart, ui
         server = prestart.launch_ephemeral_api()
         assert server is not None and not server.running
+        # at nice 10 from its start, so that its boot yields to Ray's and the workers' (before Ray: the idle core)
+        assert os.getpriority(os.PRIO_PROCESS, server.server_process.pid) >= 10
         assert prestart.wait_ephemeral_api(server)
         from prefect import flow
         from prefect.client.orchestration import get_client
