@@ -218,3 +218,17 @@ def test_rollout_only_generates_without_a_trainer_and_a_replay_trains_on_it(pref
     assert r["rollout/reward_mean"] == h["rollout/reward_mean"] and sorted(r["train/loss"]) == ["0", "1", "2"]
     # the recording engine never moved: the first step matches it, later ones drift as the replay trains
     assert r["train/mismatch"]["0"] < 1e-5 < r["train/mismatch"]["2"], r["train/mismatch"]
+
+
+def test_a_saved_rollout_gets_the_permissions_open_would_give(tmp_path):
+    import os
+    import stat
+
+    from engine.rollout import replay
+
+    old = os.umask(0o027)
+    try:
+        path = replay.save(str(tmp_path / "r_{rollout_id}.json"), 0, _groups(), {}, {})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640

@@ -68,14 +68,24 @@ def save(pattern: str, rollout_id: int, groups: list[list[Sample]], metrics: dic
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp makes it 0600)
+        os.chmod(tmp, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it process-wide, under other threads' feet):
+    /proc on Linux, else the usual 022."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def load(pattern: str, rollout_id: int, *, batch_size: int, n: int, vocab_size: int | None,
