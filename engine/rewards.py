@@ -315,20 +315,22 @@ class RemoteReward:
         for attempt in range(1, self.ATTEMPTS + 1):
             try:
                 r = await client.post(self.url, json=payload)
-                if r.status_code == 429 or r.status_code >= 500:
-                    raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
-                if r.status_code >= 400:
-                    raise RemoteRewardError(f"{self.shown} refused the sample: HTTP {r.status_code} "
-                                            f"{r.text[:200]!r}")
-                return r.json()
-            except (httpx.TransportError, httpx.HTTPStatusError) as e:
-                if attempt == self.ATTEMPTS:
-                    raise RemoteRewardError(f"{self.shown} did not answer after {attempt} attempts "
-                                            f"({type(e).__name__}: {e})") from None
-                await asyncio.sleep(2 ** (attempt - 2) * (1 + random.random()))
-            except ValueError as e:  # the reply is not JSON
-                raise RemoteRewardError(f"{self.shown} answered with no JSON ({e}): {r.text[:200]!r}") from None
-        raise AssertionError("unreachable")
+                why = f"HTTP {r.status_code}" if r.status_code == 429 or r.status_code >= 500 else None
+            except httpx.TransportError as e:  # connection refused or reset, timeouts
+                why = f"{type(e).__name__}: {e}"
+            if why is None:
+                break
+            if attempt == self.ATTEMPTS:
+                from engine.tracking.secrets import redact_text
+
+                raise RemoteRewardError(f"{self.shown} did not answer after {attempt} attempts ({redact_text(why)})")
+            await asyncio.sleep(2 ** (attempt - 2) * (1 + random.random()))
+        if r.status_code >= 400:
+            raise RemoteRewardError(f"{self.shown} refused the sample: HTTP {r.status_code} {r.text[:200]!r}")
+        try:
+            return r.json()
+        except ValueError as e:  # the reply is not JSON
+            raise RemoteRewardError(f"{self.shown} answered with no JSON ({e}): {r.text[:200]!r}") from None
 
 
 class RewardModel:
