@@ -453,22 +453,13 @@ def _sample_rm_types(cfg, flag: str, path: str, rows) -> Diagnosis | None:
 @check("DATA")
 def saved_rollouts_present(cfg, env: Environment) -> list[Diagnosis]:
     """--load-debug-rollout-data: a file for every rollout id of the run, before anything starts."""
-    from engine.rollout.replay import missing, saved_ids, _ranges, _prefix
+    from engine.rollout.replay import missing, missing_diagnosis
 
     if not cfg.replay:
         return []
-    gone = missing(cfg.load_debug_rollout_data, cfg.num_rollout)
-    if not gone:
+    if not (gone := missing(cfg.load_debug_rollout_data, cfg.num_rollout)):
         return []
-    have = saved_ids(cfg.load_debug_rollout_data)
-    run_from = _prefix(have)
-    return [Diagnosis(code="DATA", severity="error",
-                      what=f"--load-debug-rollout-data {cfg.load_debug_rollout_data!r} has no file for rollout(s) "
-                           f"{_ranges(gone)} of --num-rollout {cfg.num_rollout} (saved: {_ranges(have) or 'none'})",
-                      fix=(f"--num-rollout {len(run_from)} (the saved rollouts 0–{len(run_from) - 1})" if run_from
-                           else "record the rollouts first: the same run with --save-debug-rollout-data "
-                                f"{cfg.load_debug_rollout_data!r} instead of --load-debug-rollout-data"),
-                      facts={"field": "load_debug_rollout_data", "missing": gone[:20], "saved": have[:20]})]
+    return [missing_diagnosis(cfg.load_debug_rollout_data, gone, f"of --num-rollout {cfg.num_rollout}")]
 
 
 @check("STORAGE")

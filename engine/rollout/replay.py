@@ -95,13 +95,7 @@ def load(pattern: str, rollout_id: int, *, batch_size: int, n: int, vocab_size: 
     about (the same tokenizer may serve another model on purpose)."""
     path = path_of(pattern, rollout_id)
     if not path.is_file():
-        have = saved_ids(pattern)
-        run_from = _prefix(have)
-        raise _error(f"--load-debug-rollout-data: there is no saved rollout {rollout_id} ({path} does not exist; "
-                     f"saved: {_ranges(have) or 'none'})",
-                     (f"--num-rollout {len(run_from)} (the saved rollouts 0–{len(run_from) - 1}), or " if run_from
-                      else "") + f"record rollout {rollout_id} with --save-debug-rollout-data", path=str(path),
-                     saved=have)
+        raise DiagnosisError(missing_diagnosis(pattern, [rollout_id], f"({path} does not exist)"))
     try:
         raw = path.read_bytes()
         doc = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
@@ -159,3 +153,17 @@ def missing(pattern: str, num_rollout: int) -> list[int]:
     """The rollout ids 0 … num_rollout − 1 with no file under `pattern` (preflight)."""
     have = set(saved_ids(pattern))
     return [i for i in range(num_rollout) if i not in have]
+
+
+def missing_diagnosis(pattern: str, gone: list[int], context: str) -> Diagnosis:
+    """DATA: rollout ids `gone` have no file under `pattern` (preflight, or a file removed since); the fix is the
+    --num-rollout the saved files cover from 0, else recording them."""
+    have = saved_ids(pattern)
+    run_from = _prefix(have)
+    return Diagnosis(code="DATA", severity="error",
+                     what=f"--load-debug-rollout-data {pattern!r} has no file for rollout(s) {_ranges(gone)} "
+                          f"{context} (saved: {_ranges(have) or 'none'})",
+                     fix=(f"--num-rollout {len(run_from)} (the saved rollouts 0–{len(run_from) - 1})" if run_from
+                          else "record the rollouts first: the same run with --save-debug-rollout-data "
+                               f"{pattern!r} instead of --load-debug-rollout-data"),
+                     facts={"field": "load_debug_rollout_data", "missing": gone[:20], "saved": have[:20]})
