@@ -233,6 +233,52 @@ def test_port_in_use_is_rf08_naming_the_holder(tiny_model, engine):
     assert e.value.codes == ["RF08"] and f"pid {os.getpid()}" in str(e.value)
 
 
+def test_a_port_taken_after_the_allocator_checked_it_is_rf08_and_the_actor_moves_on(tiny_model, engine,
+                                                                                   monkeypatch):
+    """Two runs, each with its own Ray cluster, start engines on one machine at once: both port registries begin at
+    30000, both free checks pass, one bind wins. The loser's server must not die in uvicorn's bind ("exited during
+    start-up", seen on the H200 with two demos side by side) but raise RF08, which the engine actor retries with
+    the next port."""
+    import socket
+
+    from engine.diagnosis import DiagnosisError
+    from engine.rollout import actor as actor_mod
+    from engine.rollout import ports
+
+    state, _ = engine
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    try:
+        monkeypatch.setattr(ports, "is_port_free", lambda *a, **k: True)  # the check ran before the other bind
+        with pytest.raises(DiagnosisError) as e:
+            ServerThread(state, "127.0.0.1", taken).start()
+        assert e.value.codes == ["RF08"] and f"port {taken}" in str(e.value)
+
+        free = _free_port()
+        offered = iter([taken, free])
+        a = actor_mod.EngineActor(actor_mod.EngineSpec(kind="builtin", model_path=tiny_model, log_dir=".",
+                                                        threads=1, max_new_tokens=8, start_timeout_s=30), 0, None)
+        a._ports = lambda node, k: [next(offered)]
+        started = []
+
+        class Spy(ServerThread):
+            def start(self, timeout_s=60.0):
+                started.append(self.port)
+                return super().start(timeout_s)
+
+        monkeypatch.setattr("engine.rollout.server.ServerThread", Spy)
+        url, used, _ = a._start_builtin("127.0.0.1", [])
+        try:
+            assert started == [taken, free] and used == [free] and url.endswith(f":{free}")
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+        finally:
+            a.server.stop()
+    finally:
+        holder.close()
+
+
 def test_deterministic_mode_runs_each_request_as_its_own_batch(tiny_model):
     import asyncio
 

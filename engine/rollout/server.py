@@ -22,8 +22,10 @@ Hostile requests (as SGLang's flags name the limits):
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -783,7 +785,12 @@ def create_app(state: EngineState):
 
 
 class ServerThread:
-    """Runs uvicorn for `create_app(state)` in a daemon thread (used inside the Ray engine actor)."""
+    """Runs uvicorn for `create_app(state)` in a daemon thread (used inside the Ray engine actor).
+
+    `start` binds and listens on the port itself before uvicorn serves it: a port another process took after the
+    allocator checked it free (two runs, each with its own Ray cluster, start engines on one machine at the same
+    moment: both registries begin at 30000) is an RF08 error the actor retries with the next port, not a server
+    thread that dies in uvicorn's own bind."""
 
     def __init__(self, state: EngineState, host: str, port: int):
         import uvicorn
@@ -793,15 +800,32 @@ class ServerThread:
         self.config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
                                      access_log=False, timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(self.config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="rollflow-engine")
+        self._sock: socket.socket | None = None
+        self.thread = threading.Thread(target=lambda: self.server.run(sockets=[self._sock]), daemon=True,
+                                       name="rollflow-engine")
         self.url = f"http://{host}:{port}"
 
-    def start(self, timeout_s: float = 60.0) -> str:
+    def _listen(self) -> socket.socket:
+        """The server's socket, bound and listening (uvicorn's own options: SO_REUSEADDR, its backlog); RF08 when
+        the port is taken."""
         from engine.diagnosis import DiagnosisError
-        from engine.rollout.ports import is_port_free, port_in_use
+        from engine.rollout.ports import port_in_use
 
-        if not is_port_free(self.port, self.host):
-            raise DiagnosisError(port_in_use(self.port, self.host, "built-in engine"))
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(self.config.backlog)  # on Linux two SO_REUSEADDR sockets can bind one port; one listens
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRINUSE:
+                raise DiagnosisError(port_in_use(self.port, self.host, "built-in engine")) from e
+            raise
+        return sock
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        self._sock = self._listen()
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
