@@ -5,6 +5,8 @@
     python bench/gpu_flow.py tool --backend megatron --bf16 --out DIR     # examples/tool.yaml (multi-turn, tool)
     python bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out DIR   # random Qwen2, 3 rollouts of
     python bench/gpu_flow.py shape --shape 1.5b --backend torch --bf16 --out DIR   # 64 prompts × 8 × ≤1,024 tokens
+    python bench/gpu_flow.py debug --backend torch --out DIR              # slime's debugging flags on the GPU:
+                                            # record 5 demo rollouts, replay them (no engine), --debug-rollout-only
     python bench/gpu_flow.py report --out DIR --write bench/results       # any machine: copy + a markdown table
 
 Each run writes `gpu_flow_<tag>.json` with: train_backend, precision, state ("Completed" when `rollflow train`
@@ -65,7 +67,7 @@ def random_model(shape: str, path: Path) -> Path:
 
 
 def run(tag: str, args: list[str], out: Path, timeout_s: float, meta: dict, term_after_s: float | None = None,
-        part: str = "") -> dict:
+        part: str = "", prefix: str = "gpu_flow") -> dict:
     """`rollflow train ARGS` with its own work dir; after term_after_s a SIGTERM (the flow stops between stages and
     keeps its checkpoint: the same command resumes), after timeout_s a SIGKILL."""
     import signal
@@ -98,13 +100,14 @@ def run(tag: str, args: list[str], out: Path, timeout_s: float, meta: dict, term
     log = logf.read_text(errors="replace")
     wall = time.perf_counter() - t0
     tag = tag + part
-    (out / f"gpu_flow_{tag}.log").write_text(log[-200_000:])
+    (out / f"{prefix}_{tag}.log").write_text(log[-200_000:])
     res = {"tag": tag, "command": shown, "machine": machine(), "wall_s": round(wall, 1), **meta}
     if rc != 0 or not summary.is_file():
         res.update(state="Failed", returncode=rc, log_tail=log[-4000:])
     else:
         res.update(state="Completed", **digest(json.loads(summary.read_text())))
-    (out / f"gpu_flow_{tag}.json").write_text(json.dumps(res, indent=1))
+        res["_history"] = json.loads(summary.read_text())["history"]
+    (out / f"{prefix}_{tag}.json").write_text(json.dumps({k: v for k, v in res.items() if k != "_history"}, indent=1))
     print(f"[{time.strftime('%H:%M:%S')}] {tag}: {res['state']} in {wall:.0f}s", flush=True)
     return res
 
@@ -137,9 +140,61 @@ def digest(s: dict) -> dict:
     }
 
 
+def debug(backend: str, bf16: bool, n: int, out: Path, timeout_s: float) -> int:
+    """slime's debugging flags on the GPU, on the demo: record n rollouts (`--save-debug-rollout-data`, colocated),
+    replay them (`--load-debug-rollout-data`: no engine placed, the trainer alone on the GPU), then
+    `--debug-rollout-only` (the engine alone). Writes gpu_debug_<backend>.json: each run's state, placement-free
+    summary, and whether the replay's per-rollout train metrics and final weights equal the recording's."""
+    precision = "bf16" if bf16 else "fp32"
+    work = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow"))
+    data = work / f"debug_{backend}" / "rollout_{rollout_id}.json.gz"
+    shutil.rmtree(data.parent, ignore_errors=True)
+    ck = {k: work / f"ck_debug_{backend}_{k}" for k in ("record", "replay")}
+    for c in ck.values():
+        shutil.rmtree(c, ignore_errors=True)
+    base = ["--config", "examples/demo.yaml", "--train-backend", backend, *(["--bf16"] if bf16 else []),
+            "--num-rollout", str(n)]
+    meta = {"train_backend": backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"}
+    rec = run(f"record_{backend}_{precision}", [*base, "--colocate", "--save", str(ck["record"]),
+                                               "--save-debug-rollout-data", str(data)], out, timeout_s, meta,
+              prefix="gpu_debug")
+    rep = run(f"replay_{backend}_{precision}", [*base, "--eval-prompt-data", "", "--save", str(ck["replay"]),
+                                               "--load-debug-rollout-data", str(data)], out, timeout_s, meta,
+              prefix="gpu_debug")
+    only = run(f"rollout_only_{precision}", ["--config", "examples/demo.yaml", "--num-rollout", "3", "--save", "",
+                                             "--debug-rollout-only", *(["--bf16"] if bf16 else [])], out, timeout_s,
+               meta, prefix="gpu_debug")
+    res = {"command": f"python bench/gpu_flow.py debug --backend {backend}" + (" --bf16" if bf16 else ""),
+           "machine": machine(), "record": rec["state"], "replay": rep["state"], "rollout_only": only["state"],
+           "wall_s": {"record": rec["wall_s"], "replay": rep["wall_s"], "rollout_only": only["wall_s"]}}
+    if rec["state"] == rep["state"] == "Completed":
+        h, r = rec["_history"], rep["_history"]
+        keys = ("rollout/reward_mean", "train/loss", "train/pg_loss", "train/grad_norm", "train/mismatch", "pack/tokens")
+        res["replay_equal"] = {k: r.get(k) == h.get(k) for k in keys}
+        res["replay_train_loss"] = {"record": h.get("train/loss"), "replay": r.get("train/loss")}
+        res["replay_mismatch"] = r.get("train/mismatch")
+        res["replay_has_sync_metrics"] = any(k.startswith("sync/") for k in r)
+        from safetensors.torch import load_file
+
+        from engine import checkpoint
+
+        a, b = (load_file(str(checkpoint.iter_dir(str(ck[k]), n - 1) / "model" / "model.safetensors"))
+                for k in ("record", "replay"))
+        res["weights_bitwise_equal"] = a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+        res["weights_max_abs_diff"] = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    if only["state"] == "Completed":
+        h = only["_history"]
+        res["rollout_only_accuracy_before"] = only["accuracy_before"]
+        res["rollout_only_reward_mean"] = h.get("rollout/reward_mean")
+        res["rollout_only_train_metrics"] = sorted(k for k in h if k.split("/")[0] in ("train", "pack", "sync"))
+    (out / f"gpu_debug_{backend}_{precision}.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "machine"}, indent=1))
+    return 0 if all(res[k] == "Completed" for k in ("record", "replay", "rollout_only")) else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["demo", "tool", "shape", "report"])
+    p.add_argument("mode", choices=["demo", "tool", "shape", "debug", "report"])
     p.add_argument("--backend", default="torch", choices=["torch", "megatron"])
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
@@ -183,6 +238,8 @@ def main() -> int:
             out, a.timeout, {"train_backend": a.backend, "precision": precision,
                              "model": f"random Qwen2, Qwen2.5-{a.shape.upper()} shape"},
             term_after_s=a.term_after, part=a.part)
+    elif a.mode == "debug":
+        return debug(a.backend, a.bf16, a.num_rollout or 5, out, a.timeout)
     else:
         rows = [json.loads(f.read_text()) for f in sorted(out.glob("gpu_flow_*.json"))]
         lines = ["| run | state | rollouts | accuracy | mismatch mean (max over rollouts) | peak GiB rollout/train/sync "

@@ -1,9 +1,11 @@
 #!/bin/bash
 # The GPU flow on the lent machine (the device tool, kind nvidia-h200), from the repository root, carry [".gpu"]:
 #   bash bench/gpu_flow_device.sh STEP...
-#   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron
+#   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | parallel
+#          | regress | side-by-side
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
-# runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude.
+# runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
+# at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
 . .gpu/prelude.sh || exit 1
 export BENCH_WORK=/tmp/rollflow_gpu_flow
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$OUT/nvidia_smi.txt" 2>&1
@@ -18,6 +20,23 @@ for step in "$@"; do
     shape-1.5b) python3 bench/gpu_flow.py shape --shape 1.5b --backend torch --bf16 --out "$OUT" --timeout 420 ;;
     shape-1.5b-megatron) python3 bench/gpu_flow.py shape --shape 1.5b --backend megatron --bf16 --out "$OUT" \
                            --timeout 420 ;;
+    debug) python3 bench/gpu_flow.py debug --backend torch --out "$OUT" --timeout 240 ;;
+    regress)  # everything on the tiny model at once, one GPU: the GPU and Megatron tests, both demos, debug flags
+      (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py --timeout 500 \
+         > "$OUT/pytest_gpu.txt" 2>&1) &
+      (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_backend.py \
+         tests/test_megatron_graphs.py tests/test_megatron_cpu_model.py --timeout 500 \
+         > "$OUT/pytest_megatron.txt" 2>&1) &
+      python3 bench/gpu_flow.py demo --backend torch --out "$OUT" --timeout 480 &
+      python3 bench/gpu_flow.py debug --backend torch --out "$OUT" --timeout 240 > "$OUT/gpu_debug.txt" 2>&1 &
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --out "$OUT" --timeout 500
+      wait; tail -n 4 "$OUT/pytest_gpu.txt" "$OUT/pytest_megatron.txt"; tail -30 "$OUT/gpu_debug.txt" ;;
+    side-by-side)  # three runs start their engines at the same moment on one GPU (each its own Ray cluster: the
+                   # port race of two registries both starting at 30000), then the 0.5B shape runs on alone
+      python3 bench/gpu_flow.py demo --backend torch --out "$OUT" --timeout 400 &
+      python3 bench/gpu_flow.py tool --backend megatron --bf16 --out "$OUT" --timeout 400 &
+      python3 bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out "$OUT" --timeout 520
+      wait ;;
     parallel)  # the GPU tests ∥ the 0.5B shape ∥ the Megatron demo: one call, three processes on one GPU
       (timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_flow.py --timeout 400 \
          > "$OUT/pytest_gpu.txt" 2>&1) &
@@ -28,3 +47,4 @@ for step in "$@"; do
   esac
 done
 python3 bench/gpu_flow.py report --out "$OUT" 2>&1 | tail -12
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then (cd "$OUT" && tar czf results.tgz --remove-files -- *); ls -la "$OUT"; fi
