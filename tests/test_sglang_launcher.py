@@ -86,3 +86,47 @@ def test_engine_that_never_answers_fails_at_its_deadline_as_rf08(fake_python, ti
     assert time.monotonic() - t0 < 20
     assert e.value.codes == ["RF08"] and "did not answer /health_generate within 2s" in str(e.value)
     assert not eng.alive()  # killed, with its process group
+
+
+def test_a_port_taken_before_sglang_binds_is_retried_on_new_ports(fake_python, tiny_model, tmp_path):
+    """Two runs on one machine (each its own port registry from 30000): the launched server loses the bind and
+    exits with 'address already in use'; the engine actor launches it again on the next ports. A launch that
+    fails otherwise is not retried, and the retry's log is diagnosed without the first launch's clash."""
+    import socket
+
+    from engine.rollout.actor import EngineActor, EngineSpec
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    offered = iter([[taken, _free_port(), _free_port()], [_free_port(), _free_port(), _free_port()]])
+    a = EngineActor(EngineSpec(kind="sglang", model_path=tiny_model, log_dir=str(tmp_path), python=fake_python,
+                               start_timeout_s=60), 0, None)
+    a._ports = lambda node, k: next(offered)
+    log = str(tmp_path / "engine-0.log")
+    try:
+        url, ports, pid = a._start_sglang("127.0.0.1", 0, log)
+        try:
+            assert ports[0] != taken and url.endswith(f":{ports[0]}") and pid == a.server.proc.pid
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+            text = open(log).read()
+            assert text.count("sglang.launch_server") == 2 and f"port {taken} on 127.0.0.1 is already in use" in text
+            assert a.server.diagnose() == []  # this launch's lines only
+        finally:
+            a.server.stop()
+    finally:
+        holder.close()
+
+    crash = EngineActor(EngineSpec(kind="sglang", model_path=tiny_model, log_dir=str(tmp_path), python=fake_python,
+                                   start_timeout_s=60), 1, None)
+    calls = []
+    crash._ports = lambda node, k: calls.append(k) or [_free_port() for _ in range(k)]
+    import os
+    os.environ["FAKE_SGLANG_MODE"] = "crash"
+    try:
+        with pytest.raises(DiagnosisError) as e:
+            crash._start_sglang("127.0.0.1", 0, str(tmp_path / "engine-1.log"))
+    finally:
+        del os.environ["FAKE_SGLANG_MODE"]
+    assert e.value.codes == ["RF11"] and calls == [3]

@@ -111,18 +111,26 @@ class EngineActor:
     def _start_sglang(self, node: str, base_gpu: int, log: str) -> tuple[str, list[int], int]:
         import sys
 
+        from engine.diagnosis import DiagnosisError
         from engine.rollout.sglang import LaunchedEngine, mem_fraction_of, sglang_command
 
-        port, nccl_port, dist_port = self._ports(node, 3)
-        cmd = sglang_command(python=self.spec.python or sys.executable, model_path=self.spec.model_path, host=node,
-                             port=port, tp_size=self.spec.tp_size, base_gpu_id=base_gpu, nccl_port=nccl_port,
-                             dist_init_addr=f"{node}:{dist_port}", sglang_args=self.spec.sglang_args,
-                             colocate=self.spec.colocate, api_key=self.spec.api_key)
-        self.server = LaunchedEngine(cmd, url=f"http://{node}:{port}", log_path=log,
-                                     ports=[port, nccl_port, dist_port],
-                                     mem_fraction_static=mem_fraction_of(self.spec.sglang_args))
-        url = self.server.start(self.spec.start_timeout_s)
-        return url, [port, nccl_port, dist_port], self.server.proc.pid
+        for attempt in range(3):  # as for the built-in engine: a port checked free can be taken before SGLang binds
+            port, nccl_port, dist_port = self._ports(node, 3)
+            cmd = sglang_command(python=self.spec.python or sys.executable, model_path=self.spec.model_path,
+                                 host=node, port=port, tp_size=self.spec.tp_size, base_gpu_id=base_gpu,
+                                 nccl_port=nccl_port, dist_init_addr=f"{node}:{dist_port}",
+                                 sglang_args=self.spec.sglang_args, colocate=self.spec.colocate,
+                                 api_key=self.spec.api_key)
+            self.server = LaunchedEngine(cmd, url=f"http://{node}:{port}", log_path=log,
+                                         ports=[port, nccl_port, dist_port],
+                                         mem_fraction_static=mem_fraction_of(self.spec.sglang_args))
+            try:
+                url = self.server.start(self.spec.start_timeout_s)
+                return url, [port, nccl_port, dist_port], self.server.proc.pid
+            except DiagnosisError:
+                if attempt == 2 or not self.server.lost_port_race():
+                    raise
+                self.server.stop()
 
     def update_weights(self, named: dict, version: str) -> str:
         """In-cluster weight sync: `named` arrives from Ray's object store (the caller passes a reference).

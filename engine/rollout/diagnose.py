@@ -36,7 +36,9 @@ def truncation_diagnosis(truncated: int, total: int, *, max_response_len: int, s
 
 _ILLEGAL = re.compile(r"illegal memory access", re.I)
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory", re.I)
-_ADDR = re.compile(r"address already in use", re.I)
+# uvicorn, torch.distributed (errno 98) and SGLang say the first; `rollflow serve` (the built-in engine launched
+# as a command) checks first and says the second
+_ADDR = re.compile(r"address already in use|port \d+ on \S+ is already in use", re.I)
 
 
 def scan_engine_log(text: str, *, mem_fraction_static: float | None, ports: list[int] | None = None,

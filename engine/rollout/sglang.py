@@ -81,12 +81,14 @@ class LaunchedEngine:
         self.cmd, self.url, self.log_path, self.ports = cmd, url, Path(log_path), ports
         self.mem_fraction_static, self.env = mem_fraction_static, env
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0
 
     def start(self, timeout_s: float) -> str:
         from engine.rollout.client import EngineClient
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()  # diagnose() reads this launch's lines, not an earlier launch's
             log.write(f"$ {' '.join(redacted_argv(self.cmd))}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -126,11 +128,31 @@ class LaunchedEngine:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def diagnose(self) -> list[Diagnosis]:
-        return scan_engine_log(self.log_text(), mem_fraction_static=self.mem_fraction_static, ports=self.ports,
+        """What this launch's log lines say (the log is appended to by every launch of the engine: a restart
+        after a port clash is not diagnosed with the clash)."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            text = ""
+        return scan_engine_log(text, mem_fraction_static=self.mem_fraction_static, ports=self.ports,
                                log_path=str(self.log_path))
 
+    def lost_port_race(self) -> bool:
+        """True when this launch exited by itself because a port was taken (RF08 from its log): another port may
+        do, where a hang or a crash would not."""
+        return (self.proc is not None and self.proc.poll() is not None and self.proc.returncode > 0
+                and any(d.code == "RF08" for d in self.diagnose()))
+
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:  # the server exited: what it started may live on in its group
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)  # the server and its scheduler / detokenizer children
