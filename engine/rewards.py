@@ -19,6 +19,7 @@ step then fails with RF13 naming the samples (or skips the step with --no-check-
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -257,6 +258,16 @@ def _check_reward(r: Any) -> float | dict[str, float]:
     raise ValueError(f"returned {type(r).__name__} {str(r)[:80]!r}; expected a float or a dict of floats")
 
 
+def select_key(reward: float | dict[str, float], key: str | None) -> float | dict[str, float]:
+    """`reward` unchanged, after checking that a dict reward holds --reward-key `key` (a sample's scalar reward is
+    then that value: Sample.scalar_reward). A number passes: a run may mix numeric and dict rewards (per-sample
+    rm_type)."""
+    if key is not None and isinstance(reward, dict) and key not in reward:
+        raise ValueError(f"the reward dict has no key {key!r} (--reward-key / --eval-reward-key); its keys: "
+                       f"{', '.join(sorted(reward))}")
+    return reward
+
+
 class RemoteRewardError(RuntimeError):
     """The reward service refused a sample (a 4xx) or did not answer after every attempt."""
 
@@ -321,7 +332,7 @@ class RewardModel:
     """Scores groups of samples in place: sets `reward`, or FAILED status with the reason."""
 
     def __init__(self, rm_type: str | None, custom_rm_path: str | None, group_rm: bool = False,
-                 rm_url: str | None = None):
+                 rm_url: str | None = None, reward_key: str | None = None):
         if custom_rm_path is None and rm_type is None:
             raise ConfigError(Diagnosis(code="CONFIG", severity="error", what="no reward: --rm-type and "
                                         "--custom-rm-path are both unset", fix="--rm-type exact_match"))
@@ -339,8 +350,17 @@ class RewardModel:
         self.remote = RemoteReward(rm_url) if rm_url and not custom_rm_path else None
         self.builtin = rule_based(rm_type) if rm_type and rm_type != "remote_rm" and not custom_rm_path else None
         self.group_rm = group_rm
+        self.reward_key = reward_key
+
+    def keyed(self, reward_key: str | None) -> "RewardModel":
+        """The same rewards with another --reward-key (the evaluation's --eval-reward-key)."""
+        other = copy.copy(self)
+        other.reward_key = reward_key
+        return other
 
     def score_group(self, group: list[Sample]) -> None:
+        for s in group:
+            s.reward_key = self.reward_key
         live = [s for s in group if s.status not in (Status.FAILED, Status.ABORTED)]
         if not live:
             return
@@ -356,7 +376,10 @@ class RewardModel:
                     self._fail(s, e)
                 return
             for s, r in zip(live, checked):
-                s.reward = r
+                try:
+                    s.reward = select_key(r, self.reward_key)
+                except Exception as e:
+                    self._fail(s, e)
             return
         if self.custom is None:  # built-in or remote, per sample (slime: a sample's metadata "rm_type" first)
             outs: list[Any] = [None] * len(live)
@@ -389,7 +412,7 @@ class RewardModel:
             try:
                 if isinstance(out, BaseException):
                     raise out
-                s.reward = _check_reward(out)
+                s.reward = select_key(_check_reward(out), self.reward_key)
             except Exception as e:
                 self._fail(s, e)
 

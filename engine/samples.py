@@ -30,6 +30,7 @@ class Sample:
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     remove_sample: bool = False  # set by --rollout-sample-filter-path: kept out of the loss (slime's field)
+    reward_key: str | None = None  # a dict reward's key that is the training reward (--reward-key; set when scored)
 
     @property
     def prompt_length(self) -> int:
@@ -37,8 +38,11 @@ class Sample:
 
     @property
     def scalar_reward(self) -> float:
-        """The reward used for advantages: a dict reward contributes its "score" key (else the mean of its values)."""
+        """The reward used for advantages: a dict reward contributes its `reward_key` (--reward-key), else its
+        "score" key, else the mean of its values."""
         if isinstance(self.reward, dict):
+            if self.reward_key is not None:
+                return float(self.reward[self.reward_key])  # scoring checked the key (rewards.select_key)
             return float(self.reward.get("score", sum(self.reward.values()) / max(len(self.reward), 1)))
         return float(self.reward or 0.0)
 

@@ -182,7 +182,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
                                         metadata_key=cfg.metadata_key,
                                         flag="--eval-prompt-data")[: cfg.eval_max_samples]
                      for name, path in ([] if cfg.replay else cfg.eval_sets)}  # a replay has no engine to evaluate on
-    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url)
+    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
     load_hooks(run)
     run.probe = probe_prompts(run)
 
@@ -572,8 +572,10 @@ def _draw(run: Run, k: int) -> list:
 def custom_rollout(run: Run, rollout_id: int, args) -> Any:
     """--rollout-function-path: slime's contract, checked (B groups of n final samples; unscored ones are scored
     by the run's reward)."""
+    from engine.rewards import select_key
     from engine.rollout.hooks import EngineClient, HookError, RolloutFnTrainOutput, call_hook, check_sample
     from engine.rollout.loop import RolloutResult
+    from engine.samples import Status
 
     cfg, flag, path = run.cfg, "--rollout-function-path", run.cfg.rollout_function_path
     engine = EngineClient(None, run.engines, rid_prefix=f"rf{rollout_id}-{uuid.uuid4().hex[:6]}-",
@@ -595,6 +597,13 @@ def custom_rollout(run: Run, rollout_id: int, args) -> Any:
             smp.index, smp.group_index, smp.rollout_id = gi * n + j, gi, rollout_id
         if any(smp.reward is None for smp in g):
             run.reward_model.score_group([smp for smp in g if smp.reward is None])
+        for smp in g:  # rewards the function set itself: --reward-key selects from them too
+            if smp.reward is not None and smp.status not in (Status.FAILED, Status.ABORTED):
+                smp.reward_key = cfg.reward_key
+                try:
+                    select_key(smp.reward, cfg.reward_key)
+                except ValueError as e:
+                    raise HookError.of(flag, path, f"sample {smp.index}: {e}") from None
     metrics = {k: float(v) for k, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     result = RolloutResult(groups, {"drawn": float(B), "filtered": 0.0, "aborted": 0.0, "rounds": 1.0,
                                     "retried_requests": 0.0})
@@ -1306,7 +1315,8 @@ def evaluate(run: Run, step: int) -> float | None:
         result = generate_rollout(lambda n: _prompts(run, [r for _, r in zip(range(n), rows)]),
                                   rollout_id=-1 - step, batch_size=len(eval_rows), n=k,
                                   params=eval_sampling_params(run),
-                                  reward_model=run.reward_model, seed=run.cfg.seed, engines=run.engines,
+                                  reward_model=run.reward_model.keyed(run.cfg.eval_reward_key or run.cfg.reward_key),
+                                  seed=run.cfg.seed, engines=run.engines,
                                   concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout,
                                   generate=getattr(getattr(run, "hooks", None), "generate", None),
                                   hook_args=hook_args(run, -1 - step, evaluation=True),

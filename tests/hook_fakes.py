@@ -149,3 +149,21 @@ async def slime_reward(args, sample, **kwargs):
     """slime's custom reward signature: (args, sample)."""
     assert args.n_samples_per_prompt >= 1  # the run's flags are there
     return float(sample.response.strip() == sample.label) + 10.0
+
+
+def two_part_reward(sample):
+    """--custom-rm-path returning a dict: "correct" (exact match) and "format" (1.0 for any answer): --reward-key
+    picks the training reward from them."""
+    return {"correct": float(sample.response.strip() == sample.label), "format": 1.0}
+
+
+def dict_reward_rollout(args, rollout_id, data_source, evaluation=False):
+    """--rollout-function-path that sets dict rewards itself (never scored by the run's reward)."""
+    groups = data_source.get_samples(args.rollout_batch_size)
+    for g in groups:
+        for j, s in enumerate(g):
+            s.tokens = s.tokens + [48 + j]
+            s.response_length, s.loss_mask, s.rollout_log_probs = 1, [1], [-0.5]
+            s.response, s.status = str(j), Status.COMPLETED
+            s.reward = {"correct": float(j), "format": 0.5}
+    return groups

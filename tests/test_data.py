@@ -182,6 +182,24 @@ def test_async_group_and_dict_rewards(tmp_path):
     with pytest.raises(ConfigError, match="--group-rm needs --custom-rm-path"):
         RewardModel("math", None, group_rm=True)
 
+    # --reward-key: the dict's "len" is the training reward; a key the dict lacks fails the sample, naming its keys
+    g = group()
+    keyed = RewardModel(None, f"{mod}:judge", reward_key="len")
+    keyed.score_group(g)
+    assert [s.scalar_reward for s in g] == [1.0, 1.0, 1.0] and all(s.reward_key == "len" for s in g)
+    g = group()
+    keyed.keyed("quality").score_group(g)
+    assert all(s.status == Status.FAILED and "no key 'quality'" in s.metadata["failure"]
+               and "its keys: len, score" in s.metadata["failure"] for s in g)
+    assert keyed.reward_key == "len"  # keyed() is a copy
+    g = group()
+    RewardModel(None, f"{mod}:by_group", group_rm=True, reward_key="len").score_group(g)  # numbers pass
+    assert [s.scalar_reward for s in g] == [0.0, 0.5, 1.0]
+    g = [Sample(index=0, group_index=0, rollout_id=0, prompt="p", response="the cat sat", label="the cat",
+                status=Status.COMPLETED)]
+    RewardModel("f1", None, reward_key="recall").score_group(g)  # f1's own dict
+    assert g[0].scalar_reward == 1.0 and g[0].reward["precision"] < 1.0
+
 
 # ---- --rm-type remote_rm ------------------------------------------------------------------------------------------
 @pytest.fixture

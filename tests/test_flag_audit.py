@@ -33,6 +33,8 @@ FLAG_TESTS = {
     "rm_type": "test_flag_wiring.py::test_place_flags",
     "custom_rm_path": "test_data.py::test_async_group_and_dict_rewards",
     "rm_url": "test_data.py::test_a_remote_reward_service_scores_each_sample_as_slime_sends_it",
+    "reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
+    "eval_reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
     "group_rm": "test_data.py::test_async_group_and_dict_rewards",
     # rollout
     "rollout_batch_size": "test_config.py::test_derived_numbers_are_computed_once",

@@ -42,7 +42,7 @@ def make_run(tmp_path, url, **over):
     run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
     run.dataset = PromptDataset(load_prompts(cfg.prompt_data, input_key="prompt", label_key="label"), shuffle=False,
                                 seed=0)
-    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm)
+    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
     run.engines = StaticEngines([url]) if url else SimpleNamespace(release_memory=lambda: None)
     load_hooks(run)
     return run
@@ -287,6 +287,53 @@ def test_a_data_source_that_cannot_be_built_fails_at_start(tmp_path):
 def test_slime_style_reward_functions_get_args(tmp_path, engine_url):
     batch = rollout(make_run(tmp_path, engine_url, custom_rm_path="hook_fakes:slime_reward"))
     assert all(s.reward == 10.0 + float(s.response.strip() == s.label) for g in batch.groups for s in g)
+
+
+# ---- --reward-key / --eval-reward-key ----------------------------------------------------------------------------
+def test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict(tmp_path, engine_url):
+    """A custom reward returns {"correct", "format"}: --reward-key format trains on the format reward (1.0 for
+    every answer) while both are logged; --eval-reward-key correct keeps the evaluation on correctness, which
+    --reward-key alone would also have moved to format."""
+    from engine import stages
+    from engine.config.data import BUNDLED_TEST
+    from engine.data import load_prompts
+
+    rows = load_prompts(BUNDLED_TEST, input_key="prompt", label_key="label")[:8]
+    acc, correct = {}, {}
+    for key, eval_key in (("format", None), ("format", "correct"), ("correct", None)):
+        run = make_run(tmp_path, engine_url, custom_rm_path="hook_fakes:two_part_reward", reward_key=key,
+                       eval_reward_key=eval_key, eval_prompt_data=BUNDLED_TEST, rollout_max_response_len=8)
+        batch = rollout(run)
+        samples = [s for g in batch.groups for s in g]
+        correct[key] = [s.reward["correct"] for s in samples]
+        assert [s.scalar_reward for s in samples] == [s.reward[key] for s in samples]
+        assert batch.metrics["rollout/reward_mean"] == sum(s.reward[key] for s in samples) / len(samples)
+        assert "rollout/reward_correct_mean" in batch.metrics and "rollout/reward_format_mean" in batch.metrics
+        run.eval_sets = {"test": rows}
+        acc[(key, eval_key)] = stages.evaluate(run, 0)
+    assert acc[("format", None)] == 1.0 and acc[("format", "correct")] == acc[("correct", None)] < 1.0, acc
+
+    # a rollout function's own dict rewards: the key selects from them; a dict without it is a HOOK error
+    run = make_run(tmp_path, None, rollout_function_path="hook_fakes:dict_reward_rollout", reward_key="correct")
+    assert [[s.scalar_reward for s in g] for g in rollout(run).groups] == [[0.0, 1.0], [0.0, 1.0]]
+    run = make_run(tmp_path, None, rollout_function_path="hook_fakes:dict_reward_rollout", reward_key="quality")
+    with pytest.raises(HookError, match="the reward dict has no key 'quality'.*its keys: correct, format"):
+        rollout(run)
+
+
+def test_reward_key_flags_are_refused_where_they_would_do_nothing():
+    for over, msg in ((dict(reward_key="score"), "--reward-key 'score': the rewards of this run are numbers"),
+                      (dict(custom_rm_path="m:f", reward_key=" "), "--reward-key is empty"),
+                      (dict(custom_rm_path="m:f", eval_reward_key="acc", eval_prompt_data=""),
+                       "--eval-reward-key 'acc' with no --eval-prompt-data"),
+                      (dict(custom_rm_path="m:f", eval_reward_key="acc", eval_function_path="m:ev"),
+                       "--eval-reward-key 'acc' with --eval-function-path")):
+        with pytest.raises(ConfigError, match=msg):
+            RunConfig(**over)
+    RunConfig(rm_type="remote_rm", rm_url="http://127.0.0.1:1/r", reward_key="score")
+    RunConfig(rm_type="f1", reward_key="recall")
+    RunConfig(metadata_key="meta", reward_key="recall")  # a row may name f1
+    RunConfig(rollout_function_path="m:f", reward_key="score", eval_reward_key="acc")
 
 
 # ---- --eval-function-path ---------------------------------------------------------------------------------------

@@ -48,12 +48,46 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 OrchestrationArgs, TrackingArgs):
     """Everything a user can set for one training run."""
 
+    def dict_reward_sources(self) -> list[str]:
+        """The flags through which a sample's reward can be a dict: f1's {"score", "precision", "recall"}, a row's
+        metadata rm_type (f1 too), a custom reward, the --rm-url service, a rollout function's own rewards."""
+        return [flag for flag, on in (("--custom-rm-path", self.custom_rm_path), ("--rm-type remote_rm", self.rm_url),
+                                      (f"--rm-type {self.rm_type}", self.rm_type in ("f1", "boxed_f1")),
+                                      ("--metadata-key (a row's rm_type)", self.metadata_key),
+                                      ("--rollout-function-path", self.rollout_function_path)) if on]
+
+    def _reward_key_consistent(self) -> None:
+        """--reward-key / --eval-reward-key select from a dict reward: with none possible they would do nothing."""
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        for field, key in (("reward_key", self.reward_key), ("eval_reward_key", self.eval_reward_key)):
+            if key is None:
+                continue
+            flag = "--" + field.replace("_", "-")
+            if not key.strip():
+                what, fix = f"{flag} is empty", f"{flag} NAME (a key of the reward dict), or drop it"
+            elif field == "eval_reward_key" and self.eval_function_path:
+                what = f"{flag} {key!r} with --eval-function-path: that function computes the evaluation's rewards"
+                fix = f"drop {flag} (the function picks its own rewards)"
+            elif field == "eval_reward_key" and not self.eval_prompt_data:
+                what, fix = f"{flag} {key!r} with no --eval-prompt-data: no evaluation runs", f"drop {flag}"
+            elif not self.dict_reward_sources():
+                what = (f"{flag} {key!r}: the rewards of this run are numbers (--rm-type {self.rm_type}), so there is "
+                        "no dict to select from")
+                fix = (f"drop {flag}, or return a dict of rewards from --custom-rm-path (or the --rm-url service, "
+                       "--rollout-function-path)")
+            else:
+                continue
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix,
+                                        facts={"field": field, "value": key}))
+
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         self.batch  # raises an RF06 ConfigError with the working values
         self._async_consistent()
         self._replay_consistent()
         self._rollout_only_consistent()
+        self._reward_key_consistent()
         if self.eval_function_path and not self.eval_prompt_data:
             from engine.diagnosis import ConfigError, Diagnosis
 
