@@ -53,7 +53,8 @@ class Run:
         self.tokenizer = None
         self.eos_ids: list[int] = []
         self.dataset = None
-        self.eval_sets: dict[str, list] = {}  # --eval-prompt-data: name → rows
+        self.eval_sets: dict[str, list] = {}  # --eval-prompt-data / --eval-config: name → rows
+        self.eval_datasets: dict[str, Any] = {}  # name → its resolved EvalDataset (keys, reward, sampling)
         self.reward_model = None
         self.engines = None  # engine.rollout.engines.EngineGroup
         self.placement = None  # engine.cluster.placement.Placement

@@ -178,10 +178,8 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     if cfg.rollout_max_prompt_len:
         rows = short_prompts(run, rows)
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
-    run.eval_sets = {name: load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key,
-                                        metadata_key=cfg.metadata_key,
-                                        flag="--eval-prompt-data")[: cfg.eval_max_samples]
-                     for name, path in ([] if cfg.replay else cfg.eval_sets)}  # a replay has no engine to evaluate on
+    run.eval_datasets = {} if cfg.replay else {d.name: d for d in cfg.eval_datasets()}  # a replay has no engine
+    run.eval_sets = {name: eval_rows(d, cfg.eval_max_samples) for name, d in run.eval_datasets.items()}
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
     load_hooks(run)
     run.probe = probe_prompts(run)
@@ -192,6 +190,20 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
             checkpoint.write_run_file(run.store, {"mlflow_run_id": run.tracker.run_id, "origin": run.origin,
                                                   "config_hash": cfg.config_hash(), "created_at": time.time(),
                                                   "save": checkpoint.normalize(cfg.save)})
+
+
+def eval_rows(d, limit: int) -> list:
+    """The first `limit` rows of eval set `d` (a resolved EvalDataset: its keys; its rm_type and
+    metadata_overrides in each row's metadata, where the per-sample reward reads them)."""
+    import dataclasses
+
+    from engine.data import load_prompts
+
+    rows = load_prompts(d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                        flag="--eval-prompt-data")[:limit]
+    if d.rm_type is None and not d.metadata_overrides:
+        return rows
+    return [dataclasses.replace(r, metadata=d.row_metadata(r.metadata)) for r in rows]
 
 
 def short_prompts(run: Run, rows: list) -> list:
@@ -515,17 +527,20 @@ def sampling_params(run: Run, *, greedy: bool = False):
                           stop_token_ids=sorted(set(run.eos_ids) | set(cfg.rollout_stop_token_ids)))
 
 
-def eval_sampling_params(run: Run):
-    """The evaluation's sampling: the training rollout's, with --eval-temperature (default greedy for one sample
-    per prompt), --eval-top-p and --eval-max-response-len where set."""
-    import dataclasses
+def eval_sampling_params(run: Run, d=None):
+    """The evaluation's sampling for eval set `d` (a resolved EvalDataset; None: the first): its temperature
+    (--eval-temperature; default greedy for one sample per prompt, else --rollout-temperature), top-p, top-k,
+    answer length and stops (--eval-config's per set; else the flags)."""
+    from engine.config.eval_config import EvalDataset
+    from engine.rollout.loop import SamplingParams
 
     cfg = run.cfg
-    greedy = cfg.n_samples_per_eval_prompt == 1 and cfg.eval_temperature is None
-    base = sampling_params(run, greedy=greedy)
-    return dataclasses.replace(
-        base, temperature=base.temperature if cfg.eval_temperature is None else cfg.eval_temperature,
-        top_p=cfg.eval_top_p or base.top_p, max_new_tokens=cfg.eval_max_response_len or base.max_new_tokens)
+    if d is None:
+        d = next(iter(run.eval_datasets.values()), None) or EvalDataset(name="test", path="").resolved(cfg)
+    greedy = d.n_samples_per_eval_prompt == 1 and d.temperature is None
+    temperature = 0.0 if greedy else cfg.rollout_temperature if d.temperature is None else d.temperature
+    return SamplingParams(max_new_tokens=d.max_response_len, temperature=temperature, top_p=d.top_p, top_k=d.top_k,
+                          stop=list(d.stop), stop_token_ids=sorted(set(run.eos_ids) | set(d.stop_token_ids)))
 
 
 def _prompts(run: Run, rows: list):
@@ -1300,6 +1315,7 @@ def evaluate(run: Run, step: int) -> float | None:
     training, --num-rollout after, multiples of --eval-interval between): greedy with one sample per prompt, or the
     mean of --n-samples-per-eval-prompt k samples with pass@k (eval_metrics). Returns the headline (first set's)
     accuracy; None without eval prompts. A step already evaluated (a resumed run's history) is not evaluated again."""
+    from engine.config.eval_config import EvalDataset
     from engine.rollout.loop import generate_rollout
 
     if not run.eval_sets:
@@ -1308,13 +1324,13 @@ def evaluate(run: Run, step: int) -> float | None:
         return done
     if getattr(getattr(run, "hooks", None), "evaluate", None) is not None:
         return custom_evaluate(run, step)
-    k = run.cfg.n_samples_per_eval_prompt
     for name, eval_rows in run.eval_sets.items():
+        d = run.eval_datasets.get(name) or EvalDataset(name=name, path="").resolved(run.cfg)  # rows set by hand
         rows = iter(eval_rows)
         # seeds of their own (rollout id -1 - step): never those of a training rollout, the same on a resume
         result = generate_rollout(lambda n: _prompts(run, [r for _, r in zip(range(n), rows)]),
-                                  rollout_id=-1 - step, batch_size=len(eval_rows), n=k,
-                                  params=eval_sampling_params(run),
+                                  rollout_id=-1 - step, batch_size=len(eval_rows), n=d.n_samples_per_eval_prompt,
+                                  params=eval_sampling_params(run, d),
                                   reward_model=run.reward_model.keyed(run.cfg.eval_reward_key or run.cfg.reward_key),
                                   seed=run.cfg.seed, engines=run.engines,
                                   concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout,

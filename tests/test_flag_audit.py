@@ -35,6 +35,7 @@ FLAG_TESTS = {
     "rm_url": "test_data.py::test_a_remote_reward_service_scores_each_sample_as_slime_sends_it",
     "reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
     "eval_reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
+    "eval_config": "test_eval_config.py::test_each_set_is_evaluated_with_its_own_keys_reward_and_sampling",
     "group_rm": "test_data.py::test_async_group_and_dict_rewards",
     # rollout
     "rollout_batch_size": "test_config.py::test_derived_numbers_are_computed_once",

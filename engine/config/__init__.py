@@ -56,6 +56,26 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                       ("--metadata-key (a row's rm_type)", self.metadata_key),
                                       ("--rollout-function-path", self.rollout_function_path)) if on]
 
+    def has_eval(self) -> bool:
+        """Eval sets are given (--eval-prompt-data or --eval-config)."""
+        return bool(self.eval_config or self.eval_prompt_data)
+
+    def _eval_config_consistent(self) -> None:
+        """--eval-config replaces --eval-prompt-data: both set is ambiguous; its file is read now (a CONFIG error
+        naming the field before anything starts)."""
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        if not self.eval_config:
+            return
+        if self.eval_prompt_data and self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--eval-config {self.eval_config} and --eval-prompt-data {' '.join(self.eval_prompt_data)} "
+                     "both name eval sets",
+                fix="keep one: list every set in the --eval-config file, or drop --eval-config",
+                facts={"field": "eval_config", "value": self.eval_config}))
+        self.eval_datasets()
+
     def _reward_key_consistent(self) -> None:
         """--reward-key / --eval-reward-key select from a dict reward: with none possible they would do nothing."""
         from engine.diagnosis import ConfigError, Diagnosis
@@ -69,7 +89,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             elif field == "eval_reward_key" and self.eval_function_path:
                 what = f"{flag} {key!r} with --eval-function-path: that function computes the evaluation's rewards"
                 fix = f"drop {flag} (the function picks its own rewards)"
-            elif field == "eval_reward_key" and not self.eval_prompt_data:
+            elif field == "eval_reward_key" and not self.has_eval():
                 what, fix = f"{flag} {key!r} with no --eval-prompt-data: no evaluation runs", f"drop {flag}"
             elif not self.dict_reward_sources():
                 what = (f"{flag} {key!r}: the rewards of this run are numbers (--rm-type {self.rm_type}), so there is "
@@ -88,7 +108,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         self._replay_consistent()
         self._rollout_only_consistent()
         self._reward_key_consistent()
-        if self.eval_function_path and not self.eval_prompt_data:
+        self._eval_config_consistent()
+        if self.eval_function_path and not self.has_eval():
             from engine.diagnosis import ConfigError, Diagnosis
 
             raise ConfigError(Diagnosis(
@@ -213,6 +234,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             needs.append(f"--eval-interval {self.eval_interval} (evaluation generates on the engines)")
         if self.eval_prompt_data and self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
             needs.append("--eval-prompt-data (evaluation generates on the engines)")
+        if self.eval_config:
+            needs.append("--eval-config (evaluation generates on the engines)")
         if self.rollout_engine_process != "auto":
             needs.append(f"--rollout-engine-process {self.rollout_engine_process}")
         if needs:

@@ -72,11 +72,27 @@ class DataArgs(Section):
                              "(it names the metrics eval/<name>_accuracy)")
         return v or None
 
+    eval_config: Optional[str] = None
+    """A YAML file of eval sets, each with its own keys, reward and sampling (slime's flag): `eval: {defaults: {...}, datasets: [{name, path, rm_type, prompt_key/input_key, label_key, metadata_key, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, stop, stop_token_ids, metadata_overrides}]}`. A field set neither by the dataset nor by `defaults` comes from the flags (--eval-temperature, …). Replaces --eval-prompt-data (setting both is an error). Format: docs/engines.md, "Evaluation"; the flags stay the default of every field."""
+
     @property
     def eval_sets(self) -> list[tuple[str, str]]:
-        """(name, path) of every eval set: one path is named "test"."""
+        """(name, path) of every eval set: one path is named "test"; --eval-config's datasets when set."""
+        if self.eval_config:
+            return [(d.name, d.path) for d in self.eval_datasets()]
         v = self.eval_prompt_data or []
         return [("test", v[0])] if len(v) == 1 else list(zip(v[0::2], v[1::2]))
+
+    def eval_datasets(self) -> list:
+        """Every eval set with each of its fields resolved (engine/config/eval_config.py: the --eval-config entry,
+        its `defaults`, then the flags); from --eval-prompt-data's pairs, with the flags, without --eval-config."""
+        from engine.config import eval_config
+
+        if self.eval_config:
+            sets = eval_config.load(self.eval_config)
+        else:
+            sets = [eval_config.EvalDataset(name=name, path=path) for name, path in self.eval_sets]
+        return [d.resolved(self) for d in sets]
 
     input_key: str = "prompt"
     """Row key holding the prompt (a string, or a list of chat messages)."""

@@ -4,6 +4,7 @@ The Environment is a view of the cluster and the files, so every check is testab
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -421,10 +422,10 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
 
     files = [("--prompt-data", cfg.prompt_data, load_prompts(cfg.prompt_data, input_key=cfg.input_key,
                                                              label_key=cfg.label_key, metadata_key=cfg.metadata_key))]
-    for _, path in [] if cfg.replay else cfg.eval_sets:  # a replay evaluates nothing
-        files.append(("--eval-prompt-data", path, load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key,
-                                                               metadata_key=cfg.metadata_key,
-                                                               flag="--eval-prompt-data")))
+    for d in [] if cfg.replay else cfg.eval_datasets():  # a replay evaluates nothing
+        flag = "--eval-config" if cfg.eval_config else "--eval-prompt-data"
+        files.append((flag, d.path, [dataclasses.replace(r, metadata=d.row_metadata(r.metadata)) for r in load_prompts(
+            d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key, flag=flag)]))
     return [d for flag, path, rows in files if (d := _sample_rm_types(cfg, flag, path, rows))]
 
 
@@ -544,11 +545,18 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
     ctx = (read_model_json(cfg.model_dir, "config.json") or {}).get("max_position_embeddings")
     if not isinstance(ctx, int):
         return []
-    answers = {"--prompt-data": ("--rollout-max-response-len", cfg.rollout_max_response_len),
-               "--eval-prompt-data": ("--eval-max-response-len", cfg.eval_max_response_len)
-               if cfg.eval_max_response_len else ("--rollout-max-response-len", cfg.rollout_max_response_len)}
-    for flag, (len_flag, new) in answers.items():
-        if ctx - new <= 0 and (flag == "--prompt-data" or cfg.eval_sets):
+    eval_len_flag = "--eval-max-response-len" if cfg.eval_max_response_len else "--rollout-max-response-len"
+    # (flag, path, input_key, flag naming the answer length, answer length) of the training data and every eval set
+    files = [("--prompt-data", cfg.prompt_data, cfg.input_key, "--rollout-max-response-len",
+              cfg.rollout_max_response_len)]
+    for d in cfg.eval_datasets():
+        if cfg.eval_config:
+            files.append(("--eval-config", d.path, d.input_key, f"--eval-config {d.name}'s max_response_len",
+                          d.max_response_len))
+        else:
+            files.append(("--eval-prompt-data", d.path, d.input_key, eval_len_flag, d.max_response_len))
+    for flag, _, _, len_flag, new in files:
+        if ctx - new <= 0:
             return [Diagnosis(code="DATA", severity="error",
                               what=f"{len_flag} {new} leaves no room for a prompt in the model's context of {ctx} "
                                    "tokens (max_position_embeddings)",
@@ -563,12 +571,11 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
         overhead = len(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
                                                add_generation_prompt=True).encode())
     out = []
-    for flag, path in [("--prompt-data", cfg.prompt_data)] + [("--eval-prompt-data", p) for _, p in cfg.eval_sets]:
+    for flag, path, input_key, len_flag, new in files:
         if not path:
             continue
-        len_flag, new = answers[flag]
         room = ctx - new
-        rows = load_prompts(path, input_key=cfg.input_key, label_key=cfg.label_key, flag=flag)
+        rows = load_prompts(path, input_key=input_key, label_key=None, flag=flag)
         long: list[tuple[int, int]] = []  # (line, tokens)
         for r in rows:
             if isinstance(r.prompt, str) and len(r.prompt.encode()) + overhead + 2 <= room:

@@ -126,7 +126,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("memory/<stage>_train_gib", None, "of which the train workers (max over them)"),
     MetricDoc("memory/<stage>_engine_gib", None, "of which the rollout engines (max over them)"),
     MetricDoc("eval/<set>_accuracy", "max", "mean reward on eval set <set> (`test` for one `--eval-prompt-data` "
-                                            "path, else its NAME): greedy (or at `--eval-temperature`), or the mean of "
+                                            "path, else its NAME or `--eval-config`'s name): greedy (or at "
+                                            "`--eval-temperature`, or the set's own temperature), or the mean of "
                                             "`--n-samples-per-eval-prompt` samples; with `--eval-function-path`, the "
                                             "mean of the rewards it returned (step = rollouts trained: 0 before "
                                             "training, every `--eval-interval`, num_rollout after)"),
