@@ -184,7 +184,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         start = t.convert(r)
         if start:  # the MLflow run it continues keeps its name
             ui.name_flow_run(f"{tracker.run_name} (resumed at rollout {start})")
-        else:
+        elif not cfg.skip_eval_before_train:
             t.evaluate(r, 0)
         progress = ui.Progress(run, start)
         startgc.ready()  # the collector back on, start-up's objects frozen out of its walks

@@ -156,3 +156,27 @@ eval:
         assert stages.eval_sampling_params(run, run.eval_datasets["qa"]).temperature == 0.0
     finally:
         server.stop()
+
+
+def test_eval_key_and_top_k_flags_are_every_sets_default(tmp_path, qa_file):
+    (d,) = RunConfig(eval_prompt_data=["qa", qa_file], eval_input_key="question", eval_label_key="answer",
+                     eval_top_k=5, rollout_top_k=20).eval_datasets()
+    assert (d.input_key, d.label_key, d.top_k) == ("question", "answer", 5)
+    (d,) = RunConfig(rollout_top_k=20).eval_datasets()
+    assert (d.input_key, d.label_key, d.top_k) == ("prompt", "label", 20)
+    with pytest.raises(ConfigError, match="--skip-eval-before-train with no eval sets"):
+        RunConfig(eval_prompt_data=[], skip_eval_before_train=True)
+
+
+@pytest.mark.slow
+def test_a_run_with_an_eval_config_that_skips_the_evaluation_before_training(prefect_harness, shared_ray,
+                                                                              small_cfg, tmp_path, qa_file):
+    """Through the flow: --eval-config's set (its own keys) is evaluated after training only
+    (--skip-eval-before-train): no step-0 accuracy, and the summary says the accuracy before is unknown."""
+    from flows.train import rl_train
+
+    path = _yaml(tmp_path, f"eval: {{datasets: [{{name: qa, path: {qa_file}, prompt_key: question, "
+                           f"label_key: answer}}]}}")
+    out = rl_train(small_cfg(num_rollout=1, eval_prompt_data=[], eval_config=path, skip_eval_before_train=True))
+    assert out["history"]["eval/qa_accuracy"].keys() == {"1"}, out["history"]["eval/qa_accuracy"]
+    assert out["test_accuracy_before"] is None and out["test_accuracy_after"] is not None

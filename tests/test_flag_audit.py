@@ -36,6 +36,10 @@ FLAG_TESTS = {
     "reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
     "eval_reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
     "eval_config": "test_eval_config.py::test_each_set_is_evaluated_with_its_own_keys_reward_and_sampling",
+    "eval_top_k": "test_eval_config.py::test_eval_key_and_top_k_flags_are_every_sets_default",
+    "eval_input_key": "test_eval_config.py::test_eval_key_and_top_k_flags_are_every_sets_default",
+    "eval_label_key": "test_eval_config.py::test_eval_key_and_top_k_flags_are_every_sets_default",
+    "skip_eval_before_train": "test_eval_config.py::test_a_run_with_an_eval_config_that_skips_the_evaluation_before_training",
     "group_rm": "test_data.py::test_async_group_and_dict_rewards",
     # rollout
     "rollout_batch_size": "test_config.py::test_derived_numbers_are_computed_once",

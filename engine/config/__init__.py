@@ -62,9 +62,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
 
     def _eval_config_consistent(self) -> None:
         """--eval-config replaces --eval-prompt-data: both set is ambiguous; its file is read now (a CONFIG error
-        naming the field before anything starts)."""
+        naming the field before anything starts). --skip-eval-before-train needs an evaluation to skip."""
         from engine.diagnosis import ConfigError, Diagnosis
 
+        if self.skip_eval_before_train and not self.has_eval():
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what="--skip-eval-before-train with no eval sets (--eval-prompt-data '' and no --eval-config): there "
+                     "is no evaluation to skip", fix="drop --skip-eval-before-train",
+                facts={"field": "skip_eval_before_train", "value": True}))
         if not self.eval_config:
             return
         if self.eval_prompt_data and self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:

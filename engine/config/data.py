@@ -72,6 +72,20 @@ class DataArgs(Section):
                              "(it names the metrics eval/<name>_accuracy)")
         return v or None
 
+    eval_top_k: Optional[int] = None
+    """Top-k of the evaluation (slime's flag); -1 = off. Default: --rollout-top-k."""
+
+    eval_input_key: Optional[str] = None
+    """Row key of the eval prompts (slime's flag), when the eval files name it otherwise than the training data.
+    Default: --input-key."""
+
+    eval_label_key: Optional[str] = None
+    """Row key of the eval answers (slime's flag). Default: --label-key."""
+
+    skip_eval_before_train: bool = False
+    """Do not evaluate before the first rollout (slime's flag), e.g. to start training sooner: the summary's accuracy
+    before training is then unknown; the evaluations every --eval-interval and after training still run."""
+
     eval_config: Optional[str] = None
     """A YAML file of eval sets, each with its own keys, reward and sampling (slime's flag): `eval: {defaults: {...}, datasets: [{name, path, rm_type, prompt_key/input_key, label_key, metadata_key, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, stop, stop_token_ids, metadata_overrides}]}`. A field set neither by the dataset nor by `defaults` comes from the flags (--eval-temperature, …). Replaces --eval-prompt-data (setting both is an error). Format: docs/engines.md, "Evaluation"; the flags stay the default of every field."""
 

@@ -60,9 +60,11 @@ class EvalDataset(BaseModel):
 
     def resolved(self, cfg: Any) -> "EvalDataset":
         """Every field given: this dataset's value, else the run's flag."""
-        flags = {"input_key": cfg.input_key, "label_key": cfg.label_key, "metadata_key": cfg.metadata_key,
+        flags = {"input_key": cfg.eval_input_key or cfg.input_key,
+                 "label_key": cfg.eval_label_key or cfg.label_key, "metadata_key": cfg.metadata_key,
                  "n_samples_per_eval_prompt": cfg.n_samples_per_eval_prompt, "temperature": cfg.eval_temperature,
-                 "top_p": cfg.eval_top_p or cfg.rollout_top_p, "top_k": cfg.rollout_top_k,
+                 "top_p": cfg.eval_top_p or cfg.rollout_top_p,
+                 "top_k": cfg.rollout_top_k if cfg.eval_top_k is None else cfg.eval_top_k,
                  "max_response_len": cfg.eval_max_response_len or cfg.rollout_max_response_len,
                  "stop": list(cfg.rollout_stop), "stop_token_ids": list(cfg.rollout_stop_token_ids)}
         return self.model_copy(update={k: v for k, v in flags.items() if getattr(self, k) is None})
