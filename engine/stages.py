@@ -688,7 +688,9 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     if cfg.colocate:
         run.engines.release_memory()  # the trainer needs the GPUs now; sync() resumes
     hook_metrics = {**getattr(result, "extra_metrics", {}),
-                    **({"rollout/removed_samples": float(removed)} if hooks.sample_filter is not None else {})}
+                    **({"rollout/removed_samples": float(removed)} if hooks.sample_filter is not None else {}),
+                    **({f"rollout/pass_at_{k}": v for k, v in pass_rates(
+                        [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {})}
     metrics = publish(run, rollout_id, {**rollout_metrics(result, time.perf_counter() - t0),
                                         **gpu_memory_metrics(run, "rollout"), **hook_metrics})
     if run.tracker is not None:
@@ -1337,7 +1339,8 @@ def evaluate(run: Run, step: int) -> float | None:
                                   generate=getattr(getattr(run, "hooks", None), "generate", None),
                                   hook_args=hook_args(run, -1 - step, evaluation=True),
                                   hook_path=run.cfg.custom_generate_function_path or "")
-        publish(run, step, eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups]))
+        publish(run, step, eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups],
+                                        passrate=run.cfg.log_passrate))
     return evaluated(run, step)
 
 
@@ -1361,16 +1364,35 @@ def custom_evaluate(run: Run, step: int) -> float | None:
     return evaluated(run, step)
 
 
-def eval_metrics(name: str, rewards: list[list[float]]) -> dict[str, float]:
+def eval_metrics(name: str, rewards: list[list[float]], passrate: bool = False) -> dict[str, float]:
     """rewards[prompt][sample] of eval set `name` → eval/<name>_accuracy (the mean reward); with k > 1 samples per
     prompt also eval/<name>_mean_at_k (the same mean) and eval/<name>_pass_at_k (the mean over prompts of the best
-    reward of k)."""
+    reward of k); with `passrate` (--log-passrate) eval/<name>_pass_at_<j> for j = 1, 2, 4, … ≤ k."""
     k = len(rewards[0])
     mean = sum(sum(r) for r in rewards) / (k * len(rewards))
     out = {f"eval/{name}_accuracy": mean}
     if k > 1:
         out.update({f"eval/{name}_mean_at_k": mean,
                     f"eval/{name}_pass_at_k": sum(max(r) for r in rewards) / len(rewards)})
+        if passrate:
+            out.update({f"eval/{name}_pass_at_{j}": v for j, v in pass_rates(rewards).items()})
+    return out
+
+
+def pass_rates(rewards: list[list[float]]) -> dict[int, float]:
+    """{k: pass@k} for k = 1, 2, 4, … ≤ n over groups of n rewards (a reward of 1 is correct, as slime counts):
+    the mean over groups of the unbiased estimator 1 − C(n−c, k) / C(n, k) (Chen et al. 2021, slime's
+    compute_pass_rate); {} for one sample per group."""
+    from math import comb
+
+    n = len(rewards[0]) if rewards else 0
+    if n < 2 or any(len(r) != n for r in rewards):
+        return {}
+    correct = [sum(1 for x in r if x == 1) for r in rewards]
+    out, k = {}, 1
+    while k <= n:
+        out[k] = sum(1.0 - comb(n - c, k) / comb(n, k) for c in correct) / len(correct)
+        k *= 2
     return out
 
 

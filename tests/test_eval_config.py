@@ -144,11 +144,14 @@ eval:
         return run
 
     try:
-        run = run_of(eval_config=path)
+        run = run_of(eval_config=path, log_passrate=True)
         assert all(r.metadata["rm_type"] == "f1" for r in run.eval_sets["arith4"])
         assert stages.evaluate(run, 0) == run.history["eval/qa_accuracy"][0]
-        assert sorted(run.history) == ["eval/arith4_accuracy", "eval/arith4_mean_at_k", "eval/arith4_pass_at_k",
-                                       "eval/qa_accuracy"]
+        assert sorted(run.history) == ["eval/arith4_accuracy", "eval/arith4_mean_at_k", "eval/arith4_pass_at_1",
+                                       "eval/arith4_pass_at_2", "eval/arith4_pass_at_4", "eval/arith4_pass_at_k",
+                                       "eval/qa_accuracy"]  # --log-passrate: none for qa's one sample a prompt
+        p = [run.history[f"eval/arith4_pass_at_{k}"][0] for k in (1, 2, 4)]
+        assert p == sorted(p) and p[2] <= run.history["eval/arith4_pass_at_k"][0], p
         flags = run_of(eval_prompt_data=["arith", BUNDLED_TEST])
         assert stages.evaluate(flags, 0) == run.history["eval/qa_accuracy"][0]
         assert run.history["eval/arith4_pass_at_k"][0] >= run.history["eval/arith4_accuracy"][0]
@@ -180,3 +183,20 @@ def test_a_run_with_an_eval_config_that_skips_the_evaluation_before_training(pre
     out = rl_train(small_cfg(num_rollout=1, eval_prompt_data=[], eval_config=path, skip_eval_before_train=True))
     assert out["history"]["eval/qa_accuracy"].keys() == {"1"}, out["history"]["eval/qa_accuracy"]
     assert out["test_accuracy_before"] is None and out["test_accuracy_after"] is not None
+
+
+def test_pass_rates_are_the_unbiased_estimator():
+    """pass@k = the share of k-subsets of a group's n samples holding a correct one (reward 1), averaged over
+    groups: checked against that count by enumeration."""
+    from itertools import combinations
+
+    from engine.stages import pass_rates
+
+    groups = [[1, 0, 0, 0, 1, 0, 0, 0], [0] * 8, [1] * 8, [0, 0.5, 1, 0, 0, 0, 0, 0]]
+    got = pass_rates(groups)
+    assert sorted(got) == [1, 2, 4, 8]
+    for k, v in got.items():
+        want = sum(sum(any(g[i] == 1 for i in c) for c in combinations(range(8), k)) /
+                   len(list(combinations(range(8), k))) for g in groups) / len(groups)
+        assert abs(v - want) < 1e-12, (k, v, want)
+    assert pass_rates([[1.0], [0.0]]) == {}

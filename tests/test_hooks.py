@@ -321,6 +321,15 @@ def test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict(tmp_path,
         rollout(run)
 
 
+def test_log_passrate_logs_pass_at_k_of_the_rollout(tmp_path, engine_url):
+    batch = rollout(make_run(tmp_path, engine_url, log_passrate=True, n_samples_per_prompt=4))
+    m = batch.metrics
+    rewards = [s.scalar_reward for g in batch.groups for s in g]
+    assert abs(m["rollout/pass_at_1"] - sum(r == 1 for r in rewards) / len(rewards)) < 1e-12  # pass@1 = accuracy
+    assert m["rollout/pass_at_1"] <= m["rollout/pass_at_2"] <= m["rollout/pass_at_4"] and "rollout/pass_at_8" not in m
+    assert not [k for k in rollout(make_run(tmp_path, engine_url)).metrics if "pass_at" in k]
+
+
 def test_reward_key_flags_are_refused_where_they_would_do_nothing():
     for over, msg in ((dict(reward_key="score"), "--reward-key 'score': the rewards of this run are numbers"),
                       (dict(custom_rm_path="m:f", reward_key=" "), "--reward-key is empty"),

@@ -33,6 +33,9 @@ class TrackingArgs(Section):
     """Every N rollouts (and the last) log the rollout's samples as JSONL and redraw the plots in MLflow (plots at
     most once a minute; 0 = off)."""
 
+    log_passrate: bool = False
+    """Also log pass@k for k = 1, 2, 4, … up to the samples per prompt (slime's flag): rollout/pass_at_<k> over each rollout's groups, eval/<set>_pass_at_<k> over an eval set's prompts (with more than one sample per prompt). The unbiased estimator 1 − C(n−c, k) / C(n, k) of n samples with c correct, where a reward of 1 is correct, as slime counts."""
+
     system_metrics_interval: float = Field(10.0, ge=0)
     """Seconds between system metric samples (CPU, memory; GPU when present) logged to MLflow (0 = off)."""
 

@@ -2,8 +2,8 @@
 
 The metric table of docs/mlflow.md is generated from `METRICS` (`python -m engine.tracking.metrics --write
 docs/mlflow.md`) and a test keeps them equal; an integration test fails on a logged metric that is not listed here.
-Names are `<stage>/<what>`; `<key>`, `<i>`, `<q>` and `<set>` stand for a reward key, a GPU index, a percentile and
-an eval set's name. Steps are
+Names are `<stage>/<what>`; `<key>`, `<i>`, `<q>`, `<set>` and `<k>` stand for a reward key, a GPU index, a
+percentile, an eval set's name and a sample count. Steps are
 rollout ids, except `eval/*` (rollouts trained: 0 = before training, num_rollout = after) and `system/*` (seconds
 since the MLflow run was created).
 `better` drives `rollflow compare`'s "best" column: "max", "min", or None (no best: a count or a setting).
@@ -34,6 +34,8 @@ METRICS: list[MetricDoc] = [
                                                   "seconds"),
     MetricDoc("rollout/reward_mean", "max", "mean reward of the rollout's B·n samples"),
     MetricDoc("rollout/reward_std", None, "standard deviation of those rewards (0 → GRPO has no signal)"),
+    MetricDoc("rollout/pass_at_<k>", "max", "--log-passrate: pass@k over the rollout's groups (k = 1, 2, 4, … ≤ "
+                                            "--n-samples-per-prompt; unbiased estimator, a reward of 1 is correct)"),
     MetricDoc("rollout/reward_<key>_mean", "max", "mean of one key of a dict reward (a custom reward returning a dict)"),
     MetricDoc("rollout/response_len_mean", None, "response tokens per sample, mean"),
     MetricDoc("rollout/response_len_max", None, "response tokens per sample, max"),
@@ -135,6 +137,8 @@ METRICS: list[MetricDoc] = [
                                                    "it reported truncated"),
     MetricDoc("eval/<set>_mean_at_k", "max", "with k = `--n-samples-per-eval-prompt` > 1: the mean reward of the k "
                                              "samples per prompt of eval set <set>"),
+    MetricDoc("eval/<set>_pass_at_<k>", "max", "--log-passrate: pass@k over eval set <set>'s prompts (k = 1, 2, 4, "
+                                               "… ≤ its samples per prompt; unbiased estimator)"),
     MetricDoc("eval/<set>_pass_at_k", "max", "with k > 1: the mean over the set's prompts of the best of k rewards "
                                              "(pass@k for 0/1 rewards)"),
     MetricDoc("system/cpu_utilization_percentage", None, "CPU utilisation of the driver's node"),
@@ -147,7 +151,7 @@ METRICS: list[MetricDoc] = [
 
 _PATTERNS = [(re.compile("^" + re.escape(m.name).replace("<key>", ".+").replace("<i>", r"\d+")
                          .replace("<stage>", "(rollout|train|sync)").replace("<q>", r"\d+")
-                         .replace("<set>", r"[\w-]+") + "$"), m) for m in METRICS]
+                         .replace("<set>", r"[\w-]+").replace("<k>", r"\d+") + "$"), m) for m in METRICS]
 
 
 #: MLflow's chart page sorts its sections by name: the `0-overview/` section, copies of what says whether training
