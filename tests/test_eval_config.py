@@ -87,6 +87,9 @@ def test_it_replaces_eval_prompt_data_and_what_starts_no_engine_refuses_it(tmp_p
         RunConfig(eval_config=path, eval_prompt_data=["x", BUNDLED_TEST])
     with pytest.raises(ConfigError, match="--eval-config"):
         RunConfig(eval_config=path, load_debug_rollout_data=str(tmp_path / "r_{rollout_id}.json"))
+    with pytest.raises(ConfigError, match="names an rm_type for a, but --custom-rm-path m:f scores every sample"):
+        RunConfig(eval_config=_yaml(tmp_path, f"eval: {{datasets: [{{name: a, path: {BUNDLED_TEST}, rm_type: f1}}]}}",
+                                    "f.yaml"), custom_rm_path="m:f")
     RunConfig(eval_config=path, eval_prompt_data=[])  # '' beside it is no conflict
     RunConfig(eval_config=path, eval_prompt_data=[], eval_function_path="m:f")  # the sets the function reads
 

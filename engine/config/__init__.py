@@ -80,7 +80,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      "both name eval sets",
                 fix="keep one: list every set in the --eval-config file, or drop --eval-config",
                 facts={"field": "eval_config", "value": self.eval_config}))
-        self.eval_datasets()
+        sets = self.eval_datasets()
+        named = [d.name for d in sets if d.rm_type is not None]
+        if named and self.custom_rm_path:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--eval-config {self.eval_config} names an rm_type for {', '.join(named)}, but --custom-rm-path "
+                     f"{self.custom_rm_path} scores every sample",
+                fix="drop rm_type from those datasets (your reward may read sample.metadata), or drop --custom-rm-path",
+                facts={"field": "eval_config", "value": self.eval_config, "datasets": named}))
 
     def _reward_key_consistent(self) -> None:
         """--reward-key / --eval-reward-key select from a dict reward: with none possible they would do nothing."""
