@@ -179,7 +179,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
         rows = short_prompts(run, rows)
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
     run.eval_datasets = {} if cfg.replay else {d.name: d for d in cfg.eval_datasets()}  # a replay has no engine
-    run.eval_sets = {name: eval_rows(d, cfg.eval_max_samples) for name, d in run.eval_datasets.items()}
+    run.eval_sets = {name: eval_rows(d, cfg.eval_max_samples, run) for name, d in run.eval_datasets.items()}
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
     load_hooks(run)
     run.probe = probe_prompts(run)
@@ -192,27 +192,35 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
                                                   "save": checkpoint.normalize(cfg.save)})
 
 
-def eval_rows(d, limit: int) -> list:
+def eval_rows(d, limit: int, run: Run | None = None) -> list:
     """The first `limit` rows of eval set `d` (a resolved EvalDataset: its keys; its rm_type and
-    metadata_overrides in each row's metadata, where the per-sample reward reads them)."""
+    metadata_overrides in each row's metadata, where the per-sample reward reads them); with `run`, rows over
+    --eval-max-prompt-len tokens are dropped first."""
     import dataclasses
 
     from engine.data import load_prompts
 
     rows = load_prompts(d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                        flag="--eval-prompt-data")[:limit]
+                        flag="--eval-prompt-data")
+    if run is not None and run.cfg.eval_max_prompt_len:
+        rows = short_prompts(run, rows, run.cfg.eval_max_prompt_len, "--eval-max-prompt-len",
+                             f"eval set {d.name!r}")
+    rows = rows[:limit]
     if d.rm_type is None and not d.metadata_overrides:
         return rows
     return [dataclasses.replace(r, metadata=d.row_metadata(r.metadata)) for r in rows]
 
 
-def short_prompts(run: Run, rows: list) -> list:
-    """--rollout-max-prompt-len: the rows whose rendered prompt fits (slime drops the others when it loads the
-    data); the dropped ones are logged; none left is a DATA error."""
+def short_prompts(run: Run, rows: list, limit: int | None = None, flag: str = "--rollout-max-prompt-len",
+                  data: str = "--prompt-data") -> list:
+    """`flag` (--rollout-max-prompt-len, or --eval-max-prompt-len for an eval set): the rows whose rendered prompt
+    has at most `limit` tokens (slime drops the others when it loads the data); the dropped ones are logged; none
+    left is a DATA error."""
     from engine.diagnosis import DiagnosisError
     from engine.modeling import render_prompt
 
-    cfg, limit = run.cfg, run.cfg.rollout_max_prompt_len
+    cfg = run.cfg
+    limit = cfg.rollout_max_prompt_len if limit is None else limit
     kept, dropped = [], []
     for r in rows:
         # a token is at least one byte: a prompt of fewer bytes than the limit is kept without tokenizing it
@@ -227,15 +235,15 @@ def short_prompts(run: Run, rows: list) -> list:
             dropped.append((r.row, n))
     if dropped:
         lines = ", ".join(str(line) for line, _ in dropped[:10]) + (" …" if len(dropped) > 10 else "")
-        log.warning("--rollout-max-prompt-len %d: dropped %d of %d --prompt-data rows (lines %s; longest %d tokens)",
-                    limit, len(dropped), len(rows), lines, max(n for _, n in dropped))
+        log.warning("%s %d: dropped %d of %d %s rows (lines %s; longest %d tokens)",
+                    flag, limit, len(dropped), len(rows), data, lines, max(n for _, n in dropped))
     if not kept:
         raise DiagnosisError(Diagnosis(
             code="DATA", severity="error",
-            what=f"--rollout-max-prompt-len {limit} drops every one of the {len(rows)} --prompt-data rows (the "
-                 f"shortest has {min(n for _, n in dropped)} tokens)",
-            fix=f"--rollout-max-prompt-len {min(n for _, n in dropped)} or more, or drop the flag",
-            facts={"field": "rollout_max_prompt_len", "value": limit}))
+            what=f"{flag} {limit} drops every one of the {len(rows)} {data} rows (the shortest has "
+                 f"{min(n for _, n in dropped)} tokens)",
+            fix=f"{flag} {min(n for _, n in dropped)} or more, or drop the flag",
+            facts={"field": flag[2:].replace("-", "_"), "value": limit}))
     return kept
 
 

@@ -41,6 +41,7 @@ FLAG_TESTS = {
     "eval_label_key": "test_eval_config.py::test_eval_key_and_top_k_flags_are_every_sets_default",
     "skip_eval_before_train": "test_eval_config.py::test_a_run_with_an_eval_config_that_skips_the_evaluation_before_training",
     "log_passrate": "test_hooks.py::test_log_passrate_logs_pass_at_k_of_the_rollout",
+    "eval_max_prompt_len": "test_flag_wiring.py::test_eval_max_prompt_len_drops_long_eval_rows_before_the_eval_max_samples_are_taken",
     "group_rm": "test_data.py::test_async_group_and_dict_rewards",
     # rollout
     "rollout_batch_size": "test_config.py::test_derived_numbers_are_computed_once",

@@ -384,3 +384,30 @@ def test_rollout_max_prompt_len_drops_the_long_rows_when_the_data_is_loaded(tmp_
     assert [d.code for d in prompts_fit_context(cfg, Environment())] == ["DATA"]
     assert prompts_fit_context(RunConfig(**{**cfg.model_dump(), "rollout_max_prompt_len": 64}), Environment()) == []
     assert "rollout_max_prompt_len" in RunConfig(rollout_max_prompt_len=64).fixed_settings()
+
+
+def test_eval_max_prompt_len_drops_long_eval_rows_before_the_eval_max_samples_are_taken(tmp_path, caplog):
+    """slime's --eval-max-prompt-len: the same as --rollout-max-prompt-len for each eval set, before
+    --eval-max-samples; the log names the set; preflight does not count the dropped rows against the context."""
+    import json
+    import logging
+
+    from engine import stages
+    from engine.doctor.checks import Environment, prompts_fit_context
+
+    p = tmp_path / "e.jsonl"
+    prompts = ["7+" * 1100, "1+1=", "12+34=", "2+2=", "3+3="]
+    p.write_text("".join(json.dumps({"prompt": q, "label": "1"}) + "\n" for q in prompts))
+    over = dict(apply_chat_template=True, eval_prompt_data=["long", str(p)], eval_max_samples=2)
+    run = _run(tmp_path, eval_max_prompt_len=64, **over)
+    with caplog.at_level(logging.WARNING):
+        stages.load_driver_side(run, SimpleNamespace(run_id=None))
+    assert [r.row for r in run.eval_sets["long"]] == [2, 3]  # row 1 dropped, then the first 2 kept
+    assert "--eval-max-prompt-len 64: dropped 1 of 5 eval set 'long' rows (lines 1;" in caplog.text
+    run = _run(tmp_path, **over)
+    stages.load_driver_side(run, SimpleNamespace(run_id=None))
+    assert [r.row for r in run.eval_sets["long"]] == [1, 2]
+    cfg = RunConfig(rollout_max_response_len=8, **over)
+    assert [d.code for d in prompts_fit_context(cfg, Environment())] == ["DATA"]
+    assert prompts_fit_context(RunConfig(eval_max_prompt_len=64, rollout_max_response_len=8, **over),
+                               Environment()) == []

@@ -72,6 +72,10 @@ class DataArgs(Section):
                              "(it names the metrics eval/<name>_accuracy)")
         return v or None
 
+    eval_max_prompt_len: Optional[int] = Field(None, ge=1)
+    """Drop eval prompts of more tokens than this (after the chat template) when an eval set is loaded (slime's
+    flag), before --eval-max-samples are taken; the dropped lines are logged, and a set left empty is a DATA error."""
+
     eval_top_k: Optional[int] = None
     """Top-k of the evaluation (slime's flag); -1 = off. Default: --rollout-top-k."""
 

@@ -584,7 +584,8 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
                 n = len(render_prompt(tok, r.prompt, cfg.apply_chat_template))
             except Exception:  # noqa: BLE001 — a prompt the template refuses: the rollout reports it
                 continue
-            if flag == "--prompt-data" and cfg.rollout_max_prompt_len and n > cfg.rollout_max_prompt_len:
+            cap = cfg.rollout_max_prompt_len if flag == "--prompt-data" else cfg.eval_max_prompt_len
+            if cap and n > cap:
                 continue  # dropped when the data is loaded (stages.short_prompts)
             if n > room:
                 long.append((r.row, n))
