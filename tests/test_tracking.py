@@ -23,7 +23,7 @@ from engine.tracking.secrets import REDACTED, is_secret_key, redact, redact_text
 # ---- secrets ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key, secret", [
     ("api_key", True), ("api-key", True), ("hf_token", True), ("client_secret", True), ("password", True),
-    ("aws_secret_access_key", True), ("AUTHORIZATION", True), ("credentials", True),
+    ("aws_secret_access_key", True), ("AUTHORIZATION", True), ("credentials", True), ("wandb_key", True),
     # flags whose names merely contain "token" or "key" are not secrets
     ("rollout_stop_token_ids", False), ("input_key", False), ("label_key", False), ("max_tokens_per_gpu", False),
     ("tokenizer", False), ("kl_loss_type", False),
@@ -38,10 +38,11 @@ def test_run_params_never_hold_secrets_and_keep_the_rest():
     hf, sk = "hf_" + "a1B2" * 9, "sk-" + "Zy9" * 8
     cfg = RunConfig(sglang_args={"api-key": "plain-words-not-a-pattern", "model-path": f"/m?token={hf}"},
                     mlflow_tracking_uri="https://alice:hunter2pass@mlflow.example.com/", run_name=f"run {sk}",
-                    rollout_stop_token_ids=[7, 9], input_key="question")
+                    rollout_stop_token_ids=[7, 9], input_key="question", use_wandb=True,
+                    wandb_key="plain-wandb-key-no-pattern")
     params = run_params(cfg)
     text = json.dumps(params)
-    for secret in ("plain-words-not-a-pattern", hf, "hunter2pass", sk):
+    for secret in ("plain-words-not-a-pattern", hf, "hunter2pass", sk, "plain-wandb-key-no-pattern"):
         assert secret not in text, secret
     assert params["sglang_args"]["api-key"] == REDACTED
     assert params["mlflow_tracking_uri"] == f"https://alice:{REDACTED}@mlflow.example.com/"  # user and host kept

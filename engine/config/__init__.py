@@ -32,7 +32,9 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
-                "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data"}
+                "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
+                "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
+                "wandb_host", "wandb_run_id", "log_passrate"}
 
 
 #: Settings a resume keeps: the checkpoint's manifest records them, and a resume that changes one fails with the

@@ -1,7 +1,7 @@
 """Run identity, work directory, tracking and reporting flags."""
-from typing import Optional
+from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.config.base import Section
 
@@ -33,6 +33,33 @@ class TrackingArgs(Section):
     """Every N rollouts (and the last) log the rollout's samples as JSONL and redraw the plots in MLflow (plots at
     most once a minute; 0 = off)."""
 
+    use_wandb: bool = False
+    """Also log every metric and the run's flags to Weights & Biases (slime's flag), beside MLflow, which stays the run's record (resume, `rollflow compare`). Needs `pip install wandb`. Each metric section has its own x-axis (`rollout/step`, `eval/step`, …); a resumed run continues its W&B run (its id is the MLflow run's). A W&B failure is reported once and training goes on. docs/mlflow.md, "Weights & Biases"."""
+
+    wandb_project: Optional[str] = None
+    """W&B project (slime's flag). Default: --experiment-name."""
+
+    wandb_team: Optional[str] = None
+    """W&B entity, a team or user (slime's flag). Default: the API key's user."""
+
+    wandb_group: Optional[str] = None
+    """W&B run group (slime's flag), e.g. to show several runs of one sweep together."""
+
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online: stream to the W&B server; offline: write under --wandb-dir only, `wandb sync DIR` uploads later (a cluster without internet)."""
+
+    wandb_dir: Optional[str] = None
+    """Where W&B writes its files (slime's flag). Default: <work_dir>/wandb."""
+
+    wandb_key: Optional[str] = None
+    """W&B API key (slime's flag). A secret: never logged, never a param or artifact. Default: $WANDB_API_KEY or `wandb login`'s."""
+
+    wandb_host: Optional[str] = None
+    """W&B server URL for a self-hosted W&B (slime's flag). Default: W&B's cloud."""
+
+    wandb_run_id: Optional[str] = None
+    """Log into this W&B run id (slime's flag; created if missing). Default: the MLflow run's id, so a resumed run continues its W&B run."""
+
     log_passrate: bool = False
     """Also log pass@k for k = 1, 2, 4, … up to the samples per prompt (slime's flag): rollout/pass_at_<k> over each rollout's groups, eval/<set>_pass_at_<k> over an eval set's prompts (with more than one sample per prompt). The unbiased estimator 1 − C(n−c, k) / C(n, k) of n samples with c correct, where a reward of 1 is correct, as slime counts."""
 
@@ -48,3 +75,26 @@ class TrackingArgs(Section):
     debug: bool = False
     """Show Prefect's tracebacks on the terminal for a diagnosed failure too (without it the terminal shows the
     diagnosis; the tracebacks stay in the Prefect UI's logs)."""
+
+    @model_validator(mode="after")
+    def _wandb(self) -> "TrackingArgs":
+        """--wandb-* without --use-wandb would do nothing; --use-wandb without the package cannot work."""
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        set_ = [f"--{k.replace('_', '-')}" for k in ("wandb_project", "wandb_team", "wandb_group", "wandb_dir",
+                                                     "wandb_key", "wandb_host", "wandb_run_id") if getattr(self, k)]
+        if self.wandb_mode != "online":
+            set_.append(f"--wandb-mode {self.wandb_mode}")
+        if set_ and not self.use_wandb:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                        what=f"{', '.join(set_)} without --use-wandb: nothing is sent to W&B",
+                                        fix="add --use-wandb, or drop them", facts={"field": "use_wandb"}))
+        if self.use_wandb:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                            what="--use-wandb, but the wandb package is not installed",
+                                            fix="pip install wandb (or drop --use-wandb: MLflow records the run)",
+                                            facts={"field": "use_wandb"}))
+        return self

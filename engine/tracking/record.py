@@ -84,6 +84,11 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
     tracker.start(run_name, manifest_run, tags=tags, params=run_params(cfg), resume=resume_info,
                   flow_run_id=flow_run_id)
     _safely("config", lambda: tracker.log_text(art.as_yaml(redact(cfg.model_dump(mode="json"))), "config.yaml"))
+    if cfg.use_wandb:
+        from engine.tracking.wandb_mirror import WandbMirror
+
+        tracker.mirror = WandbMirror.start(cfg, run_name=tracker.run_name or run_name, run_id=tracker.run_id,
+                                           config=cfg.model_dump(mode="json"))
     tracker.sampler = SystemSampler(tracker, cfg.system_metrics_interval).start() \
         if cfg.system_metrics_interval > 0 else None
     return tracker

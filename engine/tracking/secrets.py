@@ -2,7 +2,7 @@
 
 A value is secret when
 - its key names a secret: the key (lower case, `-` → `_`) ends in password, passwd, secret, token, api_key, apikey,
-  access_key, secret_key, private_key, credential(s), auth or authorization (`client_secret`, `hf_token`,
+  access_key, secret_key, private_key, credential(s), auth, authorization or wandb_key (`client_secret`, `hf_token`,
   `sglang_args["api-key"]`); `rollout_stop_token_ids` and `input_key` do not match: only the ending counts;
 - or it looks like one, wherever it appears: a Hugging Face (`hf_…`), OpenAI-style (`sk-…`), GitHub (`ghp_…`,
   `github_pat_…`), Slack (`xox?-…`) or AWS (`AKIA…`) key, a JWT, a `Bearer …` header, the password of a URL
@@ -17,7 +17,7 @@ from typing import Any
 REDACTED = "<redacted>"
 
 _SECRET_KEY = re.compile(r"(^|_)(password|passwd|secret|token|api_?key|access_key|secret_key|private_key|"
-                         r"credentials?|auth|authorization)$")
+                         r"credentials?|auth|authorization|wandb_key)$")
 _SECRET_VALUES = [
     re.compile(r"hf_[A-Za-z0-9]{30,}"),  # long distinctive prefixes: matched even when glued to other text
     re.compile(r"gh[pousr]_[A-Za-z0-9]{30,}"),
