@@ -264,7 +264,7 @@ def select_key(reward: float | dict[str, float], key: str | None) -> float | dic
     rm_type)."""
     if key is not None and isinstance(reward, dict) and key not in reward:
         raise ValueError(f"the reward dict has no key {key!r} (--reward-key / --eval-reward-key); its keys: "
-                       f"{', '.join(sorted(reward))}")
+                         f"{', '.join(sorted(reward))}")
     return reward
 
 

@@ -200,8 +200,9 @@ def eval_rows(d, limit: int, run: Run | None = None) -> list:
 
     from engine.data import load_prompts
 
+    flag = "--eval-config" if run is not None and run.cfg.eval_config else "--eval-prompt-data"  # errors name it
     rows = load_prompts(d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                        flag="--eval-prompt-data")
+                        flag=flag)
     if run is not None and run.cfg.eval_max_prompt_len:
         rows = short_prompts(run, rows, run.cfg.eval_max_prompt_len, "--eval-max-prompt-len",
                              f"eval set {d.name!r}")
@@ -735,12 +736,40 @@ def replayed(run: Run, rollout_id: int) -> RolloutBatch:
                                    hf_checkpoint=cfg.hf_checkpoint)
     kept = {k: v for k, v in saved.items() if k.startswith("rollout/") and k not in ("rollout/seconds",
                                                                                       "rollout/tokens_per_s")}
+    if cfg.reward_key is not None and rekeyed(groups, cfg.reward_key, cfg.load_debug_rollout_data):
+        rewards = [s.scalar_reward for g in groups for s in g]  # the recording's reward mean was of another key
+        mean = sum(rewards) / max(len(rewards), 1)
+        kept.update({"rollout/reward_mean": mean,
+                     "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1)) ** 0.5})
     metrics = publish(run, rollout_id, {**kept, "rollout/replayed": 1.0, "rollout/seconds": time.perf_counter() - t0})
     if run.tracker is not None:
         from engine.tracking.record import log_rollout
 
         log_rollout(run.tracker, cfg, rollout_id, groups, run.history_copy())
     return RolloutBatch(rollout_id, groups, metrics)
+
+
+def rekeyed(groups: list[list[Sample]], key: str, source: str) -> bool:
+    """--reward-key on replayed samples (the same recording, another key of its dict rewards): True when a
+    sample's training reward changed; a dict without the key is a DATA error naming the keys it has."""
+    from engine.diagnosis import DiagnosisError
+    from engine.rewards import select_key
+
+    changed = False
+    for g in groups:
+        for smp in g:
+            if not isinstance(smp.reward, dict) or smp.reward_key == key:
+                continue
+            try:
+                select_key(smp.reward, key)
+            except ValueError as e:
+                raise DiagnosisError(Diagnosis(
+                    code="DATA", severity="error",
+                    what=f"{source}, sample {smp.index} of rollout {smp.rollout_id}: {e}",
+                    fix="--reward-key one of those keys, or drop it to train on the recorded reward",
+                    facts={"field": "reward_key", "value": key})) from None
+            smp.reward_key, changed = key, True
+    return changed
 
 
 PARTIAL_FILE = "rollout_buffer.json"

@@ -232,3 +232,35 @@ def test_a_saved_rollout_gets_the_permissions_open_would_give(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_a_replay_may_train_on_another_key_of_the_recorded_dict_rewards(tmp_path, monkeypatch):
+    """--reward-key on a replay: the same recorded samples, another key of their dict rewards (the recording
+    trained on "score"); the rollout's reward mean follows; a key the dicts lack is a DATA error naming theirs."""
+    from types import SimpleNamespace
+
+    from engine import model_shape, stages
+    from engine.config import RunConfig
+    from engine.rollout import replay
+
+    pattern = str(tmp_path / "rollout_{rollout_id}.json")
+    meta = {"hf_checkpoint": "m", "rollout_batch_size": 2, "n_samples_per_prompt": 3, "weight_version": 0}
+    replay.save(pattern, 0, _groups(), {"rollout/reward_mean": 0.333}, meta)
+    RunConfig(load_debug_rollout_data=pattern, eval_prompt_data=[], reward_key="format")  # a dict source now
+
+    groups, _, _ = replay.load(pattern, 0, batch_size=2, n=3, vocab_size=None, hf_checkpoint="m")
+    assert stages.rekeyed(groups, "format", pattern)
+    assert [s.scalar_reward for g in groups for s in g] == [0.5] * 6
+    assert not stages.rekeyed(groups, "format", pattern)  # already that key
+    with pytest.raises(DiagnosisError, match="has no key 'quality'.*its keys: format, score"):
+        stages.rekeyed(groups, "quality", pattern)
+
+    # through the replayed rollout stage: what it publishes is the mean of the chosen key
+    published = {}
+    monkeypatch.setattr(stages, "publish", lambda run, step, m: published.update(m) or m)
+    monkeypatch.setattr(model_shape, "read", lambda d: SimpleNamespace(vocab_size=None))
+    cfg = SimpleNamespace(load_debug_rollout_data=pattern, rollout_batch_size=2, n_samples_per_prompt=3,
+                          model_dir=None, hf_checkpoint="m", reward_key="format")
+    batch = stages.replayed(SimpleNamespace(cfg=cfg, tracker=None), 0)
+    assert published["rollout/reward_mean"] == 0.5 and published["rollout/reward_std"] == 0.0
+    assert all(s.reward_key == "format" for g in batch.groups for s in g)

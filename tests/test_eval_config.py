@@ -90,6 +90,10 @@ def test_it_replaces_eval_prompt_data_and_what_starts_no_engine_refuses_it(tmp_p
     with pytest.raises(ConfigError, match="names an rm_type for a, but --custom-rm-path m:f scores every sample"):
         RunConfig(eval_config=_yaml(tmp_path, f"eval: {{datasets: [{{name: a, path: {BUNDLED_TEST}, rm_type: f1}}]}}",
                                     "f.yaml"), custom_rm_path="m:f")
+    f1 = _yaml(tmp_path, f"eval: {{datasets: [{{name: qa, path: {BUNDLED_TEST}, rm_type: f1}}]}}", "f1.yaml")
+    RunConfig(eval_config=f1, eval_reward_key="recall")  # f1's dict, from the set's own rm_type
+    with pytest.raises(ConfigError, match="--eval-reward-key 'recall': the rewards of this run are numbers"):
+        RunConfig(eval_config=path, eval_reward_key="recall")
     RunConfig(eval_config=path, eval_prompt_data=[])  # '' beside it is no conflict
     RunConfig(eval_config=path, eval_prompt_data=[], eval_function_path="m:f")  # the sets the function reads
 

@@ -56,7 +56,17 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         return [flag for flag, on in (("--custom-rm-path", self.custom_rm_path), ("--rm-type remote_rm", self.rm_url),
                                       (f"--rm-type {self.rm_type}", self.rm_type in ("f1", "boxed_f1")),
                                       ("--metadata-key (a row's rm_type)", self.metadata_key),
-                                      ("--rollout-function-path", self.rollout_function_path)) if on]
+                                      ("--rollout-function-path", self.rollout_function_path),
+                                      ("--load-debug-rollout-data (the recorded rewards)",
+                                       self.load_debug_rollout_data)) if on]
+
+    def eval_dict_reward_sources(self) -> list[str]:
+        """dict_reward_sources, plus --eval-config sets whose own rm_type can give a dict."""
+        if not self.eval_config:
+            return self.dict_reward_sources()
+        return self.dict_reward_sources() + [f"--eval-config {d.name}'s rm_type {d.rm_type}"
+                                             for d in self.eval_datasets() if d.rm_type in ("f1", "boxed_f1",
+                                                                                            "remote_rm")]
 
     def has_eval(self) -> bool:
         """Eval sets are given (--eval-prompt-data or --eval-config)."""
@@ -107,7 +117,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 fix = f"drop {flag} (the function picks its own rewards)"
             elif field == "eval_reward_key" and not self.has_eval():
                 what, fix = f"{flag} {key!r} with no --eval-prompt-data: no evaluation runs", f"drop {flag}"
-            elif not self.dict_reward_sources():
+            elif not (self.eval_dict_reward_sources() if field == "eval_reward_key" else self.dict_reward_sources()):
                 what = (f"{flag} {key!r}: the rewards of this run are numbers (--rm-type {self.rm_type}), so there is "
                         "no dict to select from")
                 fix = (f"drop {flag}, or return a dict of rewards from --custom-rm-path (or the --rm-url service, "

@@ -141,7 +141,7 @@ class DataArgs(Section):
     """Call the custom reward once per group: fn(samples) -> list of rewards."""
 
     reward_key: Optional[str] = None
-    """When the reward is a dict (f1's {"score", "precision", "recall"}, a custom reward's, the --rm-url service's, a --rollout-function-path's): the key whose value is the training reward (slime's flag), e.g. `--rm-type f1 --reward-key recall`. Unset: its "score" key, else the mean of its values. Every key is still logged. A scored dict without the key fails that sample (FAILED, the dict's keys in its metadata); one a rollout function set is a HOOK error. A number reward is used as it is. Refused where every reward is a number (--rm-type exact_match / math without --metadata-key, no custom reward or rollout function)."""
+    """When the reward is a dict (f1's {"score", "precision", "recall"}, a custom reward's, the --rm-url service's, a --rollout-function-path's): the key whose value is the training reward (slime's flag), e.g. `--rm-type f1 --reward-key recall`. Unset: its "score" key, else the mean of its values. Every key is still logged. A scored dict without the key fails that sample (FAILED, the dict's keys in its metadata); one a rollout function set is a HOOK error. A number reward is used as it is. With --load-debug-rollout-data: another key of the recorded rewards (the same samples, another reward). Refused where every reward is a number (--rm-type exact_match / math without --metadata-key, no custom reward, rollout function or replay)."""
 
     eval_reward_key: Optional[str] = None
     """The same for the evaluation's accuracy (slime's flag); unset: --reward-key."""
