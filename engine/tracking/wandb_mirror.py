@@ -10,6 +10,7 @@ mirror stops; MLflow still has everything.
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ class WandbMirror:
         self.run, self.key = run, key
         self.sections: set[str] = set()
         self.failed: str | None = None
+        self._lock = threading.Lock()  # the stages and the system sampler's thread log at once
 
     def clean(self, text: str) -> str:
         """`text` without secrets: the known patterns, and the --wandb-key itself (whatever it looks like)."""
@@ -54,7 +56,11 @@ class WandbMirror:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """One W&B log call per metric section, with that section's step."""
-        if self.failed:
+        with self._lock:
+            self._log(metrics, step)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.failed or self.run is None:
             return
         try:
             by: dict[str, dict[str, float]] = {}
@@ -73,17 +79,18 @@ class WandbMirror:
     def finish(self, ok: bool) -> None:
         """Finish the W&B run; then stop W&B's service process (wandb-core), which wandb.init started, unless
         another W&B run of this process still uses it."""
-        if self.run is None:
-            return
-        try:
-            import wandb
+        with self._lock:
+            if self.run is None:
+                return
+            try:
+                import wandb
 
-            self.run.finish(exit_code=0 if ok else 1)
-            if wandb.run is None:
-                wandb.teardown()
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
-        self.run = None
+                self.run.finish(exit_code=0 if ok else 1)
+                if wandb.run is None:
+                    wandb.teardown()
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+            self.run = None
 
     def _fail(self, e: BaseException) -> None:
         from engine.tracking import TrackingWarning
