@@ -207,3 +207,13 @@ def test_pass_rates_are_the_unbiased_estimator():
                    len(list(combinations(range(8), k))) for g in groups) / len(groups)
         assert abs(v - want) < 1e-12, (k, v, want)
     assert pass_rates([[1.0], [0.0]]) == {}
+
+
+def test_the_example_file_loads_from_the_repository_root(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    sets = RunConfig(eval_config="examples/eval/sets.yaml").eval_datasets()
+    assert [(d.name, d.n_samples_per_eval_prompt, d.temperature) for d in sets] == [("test", 1, None),
+                                                                                  ("test_at_8", 8, 1.0)]
+    assert all(Path(d.path).is_file() for d in sets)
