@@ -117,3 +117,31 @@ def test_readme_flag_reference_matches_the_code():
     readme = (Path(__file__).parent.parent / "docs" / "flags.md").read_text()
     block = readme.split(START, 1)[1].split(END, 1)[0]
     assert block.strip() == flags_markdown().strip(), "run: python -m engine.config.docs --write docs/flags.md"
+
+
+def test_num_epoch_makes_num_rollout_from_the_rows_of_the_data(tmp_path):
+    """slime's --num-epoch: --num-rollout = epochs × (rows // --rollout-batch-size), through the command line and
+    a YAML config; a dumped config reads back; a contradicting --num-rollout, a data source, too few rows are
+    CONFIG errors."""
+    import json
+
+    from engine.config.cli import parse_args
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(10)))
+    cfg = RunConfig(prompt_data=str(data), rollout_batch_size=4, num_epoch=3)
+    assert cfg.num_rollout == 6 and cfg.batch.train_iters == 6  # 10 // 4 = 2 a pass: the lr schedule's length too
+    assert RunConfig(**cfg.model_dump()).num_rollout == 6
+    # a train worker on another node reads the dump without the data file (nothing assumed shared)
+    assert RunConfig.from_dump({**cfg.model_dump(), "prompt_data": str(tmp_path / "not-here.jsonl")}).num_rollout == 6
+    assert RunConfig(prompt_data=f"{data}@[0:8]", rollout_batch_size=4, num_epoch=1).num_rollout == 2
+    assert parse_args(["--prompt-data", str(data), "--rollout-batch-size", "2", "--num-epoch", "2"]).num_rollout == 10
+    conf = tmp_path / "run.yaml"
+    conf.write_text(f"prompt_data: {data}\nrollout_batch_size: 5\nnum_epoch: 1\n")
+    assert parse_args(["--config", str(conf)]).num_rollout == 2
+    for over, msg in ((dict(num_rollout=5), "makes --num-rollout 6 .10 rows // --rollout-batch-size 4 × 3., but "
+                                            "--num-rollout 5 is set too"),
+                      (dict(data_source_path="m:Source"), "a data source has no number of rows"),
+                      (dict(rollout_batch_size=16), "has 10 rows, fewer than one rollout's --rollout-batch-size 16")):
+        with pytest.raises(ConfigError, match=msg):
+            RunConfig(**{**dict(prompt_data=str(data), rollout_batch_size=4, num_epoch=3), **over})

@@ -94,6 +94,8 @@ def test_it_replaces_eval_prompt_data_and_what_starts_no_engine_refuses_it(tmp_p
     RunConfig(eval_config=f1, eval_reward_key="recall")  # f1's dict, from the set's own rm_type
     with pytest.raises(ConfigError, match="--eval-reward-key 'recall': the rewards of this run are numbers"):
         RunConfig(eval_config=path, eval_reward_key="recall")
+    moved = {**RunConfig(eval_config=path).model_dump(), "eval_config": str(tmp_path / "only-on-the-driver.yaml")}
+    assert RunConfig.from_dump(moved).eval_config.endswith("only-on-the-driver.yaml")  # a worker does not read it
     RunConfig(eval_config=path, eval_prompt_data=[])  # '' beside it is no conflict
     RunConfig(eval_config=path, eval_prompt_data=[], eval_function_path="m:f")  # the sets the function reads
 

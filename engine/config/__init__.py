@@ -9,7 +9,7 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import ValidationInfo, model_validator
 
 from engine.config.algorithm import AlgorithmArgs
 from engine.config.checkpoint import CheckpointArgs
@@ -21,6 +21,30 @@ from engine.config.rollout import RolloutArgs
 from engine.config.tracking import TrackingArgs
 from engine.config.train import TrainArgs
 from engine.packing.arithmetic import BatchPlan, batch_plan
+
+def prompt_rows(spec: str, **keys: Any) -> int:
+    """Rows of a prompt file (its `@[a:b]` slice applied), cached by the file's path, size and mtime: a config is
+    read several times per run."""
+    import os
+
+    from engine.data import _SLICE
+
+    m = _SLICE.match(spec)
+    path = m["path"] if m else spec
+    try:
+        st = os.stat(path)
+        stamp = (st.st_size, st.st_mtime_ns)
+    except OSError:  # s3:// or missing: load_prompts says which
+        stamp = None
+    key = (spec, stamp, tuple(sorted(keys.items())))
+    if stamp is None or key not in _ROWS:
+        from engine.data import load_prompts
+
+        _ROWS[key] = len(load_prompts(spec, **keys))
+    return _ROWS[key]
+
+
+_ROWS: dict = {}
 
 SECTIONS = [DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
             OrchestrationArgs, TrackingArgs]
@@ -127,14 +151,63 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix,
                                         facts={"field": field, "value": key}))
 
+    @classmethod
+    def from_dump(cls, data: dict[str, Any]) -> "RunConfig":
+        """A config `model_dump()` wrote, read again where the run's files may not be (a train worker on another
+        node): what was resolved from files then (--num-epoch's --num-rollout, --eval-config's sets) is not
+        re-read from them."""
+        return cls.model_validate(data, context={"dumped": True})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _epochs_to_rollouts(cls, data: Any, info: ValidationInfo) -> Any:
+        """--num-epoch: --num-rollout from the rows of --prompt-data (slime's get_num_rollout_per_epoch: rows //
+        --rollout-batch-size, times the epochs). A --num-rollout given beside it must be that number (a config
+        dumped and read again carries both; `from_dump` keeps it without reading the data)."""
+        if not isinstance(data, dict) or data.get("num_epoch") in (None, ""):
+            return data
+        if (info.context or {}).get("dumped"):
+            return data
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        epochs = int(data["num_epoch"])
+        fields = cls.model_fields
+
+        def given(name: str) -> Any:
+            return data.get(name, fields[name].default)
+
+        def error(what: str, fix: str) -> ConfigError:
+            return ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix,
+                                         facts={"field": "num_epoch", "value": epochs}))
+
+        if given("data_source_path"):
+            raise error(f"--num-epoch {epochs} with --data-source-path {given('data_source_path')}: a data source "
+                        "has no number of rows to make epochs of", "--num-rollout N instead of --num-epoch")
+        if epochs < 1:
+            raise error(f"--num-epoch {epochs} is below 1", "--num-epoch 1 or more")
+        rows = prompt_rows(str(given("prompt_data")), input_key=given("input_key"), label_key=given("label_key"),
+                           metadata_key=given("metadata_key"))
+        batch = int(given("rollout_batch_size"))
+        per_epoch = rows // batch
+        if per_epoch == 0:
+            raise error(f"--num-epoch {epochs}: --prompt-data {given('prompt_data')} has {rows} rows, fewer than one "
+                        f"rollout's --rollout-batch-size {batch}", f"--rollout-batch-size {rows} or less, or more data")
+        n = per_epoch * epochs
+        if data.get("num_rollout") not in (None, "") and int(data["num_rollout"]) != n:
+            raise error(f"--num-epoch {epochs} makes --num-rollout {n} ({rows} rows // --rollout-batch-size {batch} × "
+                        f"{epochs}), but --num-rollout {data['num_rollout']} is set too",
+                        "drop one of --num-epoch and --num-rollout")
+        return {**data, "num_rollout": n}
+
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self, info: ValidationInfo) -> "RunConfig":
         self.batch  # raises an RF06 ConfigError with the working values
         self._async_consistent()
         self._replay_consistent()
         self._rollout_only_consistent()
-        self._reward_key_consistent()
-        self._eval_config_consistent()
+        if not (info.context or {}).get("dumped"):  # these read --eval-config's file: checked where it was read
+            self._reward_key_consistent()
+            self._eval_config_consistent()
         if self.eval_function_path and not self.has_eval():
             from engine.diagnosis import ConfigError, Diagnosis
 

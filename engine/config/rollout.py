@@ -25,6 +25,9 @@ class RolloutArgs(Section):
     num_rollout: int = Field(30, ge=1)
     """Number of rollouts (RL iterations) in the run; rollout ids are 0..num_rollout-1."""
 
+    num_epoch: Optional[int] = Field(None, ge=1)
+    """Train for this many passes over --prompt-data instead of a number of rollouts (slime's flag): --num-rollout becomes num_epoch × (rows of --prompt-data // --rollout-batch-size), counted when the config is read. The rows are counted as the file holds them: rows --rollout-max-prompt-len drops later still count, so the data source wraps into the next pass that much sooner. Setting --num-rollout to another value beside it is an error."""
+
     rollout_max_response_len: int = Field(1024, ge=1)
     """Maximum new tokens per sample; a sample that reaches it is TRUNCATED."""
 

@@ -43,7 +43,7 @@ class TrainWorker:
         from engine.train.torch_backend import configure_threads
 
         configure_threads(threads)
-        self.cfg = RunConfig(**cfg_dict)
+        self.cfg = RunConfig.from_dump(cfg_dict)  # on its node: the run's data files may not be there
         self.rank, self.world_size, self.train_iters = rank, world_size, train_iters
         self.device = worker_device()
         if self.device == "cuda":
