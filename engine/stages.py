@@ -177,7 +177,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
                         metadata_key=cfg.metadata_key)
     if cfg.rollout_max_prompt_len:
         rows = short_prompts(run, rows)
-    run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+    run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.sampling_seed)
     run.eval_datasets = {} if cfg.replay else {d.name: d for d in cfg.eval_datasets()}  # a replay has no engine
     run.eval_sets = {name: eval_rows(d, cfg.eval_max_samples, run) for name, d in run.eval_datasets.items()}
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
@@ -669,7 +669,7 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
         else:
             result = generate_rollout(lambda k: _draw(run, k), rollout_id=rollout_id,
                                       batch_size=cfg.rollout_batch_size, n=cfg.n_samples_per_prompt, params=params,
-                                      reward_model=run.reward_model, seed=cfg.seed, engines=run.engines,
+                                      reward_model=run.reward_model, seed=cfg.sampling_seed, engines=run.engines,
                                       round_size=cfg.over_sampling_batch_size if keep else None, keep=keep,
                                       concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout,
                                       max_prompts=len(run.dataset.rows) if keep and isinstance(src, PromptDataSource)
@@ -1247,7 +1247,7 @@ def probe_engines(run: Run, version: int, reference=None, max_new_tokens: int = 
         else:
             outs = client.generate(
                 {"input_ids": run.probe, "return_logprob": True,
-                 "sampling_params": [params.to_sglang(seed=cfg.seed + i) for i in range(len(run.probe))]})
+                 "sampling_params": [params.to_sglang(seed=cfg.sampling_seed + i) for i in range(len(run.probe))]})
             samples = []
             for i, (prompt, o) in enumerate(zip(run.probe, outs)):
                 lps = [float(t[0]) for t in o["meta_info"]["output_token_logprobs"]]
@@ -1371,7 +1371,7 @@ def evaluate(run: Run, step: int) -> float | None:
                                   rollout_id=-1 - step, batch_size=len(eval_rows), n=d.n_samples_per_eval_prompt,
                                   params=eval_sampling_params(run, d),
                                   reward_model=run.reward_model.keyed(run.cfg.eval_reward_key or run.cfg.reward_key),
-                                  seed=run.cfg.seed, engines=run.engines,
+                                  seed=run.cfg.sampling_seed, engines=run.engines,
                                   concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout,
                                   generate=getattr(getattr(run, "hooks", None), "generate", None),
                                   hook_args=hook_args(run, -1 - step, evaluation=True),

@@ -57,6 +57,7 @@ FLAG_TESTS = {
     "n_samples_per_prompt": "test_advantages.py::test_grpo_with_one_sample_per_prompt_is_zero_not_nan",
     "num_rollout": "test_config.py::test_derived_numbers_are_computed_once",
     "num_epoch": "test_config.py::test_num_epoch_makes_num_rollout_from_the_rows_of_the_data",
+    "rollout_seed": "test_hooks.py::test_rollout_seed_seeds_the_sampling_apart_from_seed",
     "rollout_max_response_len": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
     "rollout_temperature": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
     "rollout_top_p": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",

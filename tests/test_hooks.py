@@ -330,6 +330,19 @@ def test_log_passrate_logs_pass_at_k_of_the_rollout(tmp_path, engine_url):
     assert not [k for k in rollout(make_run(tmp_path, engine_url)).metrics if "pass_at" in k]
 
 
+def test_rollout_seed_seeds_the_sampling_apart_from_seed(tmp_path, engine_url):
+    """slime's --rollout-seed: the engines' sampling follows it, not --seed (which still seeds the trainer); a
+    resume keeps it."""
+    def responses(**over):
+        return [s.response for g in rollout(make_run(tmp_path, engine_url, n_samples_per_prompt=4, **over)).groups
+                for s in g]
+
+    assert responses(seed=99, rollout_seed=5) == responses(seed=5)
+    assert responses(seed=99, rollout_seed=5) != responses(seed=99)
+    assert RunConfig(seed=3).sampling_seed == 3 and RunConfig(seed=3, rollout_seed=4).sampling_seed == 4
+    assert "rollout_seed" in RunConfig(rollout_seed=4).fixed_settings()
+
+
 def test_reward_key_flags_are_refused_where_they_would_do_nothing():
     for over, msg in ((dict(reward_key="score"), "--reward-key 'score': the rewards of this run are numbers"),
                       (dict(custom_rm_path="m:f", reward_key=" "), "--reward-key is empty"),

@@ -67,7 +67,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
 #: optimizer state another backend or estimator wrote.
 RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "rollout_batch_size", "n_samples_per_prompt",
                 "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
-                "train_backend", "advantage_estimator", "rollout_max_prompt_len")
+                "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed")
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
@@ -443,6 +443,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                           micro_batch_size=self.micro_batch_size, dp_size=self.dp_size,
                           use_dynamic_batch_size=self.use_dynamic_batch_size,
                           max_tokens_per_gpu=self.max_tokens_per_gpu, cp_size=self.context_parallel_size)
+
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of the data order and the engines' sampling: --rollout-seed, else --seed."""
+        return self.seed if self.rollout_seed is None else self.rollout_seed
 
     def engine_dtype(self, device_type: str) -> str:
         """The built-in engine's dtype on `device_type` ("cuda" / "cpu"): --rollout-dtype, auto resolved."""

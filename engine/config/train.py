@@ -89,7 +89,10 @@ class TrainArgs(Section):
     """Seconds one train call (log-probs or an optimizer step) may take on the workers before it fails."""
 
     seed: int = 1234
-    """Seed for data order, sampling and initialisation."""
+    """Seed for data order, sampling and initialisation (data order and sampling: --rollout-seed when set)."""
+
+    rollout_seed: Optional[int] = None
+    """Seed of the data order and of the engines' sampling only (slime's flag), e.g. to draw other samples from the same initial weights; --seed still seeds the trainer. Default: --seed. Kept on resume, like --seed."""
 
     train_threads: int = Field(0, ge=0)
     """torch CPU threads per train worker (0 = the cores shared by the processes running at once: (cores - 1) / max(workers, engines) in a synchronous run, whose trainer and engines take turns while the driver keeps one core for its bookkeeping; cores / (workers + engines) with --async-mode)."""
