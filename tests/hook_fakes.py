@@ -81,15 +81,21 @@ def wrong_count(args, samples):
     return [0.0], [0.0]
 
 
-def fixed_rollout(args, rollout_id, data_source, evaluation=False):
-    """--rollout-function-path without an engine: B groups of n fixed samples from the data source's prompts."""
+def _fixed_groups(args, data_source, reward):
+    """B groups of n fixed one-token answers ("0", "1", …) from the data source's prompts; reward(j) for answer j."""
     groups = data_source.get_samples(args.rollout_batch_size)
     for g in groups:
         for j, s in enumerate(g):
             s.tokens = s.tokens + [48 + j]
             s.response_length, s.loss_mask, s.rollout_log_probs = 1, [1], [-0.5]
             s.response, s.status = str(j), Status.COMPLETED
-            s.reward = None if j == 0 else float(j)  # None: scored by the run's reward
+            s.reward = reward(j)
+    return groups
+
+
+def fixed_rollout(args, rollout_id, data_source, evaluation=False):
+    """--rollout-function-path without an engine: B groups of n fixed samples from the data source's prompts."""
+    groups = _fixed_groups(args, data_source, lambda j: None if j == 0 else float(j))  # None: the run's reward
     return RolloutFnTrainOutput(samples=groups, metrics={"rollout/custom_metric": 3.0, "note": "text dropped"})
 
 
@@ -159,11 +165,4 @@ def two_part_reward(sample):
 
 def dict_reward_rollout(args, rollout_id, data_source, evaluation=False):
     """--rollout-function-path that sets dict rewards itself (never scored by the run's reward)."""
-    groups = data_source.get_samples(args.rollout_batch_size)
-    for g in groups:
-        for j, s in enumerate(g):
-            s.tokens = s.tokens + [48 + j]
-            s.response_length, s.loss_mask, s.rollout_log_probs = 1, [1], [-0.5]
-            s.response, s.status = str(j), Status.COMPLETED
-            s.reward = {"correct": float(j), "format": 0.5}
-    return groups
+    return _fixed_groups(args, data_source, lambda j: {"correct": float(j), "format": 0.5})
