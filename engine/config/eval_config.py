@@ -80,7 +80,23 @@ class EvalDataset(BaseModel):
 
 def load(path: str) -> list[EvalDataset]:
     """The datasets of an --eval-config file, `defaults` applied; a bad file is a CONFIG error naming the field,
-    the value and the fix."""
+    the value and the fix. Read once per version of the file (a run's config, preflight and the driver all ask)."""
+    import os
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _read(path)  # says why it cannot be read
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key not in _LOADED:
+        _LOADED[key] = _read(path)
+    return list(_LOADED[key])
+
+
+_LOADED: dict[tuple, list[EvalDataset]] = {}
+
+
+def _read(path: str) -> list[EvalDataset]:
     import yaml
 
     from engine.diagnosis import ConfigError, Diagnosis
