@@ -138,7 +138,8 @@ def eos_token_ids(path: str, tokenizer=None) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
-def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool) -> list[int]:
+def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a prompt: chat messages (or a string as one user message) through the template, or raw text.
 
     Raw text is encoded as the tokenizer encodes text by default, so a tokenizer that prepends a BOS (Llama,
@@ -146,10 +147,12 @@ def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool) -> list[int
     model must continue the prompt). slime encodes raw prompts without special tokens; the review that found
     this measured greedy accuracy 0.172 with the BOS and 0.024 without on a Llama-family model. The chat
     template's text is encoded as is: the template writes the special tokens it wants (the doctor warns when a
-    tokenizer adds a BOS to text and the template's prompts lack it)."""
+    tokenizer adds a BOS to text and the template's prompts lack it). template_kwargs: --apply-chat-template-kwargs,
+    passed to the template (e.g. enable_thinking)."""
     if apply_chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if isinstance(prompt, list):
         raise ValueError("a chat-message prompt needs --apply-chat-template")

@@ -229,7 +229,7 @@ def short_prompts(run: Run, rows: list, limit: int | None = None, flag: str = "-
         if not cfg.apply_chat_template and isinstance(r.prompt, str) and len(r.prompt.encode()) + 2 <= limit:
             kept.append(r)
             continue
-        n = len(render_prompt(run.tokenizer, r.prompt, cfg.apply_chat_template))
+        n = len(render_prompt(run.tokenizer, r.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs))
         if n <= limit:
             kept.append(r)
         else:
@@ -269,7 +269,8 @@ def load_hooks(run: Run) -> None:
                          if cfg.dynamic_sampling_filter_path else None)
     run.reward_model.args = hook_args(run, -1)  # for slime-style reward functions fn(args, sample)
     run.data_source = load_data_source(cfg, hook_args(run, -1),
-                                       lambda prompt: render_prompt(run.tokenizer, prompt, cfg.apply_chat_template))
+                                       lambda prompt: render_prompt(run.tokenizer, prompt, cfg.apply_chat_template,
+                                                                     cfg.apply_chat_template_kwargs))
 
 
 def fits_cluster(cfg: RunConfig) -> None:
@@ -453,7 +454,8 @@ def probe_prompts(run: Run, k: int = 4) -> list[list[int]]:
     from engine.modeling import render_prompt
 
     rows = (next(iter(run.eval_sets.values()), None) or run.dataset.rows)[:k]
-    return [render_prompt(run.tokenizer, row.prompt, run.cfg.apply_chat_template) for row in rows]
+    return [render_prompt(run.tokenizer, row.prompt, run.cfg.apply_chat_template,
+                          run.cfg.apply_chat_template_kwargs) for row in rows]
 
 
 def watch_rollout_engines(run: Run) -> None:
@@ -556,7 +558,9 @@ def _prompts(run: Run, rows: list):
     from engine.modeling import render_prompt
     from engine.rollout.loop import Prompt
 
-    return [Prompt(r, render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template)) for r in rows]
+    cfg = run.cfg
+    return [Prompt(r, render_prompt(run.tokenizer, r.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs))
+            for r in rows]
 
 
 def data_source(run: Run):
@@ -566,7 +570,8 @@ def data_source(run: Run):
 
     if getattr(run, "data_source", None) is None:
         run.data_source = PromptDataSource(
-            run.dataset, lambda r: render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template),
+            run.dataset, lambda r: render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template,
+                                                 run.cfg.apply_chat_template_kwargs),
             run.cfg.n_samples_per_prompt)
     return run.data_source
 

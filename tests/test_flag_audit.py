@@ -29,6 +29,8 @@ FLAG_TESTS = {
     "label_key": "test_data.py::test_row_without_input_key_names_line",
     "metadata_key": "test_data.py::test_parquet_with_metadata_and_row_numbers",
     "apply_chat_template": "test_doctor.py::test_rf09_templating_twice",
+    "apply_chat_template_kwargs":
+        "test_flag_wiring.py::test_apply_chat_template_kwargs_reach_every_rendering_of_a_prompt",
     "rollout_shuffle": "test_flag_wiring.py::test_place_flags",
     "rm_type": "test_flag_wiring.py::test_place_flags",
     "custom_rm_path": "test_data.py::test_async_group_and_dict_rewards",

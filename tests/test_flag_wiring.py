@@ -411,3 +411,70 @@ def test_eval_max_prompt_len_drops_long_eval_rows_before_the_eval_max_samples_ar
     assert [d.code for d in prompts_fit_context(cfg, Environment())] == ["DATA"]
     assert prompts_fit_context(RunConfig(eval_max_prompt_len=64, rollout_max_response_len=8, **over),
                                Environment()) == []
+
+
+def _thinking_model(tmp_path):
+    """The bundled model with a Qwen3-style template: `enable_thinking=false` writes an empty think block."""
+    import json
+    import shutil
+
+    d = tmp_path / "thinking-model"
+    shutil.copytree(BUNDLED_MODEL, d)
+    template = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+                "{%- endif %}{%- endif %}")
+    (d / "chat_template.jinja").write_text(template)
+    conf = json.loads((d / "tokenizer_config.json").read_text())
+    conf["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(conf))
+    return str(d)
+
+
+def test_apply_chat_template_kwargs_reach_every_rendering_of_a_prompt(tmp_path):
+    """slime's --apply-chat-template-kwargs: the rollout's prompts, the RF14 probe prompts and the doctor's length
+    check render with them; a key the template never reads, bad JSON, a key rollflow sets itself, or the flag
+    without --apply-chat-template is refused, naming the flag."""
+    from engine import stages
+    from engine.config.cli import parse_args
+    from engine.diagnosis import ConfigError
+    from engine.doctor.checks import Environment, model_dir_usable, prompts_fit_context
+
+    model = _thinking_model(tmp_path)
+    off = '{"enable_thinking": false}'
+    plain = _run(tmp_path, hf_checkpoint=model, apply_chat_template=True)
+    thinking_off = _run(tmp_path, hf_checkpoint=model, apply_chat_template=True, apply_chat_template_kwargs=off)
+    rows = plain.dataset.rows[:2]
+    without = [p.ids for p in stages._prompts(plain, rows)]
+    with_kw = [p.ids for p in stages._prompts(thinking_off, rows)]
+    assert all("<think>" not in plain.tokenizer.decode(ids) for ids in without)
+    assert all(plain.tokenizer.decode(b).endswith("<think>\n\n</think>\n\n") and b[:len(a)] == a
+               for a, b in zip(without, with_kw))
+    thinking_off.dataset.load_state({"epoch": 0, "offset": 0})
+    drawn = stages.data_source(thinking_off).get_samples(1)[0][0]  # what a generate hook / rollout function draws
+    assert drawn.tokens == with_kw[0]
+    thinking_off.eval_sets = {}
+    assert stages.probe_prompts(thinking_off)[0] == with_kw[0]
+    # the doctor's context check counts the longer prompt: a response length that leaves room for the plain
+    # rendering of the longest prompt but not for the think block
+    ctx = 2048
+    longest = max(len(p.ids) for p in stages._prompts(plain, plain.dataset.rows))
+    cfg = dict(hf_checkpoint=model, apply_chat_template=True, eval_prompt_data="",
+               rollout_max_response_len=ctx - longest)
+    assert prompts_fit_context(RunConfig(**cfg), Environment()) == []
+    assert [d.code for d in prompts_fit_context(RunConfig(**cfg, apply_chat_template_kwargs=off), Environment())] \
+        == ["DATA"]
+    assert model_dir_usable(RunConfig(hf_checkpoint=model, apply_chat_template=True,
+                                      apply_chat_template_kwargs=off), Environment()) == []
+    (bad,) = model_dir_usable(RunConfig(hf_checkpoint=model, apply_chat_template=True,
+                                        apply_chat_template_kwargs='{"enable_thinkng": false}'), Environment())
+    assert bad.code == "CONFIG" and "never reads enable_thinkng" in bad.what and "enable_thinking" in bad.what
+    # the command line's JSON; the refusals name the flag
+    cfg = parse_args(["--apply-chat-template", "--apply-chat-template-kwargs", off])
+    assert cfg.apply_chat_template_kwargs == {"enable_thinking": False}
+    for value, why in (("{enable_thinking: false}", "not JSON"), ('["x"]', "a JSON object is needed"),
+                       ('{"add_generation_prompt": false}', "set by rollflow itself")):
+        with pytest.raises(ConfigError, match=f"--apply-chat-template-kwargs.*{why}"):
+            parse_args(["--apply-chat-template", "--apply-chat-template-kwargs", value])
+    with pytest.raises(ConfigError, match="--apply-chat-template is off"):
+        parse_args(["--apply-chat-template-kwargs", off])

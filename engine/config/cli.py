@@ -51,6 +51,8 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field) -> None:
         kwargs.update(nargs="*", type=item, metavar=item.__name__.upper())
     elif tp in (int, float, str):
         kwargs.update(type=tp, metavar=tp.__name__.upper())
+    elif origin is dict and name != "sglang_args":
+        kwargs.update(type=str, metavar="JSON")  # the field's validator parses it (a CONFIG error names the flag)
     else:
         return  # dicts (sglang_args) are filled by the pass-through
     group.add_argument(flag(name), **kwargs)

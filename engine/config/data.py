@@ -1,5 +1,6 @@
 """Model, data and reward flags."""
-from typing import Literal, Optional
+import json
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -9,6 +10,9 @@ from engine.config.base import Section
 BUNDLED_MODEL = str(PROJECT_ROOT / "examples" / "tiny-qwen2-arith")
 BUNDLED_TRAIN = str(PROJECT_ROOT / "examples" / "data" / "arith" / "train.jsonl")
 BUNDLED_TEST = str(PROJECT_ROOT / "examples" / "data" / "arith" / "test.jsonl")
+
+#: the chat template's arguments rollflow sets itself (--apply-chat-template-kwargs may not)
+TEMPLATE_ARGS_SET = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt"})
 
 
 class DataArgs(Section):
@@ -124,6 +128,9 @@ class DataArgs(Section):
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (a string prompt becomes one user message)."""
 
+    apply_chat_template_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the chat template, a JSON object (slime's flag), e.g. `'{"enable_thinking": false}'` for Qwen3's template. Every rendering of a prompt gets them: rollout, evaluation, the length checks and the doctor's. Needs --apply-chat-template."""
+
     rollout_shuffle: bool = False
     """Shuffle prompts every epoch (seeded by --seed)."""
 
@@ -145,6 +152,37 @@ class DataArgs(Section):
 
     eval_reward_key: Optional[str] = None
     """The same for the evaluation's accuracy (slime's flag); unset: --reward-key."""
+
+    @field_validator("apply_chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_json(cls, v: Any) -> Any:
+        """The flag's JSON text (the command line gives a string) → a dict; a YAML file may give the dict."""
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not JSON ({e.msg}); pass an object such as '{{\"enable_thinking\": false}}'") \
+                    from None
+        if not isinstance(v, dict):
+            raise ValueError(f"a JSON object is needed, got {type(v).__name__}")
+        taken = sorted(set(v) & TEMPLATE_ARGS_SET)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} are set by rollflow itself (the messages, tokenize=False, "
+                             "add_generation_prompt=True); leave them out")
+        return v
+
+    @model_validator(mode="after")
+    def _template_kwargs_need_template(self) -> "DataArgs":
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        if self.apply_chat_template_kwargs and not self.apply_chat_template:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--apply-chat-template-kwargs {json.dumps(self.apply_chat_template_kwargs)} is read only by "
+                     "the chat template, and --apply-chat-template is off: prompts are raw text",
+                fix="add --apply-chat-template, or drop --apply-chat-template-kwargs",
+                facts={"field": "apply_chat_template_kwargs", "value": self.apply_chat_template_kwargs}))
+        return self
 
     @model_validator(mode="after")
     def _remote_reward(self) -> "DataArgs":

@@ -357,13 +357,20 @@ def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
                           what=f"--apply-chat-template, but the tokenizer in {path} has no chat template",
                           fix="--no-apply-chat-template (plain-text prompts), or add the base model's chat template "
                               "(chat_template.jinja, or chat_template in tokenizer_config.json)")]
+    if cfg.apply_chat_template_kwargs and (unread := unread_template_kwargs(tok, cfg.apply_chat_template_kwargs)):
+        return [Diagnosis(code="CONFIG", severity="error",
+                          what=f"--apply-chat-template-kwargs: the chat template of {path} never reads "
+                               f"{', '.join(unread)} (it reads {', '.join(template_variables(tok)) or 'no variable'}"
+                               "), so the key would do nothing",
+                          fix="drop the key, or spell it as the template does",
+                          facts={"field": "apply_chat_template_kwargs", "unread": unread})]
     bos = tok.bos_token_id
     adds_bos = bos is not None and tok("x")["input_ids"][:1] == [bos]
     if adds_bos and cfg.apply_chat_template:
         from engine.data import load_prompts
 
         row = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)[0]
-        ids = render_prompt(tok, row.prompt, True)
+        ids = render_prompt(tok, row.prompt, True, cfg.apply_chat_template_kwargs)
         if ids[:1] != [bos]:
             out.append(Diagnosis(code="MODEL", severity="warning",
                                  what=f"the tokenizer in {path} starts text with BOS {tok.bos_token!r} (id {bos}), but "
@@ -569,7 +576,8 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
     overhead = 0
     if cfg.apply_chat_template and tok.chat_template:
         overhead = len(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
-                                               add_generation_prompt=True).encode())
+                                               add_generation_prompt=True,
+                                               **cfg.apply_chat_template_kwargs).encode())
     out = []
     for flag, path, input_key, len_flag, new in files:
         if not path:
@@ -581,7 +589,7 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
             if isinstance(r.prompt, str) and len(r.prompt.encode()) + overhead + 2 <= room:
                 continue
             try:
-                n = len(render_prompt(tok, r.prompt, cfg.apply_chat_template))
+                n = len(render_prompt(tok, r.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs))
             except Exception:  # noqa: BLE001 — a prompt the template refuses: the rollout reports it
                 continue
             cap = cfg.rollout_max_prompt_len if flag == "--prompt-data" else cfg.eval_max_prompt_len
@@ -781,6 +789,24 @@ def pretemplated_data_matches_model(cfg, env: Environment) -> list[Diagnosis]:
                               fix="store plain prompts and pass --apply-chat-template, or re-template the data with "
                                   "this model's tokenizer", facts={"line": r.row, "foreign_markers": foreign})]
     return []
+
+
+def template_variables(tok) -> list[str]:
+    """The names the tokenizer's chat template(s) read (jinja2's undeclared variables)."""
+    import jinja2
+    from jinja2 import meta
+
+    templates = tok.chat_template if isinstance(tok.chat_template, dict) else {"default": tok.chat_template or ""}
+    names: set[str] = set()
+    for text in templates.values():
+        names |= meta.find_undeclared_variables(jinja2.Environment().parse(text))
+    return sorted(names)
+
+
+def unread_template_kwargs(tok, kwargs: dict) -> list[str]:
+    """--apply-chat-template-kwargs keys the template never reads (Jinja ignores them without a word)."""
+    read = set(template_variables(tok))
+    return sorted(k for k in kwargs if k not in read)
 
 
 @check("RF12")
