@@ -102,6 +102,38 @@ def test_policy_objective_closed_form_with_every_term():
     assert float(stats["kl"]) == pytest.approx(0.2, rel=1e-6)  # Σ KL over trained tokens = 0.3 − 0.1
 
 
+def test_unbiased_kl_weights_the_kl_loss_by_the_ratio_with_its_gradient():
+    """--use-unbiased-kl (slime's, DeepSeek-V3.2): the KL term is ρ·KL with ρ = π/π_old, gradient through ρ too.
+    k1, x = log π − log π_ref = [0.3, −0.1], ρ = [e^−0.2, e^0.3]: ℓ_t = ρ_t·x_t, ∂ℓ_t/∂log π_t = ρ_t·(x_t + 1)
+    (without the flag: x_t and 1)."""
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+
+    x, shift = torch.tensor([0.3, -0.1]), torch.tensor([0.2, -0.3])
+    rho = torch.exp(-shift)
+
+    def run(unbiased: bool):
+        lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+        spec = LossSpec(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1", unbiased_kl=unbiased)
+        loss, stats, _ = policy_objective(
+            spec, log_probs=lp, entropy=torch.zeros(2), old_log_probs=lp.detach() + shift,
+            ref_log_probs=lp.detach() - x, rollout_log_probs=lp.detach(), advantages=torch.zeros(2),
+            loss_mask=torch.ones(2), cu_seqlens=torch.tensor([0, 2]), denominator=1)
+        loss.backward()
+        return float(loss), float(stats["kl"]), lp.grad
+
+    loss, kl_sum, grad = run(True)
+    assert loss == pytest.approx(float((rho * x).mean()), rel=1e-6)  # one sample: its token mean
+    assert kl_sum == pytest.approx(float((rho * x).sum()), rel=1e-6)
+    torch.testing.assert_close(grad, rho * (x + 1) / 2)
+    loss, kl_sum, grad = run(False)
+    assert loss == pytest.approx(float(x.mean()), rel=1e-6) and kl_sum == pytest.approx(0.2, rel=1e-6)
+    torch.testing.assert_close(grad, torch.full((2,), 0.5))
+    assert LossSpec.of(RunConfig(use_kl_loss=True, use_unbiased_kl=True)).unbiased_kl
+    with pytest.raises(ConfigError, match="--use-unbiased-kl corrects the KL loss, and --use-kl-loss is off"):
+        RunConfig(use_unbiased_kl=True)
+
+
 def test_value_objective_is_split_invariant_too():
     b = _batch(seed=3)
     spec = LossSpec(value_clip=0.1)

@@ -15,20 +15,27 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+def kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str,
+       importance_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """Elementwise KL estimate of π‖π_ref from x = log π − log π_ref (Schulman's k1/k2/k3).
 
     k1 = x; k2 = x²/2; k3 (= low_var_kl) = e^(−x) − 1 + x, clamped to [−10, 10] (design.md; slime clamps only
-    its low_var_kl spelling, here both spellings are the same estimator).
+    its low_var_kl spelling, here both spellings are the same estimator). importance_ratio (--use-unbiased-kl,
+    DeepSeek-V3.2's correction, as slime): the estimate times π/π_old, so that on tokens sampled from π_old it
+    estimates KL(π‖π_ref) of the current π; it multiplies before the clamp, and it carries its gradient.
     """
     x = log_probs.float() - ref_log_probs.float()  # [T]
     if kind == "k1":
-        return x
-    if kind == "k2":
-        return x.pow(2) / 2
-    if kind in ("k3", "low_var_kl"):
-        return (torch.exp(-x) - 1 + x).clamp(-10, 10)
-    raise ValueError(f"unknown kl kind {kind!r}: one of k1, k2, k3, low_var_kl")
+        out = x
+    elif kind == "k2":
+        out = x.pow(2) / 2
+    elif kind in ("k3", "low_var_kl"):
+        out = torch.exp(-x) - 1 + x
+    else:
+        raise ValueError(f"unknown kl kind {kind!r}: one of k1, k2, k3, low_var_kl")
+    if importance_ratio is not None:
+        out = importance_ratio.float() * out
+    return out.clamp(-10, 10) if kind in ("k3", "low_var_kl") else out
 
 
 def _clip_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float | None,

@@ -1,7 +1,7 @@
 """The objective of one optimizer step, micro-batch by micro-batch, so that it is the same for any DP layout.
 
-Total per-token loss  ℓ_t = w_t·pg_t − entropy_coef·H_t + kl_loss_coef·KL_t   (KL term with --use-kl-loss;
-w_t the TIS weight with --use-tis, else 1). Aggregation over the G samples of the step:
+Total per-token loss  ℓ_t = w_t·pg_t − entropy_coef·H_t + kl_loss_coef·KL_t   (KL term with --use-kl-loss, times
+π/π_old with --use-unbiased-kl; w_t the TIS weight with --use-tis, else 1). Aggregation over the G samples of the step:
   default                      L = (1/G) Σ_i mean_{t ∈ trained(i)} ℓ_t     (per-sample token mean, as slime)
   --calculate-per-token-loss   L = (1/N) Σ_i Σ_{t ∈ trained(i)} ℓ_t        (N = trained tokens of the step)
 Each micro-batch contributes its samples' terms divided by the *global* G (or N), so summing gradients over
@@ -34,6 +34,7 @@ class LossSpec:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
+    unbiased_kl: bool = False
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
@@ -46,7 +47,7 @@ class LossSpec:
         return cls(policy_loss=est if est in ("gspo", "cispo") else "ppo", eps_clip=cfg.eps_clip,
                    eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
                    use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-                   use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
+                   unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
                    per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip)
 
 
@@ -84,7 +85,11 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
         w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip)
         pg = pg * w  # [T]
         stats["tis_clipfrac"] = (tis_clipped * m).sum()
-    kl_t = kl(log_probs, ref_log_probs, spec.kl_loss_type) if ref_log_probs is not None else torch.zeros_like(pg)
+    if ref_log_probs is None:
+        kl_t = torch.zeros_like(pg)
+    else:  # --use-unbiased-kl: weighted by π/π_old (with its gradient), as slime
+        kl_t = kl(log_probs, ref_log_probs, spec.kl_loss_type,
+                  torch.exp(log_probs - old_log_probs) if spec.unbiased_kl else None)
     tok = pg - spec.entropy_coef * entropy  # [T]
     if spec.use_kl_loss:
         tok = tok + spec.kl_loss_coef * kl_t

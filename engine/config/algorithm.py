@@ -33,6 +33,9 @@ class AlgorithmArgs(Section):
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     """KL estimator for the loss, the reward shaping (--kl-coef) and the logged metric."""
 
+    use_unbiased_kl: bool = False
+    """Unbiased KL loss (DeepSeek-V3.2's correction, slime's flag): each token's KL estimate is multiplied by π/π_old (with its gradient), since the tokens were sampled from π_old, not from the π being updated. It changes the KL loss and train/kl; the --kl-coef reward shaping is unchanged. Needs --use-kl-loss."""
+
     kl_coef: float = Field(0.0, ge=0)
     """KL reward shaping for ppo / reinforce_plus_plus(_baseline): token reward −kl_coef · KL(π_old‖π_ref)."""
 
@@ -106,6 +109,10 @@ class AlgorithmArgs(Section):
                       f"importance weight π_old / π_rollout is 1 on every token and {which} does nothing",
                       f"drop --use-rollout-logprobs to correct with {which}, or drop {which}",
                       field="use_rollout_logprobs", value=True)
+        if self.use_unbiased_kl and not self.use_kl_loss:
+            raise err("--use-unbiased-kl corrects the KL loss, and --use-kl-loss is off: there is no KL loss to "
+                      "correct", "add --use-kl-loss --kl-loss-coef C, or drop --use-unbiased-kl",
+                      field="use_unbiased_kl", value=True)
         if self.mis_low >= self.mis_high:
             raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
                       "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)
