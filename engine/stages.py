@@ -136,11 +136,11 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         # Colocated, they share the GPUs: the engines take their memory fraction first, as before.
         # With the engine in train rank 0's process (--rollout-engine-process), the worker starts first and
         # serves the engine once it has loaded the model (its calls run in order).
-        if cfg.replay:  # --load-debug-rollout-data: the rollouts come from files, no engine starts
+        if cfg.no_engines:  # --load-debug-rollout-data, --debug-train-only: no engine starts
             plan_train_only(run)
         else:
             plan_rollout_engines(run)
-        if not run.engine_in_trainer and not cfg.replay:
+        if not run.engine_in_trainer and not cfg.no_engines:
             launch_rollout_engines(run)
         if cfg.colocate:
             run.engines.wait_started()
@@ -178,7 +178,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     if cfg.rollout_max_prompt_len:
         rows = short_prompts(run, rows)
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.sampling_seed)
-    run.eval_datasets = {} if cfg.replay else {d.name: d for d in cfg.eval_datasets()}  # a replay has no engine
+    run.eval_datasets = {} if cfg.no_engines else {d.name: d for d in cfg.eval_datasets()}  # no engine: no eval
     run.eval_sets = {name: eval_rows(d, cfg.eval_max_samples, run) for name, d in run.eval_datasets.items()}
     run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
     load_hooks(run)
@@ -265,6 +265,10 @@ def load_hooks(run: Run) -> None:
 
     cfg = run.cfg
     run.hooks = Hooks.load(cfg)
+    if cfg.custom_loss_function_path:  # called on the train workers; a bad path fails here, before any rollout
+        from engine.rewards import load_function
+
+        load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
     run.sample_filter = (load_filter(cfg.dynamic_sampling_filter_path, hook_args(run, -1))
                          if cfg.dynamic_sampling_filter_path else None)
     run.reward_model.args = hook_args(run, -1)  # for slime-style reward functions fn(args, sample)
@@ -351,7 +355,7 @@ def plan_rollout_engines(run: Run) -> None:
 
 
 def plan_train_only(run: Run) -> None:
-    """--load-debug-rollout-data: no engines; on GPUs a bundle per train rank (`train_only_layout`); the weights
+    """--load-debug-rollout-data, --debug-train-only: no engines; on GPUs a bundle per train rank (`train_only_layout`); the weights
     go nowhere (`run.sync_transport` "none")."""
     from engine import cluster
     from engine.cluster.placement import group_name, place as place_group, remove_leftovers, train_only_layout
@@ -367,8 +371,12 @@ def plan_train_only(run: Run) -> None:
         run.on_gpu = True
     cluster.take_prestarted_engine(None, run.threads_per_process)  # none is started for a replay; killed if it was
     run.sync_transport = "none"
-    log.warning("rollflow: --load-debug-rollout-data: no rollout engine, no weight sync and no evaluation; rollout "
-                "i is read from %s", cfg.load_debug_rollout_data.replace("{rollout_id}", "<i>"))
+    if cfg.replay:
+        log.warning("rollflow: --load-debug-rollout-data: no rollout engine, no weight sync and no evaluation; "
+                    "rollout i is read from %s", cfg.load_debug_rollout_data.replace("{rollout_id}", "<i>"))
+    else:
+        log.warning("rollflow: --debug-train-only: no rollout engine, no weight sync and no evaluation; the "
+                    "rollouts are made by --rollout-function-path %s", cfg.rollout_function_path)
 
 
 def launch_rollout_engines(run: Run, host=None) -> None:
@@ -910,8 +918,11 @@ def old_log_probs_source(run: Run, first: bool) -> str:
     runs the no-grad forward ("forward"): RF01 compares it with the reference. Then --use-rollout-logprobs takes
     the engine's ("rollout"); a rollout trained by one optimizer step on the torch backend, whose old log-probs
     are used only inside that step (no --use-mis, no --kl-coef), takes them from the step's own forward
-    ("train": the same weights, no update before it, so the same numbers without the extra forward)."""
+    ("train": the same weights, no update before it, so the same numbers without the extra forward).
+    --loss-type sft_loss needs none of them ("none")."""
     cfg = run.cfg
+    if cfg.loss_type == "sft_loss":
+        return "none"
     if first:
         return "forward"
     if cfg.use_rollout_logprobs:
@@ -942,7 +953,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     old_from = old_log_probs_source(run, first)
     # the reference forward only where KL is used (worker: --use-kl-loss, --kl-coef), asked for (--log-kl) or
     # checked (RF01, the run's first step)
-    need_ref = first or cfg.log_kl
+    need_ref = (first or cfg.log_kl) and old_from != "none"
     first_parts = None  # step 0's metrics when the workers ran it in the set_rollout call
     if old_from == "forward":  # the mismatch (and on the first step RF01) is judged between the two calls
         facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=need_ref,
@@ -958,7 +969,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         """RF14 on the engine-vs-trainer numbers. It compares the engine with the same weights; a stale batch
         (async) differs by its policy's updates on purpose — there the probe after each sync is the RF14 check."""
         mm = {"train/mismatch": f["mismatch"], "train/mismatch_max": f["mismatch_max"]}
-        if on_policy and not cfg.replay and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=f["mismatch"],
+        if on_policy and not cfg.no_engines and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=f["mismatch"],
                                                   worst=f["mismatch_max"], tokens=trained,
                                                   threshold=cfg.mismatch_threshold(run.engine_dtype),
                                                   engine_dtype=run.engine_dtype, train_dtype=run.train_dtype)):
@@ -981,7 +992,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
             run.train_group.train_step(k, run.plan.global_batch_size)
         faults.at("during_train", rollout_id)
         m = reduce_metrics(parts)
-        if k == 0 and "train/mismatch" not in mismatch:  # reported by the step's own forward
+        if k == 0 and "train/mismatch" not in mismatch and "mismatch" in m:  # reported by the step's own forward
             mismatch.update(check_mismatch(m))
         m["loss"] = sum(p["loss_total"] for p in parts)
         if first and k == 0 and (d := first_step_check(ratio_maxdev=m["ratio_maxdev"])):
@@ -1466,17 +1477,25 @@ def placement_info(run: Run) -> dict[str, Any]:
                         for s in getattr(eng, "slots", [])]}
 
 
+def first_last(series: dict[int, float]) -> tuple[float | None, float | None]:
+    """(mean of the first 3, mean of the last 3) values of a per-rollout series, by rollout id."""
+    ids = sorted(series)
+    first, last = [series[i] for i in ids[:3]], [series[i] for i in ids[-3:]]
+    return (sum(first) / len(first) if first else None), (sum(last) / len(last) if last else None)
+
+
 def summary(run: Run) -> dict[str, Any]:
     rewards = run.history.get("rollout/reward_mean", {})
-    ids = sorted(rewards)
-    first = [rewards[i] for i in ids[:3]]
-    last = [rewards[i] for i in ids[-3:]]
+    reward_first, reward_last = first_last(rewards)
+    loss_first, loss_last = first_last(run.history.get("train/loss", {}))
     return {
-        "rollouts": len(ids),
+        "rollouts": len(rewards),
         "start_rollout": run.state.start_rollout_id,  # this process trained start_rollout .. num_rollout - 1
         "num_rollout": run.cfg.num_rollout,
-        "reward_first": sum(first) / len(first) if first else None,
-        "reward_last": sum(last) / len(last) if last else None,
+        "reward_first": reward_first,
+        "reward_last": reward_last,
+        "loss_first": loss_first,  # train/loss, the same way (what --loss-type sft_loss runs are read by)
+        "loss_last": loss_last,
         "test_accuracy_before": evaluated(run, 0),
         "test_accuracy_after": evaluated(run, run.cfg.num_rollout),
         "wall_s": time.time() - run.state.started_at,

@@ -126,3 +126,16 @@ def evaluate(args, rollout_id: int, data_source, evaluation: bool = True) -> Rol
     scored = asyncio.run(everything())
     return RolloutFnEvalOutput(data={name: {"rewards": [r for r, _ in got], "truncated": [t for _, t in got]}
                                      for name, got in scored.items()})
+
+
+# --loss-type custom_loss --custom-loss-function-path examples/hooks.py:vanilla_policy_gradient
+def vanilla_policy_gradient(args, batch: dict, sum_of_sample_mean) -> tuple:
+    """The policy gradient without PPO's clip: ℓ_t = −ρ_t·A_t with ρ = π/π_old, and its mean ratio as a metric
+    (logged as train/custom_ratio). Where π = π_old (a rollout's first step) its gradient is the clipped loss's: the
+    clip is inactive at ρ = 1. batch holds [T] tensors of one packed micro-batch; sum_of_sample_mean(x) is its
+    share of the step's aggregate of x, which is what a loss returns."""
+    import torch
+
+    ratio = torch.exp(batch["log_probs"] - batch["old_log_probs"])  # [T]
+    loss = sum_of_sample_mean(-ratio * batch["advantages"])
+    return loss, {"ratio": sum_of_sample_mean(ratio.detach())}

@@ -227,7 +227,12 @@ def summary_markdown(run: Run, state: str, rollout_id: int | None = None) -> str
     done = 0 if rollout_id is None else rollout_id + 1
     lines = [f"### {run.tracker.run_name if run.tracker else cfg.experiment_name}: {state}, {done} of "
              f"{cfg.num_rollout} rollouts", "", "| | |", "|---|---|"]
-    if rewards:
+    if cfg.loss_type == "sft_loss" and h.get("train/loss"):  # an SFT sample's reward is a placeholder
+        from engine.stages import first_last
+
+        a, b = first_last(h["train/loss"])
+        lines.append(f"| SFT loss, mean of first 3 → last 3 rollouts | {a:.3g} → {b:.3g} |")
+    elif rewards:
         first, last = rewards[:3], rewards[-3:]
         lines.append(f"| reward, mean of first 3 → last 3 rollouts | {sum(first) / len(first):.3f} → "
                      f"{sum(last) / len(last):.3f} |")
@@ -317,8 +322,9 @@ class Progress:
         self._publish("summary", _update, self.summary, summary_markdown(run, "training", rollout_id))
         self.bar.update(1)
         loss = run.history.get("train/loss", {}).get(rollout_id)  # none with --debug-rollout-only
-        self.bar.set_postfix(reward=f"{run.history['rollout/reward_mean'][rollout_id]:.3f}",
-                             **({"loss": f"{loss:.3g}"} if loss is not None else {}))
+        reward = {} if run.cfg.loss_type == "sft_loss" else {  # an SFT sample's reward is a placeholder
+            "reward": f"{run.history['rollout/reward_mean'][rollout_id]:.3f}"}
+        self.bar.set_postfix(**reward, **({"loss": f"{loss:.3g}"} if loss is not None else {}))
 
     def close(self, state: str = "finished") -> None:
         global _progress

@@ -92,6 +92,7 @@ FLAG_TESTS = {
     "weight_sync_method": "test_weight_sync.py::test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use",
     "save_debug_rollout_data": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
     "load_debug_rollout_data": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
+    "debug_train_only": "test_sft.py::test_sft_through_the_flow_with_no_engine",
     "debug_rollout_only": "test_debug_rollout.py::test_rollout_only_generates_without_a_trainer_and_a_replay_trains_on_it",
     "update_weight_buffer_size": "test_flag_wiring.py::test_sync_flags",
     "weight_sync_timeout": "test_flag_wiring.py::test_sync_flags",
@@ -131,6 +132,8 @@ FLAG_TESTS = {
     "balance_by_flops": "test_packing.py::test_every_schedule_keeps_the_invariants",
     "moe_token_dispatcher_type": "test_packing.py::test_moe_allgather_dispatcher_is_switched_to_alltoall_and_reported",
     # algorithm
+    "loss_type": "test_sft.py::test_sft_loss_is_the_answers_negative_log_likelihood",
+    "custom_loss_function_path": "test_sft.py::test_a_custom_loss_gets_the_packed_batch_and_its_metrics_are_step_values",
     "advantage_estimator": "test_train_backend.py::test_each_estimator_trains",
     "eps_clip": "test_losses.py::test_ppo_clip_closed_forms",
     "eps_clip_high": "test_losses.py::test_clip_high_is_asymmetric",

@@ -14,7 +14,7 @@ equals the loss of the whole batch, and so do its gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -27,6 +27,7 @@ class LossSpec:
     """The numbers of the RL objective, unpacked once from the run's flags (`LossSpec.of(cfg)`)."""
 
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # ppo = the clipped surrogate (grpo, reinforce++, ppo)
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"  # --loss-type
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
@@ -44,7 +45,8 @@ class LossSpec:
     @classmethod
     def of(cls, cfg: Any) -> "LossSpec":
         est = cfg.advantage_estimator
-        return cls(policy_loss=est if est in ("gspo", "cispo") else "ppo", eps_clip=cfg.eps_clip,
+        return cls(policy_loss=est if est in ("gspo", "cispo") else "ppo", loss_type=cfg.loss_type,
+                   eps_clip=cfg.eps_clip,
                    eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
                    use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
                    unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
@@ -100,6 +102,61 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
                      clipfrac=(clipped * m).sum(), ratio=(ratio * m).sum(),
                      mismatch=((rollout_log_probs - old_log_probs).abs() * m).sum(), tokens=m.sum())
     return loss, stats, per_sample.detach()
+
+
+def sft_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.Tensor, loss_mask: torch.Tensor,
+                  cu_seqlens: torch.Tensor, denominator: float
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """--loss-type sft_loss: ℓ_t = −log π(token t), aggregated as the policy loss (slime's sft_loss_function).
+    (loss share, token sums {nll, entropy, tokens}, per-sample loss [S])."""
+    nll = -log_probs  # [T]
+    loss, per_sample = aggregate(nll, loss_mask, cu_seqlens, per_token=spec.per_token_loss, denominator=denominator)
+    with torch.no_grad():
+        stats = {"nll": (nll * loss_mask).sum(), "entropy": (entropy * loss_mask).sum(), "tokens": loss_mask.sum()}
+    return loss, stats, per_sample.detach()
+
+
+def custom_objective(fn: Callable, path: str, args: Any, spec: LossSpec, *, log_probs: torch.Tensor,
+                     entropy: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
+                     rollout_log_probs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                     cu_seqlens: torch.Tensor, sample_ids: list[int], denominator: float
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """--loss-type custom_loss: `fn(args, batch, sum_of_sample_mean) -> (loss, metrics)` on one micro-batch.
+
+    sum_of_sample_mean(x [T]) is this micro-batch's share of the step's aggregate of x (per-sample token means
+    summed over the step's samples / G, or with --calculate-per-token-loss Σ x / N), so the shares of every
+    micro-batch and DP rank add up to the step's value: what the loss must return, as the built-in losses do.
+    Metrics (scalars the function reduced the same way) come back as `custom_<key>` step sums. A function that
+    raises or returns something else is a HookError naming the flag. Per-sample losses: the micro-batch's loss for
+    each of its samples (which sample made a NaN cannot be told apart)."""
+    from engine.rollout.hooks import HookError, call_hook
+
+    flag = "--custom-loss-function-path"
+
+    def sum_of_sample_mean(x: torch.Tensor) -> torch.Tensor:
+        return aggregate(x, loss_mask, cu_seqlens, per_token=spec.per_token_loss, denominator=denominator)[0]
+
+    batch = {"log_probs": log_probs, "entropy": entropy, "old_log_probs": old_log_probs,
+             "ref_log_probs": ref_log_probs, "rollout_log_probs": rollout_log_probs, "advantages": advantages,
+             "loss_mask": loss_mask, "cu_seqlens": cu_seqlens, "sample_ids": list(sample_ids)}
+    out = call_hook(flag, path, fn, args, batch, sum_of_sample_mean)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and out[0].numel() == 1
+            and isinstance(out[1], dict)):
+        raise HookError.of(flag, path, f"returned {type(out).__name__}; expected (loss, metrics): a scalar tensor "
+                                       "and a dict of scalars")
+    loss, metrics = out
+    if not loss.requires_grad:
+        raise HookError.of(flag, path, "returned a loss without a gradient: compute it from batch['log_probs'] "
+                                       "(or batch['entropy'])")
+    stats: dict[str, torch.Tensor] = {"tokens": loss_mask.sum()}
+    for k, v in metrics.items():
+        if not (isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)) \
+                or isinstance(v, bool) or not str(k).isidentifier():
+            raise HookError.of(flag, path, f"returned metric {k!r} = {type(v).__name__}; metrics are scalars "
+                                           "(e.g. sum_of_sample_mean(x).detach()) under names like 'my_term'")
+        stats[f"custom_{k}"] = torch.as_tensor(v, dtype=torch.float64).detach().reshape(())
+    S = cu_seqlens.numel() - 1
+    return loss.reshape(()), stats, loss.detach().reshape(()).expand(S).clone()
 
 
 def value_objective(spec: LossSpec, *, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

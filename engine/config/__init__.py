@@ -227,6 +227,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      f"{'; '.join(why)}",
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
+        if self.loss_type != "policy_loss" and self.train_backend != "torch":
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--loss-type {self.loss_type} with --train-backend {self.train_backend}: only the torch "
+                     "backend computes it (the megatron backend's step has not been run with it on a GPU)",
+                fix="--train-backend torch (on a GPU too), or --loss-type policy_loss",
+                facts={"field": "loss_type", "value": self.loss_type}))
         if self.train_share_prefix == "on" and self.train_backend != "torch":
             from engine.diagnosis import ConfigError, Diagnosis
 
@@ -317,13 +326,20 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         """--load-debug-rollout-data: the rollouts are read from files; no engine starts."""
         return bool(self.load_debug_rollout_data)
 
+    @property
+    def no_engines(self) -> bool:
+        """No rollout engine starts: a replay, or --debug-train-only (a rollout function that does not generate)."""
+        return self.replay or self.debug_train_only
+
     def _replay_consistent(self) -> None:
-        """--load-debug-rollout-data starts no engine: what needs one would do nothing (the default eval set, the
-        bundled one, is left out and the run says so; another one is an error)."""
+        """--load-debug-rollout-data / --debug-train-only start no engine: what needs one would do nothing (the
+        default eval set, the bundled one, is left out and the run says so; another one is an error)."""
         from engine.diagnosis import ConfigError, Diagnosis
 
-        if not self.replay:
+        if not self.no_engines:
             return
+        which = "--load-debug-rollout-data" if self.replay else "--debug-train-only"
+        source = "saved rollouts" if self.replay else "the rollout function's samples"
         needs = []
         if self.async_mode != "off":
             needs.append(f"--async-mode {self.async_mode} (it overlaps generation with training)")
@@ -337,15 +353,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             needs.append("--eval-config (evaluation generates on the engines)")
         if self.rollout_engine_process != "auto":
             needs.append(f"--rollout-engine-process {self.rollout_engine_process}")
+        if self.use_fault_tolerance and self.debug_train_only:
+            needs.append("--use-fault-tolerance (it restarts failed engines)")
         if needs:
             raise ConfigError(Diagnosis(
                 code="CONFIG", severity="error",
-                what=f"--load-debug-rollout-data trains on saved rollouts and starts no rollout engine: "
-                     f"{'; '.join(needs)} would do nothing",
+                what=f"{which} trains on {source} and starts no rollout engine: {'; '.join(needs)} would do nothing",
                 fix="drop " + ", ".join(n.split(" (")[0].split(" ")[0] for n in needs) +
                     (" (--eval-prompt-data '' for a YAML file's)" if any("eval-prompt" in n for n in needs) else "")
-                    + ", or drop --load-debug-rollout-data",
-                facts={"field": "load_debug_rollout_data", "value": self.load_debug_rollout_data,
+                    + f", or drop {which}",
+                facts={"field": which[2:].replace("-", "_"), "value": self.load_debug_rollout_data or True,
                        "needs_engines": needs}))
 
     def _rollout_only_consistent(self) -> None:
@@ -410,8 +427,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             why.append("--use-fault-tolerance (a failed engine would take the trainer with it)")
         if self.colocate:
             why.append("--colocate (GPU engines)")
-        if self.replay:
-            why.append("--load-debug-rollout-data (no engine at all)")
+        if self.no_engines:
+            why.append(("--load-debug-rollout-data" if self.replay else "--debug-train-only") + " (no engine at all)")
         if self.debug_rollout_only:
             why.append("--debug-rollout-only (no trainer)")
         return why

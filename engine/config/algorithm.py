@@ -11,6 +11,12 @@ GROUP_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 class AlgorithmArgs(Section):
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    """The trainer's loss (slime's flag). policy_loss: the RL objective of --advantage-estimator. sft_loss: supervised fine-tuning, the negative log-likelihood of the trained tokens (loss mask 1), aggregated as the policy loss is (per-sample token mean, or --calculate-per-token-loss); no old-log-prob, reference or advantage computation, no mismatch check. With engine.rollout.sft:generate_rollout and --debug-train-only it fine-tunes on the prompt file's answers or conversations (docs/algorithms.md, "SFT"). custom_loss: --custom-loss-function-path's. Torch backend only."""
+
+    custom_loss_function_path: Optional[str] = None
+    """--loss-type custom_loss: `module:function` or `path/to/file.py:function`, called per micro-batch as fn(args, batch, sum_of_sample_mean) -> (loss, metrics). batch holds [T] tensors of the packed micro-batch: log_probs and entropy (with gradients), old_log_probs, ref_log_probs (None without KL), rollout_log_probs, advantages, loss_mask, plus cu_seqlens and sample_ids; sum_of_sample_mean(x) is this micro-batch's share of the step's aggregate of x (what the loss must return; slime's reducer). Each metric (a scalar, reduced the same way by the function) is logged as train/custom_<key>. Differs from slime's contract: batch carries the log-probs, not the logits."""
+
     advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                  "ppo"] = "grpo"
     """Advantage estimator: grpo, gspo (sequence-level ratio), cispo (clipped IS weight, stop-gradient), reinforce_plus_plus, reinforce_plus_plus_baseline, or ppo (GAE with a critic)."""
@@ -109,6 +115,26 @@ class AlgorithmArgs(Section):
                       f"importance weight π_old / π_rollout is 1 on every token and {which} does nothing",
                       f"drop --use-rollout-logprobs to correct with {which}, or drop {which}",
                       field="use_rollout_logprobs", value=True)
+        if (self.loss_type == "custom_loss") != bool(self.custom_loss_function_path):
+            raise err("--loss-type custom_loss needs --custom-loss-function-path" if self.loss_type == "custom_loss"
+                      else f"--custom-loss-function-path {self.custom_loss_function_path!r} is called only with "
+                           f"--loss-type custom_loss (now {self.loss_type})",
+                      "--loss-type custom_loss --custom-loss-function-path module:function",
+                      field="loss_type", value=self.loss_type)
+        if self.loss_type == "sft_loss":
+            unused = [f for f, on in (
+                (f"--advantage-estimator {self.advantage_estimator}", self.advantage_estimator == "ppo"),
+                ("--use-kl-loss", self.use_kl_loss), ("--kl-coef", self.kl_coef > 0), ("--log-kl", self.log_kl),
+                ("--use-tis", self.use_tis), ("--use-mis", self.use_mis),
+                ("--use-rollout-logprobs", self.use_rollout_logprobs), ("--entropy-coef", self.entropy_coef > 0),
+                ("--normalize-advantages", self.normalize_advantages),
+                ("--disable-grpo-std-normalization", self.disable_grpo_std_normalization),
+                ("--use-unbiased-kl", self.use_unbiased_kl)) if on]
+            if unused:
+                raise err(f"--loss-type sft_loss is the negative log-likelihood of the trained tokens: "
+                          f"{', '.join(unused)} would do nothing (no advantage, reference, KL or importance weight "
+                          "enters it)", f"drop {', '.join(u.split(' ')[0] for u in unused)}, or --loss-type "
+                                        "policy_loss", field="loss_type", value="sft_loss", unused=unused)
         if self.use_unbiased_kl and not self.use_kl_loss:
             raise err("--use-unbiased-kl corrects the KL loss, and --use-kl-loss is off: there is no KL loss to "
                       "correct", "add --use-kl-loss --kl-loss-coef C, or drop --use-unbiased-kl",

@@ -150,6 +150,9 @@ class RolloutArgs(Section):
     saved with --save-debug-rollout-data), and the evaluation before the loop runs; no checkpoint is read or
     written (so --save, --load and --ref-load are errors with it)."""
 
+    debug_train_only: bool = False
+    """Train without rollout engines (slime's flag): no engine starts, no weight sync and no evaluation runs. The rollouts come from --rollout-function-path, a function that makes its samples without generating (e.g. engine.rollout.sft:generate_rollout for SFT; its args.engine is then None), or from --load-debug-rollout-data (which implies this)."""
+
     sglang_args: dict[str, str | bool | list[str]] = {}
     """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix)."""
 
@@ -181,6 +184,18 @@ class RolloutArgs(Section):
                      "handles of the same host)",
                 fix="--weight-sync-method disk with --rollout-engine sglang"))
         errors += self._debug_rollout_errors()
+        if self.debug_train_only and not (self.rollout_function_path or self.load_debug_rollout_data):
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what="--debug-train-only starts no rollout engine, and the built-in rollout generates on one",
+                fix="--rollout-function-path a function that makes samples without generating (e.g. "
+                    "engine.rollout.sft:generate_rollout), or --load-debug-rollout-data saved rollouts",
+                facts={"field": "debug_train_only", "value": True}))
+        if self.debug_train_only and self.debug_rollout_only:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what="--debug-train-only with --debug-rollout-only: one starts no engine, the other no trainer",
+                fix="drop one of them", facts={"field": "debug_train_only", "value": True}))
         if errors:
             raise ConfigError(errors)
         return self

@@ -429,7 +429,7 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
 
     files = [("--prompt-data", cfg.prompt_data, load_prompts(cfg.prompt_data, input_key=cfg.input_key,
                                                              label_key=cfg.label_key, metadata_key=cfg.metadata_key))]
-    for d in [] if cfg.replay else cfg.eval_datasets():  # a replay evaluates nothing
+    for d in [] if cfg.no_engines else cfg.eval_datasets():  # no engine: nothing is evaluated
         flag = "--eval-config" if cfg.eval_config else "--eval-prompt-data"
         files.append((flag, d.path, [dataclasses.replace(r, metadata=d.row_metadata(r.metadata)) for r in load_prompts(
             d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key, flag=flag)]))
@@ -630,7 +630,7 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
     train = n * g if cfg.trains else 0  # --debug-rollout-only: no train rank
     rollout = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else \
         cfg.rollout_num_engines * cfg.rollout_num_gpus_per_engine
-    if cfg.replay:  # --load-debug-rollout-data starts no engine
+    if cfg.no_engines:  # --load-debug-rollout-data, --debug-train-only: no engine
         rollout = 0
     if cfg.colocate:
         need, formula = train, f"colocated: GPUs ≥ actor_num_nodes × actor_num_gpus_per_node = {n} × {g} = {train}"

@@ -2,9 +2,8 @@
 
 The metric table of docs/mlflow.md is generated from `METRICS` (`python -m engine.tracking.metrics --write
 docs/mlflow.md`) and a test keeps them equal; an integration test fails on a logged metric that is not listed here.
-Names are `<stage>/<what>`; `<key>`, `<i>`, `<q>`, `<set>` and `<k>` stand for a reward key, a GPU index, a
-percentile, an eval set's name and a sample count. Steps are
-rollout ids, except `eval/*` (rollouts trained: 0 = before training, num_rollout = after) and `system/*` (seconds
+Names are `<stage>/<what>`; `<key>`, `<i>`, `<q>`, `<set>` and `<k>` stand for a (reward or metric) key, a GPU
+index, a percentile, an eval set's name and a sample count. Steps are rollout ids, except `eval/*` (rollouts trained: 0 = before training, num_rollout = after) and `system/*` (seconds
 since the MLflow run was created).
 `better` drives `rollflow compare`'s "best" column: "max", "min", or None (no best: a count or a setting).
 """
@@ -80,6 +79,10 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/loss", "min", "the optimised objective (per-sample token mean, averaged over the global batch; "
                                     "mean over the rollout's optimizer steps)"),
     MetricDoc("train/pg_loss", None, "policy-gradient term, token mean over trained tokens"),
+    MetricDoc("train/nll", "min", "`--loss-type sft_loss`: negative log-likelihood of the trained tokens, token mean "
+                                  "(train/loss aggregates the same per sample)"),
+    MetricDoc("train/custom_<key>", None, "`--loss-type custom_loss`: a metric the custom loss returned, summed over "
+                                          "the step's micro-batches and ranks (mean over the rollout's steps)"),
     MetricDoc("train/entropy", None, "policy entropy, token mean"),
     MetricDoc("train/kl", None, "KL to the frozen reference (`--ref-load`, else the initial weights), token mean, "
                                 "`--kl-loss-type`; logged every rollout with a KL term (`--use-kl-loss`, "

@@ -98,11 +98,14 @@ class CriticBackend(Protocol):
 
 
 def reduce_metrics(parts: list[dict[str, Any]]) -> dict[str, float]:
-    """Combine per-rank partial sums: `<name>_sum` / `<name>_count` pairs become means; others are maxed."""
+    """Combine per-rank partial sums: `<name>_sum` / `<name>_count` pairs become means, `<name>_stepsum` shares
+    (already divided by the step's denominator) are added up; others are maxed."""
     out: dict[str, float] = {}
     keys = {k for p in parts for k in p}
     for k in keys:
-        if k.endswith("_sum"):
+        if k.endswith("_stepsum"):
+            out[k[: -len("_stepsum")]] = sum(float(p.get(k, 0.0)) for p in parts)
+        elif k.endswith("_sum"):
             name = k[: -len("_sum")]
             total = sum(p.get(k, 0.0) for p in parts)
             count = sum(p.get(name + "_count", 0.0) for p in parts)

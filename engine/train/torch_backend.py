@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.algorithms import LossSpec, policy_objective
+from engine.algorithms import LossSpec, custom_objective, policy_objective, sft_objective
 from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
 from engine.train.checks import nan_diagnosis
@@ -44,6 +44,8 @@ from engine.train.optim import gather_lists, make_optimizer, sync_and_clip
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
 TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
+#: token sums this backend reports: the policy loss's, and --loss-type sft_loss's negative log-likelihood
+SUMMED = (*TOKEN_METRICS, "nll")
 
 
 def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: int, device: str) -> "TorchBackend":
@@ -64,6 +66,11 @@ class TorchBackend:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.spec = LossSpec.of(cfg)
+        self.custom_loss = None
+        if cfg.loss_type == "custom_loss":
+            from engine.rewards import load_function
+
+            self.custom_loss = load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
@@ -148,8 +155,9 @@ class TorchBackend:
         ones that scored the rollout: its only step, no update before it). `last_log_probs` keeps that forward's
         log-probs [T] per micro-batch (on the CPU) for the worker's mismatch metric.
 
-        Returns partial sums: `<metric>_sum` / `<metric>_count` token sums, `loss_total` (this rank's share of
-        the step loss), and the step's facts (grad_norm, lr, skipped, ratio_maxdev).
+        Returns partial sums: `<metric>_sum` / `<metric>_count` token sums, a custom loss's metrics as
+        `custom_<key>_stepsum` (this rank's share), `loss_total` (this rank's share of the step loss), and the
+        step's facts (grad_norm, lr, skipped, ratio_maxdev).
         """
         spec, dev = self.spec, self.device
         if spec.per_token_loss and global_tokens is None:
@@ -159,9 +167,9 @@ class TorchBackend:
         if self.masters:
             self.model.zero_grad(set_to_none=False)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
-        sums = {k: zero.clone() for k in TOKEN_METRICS}
+        sums: dict[str, torch.Tensor] = {}  # what the loss reports: token sums, and a custom loss's step shares
         tokens, loss_total, ratio_maxdev, per_sample_losses = zero.clone(), zero.clone(), zero.clone(), []
-        entropy_grad = spec.entropy_coef != 0
+        entropy_grad = spec.entropy_coef != 0 or self.custom_loss is not None  # a custom loss may use it
         seen: list[torch.Tensor] = []
         for j, mb in enumerate(mbs):
             lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
@@ -169,16 +177,13 @@ class TorchBackend:
             mask = mb.loss_mask.to(dev)
             old = old_log_probs[j].to(dev) if old_log_probs is not None else lp.detach()
             seen.append(lp.detach())
-            loss, stats, per_sample = policy_objective(
-                spec, log_probs=lp, entropy=ent, old_log_probs=old,
-                ref_log_probs=ref_log_probs[j].to(dev) if ref_log_probs is not None else None,
-                rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev), loss_mask=mask,
-                cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom)
+            loss, stats, per_sample = self._objective(
+                mb, lp, ent, old, ref_log_probs[j].to(dev) if ref_log_probs is not None else None, mask, denom)
             loss.backward()
             with torch.no_grad():
                 for k, v in stats.items():
-                    if k in sums:
-                        sums[k] += v.double()
+                    if k in SUMMED or k.startswith("custom_"):
+                        sums[k] = sums.get(k, zero) + v.to(dev).double()
                 tokens += stats["tokens"].double()
                 loss_total += loss.detach().double()
                 per_sample_losses.append(per_sample)
@@ -207,13 +212,27 @@ class TorchBackend:
         else:
             self._non_finite_step(mbs, bad_ids, loss_total, grad_norm)
         self.steps_done += 1
-        out: dict[str, Any] = {f"{k}_sum": v for k, v in sums.items()}
-        out.update({f"{k}_count": tokens for k in TOKEN_METRICS})
-        if not spec.use_tis:
-            del out["tis_clipfrac_sum"], out["tis_clipfrac_count"]
+        out: dict[str, Any] = {}
+        for k, v in sums.items():  # token sums → means over the step's tokens; a custom loss's shares → step sums
+            out.update({f"{k}_stepsum": v} if k.startswith("custom_") else {f"{k}_sum": v, f"{k}_count": tokens})
         out.update(loss_total=loss_total, grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
                    skipped_steps_total=float(self.skipped_steps), ratio_maxdev=ratio_maxdev)
         return out
+
+    def _objective(self, mb: MicroBatch, lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor,
+                   ref: torch.Tensor | None, mask: torch.Tensor, denom: float):
+        """The --loss-type's (loss share, stats, per-sample losses) of one micro-batch."""
+        spec, dev = self.spec, self.device
+        if spec.loss_type == "sft_loss":
+            return sft_objective(spec, log_probs=lp, entropy=ent, loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev),
+                                 denominator=denom)
+        tensors = dict(log_probs=lp, entropy=ent, old_log_probs=old, ref_log_probs=ref,
+                       rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev),
+                       loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom)
+        if spec.loss_type == "custom_loss":
+            return custom_objective(self.custom_loss, self.cfg.custom_loss_function_path, self.cfg, spec,
+                                    sample_ids=mb.sample_ids, **tensors)
+        return policy_objective(spec, **tensors)
 
     def _non_finite_step(self, mbs: list[MicroBatch], bad_ids: list[int], loss_total: float,
                          grad_norm: float) -> None:

@@ -133,7 +133,8 @@ class TrainWorker:
         old_from: where the old log-probs come from — "forward" (a no-grad forward now), "rollout" (the engine's,
         --use-rollout-logprobs: no forward) or "train" (the rollout's only optimizer step runs on these very
         weights, so its own forward, detached, is the old log-probs: no extra forward, same numbers; the mismatch
-        facts then come with train_step(0)).
+        facts then come with train_step(0)) or "none" (--loss-type sft_loss: no old log-probs, reference, mismatch
+        or advantages at all; the loss reads only the trained tokens' log-probs).
         Returns facts for the driver: `ref_logp_maxdiff` (max |log π_old − log π_ref| on trained tokens, RF01),
         the train–inference mismatch |log π_engine − log π_old| on trained tokens as `mismatch_sum` /
         `mismatch_count` / `mismatch_max` (RF14), the tokens --use-mis masked (`mis_masked`; their loss mask is 0
@@ -146,8 +147,12 @@ class TrainWorker:
         cfg = self.cfg
         self.backend_onload()
         self.steps = steps
-        if old_from not in ("forward", "rollout", "train"):
-            raise ValueError(f"old_from {old_from!r}: forward, rollout or train")
+        if old_from not in ("forward", "rollout", "train", "none"):
+            raise ValueError(f"old_from {old_from!r}: forward, rollout, train or none")
+        if old_from == "none":  # supervised: nothing to compute before the steps
+            if cfg.loss_type != "sft_loss":
+                raise ValueError("old_from 'none' is for --loss-type sft_loss")
+            return self._set_supervised(steps)
         if old_from == "train" and (len(steps) != 1 or cfg.use_mis or cfg.kl_coef > 0):
             raise ValueError("old log-probs from the train step need one optimizer step per rollout, no --use-mis "
                              "and --kl-coef 0 (they are used before the step)")
@@ -220,6 +225,19 @@ class TrainWorker:
         facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
         return facts
 
+    def _set_supervised(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
+        """set_rollout for --loss-type sft_loss: the micro-batches and the steps' token counts only."""
+        import torch
+
+        self.old_from, self.old, self.ref, self.values, self.returns = "none", None, None, [], []
+        self.mismatch_deferred = False
+        for mb in (mb for mbs in steps for mb in mbs):
+            mb.advantages = torch.zeros(mb.num_tokens)  # read by no loss term
+        local_tokens = torch.tensor([float(sum(mb.loss_mask.sum() for mb in mbs)) for mbs in steps],
+                                    dtype=torch.float64)
+        self.step_tokens = self._all_reduce(local_tokens).tolist()
+        return {"tokens": float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0}
+
     def set_rollout_and_step(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool,
                              normalized: bool, old_from: str, global_batch_size: int
                              ) -> tuple[dict[str, float], dict[str, Any] | None]:
@@ -245,11 +263,11 @@ class TrainWorker:
         return {"mismatch_sum": total, "mismatch_count": count, "mismatch_max": worst}
 
     def train_step(self, k: int, global_batch_size: int) -> dict[str, Any]:
-        deferred = self.old is None  # old_from "train": the step's own forward gives them
+        deferred = self.old is None  # old_from "train" (the step's own forward gives them) or "none" (not needed)
         out = self.backend.train_step(self.steps[k], None if deferred else self.old[k],
                                       self.ref[k] if self.ref else None, global_batch_size,
                                       global_tokens=self.step_tokens[k])
-        if deferred:
+        if deferred and self.old_from == "train":
             self.old = [self.backend.last_log_probs]
         if k == 0 and self.mismatch_deferred:
             out.update(self._mismatch(self.steps[:1], [self.backend.last_log_probs]))

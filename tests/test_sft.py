@@ -1,0 +1,238 @@
+"""--loss-type sft_loss / custom_loss and --debug-train-only (slime's flags): supervised fine-tuning through the
+flow, with engine.rollout.sft making the samples from the prompt file and no engine started."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from train_fakes import fake_samples, pack
+
+from engine.config import RunConfig
+from engine.config.data import BUNDLED_MODEL, BUNDLED_TRAIN
+from engine.diagnosis import ConfigError
+from engine.samples import Sample
+
+SFT = dict(loss_type="sft_loss", debug_train_only=True, rollout_function_path="engine.rollout.sft:generate_rollout",
+           n_samples_per_prompt=1)
+
+
+def _tok():
+    from engine.modeling import load_tokenizer
+
+    return load_tokenizer(BUNDLED_MODEL)
+
+
+def _sample(prompt, label=None, *, template=True) -> Sample:
+    from engine.modeling import render_prompt
+
+    tokens = render_prompt(_tok(), prompt, template) if isinstance(prompt, str) or template else []
+    return Sample(index=0, group_index=0, rollout_id=0, prompt=prompt, tokens=tokens, label=label,
+                  metadata={"row": 7})
+
+
+def _args(**over):
+    return SimpleNamespace(**{"tokenizer": _tok(), "apply_chat_template": True, "apply_chat_template_kwargs": {},
+                              "label_key": "label", "n_samples_per_prompt": 1, "rollout_batch_size": 1, **over})
+
+
+def test_the_sft_rollout_trains_each_assistant_turn_and_nothing_else():
+    from engine.modeling import render_prompt
+    from engine.rollout.sft import fill
+
+    tok = _tok()
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="},
+            {"role": "assistant", "content": "3"}, {"role": "user", "content": "2+2="},
+            {"role": "assistant", "content": "4"}]
+    s = fill(_args(), _sample(msgs))
+    trained = [t for t, m in zip(s.tokens[s.prompt_length:], s.loss_mask) if m]
+    assert tok.decode(trained) == "3<|im_end|>4<|im_end|>"  # the answers and their ends of turn, not the "\n"
+    assert tok.decode(s.tokens) == tok.apply_chat_template(msgs, tokenize=False)  # the whole conversation
+    assert s.loss_mask[0] == 1 and len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
+    assert tok.decode(s.tokens[:s.prompt_length]).endswith("<|im_start|>assistant\n")
+    # a prompt and its answer: the prompt exactly as the RL rollout renders it, then answer + end of turn
+    s = fill(_args(), _sample("3+15=", "18"))
+    assert s.tokens[:s.prompt_length] == render_prompt(tok, "3+15=", True)
+    assert tok.decode([t for t, m in zip(s.tokens[s.prompt_length:], s.loss_mask) if m]) == "18<|im_end|>"
+    s = fill(_args(apply_chat_template=False), _sample("3+15=", "18", template=False))
+    assert s.tokens[:s.prompt_length] == render_prompt(tok, "3+15=", False) and s.loss_mask == [1, 1, 1]
+    assert s.tokens[-1] == tok.eos_token_id and s.reward == 0.0 and s.status.value == "completed"
+    # rows it cannot train on, each named
+    for sample, args, says in (
+            (_sample("1+1="), _args(), "row 7: no answer to train on"),
+            (_sample([{"role": "user", "content": "hi"}]), _args(), "row 7: the conversation has no assistant"),
+            (_sample([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"},
+                      {"role": "assistant", "content": "y"}]), _args(), "starts with an assistant message"),
+            (_sample(msgs, template=False), _args(apply_chat_template=False), "needs --apply-chat-template")):
+        with pytest.raises(ValueError, match=says):
+            fill(args, sample)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_turn_named():
+    from engine.rollout.sft import conversation_tokens
+
+    class DropsOldAnswers:  # renders only the last assistant message's content, as templates that drop reasoning
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+            text = "".join(f"[{m['role']}]{m['content'] if m['role'] != 'assistant' or i == last else ''}"
+                           for i, m in enumerate(messages))
+            return text + ("[assistant]" if add_generation_prompt else "")
+
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with pytest.raises(ValueError, match="row 3: the chat template does not render assistant message 1"):
+        conversation_tokens(DropsOldAnswers(), msgs, row=3)
+
+
+def test_the_sft_rollout_wants_one_sample_per_row():
+    from engine.rollout.sft import generate_rollout
+
+    with pytest.raises(ValueError, match="--n-samples-per-prompt 1 \\(now 4"):
+        generate_rollout(_args(n_samples_per_prompt=4), 0, None)
+    with pytest.raises(ValueError, match="training samples only"):
+        generate_rollout(_args(), 0, None, evaluation=True)
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(debug_train_only=True), "--debug-train-only starts no rollout engine"),
+    (dict(SFT, eval_interval=2), "--eval-interval 2 (evaluation generates on the engines) would do nothing"),
+    (dict(SFT, async_mode="one-step"), "--async-mode one-step"),
+    (dict(SFT, use_fault_tolerance=True), "--use-fault-tolerance"),
+    (dict(SFT, debug_rollout_only=True), "one starts no engine, the other no trainer"),
+    (dict(SFT, use_kl_loss=True, kl_loss_coef=0.1), "--use-kl-loss would do nothing"),
+    (dict(SFT, use_tis=True, entropy_coef=0.01), "--use-tis, --entropy-coef would do nothing"),
+    (dict(SFT, advantage_estimator="ppo"), "--advantage-estimator ppo would do nothing"),
+    (dict(SFT, train_backend="megatron"), "only the torch backend computes it"),
+    (dict(loss_type="custom_loss"), "--loss-type custom_loss needs --custom-loss-function-path"),
+    (dict(custom_loss_function_path="m:f"), "is called only with --loss-type custom_loss (now policy_loss)"),
+])
+def test_loss_type_and_debug_train_only_refuse_what_would_do_nothing(kw, says):
+    with pytest.raises(ConfigError) as e:
+        RunConfig(**kw)
+    assert says in str(e.value), str(e.value)
+
+
+def test_debug_train_only_starts_no_engine():
+    cfg = RunConfig(**SFT)
+    assert cfg.no_engines and not cfg.replay and not cfg.engine_in_trainer_on_cpu()
+    assert cfg.engine_in_trainer_blockers() == ["--debug-train-only (no engine at all)"]
+
+
+def _worker(**over):
+    from engine.train.worker import TrainWorker
+
+    cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, rollout_batch_size=4, n_samples_per_prompt=2, global_batch_size=8,
+                    micro_batch_size=4, **over)
+    return TrainWorker(cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=2, threads=1)
+
+
+def _batch(seed: int = 0):
+    samples = fake_samples([(5, 3), (4, 2), (6, 4), (3, 3), (5, 1), (4, 4), (2, 3), (5, 2)], n=2, seed=seed,
+                           rewards=[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    samples[2].loss_mask = [1, 0, 1, 1]  # a masked token (a tool's) stays out of the loss
+    return samples, [pack(samples, [[0, 1, 2, 3], [4, 5, 6, 7]])]
+
+
+def test_sft_loss_is_the_answers_negative_log_likelihood():
+    """train/loss = (1/G) Σ_i mean over sample i's trained tokens of −log π(token), computed here with
+    transformers' own model; nothing is computed before the step (no old or reference forward, no advantages)."""
+    from engine.modeling import load_causal_lm
+    from engine.train.backend import reduce_metrics
+
+    samples, steps = _batch()
+    w = _worker(loss_type="sft_loss")
+    calls = []
+    w.backend.compute_log_probs = lambda *a, **k: calls.append(a) or pytest.fail("no forward before the step")
+    facts = w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False, old_from="none")
+    assert "mismatch_sum" not in facts and not calls
+    out = w.train_step(0, 8)
+    model = load_causal_lm(BUNDLED_MODEL, device="cpu", impl="transformers")
+    per_sample = []
+    with torch.no_grad():
+        for s in samples:
+            logp = model(torch.tensor([s.tokens])).logits[0].float().log_softmax(-1)  # [L, V]
+            P = s.prompt_length
+            lp = logp[P - 1:-1].gather(1, torch.tensor(s.tokens[P:])[:, None])[:, 0]  # [R]
+            m = torch.tensor(s.loss_mask, dtype=torch.float32)
+            per_sample.append(float(-(lp * m).sum() / m.sum()))
+    assert out["loss_total"] == pytest.approx(sum(per_sample) / 8, rel=1e-5)
+    m = reduce_metrics([out])
+    assert m["nll"] > 0 and "entropy" in m and not {"pg_loss", "kl", "clipfrac", "ratio"} & set(m), sorted(m)
+    with pytest.raises(ValueError, match="old_from 'none' is for --loss-type sft_loss"):
+        _worker().set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False, old_from="none")
+
+
+def test_a_custom_loss_gets_the_packed_batch_and_its_metrics_are_step_values():
+    """examples/hooks.py:vanilla_policy_gradient (−ρ·A, no clip) on a rollout's first step: the same update as the
+    built-in clipped loss (the clip is inactive at ρ = 1); its metric, the mean ratio, is exactly 1 summed over the
+    micro-batches. A function returning something else is a HOOK error naming the flag."""
+    from engine.diagnosis import DiagnosisError
+    from engine.train.backend import reduce_metrics
+
+    def step(**over):
+        samples, steps = _batch(seed=1)
+        w = _worker(**over)
+        w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False)
+        out = w.train_step(0, 8)
+        return out, w.backend.model_state()
+
+    builtin, w_builtin = step(lr=1e-3)
+    custom, w_custom = step(lr=1e-3, loss_type="custom_loss",
+                            custom_loss_function_path="examples/hooks.py:vanilla_policy_gradient")
+    assert custom["loss_total"] == pytest.approx(builtin["loss_total"], abs=1e-6)
+    assert all(torch.allclose(w_custom[k], w_builtin[k], atol=1e-6) for k in w_builtin)
+    start = _worker().backend.model_state()
+    assert any(not torch.allclose(w_custom[k], start[k], atol=1e-6) for k in w_custom)  # the step moved them
+    m = reduce_metrics([custom])
+    assert m["custom_ratio"] == pytest.approx(1.0, abs=1e-6) and "pg_loss" not in m
+
+    with pytest.raises(DiagnosisError, match="--custom-loss-function-path .* returned float; expected"):
+        step(loss_type="custom_loss", custom_loss_function_path="tests/test_sft.py:a_number_is_not_a_loss")
+
+
+def a_number_is_not_a_loss(args, batch, sum_of_sample_mean):
+    return 0.5
+
+
+@pytest.mark.slow
+def test_sft_through_the_flow_with_no_engine(prefect_harness, shared_ray, small_cfg, tmp_path):
+    """`rollflow train --loss-type sft_loss --debug-train-only --rollout-function-path
+    engine.rollout.sft:generate_rollout`: no engine, no sync, no evaluation; rollout 0's train/loss is the NLL of
+    its rows' answers under the starting weights (computed here with transformers' model), and the trained
+    weights give those answers a lower NLL."""
+    from safetensors.torch import load_file
+
+    from engine import checkpoint
+    from engine.data import PromptDataset, load_prompts
+    from engine.modeling import load_causal_lm, load_tokenizer, render_prompt
+    from flows.train import rl_train
+
+    cfg = small_cfg(num_rollout=4, rollout_batch_size=8, global_batch_size=8, lr=3e-4, **SFT)
+    out = rl_train(cfg)
+    assert out["placement"]["engines"] == [] and out["weight_sync"] == "none"
+    assert out["test_accuracy_before"] is None
+    h = out["history"]
+    assert sorted(h["train/loss"]) == ["0", "1", "2", "3"] and out["loss_last"] < out["loss_first"]
+    assert not [k for k in h if k.startswith(("sync/", "eval/")) or k in ("train/pg_loss", "train/mismatch")], \
+        sorted(h)
+
+    tok = load_tokenizer(cfg.hf_checkpoint)
+    rows = PromptDataset(load_prompts(BUNDLED_TRAIN, input_key="prompt", label_key="label"), shuffle=False,
+                         seed=0).next_batch(8)  # rollout 0's rows
+
+    def nll(model) -> float:
+        per = []
+        with torch.no_grad():
+            for r in rows:
+                p = render_prompt(tok, r.prompt, True)
+                a = tok(str(r.label) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                logp = model(torch.tensor([p + a])).logits[0].float().log_softmax(-1)
+                per.append(float(-logp[len(p) - 1:-1].gather(1, torch.tensor(a)[:, None]).mean()))
+        return sum(per) / len(per)
+
+    model = load_causal_lm(cfg.hf_checkpoint, device="cpu", impl="transformers")
+    before = nll(model)
+    assert h["train/loss"]["0"] == pytest.approx(before, rel=1e-4)
+    trained = load_file(str(checkpoint.iter_dir(cfg.save, 3) / "model" / "model.safetensors"))
+    model.load_state_dict(trained, strict=False)
+    assert nll(model) < 0.8 * before, (before, nll(model))
