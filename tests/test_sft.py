@@ -236,3 +236,23 @@ def test_sft_through_the_flow_with_no_engine(prefect_harness, shared_ray, small_
     trained = load_file(str(checkpoint.iter_dir(cfg.save, 3) / "model" / "model.safetensors"))
     model.load_state_dict(trained, strict=False)
     assert nll(model) < 0.8 * before, (before, nll(model))
+
+
+def test_preflight_takes_conversation_rows_and_reads_no_eval_set_without_an_engine(tmp_path):
+    """Rows of chat messages (`--input-key messages --label-key ''`): the default eval set, whose rows have no
+    such key, is not read (nothing is evaluated), and a conversation is checked against the whole context (no
+    answer is generated after it)."""
+    import json
+
+    from engine.doctor.checks import Environment
+    from engine.stages import preflight
+
+    p = tmp_path / "conv.jsonl"
+    msgs = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    p.write_text(json.dumps({"messages": msgs}) + "\n")
+    cfg = RunConfig(**SFT, prompt_data=str(p), input_key="messages", label_key="", apply_chat_template=True,
+                    rollout_max_response_len=2047)  # would leave no room for a prompt if an answer followed
+    assert [d for d in preflight(cfg, Environment()) if d.severity == "error"] == []
+    engines = RunConfig(prompt_data=str(p), input_key="messages", label_key="", apply_chat_template=True)
+    with pytest.raises(ConfigError, match="test.jsonl: line 1 has no key 'messages'"):
+        preflight(engines, Environment())

@@ -555,8 +555,8 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
     eval_len_flag = "--eval-max-response-len" if cfg.eval_max_response_len else "--rollout-max-response-len"
     # (flag, path, input_key, flag naming the answer length, answer length) of the training data and every eval set
     files = [("--prompt-data", cfg.prompt_data, cfg.input_key, "--rollout-max-response-len",
-              cfg.rollout_max_response_len)]
-    for d in cfg.eval_datasets():
+              0 if cfg.debug_train_only else cfg.rollout_max_response_len)]  # no engine: the rows are all there is
+    for d in [] if cfg.no_engines else cfg.eval_datasets():  # no engine: nothing is evaluated
         if cfg.eval_config:
             files.append(("--eval-config", d.path, d.input_key, f"--eval-config {d.name}'s max_response_len",
                           d.max_response_len))
