@@ -265,10 +265,11 @@ def load_hooks(run: Run) -> None:
 
     cfg = run.cfg
     run.hooks = Hooks.load(cfg)
-    if cfg.custom_loss_function_path:  # called on the train workers; a bad path fails here, before any rollout
-        from engine.rewards import load_function
+    from engine.rewards import load_function
 
-        load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
+    for flag in ("--custom-loss-function-path", "--custom-advantage-function-path"):  # called on the train workers:
+        if path := getattr(cfg, flag[2:].replace("-", "_")):  # a bad path fails here, before any rollout
+            load_function(path, flag)
     run.sample_filter = (load_filter(cfg.dynamic_sampling_filter_path, hook_args(run, -1))
                          if cfg.dynamic_sampling_filter_path else None)
     run.reward_model.args = hook_args(run, -1)  # for slime-style reward functions fn(args, sample)
@@ -928,7 +929,7 @@ def old_log_probs_source(run: Run, first: bool) -> str:
     if cfg.use_rollout_logprobs:
         return "rollout"
     if (cfg.train_backend == "torch" and run.plan.num_steps_per_rollout == 1 and not cfg.use_mis
-            and cfg.kl_coef == 0):
+            and cfg.kl_coef == 0 and not cfg.custom_advantage_function_path):  # that function reads them first
         return "train"
     return "forward"
 

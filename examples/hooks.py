@@ -139,3 +139,19 @@ def vanilla_policy_gradient(args, batch: dict, sum_of_sample_mean) -> tuple:
     ratio = torch.exp(batch["log_probs"] - batch["old_log_probs"])  # [T]
     loss = sum_of_sample_mean(-ratio * batch["advantages"])
     return loss, {"ratio": sum_of_sample_mean(ratio.detach())}
+
+
+# --custom-advantage-function-path examples/hooks.py:rloo_advantages
+def rloo_advantages(args, rollout_data: dict) -> None:
+    """RLOO as an advantage function (slime's contract): each sample's advantage is its reward minus the mean of
+    the other n − 1 rewards of its group, on every response token. rollout_data holds this micro-batch's samples;
+    all_rewards has the whole rollout's, indexed by sample id (groups of n consecutive ids)."""
+    import torch
+
+    n, every = args.n_samples_per_prompt, rollout_data["all_rewards"]
+    adv = []
+    for i, r, length in zip(rollout_data["sample_ids"], rollout_data["rewards"], rollout_data["response_lengths"]):
+        group = every[i - i % n: i - i % n + n]
+        adv.append(torch.full((length,), r - (sum(group) - r) / max(n - 1, 1)))
+    rollout_data["advantages"] = adv
+    rollout_data["returns"] = adv

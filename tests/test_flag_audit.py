@@ -134,6 +134,8 @@ FLAG_TESTS = {
     # algorithm
     "loss_type": "test_sft.py::test_sft_loss_is_the_answers_negative_log_likelihood",
     "custom_loss_function_path": "test_sft.py::test_a_custom_loss_gets_the_packed_batch_and_its_metrics_are_step_values",
+    "custom_advantage_function_path":
+        "test_sft.py::test_a_custom_advantage_function_gets_each_samples_response_and_sets_its_advantages",
     "advantage_estimator": "test_train_backend.py::test_each_estimator_trains",
     "eps_clip": "test_losses.py::test_ppo_clip_closed_forms",
     "eps_clip_high": "test_losses.py::test_clip_high_is_asymmetric",

@@ -103,6 +103,7 @@ def test_the_sft_rollout_wants_one_sample_per_row():
     (dict(SFT, use_tis=True, entropy_coef=0.01), "--use-tis, --entropy-coef would do nothing"),
     (dict(SFT, advantage_estimator="ppo"), "--advantage-estimator ppo would do nothing"),
     (dict(SFT, train_backend="megatron"), "only the torch backend computes it"),
+    (dict(SFT, custom_advantage_function_path="m:f"), "--custom-advantage-function-path would do nothing"),
     (dict(loss_type="custom_loss"), "--loss-type custom_loss needs --custom-loss-function-path"),
     (dict(custom_loss_function_path="m:f"), "is called only with --loss-type custom_loss (now policy_loss)"),
 ])
@@ -256,3 +257,57 @@ def test_preflight_takes_conversation_rows_and_reads_no_eval_set_without_an_engi
     engines = RunConfig(prompt_data=str(p), input_key="messages", label_key="", apply_chat_template=True)
     with pytest.raises(ConfigError, match="test.jsonl: line 1 has no key 'messages'"):
         preflight(engines, Environment())
+
+
+seen_rollout_data: list[dict] = []
+
+
+def record_and_zero(args, rollout_data):
+    seen_rollout_data.append(rollout_data)
+    rollout_data["advantages"] = [torch.zeros(r) for r in rollout_data["response_lengths"]]
+    rollout_data["returns"] = rollout_data["advantages"]
+
+
+def wrong_lengths(args, rollout_data):
+    rollout_data["advantages"] = [torch.zeros(1) for _ in rollout_data["response_lengths"]]
+    rollout_data["returns"] = rollout_data["advantages"]
+
+
+def test_a_custom_advantage_function_gets_each_samples_response_and_sets_its_advantages():
+    """slime's --custom-advantage-function-path: per-sample response slices in (the engine's log-probs and the loss
+    masks are each sample's own), advantages out. examples/hooks.py:rloo_advantages gives the same advantages as
+    the RLOO reward post-process hook (whose rewards GRPO takes as they are); lengths that do not match are a HOOK
+    error naming the flag."""
+    from engine.diagnosis import DiagnosisError
+    from engine.rollout.hooks import HookError
+
+    def advantages(samples, steps, **over):
+        w = _worker(**over)
+        w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False,
+                      normalized="custom_reward_post_process_path" in over)
+        return w, torch.cat([mb.advantages for mb in steps[0]])
+
+    samples, steps = _batch()
+    w, adv = advantages(samples, steps, custom_advantage_function_path="tests/test_sft.py:record_and_zero")
+    assert not adv.any()
+    seen = w.custom_advantages.__globals__["seen_rollout_data"]  # the module as the worker loaded it
+    assert [d["sample_ids"] for d in seen] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    got = {i: (lp.tolist(), m.tolist(), r) for d in seen for i, lp, m, r in zip(
+        d["sample_ids"], d["rollout_log_probs"], d["loss_masks"], d["rewards"])}
+    for s in samples:
+        assert got[s.index][0] == pytest.approx(s.rollout_log_probs) and got[s.index][1] == s.loss_mask
+        assert got[s.index][2] == s.scalar_reward and len(seen[0]["log_probs"][0]) == seen[0]["response_lengths"][0]
+    assert seen[0]["ref_log_probs"] is None and seen[0]["all_rewards"] == [s.scalar_reward for s in samples]
+
+    _, rloo = advantages(*_batch(), custom_advantage_function_path="examples/hooks.py:rloo_advantages")
+    samples, steps = _batch()
+    from examples.hooks import leave_one_out
+
+    _, left = leave_one_out(SimpleNamespace(n_samples_per_prompt=2), samples)
+    for s, r in zip(samples, left):
+        s.reward = r
+    _, post = advantages(samples, steps, custom_reward_post_process_path="examples/hooks.py:leave_one_out")
+    assert rloo.abs().sum() > 0 and torch.allclose(rloo, post)
+
+    with pytest.raises((HookError, DiagnosisError), match="--custom-advantage-function-path .*expected a list of 4"):
+        advantages(*_batch(), custom_advantage_function_path="tests/test_sft.py:wrong_lengths")

@@ -21,6 +21,9 @@ class AlgorithmArgs(Section):
                                  "ppo"] = "grpo"
     """Advantage estimator: grpo, gspo (sequence-level ratio), cispo (clipped IS weight, stop-gradient), reinforce_plus_plus, reinforce_plus_plus_baseline, or ppo (GAE with a critic)."""
 
+    custom_advantage_function_path: Optional[str] = None
+    """Replace the advantage estimator's computation (slime's flag): `module:function` or `path/to/file.py:function`, called on each train rank per micro-batch as fn(args, rollout_data) before any update. rollout_data (slime's keys) holds per-sample lists over the response tokens — log_probs (the old policy's), ref_log_probs and values (None when not computed), kl (the --kl-loss-type estimate of old vs reference; zeros without a reference), rollout_log_probs, loss_masks — and per-sample numbers: rewards (the scalar rewards, as --custom-reward-post-process-path left them; not group-normalised, unlike slime's grpo path), response_lengths, total_lengths, sample_ids; plus all_rewards, every reward of the rollout indexed by sample id, for group baselines. The function sets rollout_data["advantages"] and rollout_data["returns"] (the critic's targets with ppo; else the advantages) to lists of per-sample tensors of the response's length. --normalize-advantages still applies after it."""
+
     eps_clip: float = Field(0.2, gt=0)
     """PPO clip range ε: ratio clipped to [1-ε, 1+ε_high]."""
 
@@ -123,6 +126,7 @@ class AlgorithmArgs(Section):
                       field="loss_type", value=self.loss_type)
         if self.loss_type == "sft_loss":
             unused = [f for f, on in (
+                ("--custom-advantage-function-path", self.custom_advantage_function_path),
                 (f"--advantage-estimator {self.advantage_estimator}", self.advantage_estimator == "ppo"),
                 ("--use-kl-loss", self.use_kl_loss), ("--kl-coef", self.kl_coef > 0), ("--log-kl", self.log_kl),
                 ("--use-tis", self.use_tis), ("--use-mis", self.use_mis),

@@ -24,6 +24,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [T] float, the sample's advantage broadcast to its response tokens
     rollout_log_probs: torch.Tensor  # [T] float, log π_engine(tokens[t]) from the rollout (0 off-response)
     sample_ids: list[int]  # [S] Sample.index, for reports (RF09 / RF13)
+    response_lengths: list[int] | None = None  # [S] R_i: sample i's response is its last R_i tokens
 
     @property
     def num_samples(self) -> int:
@@ -43,7 +44,7 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
     """Pack `samples` (with one advantage each) into a MicroBatch; optional padding to a multiple (TP / CP)."""
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-    toks, pos, mask, adv, rlp, cu = [], [], [], [], [], [0]
+    toks, pos, mask, adv, rlp, cu, resp = [], [], [], [], [], [0], []
     for s, a in zip(samples, advantages):
         L, R = len(s.tokens), s.response_length
         P = L - R
@@ -58,6 +59,7 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
         adv += [0.0] * P + [float(a)] * R
         rlp += [0.0] * P + (list(s.rollout_log_probs) if trained else [0.0] * R)
         cu.append(cu[-1] + L)
+        resp.append(R)
     pad = (-len(toks)) % pad_to_multiple
     if pad:  # one padding pseudo-sample, fully masked
         toks += [0] * pad
@@ -66,9 +68,10 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
         adv += [0.0] * pad
         rlp += [0.0] * pad
         cu.append(cu[-1] + pad)
+        resp.append(0)
     return MicroBatch(tokens=torch.tensor(toks, dtype=torch.long), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
                       position_ids=torch.tensor(pos, dtype=torch.long),
                       loss_mask=torch.tensor(mask, dtype=torch.float32),
                       advantages=torch.tensor(adv, dtype=torch.float32),
                       rollout_log_probs=torch.tensor(rlp, dtype=torch.float32),
-                      sample_ids=[s.index for s in samples])
+                      sample_ids=[s.index for s in samples], response_lengths=resp)

@@ -60,6 +60,7 @@ class TrainWorker:
         self.step_tokens: list[float] = []
         self._ipc = None  # the IPC buckets of a sync in progress (engine/weights/ipc.py)
         self._engine = None  # the built-in engine served from this process (--rollout-engine-process trainer)
+        self.custom_advantages = None  # --custom-advantage-function-path's function
         if not lazy:
             self.setup(master)
 
@@ -83,6 +84,11 @@ class TrainWorker:
         require_model(self.cfg.hf_checkpoint, who=f"train rank {self.rank}")
         self.backend = create_backend(self.cfg, rank=self.rank, world_size=self.world_size, master=master,
                                       train_iters=self.train_iters, device=self.device)
+        if self.cfg.custom_advantage_function_path:
+            from engine.rewards import load_function
+
+            self.custom_advantages = load_function(self.cfg.custom_advantage_function_path,
+                                                   "--custom-advantage-function-path")
         if self.cfg.advantage_estimator == "ppo":  # preflight: the critic runs on the torch backend only
             from engine.train.critic import TorchCritic
 
@@ -153,9 +159,10 @@ class TrainWorker:
             if cfg.loss_type != "sft_loss":
                 raise ValueError("old_from 'none' is for --loss-type sft_loss")
             return self._set_supervised(steps)
-        if old_from == "train" and (len(steps) != 1 or cfg.use_mis or cfg.kl_coef > 0):
-            raise ValueError("old log-probs from the train step need one optimizer step per rollout, no --use-mis "
-                             "and --kl-coef 0 (they are used before the step)")
+        if old_from == "train" and (len(steps) != 1 or cfg.use_mis or cfg.kl_coef > 0
+                                    or cfg.custom_advantage_function_path):
+            raise ValueError("old log-probs from the train step need one optimizer step per rollout, no --use-mis, "
+                             "--kl-coef 0 and no --custom-advantage-function-path (they are used before the step)")
         self.old_from = old_from
         # a backend that keeps its train step's log-probs (torch) reports the mismatch from step 0's forward;
         # others (Megatron) still run the forward for it under --use-rollout-logprobs
@@ -195,6 +202,13 @@ class TrainWorker:
             for j, mb in enumerate(mbs):
                 kl_t = kl(self.old[k][j], self.ref[k][j], cfg.kl_loss_type) if self.ref and self.old \
                     else torch.zeros(mb.num_tokens)
+                if self.custom_advantages is not None:
+                    adv, ret = self._custom_advantages(mb, reward_t, self.old[k][j],
+                                                       self.ref[k][j] if self.ref else None,
+                                                       self.values[k][j] if self.critic else None, kl_t)
+                    mb.advantages = adv
+                    rets.append(ret)
+                    continue
                 adv, ret = compute_advantages(
                     cfg.advantage_estimator, rewards=reward_t, n_samples_per_prompt=cfg.n_samples_per_prompt,
                     sample_ids=mb.sample_ids, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask, kl=kl_t,
@@ -224,6 +238,45 @@ class TrainWorker:
                          mis_masked_share_count=mismatch["mismatch_count"])
         facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
         return facts
+
+    def _custom_advantages(self, mb: MicroBatch, rewards: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
+                           values: torch.Tensor | None, kl_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """--custom-advantage-function-path on one micro-batch: slime's per-sample `rollout_data` in, its
+        "advantages" / "returns" (one value per response token) back into flat [T] tensors (0 off the loss mask)."""
+        import torch
+
+        from engine.rollout.hooks import HookError, call_hook
+
+        flag, path = "--custom-advantage-function-path", self.cfg.custom_advantage_function_path
+        cu = mb.cu_seqlens.long().tolist()
+        ends, lens = cu[1:mb.num_samples + 1], mb.response_lengths[:mb.num_samples]
+        spans = [(e - r, e) for e, r in zip(ends, lens)]  # each sample's response tokens in the flat row
+
+        def per_sample(x: torch.Tensor | None):
+            return None if x is None else [x[a:b].clone() for a, b in spans]
+
+        data = {"log_probs": per_sample(old), "ref_log_probs": per_sample(ref), "values": per_sample(values),
+                "kl": per_sample(kl_t), "rollout_log_probs": per_sample(mb.rollout_log_probs),
+                "loss_masks": per_sample(mb.loss_mask), "rewards": [float(rewards[i]) for i in mb.sample_ids],
+                "response_lengths": list(lens), "total_lengths": [e - s for s, e in zip(cu, ends)],
+                "sample_ids": list(mb.sample_ids), "all_rewards": rewards.tolist()}
+        call_hook(flag, path, self.custom_advantages, self.cfg, data)
+        out = []
+        for key in ("advantages", "returns"):
+            got = data.get(key)
+            if not isinstance(got, (list, tuple)) or len(got) != len(spans) or not all(
+                    torch.is_tensor(v) and v.numel() == r for v, r in zip(got, lens)):
+                shape = [tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for v in got][:8] \
+                    if isinstance(got, (list, tuple)) else type(got).__name__
+                raise HookError.of(flag, path, f"set rollout_data[{key!r}] to {shape}; expected a list of "
+                                               f"{len(spans)} tensors of the response lengths {lens[:8]}")
+            flat = torch.zeros(mb.num_tokens)
+            for (a, b), v in zip(spans, got):
+                flat[a:b] = v.detach().float().reshape(-1).cpu()
+            if not torch.isfinite(flat).all():
+                raise HookError.of(flag, path, f"set rollout_data[{key!r}] with a NaN or Inf")
+            out.append(flat * mb.loss_mask)
+        return out[0], out[1]
 
     def _set_supervised(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
         """set_rollout for --loss-type sft_loss: the micro-batches and the steps' token counts only."""
