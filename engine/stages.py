@@ -544,7 +544,8 @@ def sampling_params(run: Run, *, greedy: bool = False):
     return SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
                           temperature=0.0 if greedy else cfg.rollout_temperature, top_p=cfg.rollout_top_p,
                           top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop),
-                          stop_token_ids=sorted(set(run.eos_ids) | set(cfg.rollout_stop_token_ids)))
+                          stop_token_ids=sorted(set(run.eos_ids) | set(cfg.rollout_stop_token_ids)),
+                          skip_special_tokens=cfg.rollout_skip_special_tokens)
 
 
 def eval_sampling_params(run: Run, d=None):
@@ -560,7 +561,8 @@ def eval_sampling_params(run: Run, d=None):
     greedy = d.n_samples_per_eval_prompt == 1 and d.temperature is None
     temperature = 0.0 if greedy else cfg.rollout_temperature if d.temperature is None else d.temperature
     return SamplingParams(max_new_tokens=d.max_response_len, temperature=temperature, top_p=d.top_p, top_k=d.top_k,
-                          stop=list(d.stop), stop_token_ids=sorted(set(run.eos_ids) | set(d.stop_token_ids)))
+                          stop=list(d.stop), stop_token_ids=sorted(set(run.eos_ids) | set(d.stop_token_ids)),
+                          skip_special_tokens=cfg.rollout_skip_special_tokens)
 
 
 def _prompts(run: Run, rows: list):
@@ -806,7 +808,8 @@ def partial_buffer(run: Run, rollout_id: int, position: Any):
         log.info("rollout %d: continuing %d samples kept by the checkpoint (--partial-rollout)", rollout_id, len(buf))
     run.state.partial[rollout_id] = buf = buf or PartialBuffer(rollout_id)
     if run.tokenizer is not None:  # the engines' decode (skip_special_tokens, SamplingParams.to_sglang)
-        buf.decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)
+        skip = run.cfg.rollout_skip_special_tokens
+        buf.decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=skip)
     return buf
 
 

@@ -102,6 +102,25 @@ def test_length_finish_and_stop_token_ids(engine):
     r2 = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
         "temperature": 0.0, "max_new_tokens": 8, "stop_token_ids": [first]}}, timeout=60).json()
     assert r2["output_ids"] == [first] and r2["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    # SGLang's trim_matched_stop: the stop token stays in output_ids and leaves the text, unless no_stop_trim
+    assert r2["text"] == ""
+    r3 = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": 8, "stop_token_ids": [first], "no_stop_trim": True}}, timeout=60).json()
+    assert r3["text"] == state.tokenizer.decode([first]) != ""
+
+
+def test_skip_special_tokens_decides_whether_special_tokens_reach_the_text(engine):
+    """SGLang's `skip_special_tokens` (--rollout-skip-special-tokens): the EOS that ended a response leaves its text
+    either way (trimmed); kept with no_stop_trim, it shows only when special tokens are not skipped."""
+    state, url = engine
+
+    def text(**params):
+        return httpx.post(url + "/generate", json={"input_ids": _prompt_ids(state), "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 8, **params}}, timeout=60).json()["text"]
+
+    assert "<|im_end|>" not in text(skip_special_tokens=False) and "<|im_end|>" not in text()
+    assert text(skip_special_tokens=False, no_stop_trim=True).endswith("<|im_end|>")
+    assert "<|im_end|>" not in text(skip_special_tokens=True, no_stop_trim=True)
 
 
 def test_stop_string_is_trimmed(engine):

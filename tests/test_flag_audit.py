@@ -65,6 +65,7 @@ FLAG_TESTS = {
     "rollout_top_p": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
     "rollout_top_k": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
     "rollout_stop": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
+    "rollout_skip_special_tokens": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
     "rollout_stop_token_ids": "test_flag_wiring.py::test_sampling_flags_are_what_the_engines_are_asked_for",
     "rollout_engine": "test_rollout_units.py::test_tensor_sync_with_sglang_is_a_config_error",
     "rollout_dtype": "test_train_backend.py::test_mismatch_threshold_follows_the_precision",

@@ -46,6 +46,13 @@ def test_sampling_flags_are_what_the_engines_are_asked_for(tmp_path):
     assert got["temperature"] == 0.7 and got["top_p"] == 0.9 and got["top_k"] == 20 and got["stop"] == ["</a>"]
     assert got["max_new_tokens"] == 33 and 7 in got["stop_token_ids"] and got["sampling_seed"] == 5
     assert sampling_params(run, greedy=True).temperature == 0.0  # eval: greedy whatever the flag
+    assert got["skip_special_tokens"] is True  # SGLang's default
+    kept = _run(tmp_path, rollout_skip_special_tokens=False)
+    assert sampling_params(kept).to_sglang(seed=None)["skip_special_tokens"] is False
+    from engine.stages import eval_sampling_params
+
+    kept.eval_datasets = {}
+    assert eval_sampling_params(kept).to_sglang(seed=None)["skip_special_tokens"] is False
 
 
 def test_eval_sampling_flags_reach_the_evaluation(tmp_path, monkeypatch):

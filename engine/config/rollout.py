@@ -46,6 +46,9 @@ class RolloutArgs(Section):
     rollout_stop_token_ids: list[int] = []
     """Stop token ids sent to the engine as `stop_token_ids`, added to the model's EOS (RF10)."""
 
+    rollout_skip_special_tokens: bool = True
+    """Decode responses without the tokenizer's special tokens: SGLang's `skip_special_tokens` sampling param, sent with every rollout and evaluation request. The text is what rewards, filters and hooks read; the trained tokens are the same either way. --no-rollout-skip-special-tokens keeps them in the text (slime's default; rollflow keeps SGLang's). Either way the stop token that ended a response is not in its text, as SGLang trims it."""
+
     rollout_engine: Literal["builtin", "sglang"] = "builtin"
     """Rollout server kind: builtin (rollflow's engine over a Hugging Face model, CPU or GPU, SGLang's HTTP API; --model-impl) or sglang (python -m sglang.launch_server)."""
 

@@ -468,8 +468,10 @@ class Generator:
 
     def _result(self, r: GenRequest, ids: list[int], lps: list[float], finish: dict[str, Any],
                 input_lps: list[float | None] | None) -> GenResult:
-        text = self._decode(ids, r.skip_special_tokens)
         matched = finish.get("matched")
+        # SGLang's trim_matched_stop: a stop token id leaves the text (it stays in output_ids), a stop string is cut
+        trim_id = isinstance(matched, int) and not isinstance(matched, bool) and not r.no_stop_trim and ids
+        text = self._decode(ids[:-1] if trim_id else ids, r.skip_special_tokens)
         if isinstance(matched, str) and not r.no_stop_trim:
             text = text[: text.find(matched)]
         return GenResult(r.rid, ids, lps, finish, text, len(r.input_ids), input_lps,

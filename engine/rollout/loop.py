@@ -42,10 +42,12 @@ class SamplingParams:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True  # --rollout-skip-special-tokens (SGLang's default)
 
     def to_sglang(self, seed: int | None) -> dict[str, Any]:
         d: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                             "top_p": self.top_p, "top_k": self.top_k, "skip_special_tokens": True}
+                             "top_p": self.top_p, "top_k": self.top_k,
+                             "skip_special_tokens": self.skip_special_tokens}
         if self.stop:
             d["stop"] = list(self.stop)
         if self.stop_token_ids:
