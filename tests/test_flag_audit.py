@@ -120,6 +120,7 @@ FLAG_TESTS = {
     "weight_decay": "test_flag_wiring.py::test_optimizer_flags",
     "adam_beta1": "test_flag_wiring.py::test_optimizer_flags",
     "adam_beta2": "test_flag_wiring.py::test_optimizer_flags",
+    "reset_optimizer_states": "test_flag_wiring.py::test_reset_optimizer_states_zeroes_adams_moments_before_each_rollout",
     "clip_grad": "test_train_backend.py::test_clip_grad_bounds_the_gradient_and_reports_the_norm_before_clipping",
     "check_for_nan_in_loss_and_grad": "test_train_backend.py::test_nan_step_is_skipped_and_counted_with_the_flag",
     "train_step_timeout": "test_flag_wiring.py::test_place_flags",

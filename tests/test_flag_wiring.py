@@ -14,7 +14,7 @@ from train_fakes import fake_samples, pack
 
 from engine.config import RunConfig
 from engine.config.data import BUNDLED_MODEL, BUNDLED_TRAIN
-from engine.diagnosis import DiagnosisError
+from engine.diagnosis import ConfigError, DiagnosisError
 from engine.run import Run
 from engine.samples import Status
 
@@ -268,6 +268,31 @@ def test_optimizer_flags():
     assert g["weight_decay"] == 0.1 and g["betas"] == (0.8, 0.95) and g["lr"] == 1e-4
     assert w.critic.optimizer.param_groups[0]["lr"] == 3e-5  # the critic's own learning rate
     assert _worker(advantage_estimator="ppo", lr=1e-4).critic.optimizer.param_groups[0]["lr"] == 1e-4  # default
+
+
+def test_reset_optimizer_states_zeroes_adams_moments_before_each_rollout():
+    """slime's --reset-optimizer-states: at the start of a rollout's training Adam's moments and step count are 0,
+    so after that rollout's one step exp_avg = (1 − β1)·g of that step alone (without the flag it also carries
+    β1 times the first step's); the LR schedule is not reset."""
+    def two_rollouts(**over):
+        w = _worker(lr=1e-3, **over)
+        for seed in (0, 1):
+            samples = fake_samples([(4, 3)] * 8, n=4, seed=seed)
+            steps = [pack(samples, [[0, 1], [2, 3], [4, 5], [6, 7]])]
+            w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False)
+            w.train_step(0, 8)
+        p = next(q for q in w.backend.model.parameters() if q.grad is not None and q.grad.abs().sum() > 0)
+        st = w.backend.optimizer.state[p]
+        return st, p.grad, w.backend.scheduler.last_epoch
+
+    beta1 = RunConfig().adam_beta1
+    st, g, steps = two_rollouts(reset_optimizer_states=True)
+    assert float(st["step"]) == 1.0 and steps == 2
+    torch.testing.assert_close(st["exp_avg"], (1 - beta1) * g)
+    st, g, _ = two_rollouts()
+    assert float(st["step"]) == 2.0 and not torch.allclose(st["exp_avg"], (1 - beta1) * g)
+    with pytest.raises(ConfigError, match="only the torch backend resets its state"):
+        RunConfig(reset_optimizer_states=True, train_backend="megatron")
 
 
 def test_megatron_cuda_graphs_flag_reaches_the_kernels():

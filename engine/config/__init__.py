@@ -227,6 +227,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      f"{'; '.join(why)}",
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
+        if self.reset_optimizer_states and self.train_backend != "torch":
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--reset-optimizer-states with --train-backend {self.train_backend}: only the torch backend "
+                     "resets its state (the megatron backend's distributed optimizer has not been run with it)",
+                fix="--train-backend torch, or drop --reset-optimizer-states",
+                facts={"field": "reset_optimizer_states", "value": True}))
         if self.loss_type != "policy_loss" and self.train_backend != "torch":
             from engine.diagnosis import ConfigError, Diagnosis
 

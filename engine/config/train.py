@@ -79,6 +79,9 @@ class TrainArgs(Section):
     adam_beta2: float = Field(0.98, gt=0, lt=1)
     """AdamW beta2."""
 
+    reset_optimizer_states: bool = False
+    """Zero the optimizer's state at the start of every rollout's training (slime's flag): Adam's moments and step counts (so its bias correction restarts); the learning-rate schedule goes on. Policy and critic. Torch backend."""
+
     clip_grad: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0 = off)."""
 

@@ -37,6 +37,21 @@ def make_optimizer(params, cfg, *, lr: float, train_iters: int, fused: bool = Fa
     return optimizer, scheduler
 
 
+def reset_state(optimizer: torch.optim.Optimizer) -> None:
+    """--reset-optimizer-states (slime's): Adam's moments and step counts to zero, in place (the same tensors, so
+    a sharded or offloaded state stays where it is); the LR schedule goes on."""
+    for group in optimizer.param_groups:
+        if "step" in group:
+            group["step"] = 0
+    for state in optimizer.state.values():
+        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            v = state.get(key)
+            if isinstance(v, torch.Tensor):
+                v.zero_()
+            elif v is not None:
+                state[key] = 0
+
+
 def sync_and_clip(params: list[torch.nn.Parameter], *, world_size: int, clip_grad: float, loss_finite: bool,
                   reduce: bool = True) -> tuple[float, bool]:
     """Sum gradients over the DP group, clip them, and agree on whether the step is finite.

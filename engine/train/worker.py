@@ -152,6 +152,12 @@ class TrainWorker:
 
         cfg = self.cfg
         self.backend_onload()
+        if cfg.reset_optimizer_states:  # before this rollout's first step (slime resets at the start of train)
+            from engine.train.optim import reset_state
+
+            reset_state(self.backend.optimizer)
+            if self.critic:
+                reset_state(self.critic.optimizer)
         self.steps = steps
         if old_from not in ("forward", "rollout", "train", "none"):
             raise ValueError(f"old_from {old_from!r}: forward, rollout, train or none")
