@@ -149,6 +149,7 @@ FLAG_TESTS = {
     "kl_coef": "test_advantages.py::test_reinforce_plus_plus_baseline_subtracts_kl",
     "entropy_coef": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "disable_grpo_std_normalization": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
+    "disable_rewards_normalization": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
     "normalize_advantages": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",
     "use_tis": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "use_mis": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",

@@ -238,6 +238,13 @@ def test_grpo_std_normalisation_flag_and_advantage_whitening():
     # group [1, 0, 0, 1]: mean 0.5, unbiased std 0.5774 → ±0.866 with the std, ±0.5 without (Dr.GRPO)
     assert _advantages()[:2] == pytest.approx([0.866, -0.866], abs=1e-3)
     assert _advantages(disable_grpo_std_normalization=True)[:2] == pytest.approx([0.5, -0.5])
+    # slime's --disable-rewards-normalization: the raw rewards [1, 0, …] are the advantages
+    assert _advantages(disable_rewards_normalization=True)[:4] == pytest.approx([1.0, 0.0, 0.0, 1.0])
+    for over, says in ((dict(advantage_estimator="reinforce_plus_plus"), "has no effect"),
+                       (dict(disable_grpo_std_normalization=True), "no std to leave out"),
+                       (dict(custom_reward_post_process_path="m:f"), "already replace the normalisation")):
+        with pytest.raises(ConfigError, match=says):
+            RunConfig(disable_rewards_normalization=True, **over)
     # whitened over the rollout's 24 trained tokens (8 samples × 3, one value per sample): mean 0, unbiased token std
     # 1, so the 8 values' plain std is √(23/24) = 0.9789
     white = torch.tensor(_advantages(disable_grpo_std_normalization=True, normalize_advantages=True))

@@ -227,6 +227,14 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      f"{'; '.join(why)}",
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
+        if self.disable_rewards_normalization and self.custom_reward_post_process_path:
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what="--disable-rewards-normalization with --custom-reward-post-process-path: the hook's rewards "
+                     "already replace the normalisation (they are used as they are)",
+                fix="drop --disable-rewards-normalization", facts={"field": "disable_rewards_normalization"}))
         if self.reset_optimizer_states and self.train_backend != "torch":
             from engine.diagnosis import ConfigError, Diagnosis
 

@@ -54,6 +54,9 @@ class AlgorithmArgs(Section):
     disable_grpo_std_normalization: bool = False
     """Dr.GRPO: subtract the group mean reward without dividing by the group std (grpo, gspo, cispo)."""
 
+    disable_rewards_normalization: bool = False
+    """Use the rewards as they are, without GRPO's group normalisation (slime's flag): no group mean subtracted and no std divided by, for grpo, gspo, cispo and reinforce_plus_plus_baseline (the others do not normalise)."""
+
     normalize_advantages: bool = False
     """Whiten advantages over the trained tokens of the whole rollout (all DP ranks): (A − mean) / std."""
 
@@ -112,6 +115,15 @@ class AlgorithmArgs(Section):
             raise err(f"--disable-grpo-std-normalization has no effect with --advantage-estimator "
                       f"{self.advantage_estimator} (it applies to {', '.join(GROUP_ESTIMATORS)})",
                       "drop --disable-grpo-std-normalization", field="disable_grpo_std_normalization")
+        if self.disable_rewards_normalization and self.advantage_estimator not in (*GROUP_ESTIMATORS,
+                                                                                  "reinforce_plus_plus_baseline"):
+            raise err(f"--disable-rewards-normalization has no effect with --advantage-estimator "
+                      f"{self.advantage_estimator} (it does not normalise rewards)",
+                      "drop --disable-rewards-normalization", field="disable_rewards_normalization")
+        if self.disable_rewards_normalization and self.disable_grpo_std_normalization:
+            raise err("--disable-grpo-std-normalization with --disable-rewards-normalization: no normalisation runs, "
+                      "so there is no std to leave out", "drop --disable-grpo-std-normalization",
+                      field="disable_grpo_std_normalization")
         if self.use_rollout_logprobs and (self.use_tis or self.use_mis):
             which = "--use-tis" if self.use_tis else "--use-mis"
             raise err(f"--use-rollout-logprobs with {which}: the old policy would be the rollout's, so the "
@@ -133,6 +145,7 @@ class AlgorithmArgs(Section):
                 ("--use-rollout-logprobs", self.use_rollout_logprobs), ("--entropy-coef", self.entropy_coef > 0),
                 ("--normalize-advantages", self.normalize_advantages),
                 ("--disable-grpo-std-normalization", self.disable_grpo_std_normalization),
+                ("--disable-rewards-normalization", self.disable_rewards_normalization),
                 ("--use-unbiased-kl", self.use_unbiased_kl)) if on]
             if unused:
                 raise err(f"--loss-type sft_loss is the negative log-likelihood of the trained tokens: "

@@ -220,7 +220,7 @@ class TrainWorker:
                     sample_ids=mb.sample_ids, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask, kl=kl_t,
                     values=self.values[k][j] if self.critic else None, gamma=cfg.gamma, lambd=cfg.lambd,
                     kl_coef=cfg.kl_coef, std_normalization=not cfg.disable_grpo_std_normalization,
-                    rewards_normalized=normalized)
+                    rewards_normalized=normalized or cfg.disable_rewards_normalization)
                 mb.advantages = adv
                 rets.append(ret)
             self.returns.append(rets)
