@@ -954,7 +954,8 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     normalized = getattr(packed, "rewards_normalized", False)
     per_rank_steps, rewards = packed.take()
     first = run.start.next_rollout_id == 0 and rollout_id == 0  # policy = reference on this step
-    old_from = old_log_probs_source(run, first)
+    critic_only = rollout_id < cfg.num_critic_only_steps  # ppo: the critic is fitted first, the policy waits
+    old_from = "forward" if critic_only else old_log_probs_source(run, first)
     # the reference forward only where KL is used (worker: --use-kl-loss, --kl-coef), asked for (--log-kl) or
     # checked (RF01, the run's first step)
     need_ref = (first or cfg.log_kl) and old_from != "none"
@@ -993,9 +994,12 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     per_step = []
     for k in range(run.plan.num_steps_per_rollout):
         parts = first_parts if k == 0 and first_parts is not None else \
-            run.train_group.train_step(k, run.plan.global_batch_size)
+            run.train_group.train_step(k, run.plan.global_batch_size, not critic_only)
         faults.at("during_train", rollout_id)
         m = reduce_metrics(parts)
+        if critic_only:  # the critic's metrics only: no policy step ran
+            per_step.append(m)
+            continue
         if k == 0 and "train/mismatch" not in mismatch and "mismatch" in m:  # reported by the step's own forward
             mismatch.update(check_mismatch(m))
         m["loss"] = sum(p["loss_total"] for p in parts)
@@ -1009,6 +1013,11 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         run.state.grad_norms.append(m["grad_norm"])
         per_step.append(m)
     secs = time.perf_counter() - t0
+    if critic_only:
+        out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+        out.update({"train/critic_only": 1.0, "train/seconds": secs,
+                    "train/tokens_per_s": packed.metrics["pack/tokens"] / max(secs, 1e-9)})
+        return publish(run, rollout_id, {**out, **mismatch, **gpu_memory_metrics(run, "train")})
     skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes", "mismatch",
             "mismatch_max"}
     if not (first or cfg.log_kl or cfg.use_kl_loss or cfg.kl_coef > 0):

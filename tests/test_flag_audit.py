@@ -164,6 +164,7 @@ FLAG_TESTS = {
     "lambd": "test_advantages.py::test_gae_closed_form",
     "value_clip": "test_losses.py::test_value_loss_clipping",
     "critic_lr": "test_flag_wiring.py::test_optimizer_flags",
+    "num_critic_only_steps": "test_train_backend.py::test_num_critic_only_steps_fits_the_critic_before_the_policy_moves",
     # checkpoint
     "save": "test_checkpoint_stages.py::test_save_then_resume_restores_weights_data_and_history",
     "save_interval": "test_orchestration.py::test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step",

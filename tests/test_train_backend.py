@@ -8,7 +8,7 @@ import torch
 from train_fakes import fake_samples, pack
 
 from engine.config import RunConfig
-from engine.diagnosis import DiagnosisError
+from engine.diagnosis import ConfigError, DiagnosisError
 from engine.train.checks import first_step_check, grad_norm_spike
 from engine.train.optim import lr_lambda
 
@@ -190,9 +190,9 @@ class InProcessGroup:
                                                       global_batch_size)
         return [facts], None if out is None else [out]
 
-    def train_step(self, k, global_batch_size):
+    def train_step(self, k, global_batch_size, policy=True):
         self.calls.append("train_step")
-        return [self.worker.train_step(k, global_batch_size)]
+        return [self.worker.train_step(k, global_batch_size, policy)]
 
 
 def stage_run(cfg, worker):
@@ -221,6 +221,31 @@ def test_train_stage_reports_the_metrics(tiny_model):
         assert math.isfinite(out[f"train/{key}"]), key
     assert out["train/kl"] == 0.0 and out["train/ratio"] == pytest.approx(1.0)  # first step: π = π_ref = π_old
     assert 0 < out["train/mismatch"] <= out["train/mismatch_max"]  # fake engine log-probs differ from the trainer's
+
+
+def test_num_critic_only_steps_fits_the_critic_before_the_policy_moves(tiny_model):
+    """slime's --num-critic-only-steps (ppo): rollout 0 trains the critic alone (the policy's weights and LR
+    schedule stay, only critic metrics are logged); rollout 1 trains both."""
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model, advantage_estimator="ppo", lr=3e-3, num_critic_only_steps=1, num_rollout=4,
+                   logprob_mismatch_threshold=1e3)  # the fake engine log-probs are random
+    w = make_worker(cfg)
+    run = stage_run(cfg, w)
+    policy, critic = params(w.backend.model), params(w.critic.model)
+    out = train(run, packed_rollout(0))
+    assert out["train/critic_only"] == 1.0 and out["train/value_loss"] > 0 and "train/critic_grad_norm" in out
+    assert not {"train/loss", "train/pg_loss", "train/grad_norm"} & set(out), sorted(out)
+    assert all(torch.equal(policy[k], v) for k, v in params(w.backend.model).items())
+    assert any(not torch.equal(critic[k], v) for k, v in params(w.critic.model).items())
+    assert w.backend.scheduler.last_epoch == 0  # the policy's schedule waits too
+    out = train(run, packed_rollout(1))
+    assert "train/critic_only" not in out and math.isfinite(out["train/loss"]) and "train/value_loss" in out
+    assert any(not torch.equal(policy[k], v) for k, v in params(w.backend.model).items())
+    with pytest.raises(ConfigError, match="only --advantage-estimator ppo has a critic"):
+        make_cfg(tiny_model, num_critic_only_steps=1)
+    with pytest.raises(ConfigError, match="the policy would never train"):
+        make_cfg(tiny_model, advantage_estimator="ppo", num_critic_only_steps=4, num_rollout=4)
 
 
 def test_rf14_stops_the_run_before_the_update_when_the_engine_disagrees(tiny_model):

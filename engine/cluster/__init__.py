@@ -432,8 +432,8 @@ class TrainGroup:
             raise RuntimeError(f"train ranks disagree on running step 0 with set_rollout: {stepped}")
         return [f for f, _ in pairs], [out for _, out in pairs] if all(stepped) else None
 
-    def train_step(self, k: int, global_batch_size: int) -> list[dict[str, Any]]:
-        return self._all(lambda w: w.train_step, k, global_batch_size)
+    def train_step(self, k: int, global_batch_size: int, policy: bool = True) -> list[dict[str, Any]]:
+        return self._all(lambda w: w.train_step, k, global_batch_size, policy)
 
     # ---- directories: nothing assumed shared (engine/cluster/nodes.py) ----------------------------------------
     def seeing(self, path: str) -> list[bool]:

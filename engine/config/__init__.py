@@ -227,6 +227,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      f"{'; '.join(why)}",
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
+        if self.num_critic_only_steps >= self.num_rollout:
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--num-critic-only-steps {self.num_critic_only_steps} with --num-rollout {self.num_rollout}: "
+                     "the policy would never train",
+                fix=f"--num-critic-only-steps below {self.num_rollout}",
+                facts={"field": "num_critic_only_steps", "value": self.num_critic_only_steps}))
         if self.disable_rewards_normalization and self.custom_reward_post_process_path:
             from engine.diagnosis import ConfigError, Diagnosis
 

@@ -99,6 +99,9 @@ class AlgorithmArgs(Section):
     critic_lr: Optional[float] = Field(None, gt=0)
     """ppo: peak learning rate of the critic (default: --lr); same schedule as the policy."""
 
+    num_critic_only_steps: int = Field(0, ge=0)
+    """ppo: the first N rollouts train the critic only (slime's flag): the policy, its optimizer and its LR schedule wait, and its metrics are not logged for those rollouts, so the value function is fitted before it steers the policy."""
+
     @model_validator(mode="after")
     def _algorithm_consistent(self) -> "AlgorithmArgs":
         def err(what: str, fix: str, **facts) -> ConfigError:
@@ -152,6 +155,10 @@ class AlgorithmArgs(Section):
                           f"{', '.join(unused)} would do nothing (no advantage, reference, KL or importance weight "
                           "enters it)", f"drop {', '.join(u.split(' ')[0] for u in unused)}, or --loss-type "
                                         "policy_loss", field="loss_type", value="sft_loss", unused=unused)
+        if self.num_critic_only_steps and self.advantage_estimator != "ppo":
+            raise err(f"--num-critic-only-steps {self.num_critic_only_steps}: only --advantage-estimator ppo has a "
+                      f"critic (now {self.advantage_estimator})", "--advantage-estimator ppo, or drop "
+                      "--num-critic-only-steps", field="num_critic_only_steps", value=self.num_critic_only_steps)
         if self.use_unbiased_kl and not self.use_kl_loss:
             raise err("--use-unbiased-kl corrects the KL loss, and --use-kl-loss is off: there is no KL loss to "
                       "correct", "add --use-kl-loss --kl-loss-coef C, or drop --use-unbiased-kl",

@@ -91,6 +91,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/value_loss", "min", "ppo: the critic's clipped value loss, token mean"),
     MetricDoc("train/value_clipfrac", None, "ppo: share of tokens whose value was clipped"),
     MetricDoc("train/critic_grad_norm", None, "ppo: the critic's gradient norm before clipping"),
+    MetricDoc("train/critic_only", None, "ppo, `--num-critic-only-steps`: 1 on a rollout that trained the critic "
+                                         "only (no policy metric is logged for it)"),
     MetricDoc("train/clipfrac", None, "share of tokens whose ratio was clipped"),
     MetricDoc("train/ratio", None, "mean importance ratio π/π_old (1 on the first step)"),
     MetricDoc("train/mismatch", "min", "mean \\|log π_engine − log π_trainer\\| over the rollout's trained tokens, "

@@ -321,7 +321,12 @@ class TrainWorker:
                         total, count, worst = total + float(d.sum()), count + float(m.sum()), max(worst, float(d.max()))
         return {"mismatch_sum": total, "mismatch_count": count, "mismatch_max": worst}
 
-    def train_step(self, k: int, global_batch_size: int) -> dict[str, Any]:
+    def train_step(self, k: int, global_batch_size: int, policy: bool = True) -> dict[str, Any]:
+        """Optimizer step k of the rollout: the policy's, then PPO's critic's; policy=False (--num-critic-only-steps)
+        the critic's only."""
+        if not policy:
+            return self.critic.train_step(self.steps[k], self.values[k], self.returns[k], global_batch_size,
+                                          global_tokens=self.step_tokens[k])
         deferred = self.old is None  # old_from "train" (the step's own forward gives them) or "none" (not needed)
         out = self.backend.train_step(self.steps[k], None if deferred else self.old[k],
                                       self.ref[k] if self.ref else None, global_batch_size,
