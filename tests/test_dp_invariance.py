@@ -157,3 +157,24 @@ def test_bf16_with_fp32_masters_is_the_same_step_sharded_or_not(ray_cluster, sma
     assert same > 0.99
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-2)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-2, abs=1e-4)
+
+
+def test_frozen_parameters_stay_put_sharded_or_not(ray_cluster, small_cfg):
+    """--freeze-params-name-list under FSDP2 (DP = 2): the frozen tensors keep their initial values on every rank
+    and the trained ones match DP = 1."""
+    samples = fake_samples(LENGTHS, n=4, seed=5)
+    base = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16, micro_batch_size=2, lr=1e-4,
+                clip_grad=0.0, weight_decay=0.1, freeze_params_name_list=["embed_tokens", r"layers\.1\."])
+    results = {dp: one_step(small_cfg(actor_num_gpus_per_node=dp, **base), samples) for dp in (1, 2)}
+
+    from engine.modeling import load_causal_lm
+
+    initial = {k: v.detach() for k, v in load_causal_lm(small_cfg().hf_checkpoint).named_parameters()}
+    frozen = [k for k in initial if "embed_tokens" in k or ".layers.1." in k]
+    assert frozen
+    for dp, r in results.items():
+        for rank_params in r["params"]:
+            assert all(torch.equal(rank_params[k], initial[k]) for k in frozen), dp
+        assert any(not torch.equal(r["params"][0][k], initial[k]) for k in initial if k not in frozen), dp
+    diff = max(float((results[2]["params"][0][k] - results[1]["params"][0][k]).abs().max()) for k in initial)
+    assert diff <= 1e-6, diff

@@ -120,6 +120,9 @@ FLAG_TESTS = {
     "weight_decay": "test_flag_wiring.py::test_optimizer_flags",
     "adam_beta1": "test_flag_wiring.py::test_optimizer_flags",
     "adam_beta2": "test_flag_wiring.py::test_optimizer_flags",
+    "freeze_params_name_list": "test_flag_wiring.py::test_freeze_and_only_train_params_leave_the_matching_weights_untouched",
+    "only_train_params_name_list":
+        "test_flag_wiring.py::test_freeze_and_only_train_params_leave_the_matching_weights_untouched",
     "reset_optimizer_states": "test_flag_wiring.py::test_reset_optimizer_states_zeroes_adams_moments_before_each_rollout",
     "clip_grad": "test_train_backend.py::test_clip_grad_bounds_the_gradient_and_reports_the_norm_before_clipping",
     "check_for_nan_in_loss_and_grad": "test_train_backend.py::test_nan_step_is_skipped_and_counted_with_the_flag",

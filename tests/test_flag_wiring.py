@@ -517,3 +517,36 @@ def test_apply_chat_template_kwargs_reach_every_rendering_of_a_prompt(tmp_path):
             parse_args(["--apply-chat-template", "--apply-chat-template-kwargs", value])
     with pytest.raises(ConfigError, match="--apply-chat-template is off"):
         parse_args(["--apply-chat-template-kwargs", off])
+
+
+def test_freeze_and_only_train_params_leave_the_matching_weights_untouched():
+    """slime's --freeze-params-name-list / --only-train-params-name-list (re.search on the HF names): a frozen
+    parameter gets no gradient and no update (not even AdamW's decay), the others move; a tied embedding / LM head
+    is frozen by either name; a pattern that matches nothing, or freezing everything, is a CONFIG error."""
+    def one_step(**over):
+        w = _worker(lr=1e-3, weight_decay=0.1, **over)
+        before = {k: v.clone() for k, v in w.backend.model_state().items()}
+        samples = fake_samples([(4, 3)] * 8, n=4, seed=2)
+        steps = [pack(samples, [[0, 1], [2, 3], [4, 5], [6, 7]])]
+        w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False)
+        w.train_step(0, 8)
+        after = w.backend.model_state()
+        return {k for k in before if not torch.equal(before[k], after[k])}, set(before)
+
+    moved, names = one_step(freeze_params_name_list=["embed_tokens", r"layers\.0\."])
+    assert moved and not any("embed_tokens" in k or ".layers.0." in k for k in moved)
+    assert any(".layers.1." in k for k in moved)
+    moved, _ = one_step(only_train_params_name_list=[r"layers\.3\.mlp"])
+    assert moved and all(".layers.3.mlp" in k for k in moved)
+    moved, _ = one_step(only_train_params_name_list=[r"layers\.3\."], freeze_params_name_list=["mlp"])
+    assert moved and all(".layers.3." in k and "mlp" not in k for k in moved)
+    with pytest.raises(ConfigError, match="'no_such_layer' matches no parameter"):
+        one_step(freeze_params_name_list=["no_such_layer"])
+    with pytest.raises(ConfigError, match="freeze every parameter"):
+        one_step(freeze_params_name_list=["."])
+    from engine.config.cli import parse_args
+
+    with pytest.raises(ConfigError, match="--freeze-params-name-list .*'layers.\\(' is not a regular expression"):
+        parse_args(["--freeze-params-name-list", "layers.("])
+    with pytest.raises(ConfigError, match="only the torch backend freezes"):
+        RunConfig(only_train_params_name_list=["mlp"], train_backend="megatron")

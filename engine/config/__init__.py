@@ -244,6 +244,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 what="--disable-rewards-normalization with --custom-reward-post-process-path: the hook's rewards "
                      "already replace the normalisation (they are used as they are)",
                 fix="drop --disable-rewards-normalization", facts={"field": "disable_rewards_normalization"}))
+        if (self.freeze_params_name_list or self.only_train_params_name_list) and self.train_backend != "torch":
+            from engine.diagnosis import ConfigError, Diagnosis
+
+            flag = "--freeze-params-name-list" if self.freeze_params_name_list else "--only-train-params-name-list"
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"{flag} with --train-backend {self.train_backend}: only the torch backend freezes parameters "
+                     "(Megatron's names differ and it has not been run with it)",
+                fix=f"--train-backend torch, or drop {flag}", facts={"field": flag[2:].replace("-", "_")}))
         if self.reset_optimizer_states and self.train_backend != "torch":
             from engine.diagnosis import ConfigError, Diagnosis
 

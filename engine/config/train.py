@@ -1,7 +1,7 @@
 """Training flags: backend, batch sizes, optimizer."""
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from engine.config.base import Section
 
@@ -79,6 +79,12 @@ class TrainArgs(Section):
     adam_beta2: float = Field(0.98, gt=0, lt=1)
     """AdamW beta2."""
 
+    freeze_params_name_list: list[str] = []
+    """Regular expressions (Python `re.search`) of the policy's parameter names (Hugging Face names, e.g. `embed_tokens` or `layers\.[0-3]\.`) to freeze (slime's flag): they get no gradient and no update; the others train. A tied embedding / LM head is one parameter: frozen when either name matches. A pattern that matches no parameter is an error. Torch backend; the critic is not affected."""
+
+    only_train_params_name_list: list[str] = []
+    """Regular expressions of the policy's parameter names to train (slime's flag); every other parameter is frozen. With --freeze-params-name-list, a parameter matching both is frozen."""
+
     reset_optimizer_states: bool = False
     """Zero the optimizer's state at the start of every rollout's training (slime's flag): Adam's moments and step counts (so its bias correction restarts); the learning-rate schedule goes on. Policy and critic. Torch backend."""
 
@@ -99,3 +105,15 @@ class TrainArgs(Section):
 
     train_threads: int = Field(0, ge=0)
     """torch CPU threads per train worker (0 = the cores shared by the processes running at once: (cores - 1) / max(workers, engines) in a synchronous run, whose trainer and engines take turns while the driver keeps one core for its bookkeeping; cores / (workers + engines) with --async-mode)."""
+
+    @field_validator("freeze_params_name_list", "only_train_params_name_list")
+    @classmethod
+    def _patterns_compile(cls, v: list[str]) -> list[str]:
+        import re
+
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
+        return v

@@ -80,6 +80,15 @@ class TorchBackend:
         use_varlen_attention(model)
         if cfg.recompute_activations:
             recompute_decoder_layers(model)
+        self.frozen = freeze_parameters(model, cfg.freeze_params_name_list, cfg.only_train_params_name_list)
+        if self.frozen and rank == 0:
+            import logging
+
+            total = sum(p.numel() for p in model.parameters())
+            left = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            logging.getLogger("rollflow").warning(
+                "rollflow: %d parameter tensors frozen (%s%s); %s of %s parameters train", len(self.frozen),
+                ", ".join(self.frozen[:4]), " …" if len(self.frozen) > 4 else "", f"{left:,}", f"{total:,}")
         self.sharded = world_size > 1
         self.masters = None
         if self.sharded:
@@ -442,6 +451,46 @@ class Fp32Masters:
     def to(self, dev: torch.device) -> None:
         for m in self.masters:
             m.data = m.data.to(dev)
+
+
+def freeze_parameters(model: torch.nn.Module, freeze: list[str], only_train: list[str]) -> list[str]:
+    """--freeze-params-name-list / --only-train-params-name-list (re.search on every name of a parameter, a tied
+    one's both): requires_grad off for the frozen ones, which then get no gradient, so neither AdamW nor its weight
+    decay touches them. Returns the frozen names; a pattern that matches no name, or freezing every parameter, is
+    a ConfigError."""
+    import re
+
+    from engine.diagnosis import ConfigError, Diagnosis
+
+    if not (freeze or only_train):
+        return []
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    every = [n for ns in names.values() for n in ns]
+    for flag, patterns in (("--freeze-params-name-list", freeze), ("--only-train-params-name-list", only_train)):
+        for pat in patterns:
+            if not any(re.search(pat, n) for n in every):
+                raise ConfigError(Diagnosis(
+                    code="CONFIG", severity="error",
+                    what=f"{flag} {pat!r} matches no parameter of the model (e.g. {', '.join(every[:3])})",
+                    fix=f"a regular expression of these names (re.search), or drop {pat!r}",
+                    facts={"field": flag[2:].replace("-", "_"), "value": pat}))
+    frozen = []
+    for key, ns in names.items():
+        hit = any(re.search(pat, n) for pat in freeze for n in ns)
+        kept = not only_train or any(re.search(pat, n) for pat in only_train for n in ns)
+        if hit or not kept:
+            params[key].requires_grad_(False)
+            frozen += ns
+    if len(frozen) == len(every):
+        raise ConfigError(Diagnosis(
+            code="CONFIG", severity="error", what="--freeze-params-name-list / --only-train-params-name-list "
+                                                  "freeze every parameter of the model: nothing would train",
+            fix="freeze fewer parameters", facts={"field": "freeze_params_name_list"}))
+    return frozen
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
