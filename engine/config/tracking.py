@@ -76,6 +76,40 @@ class TrackingArgs(Section):
     """Show Prefect's tracebacks on the terminal for a diagnosed failure too (without it the terminal shows the
     diagnosis; the tracebacks stay in the Prefect UI's logs)."""
 
+    use_tensorboard: bool = False
+    """Also write every metric to TensorBoard event files (slime's flag), beside MLflow: `tensorboard --logdir DIR`. DIR is $TENSORBOARD_DIR, else `tensorboard_log/<--tb-project-name>/<--tb-experiment-name>` (slime's layout), else <work_dir>/tensorboard/<run name>. Each metric at its MLflow step (rollout id; rollouts trained for eval/*; seconds for system/*). Needs `pip install tensorboardX` (installed with the dev extra). A failure is reported once and training goes on."""
+
+    tb_project_name: Optional[str] = None
+    """--use-tensorboard: the event files go to tensorboard_log/<this>/<--tb-experiment-name> (slime's flag), unless $TENSORBOARD_DIR is set."""
+
+    tb_experiment_name: Optional[str] = None
+    """--use-tensorboard with --tb-project-name: the directory under it (slime's flag). Default: the date and time."""
+
+    @model_validator(mode="after")
+    def _tensorboard(self) -> "TrackingArgs":
+        """--tb-* without --use-tensorboard would do nothing; --use-tensorboard without tensorboardX cannot work."""
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        set_ = [f"--{k.replace('_', '-')}" for k in ("tb_project_name", "tb_experiment_name") if getattr(self, k)]
+        if set_ and not self.use_tensorboard:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                        what=f"{', '.join(set_)} without --use-tensorboard: no event file is written",
+                                        fix="add --use-tensorboard, or drop them", facts={"field": "use_tensorboard"}))
+        if self.tb_experiment_name and not self.tb_project_name:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                        what="--tb-experiment-name names a directory under --tb-project-name, which "
+                                             "is not set", fix="add --tb-project-name", facts={"field":
+                                                                                               "tb_experiment_name"}))
+        if self.use_tensorboard:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboardX") is None:
+                raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                            what="--use-tensorboard, but the tensorboardX package is not installed",
+                                            fix="pip install tensorboardX (or drop --use-tensorboard: MLflow records "
+                                                "the run)", facts={"field": "use_tensorboard"}))
+        return self
+
     @model_validator(mode="after")
     def _wandb(self) -> "TrackingArgs":
         """--wandb-* without --use-wandb would do nothing; --use-wandb without the package cannot work."""

@@ -133,7 +133,7 @@ class Tracker:
         self.run_name: str | None = None  # the MLflow run's name (a continued run keeps its own)
         self._tables: list[str] = []  # table artifacts of the run (the mlflow.loggedArtifacts tag)
         self.sampler = None  # the SystemSampler feeding this tracker, if any
-        self.mirror = None  # --use-wandb: the WandbMirror every metric also goes to
+        self.mirrors: list = []  # --use-wandb, --use-tensorboard: where every metric also goes
         self.plots_drawn_at = float("-inf")  # monotonic time the plots were last queued (record.log_rollout)
         self.created_s = time.time()
         self._want: dict[str, Any] | None = None  # what start() asked for, until the run is open
@@ -183,8 +183,8 @@ class Tracker:
         self.flush()
 
     def log_metrics(self, metrics: dict[str, float], step: int, *, flush: bool = True) -> None:
-        if self.mirror is not None:
-            self.mirror.log(metrics, step)
+        for mirror in self.mirrors:
+            mirror.log(metrics, step)
         ts = int(time.time() * 1000)
         with self._lock:
             room = self.max_buffered - len(self._metrics)
@@ -283,8 +283,8 @@ class Tracker:
         if self.background:
             with self._busy:  # the sender's work in progress, then what it had not taken yet
                 self._run_jobs()
-        if self.mirror is not None:
-            self.mirror.finish(ok=status == "FINISHED")
+        for mirror in self.mirrors:
+            mirror.finish(ok=status == "FINISHED")
         if self.flush(force=True) and self.run_id:
             self._call("end", lambda: self.client.set_terminated(self.run_id, status))
         for d in (self.outbox, self.outbox.parent):  # empty once everything was sent

@@ -87,8 +87,14 @@ def open_tracking(cfg: RunConfig, *, work_dir: Path, resume: dict[str, Any] | No
     if cfg.use_wandb:
         from engine.tracking.wandb_mirror import WandbMirror
 
-        tracker.mirror = WandbMirror.start(cfg, run_name=tracker.run_name or run_name, run_id=tracker.run_id,
-                                           config=cfg.model_dump(mode="json"))
+        mirror = WandbMirror.start(cfg, run_name=tracker.run_name or run_name, run_id=tracker.run_id,
+                                   config=cfg.model_dump(mode="json"))
+        tracker.mirrors += [mirror] if mirror is not None else []
+    if cfg.use_tensorboard:
+        from engine.tracking.tb_mirror import TensorboardMirror
+
+        mirror = TensorboardMirror.start(cfg, run_name=tracker.run_name or run_name)
+        tracker.mirrors += [mirror] if mirror is not None else []
     tracker.sampler = SystemSampler(tracker, cfg.system_metrics_interval).start() \
         if cfg.system_metrics_interval > 0 else None
     return tracker
