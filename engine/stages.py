@@ -356,8 +356,8 @@ def plan_rollout_engines(run: Run) -> None:
 
 
 def plan_train_only(run: Run) -> None:
-    """--load-debug-rollout-data, --debug-train-only: no engines; on GPUs a bundle per train rank (`train_only_layout`); the weights
-    go nowhere (`run.sync_transport` "none")."""
+    """--load-debug-rollout-data, --debug-train-only: no engines; on GPUs a bundle per train rank
+    (`train_only_layout`); the weights go nowhere (`run.sync_transport` "none")."""
     from engine import cluster
     from engine.cluster.placement import group_name, place as place_group, remove_leftovers, train_only_layout
 
@@ -974,10 +974,10 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         """RF14 on the engine-vs-trainer numbers. It compares the engine with the same weights; a stale batch
         (async) differs by its policy's updates on purpose — there the probe after each sync is the RF14 check."""
         mm = {"train/mismatch": f["mismatch"], "train/mismatch_max": f["mismatch_max"]}
-        if on_policy and not cfg.no_engines and (d := mismatch_diagnosis(where=f"rollout {rollout_id}", mean=f["mismatch"],
-                                                  worst=f["mismatch_max"], tokens=trained,
-                                                  threshold=cfg.mismatch_threshold(run.engine_dtype),
-                                                  engine_dtype=run.engine_dtype, train_dtype=run.train_dtype)):
+        if on_policy and not cfg.no_engines and (d := mismatch_diagnosis(
+                where=f"rollout {rollout_id}", mean=f["mismatch"], worst=f["mismatch_max"], tokens=trained,
+                threshold=cfg.mismatch_threshold(run.engine_dtype), engine_dtype=run.engine_dtype,
+                train_dtype=run.train_dtype)):
             publish(run, rollout_id, mm)  # the numbers reach MLflow with the failure
             raise DiagnosisError(d)
         return mm

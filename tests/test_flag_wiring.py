@@ -298,7 +298,8 @@ def test_reset_optimizer_states_zeroes_adams_moments_before_each_rollout():
     torch.testing.assert_close(st["exp_avg"], (1 - beta1) * g)
     st, g, _ = two_rollouts()
     assert float(st["step"]) == 2.0 and not torch.allclose(st["exp_avg"], (1 - beta1) * g)
-    with pytest.raises(ConfigError, match="only the torch backend resets its state"):
+    with pytest.raises(ConfigError, match="--reset-optimizer-states with --train-backend megatron: only the torch "
+                                          "backend has it"):
         RunConfig(reset_optimizer_states=True, train_backend="megatron")
 
 
@@ -548,5 +549,6 @@ def test_freeze_and_only_train_params_leave_the_matching_weights_untouched():
 
     with pytest.raises(ConfigError, match="--freeze-params-name-list .*'layers.\\(' is not a regular expression"):
         parse_args(["--freeze-params-name-list", "layers.("])
-    with pytest.raises(ConfigError, match="only the torch backend freezes"):
+    with pytest.raises(ConfigError, match="--only-train-params-name-list with --train-backend megatron: only the "
+                                          "torch backend has it"):
         RunConfig(only_train_params_name_list=["mlp"], train_backend="megatron")

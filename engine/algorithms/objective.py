@@ -49,7 +49,8 @@ class LossSpec:
                    eps_clip=cfg.eps_clip,
                    eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
                    use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-                   unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
+                   unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip,
+                   tis_clip_low=cfg.tis_clip_low,
                    per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip)
 
 

@@ -71,6 +71,13 @@ RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "rollo
                 "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed")
 
 
+def _config_error(what: str, fix: str, **facts: Any):
+    """A CONFIG ConfigError naming what is wrong, the fix and the facts (the field, its value)."""
+    from engine.diagnosis import ConfigError, Diagnosis
+
+    return ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix, facts=facts))
+
+
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
                 OrchestrationArgs, TrackingArgs):
     """Everything a user can set for one training run."""
@@ -229,49 +236,24 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
         if self.num_critic_only_steps >= self.num_rollout:
-            from engine.diagnosis import ConfigError, Diagnosis
-
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"--num-critic-only-steps {self.num_critic_only_steps} with --num-rollout {self.num_rollout}: "
-                     "the policy would never train",
-                fix=f"--num-critic-only-steps below {self.num_rollout}",
-                facts={"field": "num_critic_only_steps", "value": self.num_critic_only_steps}))
+            raise _config_error(f"--num-critic-only-steps {self.num_critic_only_steps} with --num-rollout "
+                                f"{self.num_rollout}: the policy would never train",
+                                f"--num-critic-only-steps below {self.num_rollout}", field="num_critic_only_steps",
+                                value=self.num_critic_only_steps)
         if self.disable_rewards_normalization and self.custom_reward_post_process_path:
-            from engine.diagnosis import ConfigError, Diagnosis
-
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what="--disable-rewards-normalization with --custom-reward-post-process-path: the hook's rewards "
-                     "already replace the normalisation (they are used as they are)",
-                fix="drop --disable-rewards-normalization", facts={"field": "disable_rewards_normalization"}))
-        if (self.freeze_params_name_list or self.only_train_params_name_list) and self.train_backend != "torch":
-            from engine.diagnosis import ConfigError, Diagnosis
-
-            flag = "--freeze-params-name-list" if self.freeze_params_name_list else "--only-train-params-name-list"
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"{flag} with --train-backend {self.train_backend}: only the torch backend freezes parameters "
-                     "(Megatron's names differ and it has not been run with it)",
-                fix=f"--train-backend torch, or drop {flag}", facts={"field": flag[2:].replace("-", "_")}))
-        if self.reset_optimizer_states and self.train_backend != "torch":
-            from engine.diagnosis import ConfigError, Diagnosis
-
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"--reset-optimizer-states with --train-backend {self.train_backend}: only the torch backend "
-                     "resets its state (the megatron backend's distributed optimizer has not been run with it)",
-                fix="--train-backend torch, or drop --reset-optimizer-states",
-                facts={"field": "reset_optimizer_states", "value": True}))
-        if self.loss_type != "policy_loss" and self.train_backend != "torch":
-            from engine.diagnosis import ConfigError, Diagnosis
-
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"--loss-type {self.loss_type} with --train-backend {self.train_backend}: only the torch "
-                     "backend computes it (the megatron backend's step has not been run with it on a GPU)",
-                fix="--train-backend torch (on a GPU too), or --loss-type policy_loss",
-                facts={"field": "loss_type", "value": self.loss_type}))
+            raise _config_error("--disable-rewards-normalization with --custom-reward-post-process-path: the hook's "
+                                "rewards already replace the normalisation (they are used as they are)",
+                                "drop --disable-rewards-normalization", field="disable_rewards_normalization")
+        for flag, on in ((f"--loss-type {self.loss_type}", self.loss_type != "policy_loss"),
+                         ("--reset-optimizer-states", self.reset_optimizer_states),
+                         ("--freeze-params-name-list", self.freeze_params_name_list),
+                         ("--only-train-params-name-list", self.only_train_params_name_list)):
+            if on and self.train_backend != "torch":
+                name = flag.split(" ")[0]
+                raise _config_error(f"{flag} with --train-backend {self.train_backend}: only the torch backend has "
+                                    "it (the megatron backend has not been run with it on a GPU)",
+                                    f"--train-backend torch (on a GPU too), or drop {name}",
+                                    field=name[2:].replace("-", "_"))
         if self.train_share_prefix == "on" and self.train_backend != "torch":
             from engine.diagnosis import ConfigError, Diagnosis
 

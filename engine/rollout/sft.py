@@ -54,7 +54,8 @@ def fill(args: Any, sample: Sample) -> Sample:
         raise ValueError(f"row {row}: no answer to train on (--label-key {args.label_key!r} is empty or missing); "
                          "give each row an answer, or a conversation under --input-key")
     elif args.apply_chat_template:
-        messages = [{"role": "user", "content": str(sample.prompt)}, {"role": "assistant", "content": str(sample.label)}]
+        messages = [{"role": "user", "content": str(sample.prompt)},
+                    {"role": "assistant", "content": str(sample.label)}]
     else:
         messages = None
     if messages is None:  # raw text: the prompt as the rollout renders it, the answer, then EOS
