@@ -494,7 +494,8 @@ def convert(run: Run) -> int:
         run.state.history = {k: {int(i): v for i, v in d.items()} for k, d in s.manifest.get("history", {}).items()}
     elif s.kind == "hf":
         run.train_group.load_weights(s.local_dir)
-    if run.ref_dir:
+    moved_ref = s.kind == "checkpoint" and run.cfg.ref_update_interval and (Path(s.local_dir) / "ref").is_dir()
+    if run.ref_dir and not moved_ref:  # (a checkpoint's moved reference was loaded with it: --ref-update-interval)
         run.train_group.load_weights(run.ref_dir, ref=True)
     run.state.start_rollout_id = s.next_rollout_id
     if s.kind != "fresh":
@@ -1017,7 +1018,8 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
         out.update({"train/critic_only": 1.0, "train/seconds": secs,
                     "train/tokens_per_s": packed.metrics["pack/tokens"] / max(secs, 1e-9)})
-        return publish(run, rollout_id, {**out, **mismatch, **gpu_memory_metrics(run, "train")})
+        return publish(run, rollout_id, {**out, **mismatch, **move_ref(run, rollout_id),
+                                         **gpu_memory_metrics(run, "train")})
     skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes", "mismatch",
             "mismatch_max"}
     if not (first or cfg.log_kl or cfg.use_kl_loss or cfg.kl_coef > 0):
@@ -1029,7 +1031,19 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     out["train/grad_norm_spikes"] = sum(s.get("grad_norm_spikes", 0.0) for s in per_step)
     out["train/seconds"] = secs
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
-    return publish(run, rollout_id, {**out, **mismatch, **gpu_memory_metrics(run, "train")})
+    return publish(run, rollout_id, {**out, **mismatch, **move_ref(run, rollout_id),
+                                     **gpu_memory_metrics(run, "train")})
+
+
+def move_ref(run: Run, rollout_id: int) -> dict[str, float]:
+    """--ref-update-interval N: after training rollout i with (i + 1) % N == 0 the reference becomes the policy
+    (slime's schedule); {"train/ref_updated": 1.0} then."""
+    n = run.cfg.ref_update_interval
+    if not n or (rollout_id + 1) % n:
+        return {}
+    run.train_group.update_ref()
+    log.info("rollout %d: the reference is now the policy (--ref-update-interval %d)", rollout_id, n)
+    return {"train/ref_updated": 1.0}
 
 
 # ---- save ------------------------------------------------------------------------------------------------------

@@ -152,6 +152,8 @@ FLAG_TESTS = {
     "kl_loss_coef": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "kl_loss_type": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "use_unbiased_kl": "test_objective.py::test_unbiased_kl_weights_the_kl_loss_by_the_ratio_with_its_gradient",
+    "ref_update_interval":
+        "test_train_backend.py::test_ref_update_interval_moves_the_reference_to_the_policy_and_checkpoints_it",
     "kl_coef": "test_advantages.py::test_reinforce_plus_plus_baseline_subtracts_kl",
     "entropy_coef": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "disable_grpo_std_normalization": "test_flag_wiring.py::test_grpo_std_normalisation_flag_and_advantage_whitening",

@@ -194,6 +194,10 @@ class InProcessGroup:
         self.calls.append("train_step")
         return [self.worker.train_step(k, global_batch_size, policy)]
 
+    def update_ref(self):
+        self.calls.append("update_ref")
+        self.worker.update_ref()
+
 
 def stage_run(cfg, worker):
     from engine.run import Run
@@ -246,6 +250,34 @@ def test_num_critic_only_steps_fits_the_critic_before_the_policy_moves(tiny_mode
         make_cfg(tiny_model, num_critic_only_steps=1)
     with pytest.raises(ConfigError, match="the policy would never train"):
         make_cfg(tiny_model, advantage_estimator="ppo", num_critic_only_steps=4, num_rollout=4)
+
+
+def test_ref_update_interval_moves_the_reference_to_the_policy_and_checkpoints_it(tiny_model, tmp_path):
+    """slime's --ref-update-interval 2: after rollout 1 (not 0) the reference is the policy (KL 0 again); the
+    checkpoint holds that reference (iter_*/ref/), and a trainer loading it gets the same one."""
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model, use_kl_loss=True, kl_loss_coef=0.1, ref_update_interval=2, num_rollout=4,
+                   logprob_mismatch_threshold=1e3)  # the fake engine log-probs are random
+    w = make_worker(cfg)
+    run = stage_run(cfg, w)
+    initial = params(w.backend.model)
+    out = train(run, packed_rollout(0))
+    assert "train/ref_updated" not in out and run.train_group.calls.count("update_ref") == 0
+    assert all(torch.equal(initial[k], v) for k, v in params(w.backend.ref).items())
+    out = train(run, packed_rollout(1))
+    assert out["train/ref_updated"] == 1.0 and out["train/kl"] > 0  # the KL of the step, before the move
+    policy, ref = params(w.backend.model), params(w.backend.ref)
+    assert all(torch.equal(policy[k], ref[k]) for k in ref) and any(not torch.equal(initial[k], ref[k]) for k in ref)
+    steps, rewards = one_rollout()
+    assert w.set_rollout(steps, rewards, need_ref=True)["ref_logp_maxdiff"] == 0.0
+    files = w.save(str(tmp_path / "ck"))
+    assert "ref/model/model.safetensors" in files
+    w2 = make_worker(cfg)
+    w2.load(str(tmp_path / "ck"))
+    assert all(torch.equal(ref[k], v) for k, v in params(w2.backend.ref).items())
+    with pytest.raises(ConfigError, match="moves the reference, which nothing reads without a KL term"):
+        make_cfg(tiny_model, ref_update_interval=2)
 
 
 def test_rf14_stops_the_run_before_the_update_when_the_engine_disagrees(tiny_model):

@@ -480,6 +480,9 @@ class TrainGroup:
     def load(self, path: str, load_optim: bool = True) -> None:
         self._all(lambda w: w.load_from, path, load_optim, per_rank=self._files_for(path))
 
+    def update_ref(self) -> None:
+        self._all(lambda w: w.update_ref)
+
     def load_weights(self, path: str, ref: bool = False) -> None:
         """Policy (ref=False) or reference weights from an HF dir or a checkpoint iteration, on every rank."""
         self._all(lambda w: w.load_weights_from, path, ref, per_rank=self._files_for(path))

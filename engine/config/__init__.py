@@ -246,6 +246,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                 "drop --disable-rewards-normalization", field="disable_rewards_normalization")
         for flag, on in ((f"--loss-type {self.loss_type}", self.loss_type != "policy_loss"),
                          ("--reset-optimizer-states", self.reset_optimizer_states),
+                         ("--ref-update-interval", self.ref_update_interval),
                          ("--freeze-params-name-list", self.freeze_params_name_list),
                          ("--only-train-params-name-list", self.only_train_params_name_list)):
             if on and self.train_backend != "torch":

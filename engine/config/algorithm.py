@@ -45,6 +45,9 @@ class AlgorithmArgs(Section):
     use_unbiased_kl: bool = False
     """Unbiased KL loss (DeepSeek-V3.2's correction, slime's flag): each token's KL estimate is multiplied by π/π_old (with its gradient), since the tokens were sampled from π_old, not from the π being updated. It changes the KL loss and train/kl; the --kl-coef reward shaping is unchanged. Needs --use-kl-loss."""
 
+    ref_update_interval: Optional[int] = Field(None, ge=1)
+    """Every N rollouts the reference becomes the current policy (slime's flag: after training rollout i when (i + 1) % N == 0), so the KL term pulls toward recent weights instead of the start. Needs a KL term (--use-kl-loss, --kl-coef or --log-kl). Checkpoints then also hold the reference (iter_*/ref/), so a resume continues with the same one. Torch backend."""
+
     kl_coef: float = Field(0.0, ge=0)
     """KL reward shaping for ppo / reinforce_plus_plus(_baseline): token reward −kl_coef · KL(π_old‖π_ref)."""
 
@@ -159,6 +162,10 @@ class AlgorithmArgs(Section):
             raise err(f"--num-critic-only-steps {self.num_critic_only_steps}: only --advantage-estimator ppo has a "
                       f"critic (now {self.advantage_estimator})", "--advantage-estimator ppo, or drop "
                       "--num-critic-only-steps", field="num_critic_only_steps", value=self.num_critic_only_steps)
+        if self.ref_update_interval and not (self.use_kl_loss or self.kl_coef > 0 or self.log_kl):
+            raise err(f"--ref-update-interval {self.ref_update_interval} moves the reference, which nothing reads "
+                      "without a KL term", "add --use-kl-loss --kl-loss-coef C (or --kl-coef, or --log-kl), or drop "
+                      "--ref-update-interval", field="ref_update_interval", value=self.ref_update_interval)
         if self.use_unbiased_kl and not self.use_kl_loss:
             raise err("--use-unbiased-kl corrects the KL loss, and --use-kl-loss is off: there is no KL loss to "
                       "correct", "add --use-kl-loss --kl-loss-coef C, or drop --use-unbiased-kl",

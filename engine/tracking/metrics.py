@@ -91,6 +91,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/value_loss", "min", "ppo: the critic's clipped value loss, token mean"),
     MetricDoc("train/value_clipfrac", None, "ppo: share of tokens whose value was clipped"),
     MetricDoc("train/critic_grad_norm", None, "ppo: the critic's gradient norm before clipping"),
+    MetricDoc("train/ref_updated", None, "`--ref-update-interval`: 1 on a rollout after which the reference became "
+                                         "the policy (train/kl restarts from 0)"),
     MetricDoc("train/critic_only", None, "ppo, `--num-critic-only-steps`: 1 on a rollout that trained the critic "
                                          "only (no policy metric is logged for it)"),
     MetricDoc("train/clipfrac", None, "share of tokens whose ratio was clipped"),

@@ -317,6 +317,8 @@ class TorchBackend:
         if self.rank != 0:
             return []
         save_weights_dir(state, root / "model")
+        if self.cfg.ref_update_interval:  # the reference moves: a resume must find the one it had
+            save_weights_dir(self._ref_state(), root / "ref" / "model")
         if save_optim:
             (root / "optim").mkdir(parents=True, exist_ok=True)
             torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(),
@@ -336,6 +338,8 @@ class TorchBackend:
         from engine.weights import load_weights_dir
 
         self._load_full(load_weights_dir(Path(path) / "model"), path)
+        if self.cfg.ref_update_interval and (Path(path) / "ref" / "model").is_dir():
+            self.load_weights(str(Path(path) / "ref"), ref=True)
         if load_optim and (Path(path) / "optim" / "state.pt").is_file():
             st = torch.load(Path(path) / "optim" / "state.pt", weights_only=False, map_location="cpu")
             if self.sharded:
@@ -387,6 +391,21 @@ class TorchBackend:
         if self.ref is None:  # the frozen architecture; its weights are replaced just below
             self.ref = self._placed_ref(load_reference(None, self.cfg.hf_checkpoint, self.cfg.model_impl))
         load_state_strict(self.ref, state, path)
+
+    def update_ref(self) -> None:
+        """--ref-update-interval: the reference takes the policy's current weights (in the forward's dtype, as the
+        initial reference does); a collective when the policy is sharded."""
+        state = self.model_state()
+        load_state_strict(self._ref_model(), state, "the policy")
+
+    def _ref_state(self) -> dict[str, torch.Tensor]:
+        """The reference's HF-named weights, a tied tensor once (as model_state)."""
+        seen, out = set(), {}
+        for k, v in self._ref_model().state_dict(keep_vars=True).items():
+            if id(v) not in seen and k in dict(self._ref_model().named_parameters(remove_duplicate=False)):
+                seen.add(id(v))
+                out[k] = v.detach()
+        return out
 
     def export_hf(self, path: str) -> None:
         from engine.modeling import load_causal_lm, load_tokenizer

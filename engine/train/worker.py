@@ -340,6 +340,11 @@ class TrainWorker:
                                               global_tokens=self.step_tokens[k]))
         return out
 
+    def update_ref(self) -> None:
+        """--ref-update-interval: the reference becomes the current policy."""
+        self.backend_onload()
+        self.backend.update_ref()
+
     def score(self, mb: MicroBatch) -> tuple[torch.Tensor, bool]:
         """(log-probs [T] of one micro-batch under the policy, whether this rank's answer counts) — a collective
         for sharded backends; used to check the engine after a weight sync (RF14)."""
