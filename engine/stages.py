@@ -175,8 +175,9 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     run.eos_ids = eos_token_ids(cfg.model_dir, run.tokenizer)
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
                         metadata_key=cfg.metadata_key)
-    if cfg.rollout_max_prompt_len:
-        rows = short_prompts(run, rows)
+    cap, cap_flag = cfg.prompt_cap()
+    if cap:
+        rows = short_prompts(run, rows, cap, cap_flag)
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.sampling_seed)
     run.eval_datasets = {} if cfg.no_engines else {d.name: d for d in cfg.eval_datasets()}  # no engine: no eval
     run.eval_sets = {name: eval_rows(d, cfg.eval_max_samples, run) for name, d in run.eval_datasets.items()}
@@ -203,9 +204,9 @@ def eval_rows(d, limit: int, run: Run | None = None) -> list:
     flag = "--eval-config" if run is not None and run.cfg.eval_config else "--eval-prompt-data"  # errors name it
     rows = load_prompts(d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
                         flag=flag)
-    if run is not None and run.cfg.eval_max_prompt_len:
-        rows = short_prompts(run, rows, run.cfg.eval_max_prompt_len, "--eval-max-prompt-len",
-                             f"eval set {d.name!r}")
+    cap, cap_flag = run.cfg.prompt_cap(evaluation=True) if run is not None else (None, "")
+    if cap:
+        rows = short_prompts(run, rows, cap, cap_flag, f"eval set {d.name!r}")
     rows = rows[:limit]
     if d.rm_type is None and not d.metadata_overrides:
         return rows
@@ -546,7 +547,8 @@ def sampling_params(run: Run, *, greedy: bool = False):
                           temperature=0.0 if greedy else cfg.rollout_temperature, top_p=cfg.rollout_top_p,
                           top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop),
                           stop_token_ids=sorted(set(run.eos_ids) | set(cfg.rollout_stop_token_ids)),
-                          skip_special_tokens=cfg.rollout_skip_special_tokens)
+                          skip_special_tokens=cfg.rollout_skip_special_tokens,
+                          max_context_len=cfg.rollout_max_context_len)
 
 
 def eval_sampling_params(run: Run, d=None):
@@ -563,7 +565,7 @@ def eval_sampling_params(run: Run, d=None):
     temperature = 0.0 if greedy else cfg.rollout_temperature if d.temperature is None else d.temperature
     return SamplingParams(max_new_tokens=d.max_response_len, temperature=temperature, top_p=d.top_p, top_k=d.top_k,
                           stop=list(d.stop), stop_token_ids=sorted(set(run.eos_ids) | set(d.stop_token_ids)),
-                          skip_special_tokens=cfg.rollout_skip_special_tokens)
+                          skip_special_tokens=cfg.rollout_skip_special_tokens, max_context_len=cfg.eval_context_len)
 
 
 def _prompts(run: Run, rows: list):

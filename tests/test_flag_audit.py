@@ -19,6 +19,10 @@ FLAG_TESTS = {
     "prompt_data": "test_doctor.py::test_a_prompt_file_that_is_not_utf8",
     "rollout_max_prompt_len": "test_flag_wiring.py::test_rollout_max_prompt_len_drops_the_long_rows_when_the_data_is_loaded",
     "eval_prompt_data": "test_checkpoint_s3.py::test_rf01_on_an_empty_prefix_and_no_secret_anywhere",
+    "rollout_max_context_len":
+        "test_flag_wiring.py::test_max_context_len_caps_prompts_and_answers_and_the_doctor_counts_the_cap",
+    "eval_max_context_len":
+        "test_flag_wiring.py::test_max_context_len_caps_prompts_and_answers_and_the_doctor_counts_the_cap",
     "eval_max_samples": "test_flag_wiring.py::test_place_flags",
     "eval_interval": "test_flow.py::test_two_rollouts_end_to_end",
     "n_samples_per_eval_prompt": "test_flow.py::test_two_rollouts_end_to_end",

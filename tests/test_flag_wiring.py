@@ -426,6 +426,43 @@ def test_rollout_max_prompt_len_drops_the_long_rows_when_the_data_is_loaded(tmp_
     assert "rollout_max_prompt_len" in RunConfig(rollout_max_prompt_len=64).fixed_settings()
 
 
+def test_max_context_len_caps_prompts_and_answers_and_the_doctor_counts_the_cap(tmp_path, caplog):
+    """slime's --rollout-max-context-len / --eval-max-context-len: prompts of the cap or more tokens are dropped
+    (slime's default --rollout-max-prompt-len = cap − 1), the engines get the cap with the sampling params (the
+    loop asks each group for what its prompt leaves: tests/test_rollout_loop.py), preflight checks the cap against
+    the model's context instead of counting each prompt, and a resume keeps it."""
+    import json
+
+    from engine import stages
+    from engine.doctor.checks import Environment, prompts_fit_context
+    from engine.modeling import render_prompt
+
+    p = tmp_path / "d.jsonl"
+    prompts = ["1+1=", "12+34=", "7+" * 1100, "2+2="]
+    p.write_text("".join(json.dumps({"prompt": q, "label": "1"}) + "\n" for q in prompts))
+    run = _run(tmp_path, prompt_data=str(p), apply_chat_template=True)
+    cap = len(render_prompt(run.tokenizer, "1+1=", True)) + 1  # "1+1=" leaves one token; "12+34=" none
+    run = _run(tmp_path, prompt_data=str(p), apply_chat_template=True, rollout_max_context_len=cap)
+    assert run.cfg.prompt_cap() == (cap - 1, "--rollout-max-context-len")
+    stages.load_driver_side(run, SimpleNamespace(run_id=None))
+    assert [r.row for r in run.dataset.rows] == [1, 4]
+    assert stages.sampling_params(run).max_context_len == cap
+    assert stages.sampling_params(run).budget(cap - 1) == 1
+    run.eval_datasets = {}
+    assert stages.eval_sampling_params(run).max_context_len == cap  # the eval's default
+    assert RunConfig(rollout_max_context_len=64, eval_max_context_len=32).prompt_cap(evaluation=True) == \
+        (31, "--eval-max-context-len")
+    with pytest.raises(ConfigError, match="--rollout-max-prompt-len 10 is not below --rollout-max-context-len 10"):
+        RunConfig(rollout_max_prompt_len=10, rollout_max_context_len=10)
+    # the 2,200-token row would overflow the model's 2,048 tokens with any answer; under a cap it is dropped
+    cfg = dict(prompt_data=str(p), apply_chat_template=True, eval_prompt_data="", rollout_max_response_len=8)
+    assert [d.code for d in prompts_fit_context(RunConfig(**cfg), Environment())] == ["DATA"]
+    assert prompts_fit_context(RunConfig(**cfg, rollout_max_context_len=64), Environment()) == []
+    (d,) = prompts_fit_context(RunConfig(**cfg, rollout_max_context_len=4096), Environment())
+    assert "--rollout-max-context-len 4096 is above the model's context of 2048" in d.what
+    assert "rollout_max_context_len" in RunConfig(rollout_max_context_len=64).fixed_settings()
+
+
 def test_eval_max_prompt_len_drops_long_eval_rows_before_the_eval_max_samples_are_taken(tmp_path, caplog):
     """slime's --eval-max-prompt-len: the same as --rollout-max-prompt-len for each eval set, before
     --eval-max-samples; the log names the set; preflight does not count the dropped rows against the context."""

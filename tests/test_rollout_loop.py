@@ -272,3 +272,27 @@ def test_a_runs_partial_buffer_decodes_as_the_engines_do(tiny_model, tmp_path):
     assert stages.partial_buffer(run, 0, None).decode(ids) == "12+3=15"
     run.state.resume_partial[1] = ({"next": 0}, PartialBuffer(1))
     assert stages.partial_buffer(run, 1, {"next": 0}).decode(ids) == "12+3=15"
+
+
+def test_a_context_cap_asks_each_group_for_what_its_prompt_leaves(engine, draw):
+    """slime's --rollout-max-context-len: prompt + response ≤ the cap. With a cap 2 tokens above a prompt, that
+    group's samples stop at 2 new tokens (TRUNCATED when the answer needed more), whatever max_new_tokens says."""
+    state, url = engine
+    prompts = draw(4)
+    shortest = min(len(p.ids) for p in prompts)
+
+    def again(k, it=iter([prompts])):
+        return next(it)
+
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=state.generator.eos_ids,
+                            max_context_len=shortest + 2)
+    res = _run(engine, again, params=params)
+    for g, p in zip(res.groups, prompts):
+        room = max(1, min(8, shortest + 2 - len(p.ids)))
+        for s in g:
+            assert s.prompt_length + s.response_length <= max(shortest + 2, len(p.ids) + 1)
+            assert s.response_length <= room
+            if s.status == Status.TRUNCATED:
+                assert s.response_length == room
+    assert any(s.status == Status.TRUNCATED for g in res.groups for s in g)
+    assert SamplingParams(max_new_tokens=8).budget(100) == 8  # no cap: max_new_tokens

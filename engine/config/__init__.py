@@ -68,7 +68,8 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
 #: optimizer state another backend or estimator wrote.
 RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "rollout_batch_size", "n_samples_per_prompt",
                 "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
-                "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed")
+                "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed",
+                "rollout_max_context_len")
 
 
 def _config_error(what: str, fix: str, **facts: Any):
@@ -240,6 +241,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                 f"{self.num_rollout}: the policy would never train",
                                 f"--num-critic-only-steps below {self.num_rollout}", field="num_critic_only_steps",
                                 value=self.num_critic_only_steps)
+        for prompt_flag, prompt_len, ctx_flag, ctx in (
+                ("--rollout-max-prompt-len", self.rollout_max_prompt_len, "--rollout-max-context-len",
+                 self.rollout_max_context_len),
+                ("--eval-max-prompt-len", self.eval_max_prompt_len,
+                 "--eval-max-context-len" if self.eval_max_context_len else "--rollout-max-context-len",
+                 self.eval_context_len)):
+            if prompt_len and ctx and prompt_len >= ctx:
+                raise _config_error(f"{prompt_flag} {prompt_len} is not below {ctx_flag} {ctx}: a prompt that long "
+                                    "leaves no token to generate", f"{prompt_flag} {ctx - 1} or less",
+                                    field=prompt_flag[2:].replace("-", "_"), value=prompt_len)
         if self.disable_rewards_normalization and self.custom_reward_post_process_path:
             raise _config_error("--disable-rewards-normalization with --custom-reward-post-process-path: the hook's "
                                 "rewards already replace the normalisation (they are used as they are)",
@@ -339,6 +350,25 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 facts={"field": "partial_rollout", "value": True}))
         if errors:
             raise ConfigError(errors)
+
+    @property
+    def eval_context_len(self) -> int | None:
+        """--eval-max-context-len, else --rollout-max-context-len (slime's default)."""
+        return self.eval_max_context_len or self.rollout_max_context_len
+
+    def prompt_cap(self, evaluation: bool = False) -> tuple[int | None, str]:
+        """(the longest prompt kept when the data is loaded, the flag that set it): --rollout-max-prompt-len
+        (--eval-max-prompt-len), else the context length − 1 (slime's default), else (None, "")."""
+        if evaluation:
+            ctx_flag = "--eval-max-context-len" if self.eval_max_context_len else "--rollout-max-context-len"
+            if self.eval_max_prompt_len:
+                return self.eval_max_prompt_len, "--eval-max-prompt-len"
+            return (self.eval_context_len - 1, ctx_flag) if self.eval_context_len else (None, "")
+        if self.rollout_max_prompt_len:
+            return self.rollout_max_prompt_len, "--rollout-max-prompt-len"
+        if self.rollout_max_context_len:
+            return self.rollout_max_context_len - 1, "--rollout-max-context-len"
+        return None, ""
 
     @property
     def replay(self) -> bool:

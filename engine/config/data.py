@@ -76,6 +76,12 @@ class DataArgs(Section):
                              "(it names the metrics eval/<name>_accuracy)")
         return v or None
 
+    rollout_max_context_len: Optional[int] = Field(None, ge=2)
+    """The most tokens a sample may hold, prompt and response (slime's flag): each group asks the engine for min(--rollout-max-response-len, this − its prompt's tokens) new tokens (a --custom-generate-function-path gets that too, and reads the flag as args.rollout_max_context_len for its later turns), and, unless --rollout-max-prompt-len is set, prompts of this many tokens or more are dropped when the data is loaded (slime's default --rollout-max-prompt-len = this − 1). A resume keeps it."""
+
+    eval_max_context_len: Optional[int] = Field(None, ge=2)
+    """The same for the evaluation (slime's flag); default: --rollout-max-context-len."""
+
     eval_max_prompt_len: Optional[int] = Field(None, ge=1)
     """Drop eval prompts of more tokens than this (after the chat template) when an eval set is loaded (slime's
     flag), before --eval-max-samples are taken; the dropped lines are logged, and a set left empty is a DATA error."""

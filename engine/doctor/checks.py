@@ -562,6 +562,22 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
                           d.max_response_len))
         else:
             files.append(("--eval-prompt-data", d.path, d.input_key, eval_len_flag, d.max_response_len))
+    # a context cap (--rollout-max-context-len, --eval-max-context-len) bounds prompt + answer by construction:
+    # it must fit the model, and then the file's prompts need no count (the longer ones are dropped at load)
+    capped = []
+    for f in files:
+        cap = cfg.rollout_max_context_len if f[0] == "--prompt-data" else cfg.eval_context_len
+        if cap is None:
+            continue
+        capped.append(f)
+        cap_flag = "--rollout-max-context-len" if f[0] == "--prompt-data" or not cfg.eval_max_context_len \
+            else "--eval-max-context-len"
+        if cap > ctx:
+            return [Diagnosis(code="DATA", severity="error",
+                              what=f"{cap_flag} {cap} is above the model's context of {ctx} tokens "
+                                   "(max_position_embeddings)", fix=f"{cap_flag} {ctx} or less",
+                              facts={"context": ctx, "field": cap_flag[2:].replace("-", "_"), "value": cap})]
+    files = [f for f in files if f not in capped]
     for flag, _, _, len_flag, new in files:
         if ctx - new <= 0:
             return [Diagnosis(code="DATA", severity="error",

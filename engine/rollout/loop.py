@@ -43,6 +43,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     skip_special_tokens: bool = True  # --rollout-skip-special-tokens (SGLang's default)
+    max_context_len: int | None = None  # --rollout-max-context-len: prompt + response; not sent (budget())
+
+    def budget(self, prompt_len: int) -> int:
+        """New tokens a sample of this prompt may have: max_new_tokens, less what the context cap leaves (≥ 1)."""
+        if self.max_context_len is None:
+            return self.max_new_tokens
+        return max(1, min(self.max_new_tokens, self.max_context_len - prompt_len))
 
     def to_sglang(self, seed: int | None) -> dict[str, Any]:
         d: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -283,7 +290,8 @@ class _Round:
         prompt_ids = [list(s.tokens) for s in group]
 
         async def one(j: int, s: Sample) -> Sample:
-            out = await call_async_hook(flag, self.hook_path, fn, args, s, self.params.to_sglang(seeds[j]), **kw)
+            params = {**self.params.to_sglang(seeds[j]), "max_new_tokens": self.params.budget(len(prompt_ids[j]))}
+            out = await call_async_hook(flag, self.hook_path, fn, args, s, params, **kw)
             return check_sample(out, flag, self.hook_path, prompt_ids=prompt_ids[j])
 
         seeds = self._seeds(gi)
@@ -303,10 +311,10 @@ class _Round:
         seed = seed0 if segment == 0 or seed0 is None else \
             sample_seed(self.seed, self.rollout_id, ((self.first_draw + gi) * self.n + j) * MAX_SEGMENTS + segment)
         d = self.params.to_sglang(seed)
-        d["max_new_tokens"] = self.params.max_new_tokens - len(row.ids)
+        d["max_new_tokens"] = self.params.budget(len(self.prompts[gi].ids)) - len(row.ids)
         return d
 
-    def _extend(self, row: Partial, o: dict) -> None:
+    def _extend(self, row: Partial, o: dict, budget: int) -> None:
         meta = o.get("meta_info", {})
         new, lps = output_logprobs(o)
         before = len(row.ids) if row.versions else None  # a continuation: where its tokens start
@@ -320,9 +328,9 @@ class _Round:
                 and (hit := stop_across_segments(row, before, self.params.stop, self.partial.decode)):
             fr = hit
         if fr.get("type") == "abort" and self.partial is not None and len(row.versions) < MAX_SEGMENTS:
-            if len(row.ids) < self.params.max_new_tokens:
+            if len(row.ids) < budget:
                 return  # paused at a weight sync: continued under the new weights
-            fr = {"type": "length", "length": self.params.max_new_tokens}
+            fr = {"type": "length", "length": budget}
         row.finish_reason = fr
 
     async def _post(self, client: httpx.AsyncClient, gi: int) -> list[Partial]:
@@ -340,7 +348,7 @@ class _Round:
             first = not any(rows[j].versions for j in todo)  # continuations (partial rollout) are not a burst
             headers = {COMPACT_HEADER: COMPACT_F64, **(self.burst if first else {})}  # SGLang ignores both
             for j, o in zip(todo, await self._send(client, gi, body, len(todo), headers)):
-                self._extend(rows[j], o)
+                self._extend(rows[j], o, self.params.budget(len(prompt)))
                 if self.partial is not None:
                     self.partial.put(draw, j, rows[j])
         return rows
