@@ -314,7 +314,10 @@ class _Round:
         d["max_new_tokens"] = self.params.budget(len(self.prompts[gi].ids)) - len(row.ids)
         return d
 
-    def _extend(self, row: Partial, o: dict, budget: int) -> None:
+    def _extend(self, row: Partial, o: dict, budget: int | None = None) -> None:
+        """Append one /generate answer to the sample's row; budget: the new tokens its group may have (default
+        max_new_tokens; less under --rollout-max-context-len)."""
+        budget = self.params.max_new_tokens if budget is None else budget
         meta = o.get("meta_info", {})
         new, lps = output_logprobs(o)
         before = len(row.ids) if row.versions else None  # a continuation: where its tokens start
