@@ -905,8 +905,9 @@ def sample_version(s: Sample) -> int:
 def staleness_guard(run: Run, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
     """Staleness of each sample = the trainer's version (rollout_id: the steps trained before this one) − the
     version that generated it. Above the bound (--async-mode: one-step 1, bounded --max-staleness) a sample is
-    never trained on (remove_sample). Metrics only in async mode (on-policy runs are 0 by construction)."""
-    if run.cfg.async_mode == "off" or not samples:  # on-policy by construction: a sync precedes every rollout
+    never trained on (remove_sample). Metrics only where samples can be stale: --async-mode, or
+    --update-weights-interval > 1 (on-policy runs are 0 by construction)."""
+    if run.cfg.staleness_bound == 0 or not samples:  # on-policy by construction: a sync precedes every rollout
         return {}
     bound = run.cfg.staleness_bound
     st = [max(0, rollout_id - sample_version(s)) for s in samples]
@@ -1386,6 +1387,14 @@ def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
 def eval_accuracy_key(cfg: RunConfig) -> str:
     """The run's headline accuracy: that of its first eval set (eval/test_accuracy for a single path)."""
     return f"eval/{cfg.eval_sets[0][0]}_accuracy" if cfg.eval_sets else "eval/test_accuracy"
+
+
+def should_sync(cfg: RunConfig, rollout_id: int) -> bool:
+    """--update-weights-interval N: sync after rollout i when (i + 1) % N == 0, after the last rollout and before
+    an evaluation (which must see the trained weights); every rollout with N = 1."""
+    n = cfg.update_weights_interval
+    return (n == 1 or (rollout_id + 1) % n == 0 or rollout_id == cfg.num_rollout - 1
+            or should_eval(cfg, rollout_id))
 
 
 def should_eval(cfg: RunConfig, rollout_id: int) -> bool:

@@ -206,7 +206,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             if stages.should_save(cfg, rollout_id):
                 t.save(r, rollout_id)
             stopping.check()
-            if not cfg.no_engines:  # --load-debug-rollout-data, --debug-train-only: no engine to send weights to
+            # --load-debug-rollout-data, --debug-train-only: no engine to send weights to; --update-weights-interval
+            if not cfg.no_engines and stages.should_sync(cfg, rollout_id):
                 t.sync(r, rollout_id)
             if stages.should_eval(cfg, rollout_id):
                 t.evaluate(r, rollout_id + 1)

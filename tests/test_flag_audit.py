@@ -210,6 +210,8 @@ FLAG_TESTS = {
     "flow_retry_delay":
         "test_orchestration.py::test_an_engine_killed_mid_rollout_the_flow_retry_resumes_without_losing_a_step",
     "async_mode": "test_async.py::test_one_step_async_flow_overlaps_rollout_and_train",
+    "update_weights_interval":
+        "test_async.py::test_update_weights_interval_syncs_every_n_rollouts_and_reports_the_staleness",
     "max_staleness": "test_async.py::test_samples_older_than_the_bound_are_never_trained",
     "partial_rollout": "test_resume_faults.py::test_async_sigkill_at_every_boundary_then_every_rollout_trained_once",
     # tracking

@@ -236,6 +236,20 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      f"{'; '.join(why)}",
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
+        if self.update_weights_interval > 1:
+            n = self.update_weights_interval
+            why = [w for w, on in (
+                (f"--async-mode {self.async_mode} (it schedules its own syncs)", self.async_mode != "off"),
+                ("--colocate (colocated engines release their weights while the trainer trains)", self.colocate),
+                ("no rollout engine (--load-debug-rollout-data / --debug-train-only)", self.no_engines),
+                ("--debug-rollout-only (no trainer)", self.debug_rollout_only),
+                (f"--save-interval {self.save_interval}, not a multiple of {n} (a checkpoint between two syncs "
+                 "holds weights the engines never had, so a resume would generate with other ones)",
+                 bool(self.save and self.save_interval and self.save_interval % n))) if on]
+            if why:
+                raise _config_error(f"--update-weights-interval {n} with {'; '.join(why)}",
+                                    "drop --update-weights-interval, or change the settings named",
+                                    field="update_weights_interval", value=n, blockers=why)
         if self.num_critic_only_steps >= self.num_rollout:
             raise _config_error(f"--num-critic-only-steps {self.num_critic_only_steps} with --num-rollout "
                                 f"{self.num_rollout}: the policy would never train",

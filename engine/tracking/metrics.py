@@ -3,8 +3,8 @@
 The metric table of docs/mlflow.md is generated from `METRICS` (`python -m engine.tracking.metrics --write
 docs/mlflow.md`) and a test keeps them equal; an integration test fails on a logged metric that is not listed here.
 Names are `<stage>/<what>`; `<key>`, `<i>`, `<q>`, `<set>` and `<k>` stand for a (reward or metric) key, a GPU
-index, a percentile, an eval set's name and a sample count. Steps are rollout ids, except `eval/*` (rollouts trained: 0 = before training, num_rollout = after) and `system/*` (seconds
-since the MLflow run was created).
+index, a percentile, an eval set's name and a sample count. Steps are rollout ids, except `eval/*` (rollouts
+trained: 0 = before training, num_rollout = after) and `system/*` (seconds since the MLflow run was created).
 `better` drives `rollflow compare`'s "best" column: "max", "min", or None (no best: a count or a setting).
 """
 from __future__ import annotations
@@ -56,12 +56,15 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/replayed", None, "`--load-debug-rollout-data`: 1 on every rollout read from a saved file "
                                         "(its other rollout/ metrics are the recording run's; rollout/seconds is the "
                                         "read)"),
-    MetricDoc("async/staleness_mean", "min", "`--async-mode`: mean over the rollout's samples of (steps the trainer "
+    MetricDoc("async/staleness_mean", "min", "`--async-mode` or `--update-weights-interval` > 1: mean over the "
+                                             "rollout's samples of (steps the trainer "
                                              "has taken − the weight version that generated the sample)"),
-    MetricDoc("async/staleness_max", "min", "`--async-mode`: the largest staleness of a sample of the rollout (never "
+    MetricDoc("async/staleness_max", "min", "`--async-mode` or `--update-weights-interval` > 1: the largest "
+                                            "staleness of a sample of the rollout (never "
                                             "above the bound for a trained sample)"),
-    MetricDoc("async/stale_dropped", "min", "`--async-mode`: samples older than the bound (one-step 1, bounded "
-                                            "`--max-staleness`), kept out of the loss"),
+    MetricDoc("async/stale_dropped", "min", "`--async-mode` or `--update-weights-interval` > 1: samples older than "
+                                            "the bound (one-step 1, bounded `--max-staleness`, interval N − 1), kept "
+                                            "out of the loss"),
     MetricDoc("rollout/removed_samples", None, "samples `--rollout-sample-filter-path` kept out of the loss "
                                                "(`remove_sample`)"),
     MetricDoc("<any numeric metric a --rollout-function-path returns>", None, "logged as the function names it "
