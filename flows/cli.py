@@ -48,12 +48,15 @@ def _print_summary(s: dict, cfg) -> None:
         n = total - start
         head = (f"rollflow: {n} rollout{'' if n == 1 else 's'} in {s['wall_s']:.0f}s"
                 + (f" (resumed at rollout {start} of {total})" if start else ""))
-    if cfg.loss_type == "sft_loss" and s.get("loss_first") is not None:  # its samples' rewards are placeholders
-        progress = (f"  SFT loss (mean of first 3 / last 3 rollouts): {s['loss_first']:.3g} → {s['loss_last']:.3g} "
-                    f"({s['loss_last'] - s['loss_first']:+.3g})")
-    else:
-        progress = (f"  reward (mean of first 3 / last 3 rollouts): {s['reward_first']:.3f} → {s['reward_last']:.3f} "
-                    f"({delta:+.3f})" if delta is not None else "  reward: no rollouts ran")
+    from engine.rollout.sft import placeholder_rewards
+
+    progress = []
+    if not placeholder_rewards(cfg):  # engine.rollout.sft's samples carry reward 0
+        progress.append(f"  reward (mean of first 3 / last 3 rollouts): {s['reward_first']:.3f} → "
+                        f"{s['reward_last']:.3f} ({delta:+.3f})" if delta is not None else "  reward: no rollouts ran")
+    if cfg.loss_type == "sft_loss" and s.get("loss_first") is not None:
+        progress.append(f"  SFT loss (mean of first 3 / last 3 rollouts): {s['loss_first']:.3g} → "
+                        f"{s['loss_last']:.3g} ({s['loss_last'] - s['loss_first']:+.3g})")
     if cfg.no_engines:
         accuracy = "  test accuracy: not measured (no rollout engine" + (
             "; evaluate the saved weights with an engine: examples/sft.yaml shows how)" if cfg.debug_train_only
@@ -63,7 +66,7 @@ def _print_summary(s: dict, cfg) -> None:
     else:
         accuracy = (f"  test accuracy (greedy, the starting weights): {pct(s['test_accuracy_before'])}; "
                     "--debug-rollout-only trained nothing")
-    lines = ["", head, progress, accuracy]
+    lines = ["", head, *progress, accuracy]
     if s.get("save_dir"):
         lines.append(f"  checkpoints: {s['save_dir']} (latest_checkpointed_iteration.txt = {s['last_checkpoint']})")
     url = s.get("flow_run_url") or f"http://127.0.0.1:4200/runs/flow-run/{s['flow_run_id']}"

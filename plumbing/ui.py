@@ -227,15 +227,17 @@ def summary_markdown(run: Run, state: str, rollout_id: int | None = None) -> str
     done = 0 if rollout_id is None else rollout_id + 1
     lines = [f"### {run.tracker.run_name if run.tracker else cfg.experiment_name}: {state}, {done} of "
              f"{cfg.num_rollout} rollouts", "", "| | |", "|---|---|"]
-    if cfg.loss_type == "sft_loss" and h.get("train/loss"):  # an SFT sample's reward is a placeholder
+    from engine.rollout.sft import placeholder_rewards
+
+    if rewards and not placeholder_rewards(cfg):  # engine.rollout.sft's samples carry reward 0
+        first, last = rewards[:3], rewards[-3:]
+        lines.append(f"| reward, mean of first 3 → last 3 rollouts | {sum(first) / len(first):.3f} → "
+                     f"{sum(last) / len(last):.3f} |")
+    if cfg.loss_type == "sft_loss" and h.get("train/loss"):
         from engine.stages import first_last
 
         a, b = first_last(h["train/loss"])
         lines.append(f"| SFT loss, mean of first 3 → last 3 rollouts | {a:.3g} → {b:.3g} |")
-    elif rewards:
-        first, last = rewards[:3], rewards[-3:]
-        lines.append(f"| reward, mean of first 3 → last 3 rollouts | {sum(first) / len(first):.3f} → "
-                     f"{sum(last) / len(last):.3f} |")
     if evals:
         name = eval_accuracy_key(cfg)[len("eval/"):-len("_accuracy")]
         lines.append(f"| eval accuracy ({name}), step {evals[0][0]} → {evals[-1][0]} | {100 * evals[0][1]:.1f}% → "
@@ -322,7 +324,9 @@ class Progress:
         self._publish("summary", _update, self.summary, summary_markdown(run, "training", rollout_id))
         self.bar.update(1)
         loss = run.history.get("train/loss", {}).get(rollout_id)  # none with --debug-rollout-only
-        reward = {} if run.cfg.loss_type == "sft_loss" else {  # an SFT sample's reward is a placeholder
+        from engine.rollout.sft import placeholder_rewards
+
+        reward = {} if placeholder_rewards(run.cfg) else {  # engine.rollout.sft's samples carry reward 0
             "reward": f"{run.history['rollout/reward_mean'][rollout_id]:.3f}"}
         self.bar.set_postfix(**reward, **({"loss": f"{loss:.3g}"} if loss is not None else {}))
 

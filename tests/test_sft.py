@@ -311,3 +311,19 @@ def test_a_custom_advantage_function_gets_each_samples_response_and_sets_its_adv
 
     with pytest.raises((HookError, DiagnosisError), match="--custom-advantage-function-path .*expected a list of 4"):
         advantages(*_batch(), custom_advantage_function_path="tests/test_sft.py:wrong_lengths")
+
+
+def test_the_run_summary_shows_the_sft_loss_and_leaves_out_placeholder_rewards(capsys):
+    """engine.rollout.sft's samples carry reward 0: the printed summary shows the SFT loss instead, and says the
+    accuracy was not measured; an SFT run on engine samples (rejection-sampling style) shows both."""
+    from flows.cli import _print_summary
+
+    s = {"rollouts": 4, "reward_first": 0.0, "reward_last": 0.0, "loss_first": 0.34, "loss_last": 0.07,
+         "test_accuracy_before": None, "test_accuracy_after": None, "wall_s": 5.0, "flow_run_id": "f"}
+    _print_summary(s, RunConfig(**SFT))
+    out = capsys.readouterr().out
+    assert "SFT loss (mean of first 3 / last 3 rollouts): 0.34 → 0.07" in out and "reward (" not in out
+    assert "test accuracy: not measured (no rollout engine" in out
+    _print_summary({**s, "reward_first": 0.3, "reward_last": 0.5}, RunConfig(loss_type="sft_loss"))
+    out = capsys.readouterr().out
+    assert "reward (mean of first 3 / last 3 rollouts): 0.300 → 0.500" in out and "SFT loss" in out

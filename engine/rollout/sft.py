@@ -27,6 +27,14 @@ from typing import Any
 from engine.samples import Sample, Status
 
 
+PATHS = ("engine.rollout.sft:generate_rollout", "engine.rollout.sft.generate_rollout")
+
+
+def placeholder_rewards(cfg: Any) -> bool:
+    """Whether the run's rewards are this module's placeholders (0): the summaries then leave them out."""
+    return cfg.rollout_function_path in PATHS
+
+
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> list[list[Sample]]:
     """B groups of one sample each, tokens = prompt + answer, the loss mask on the answer's tokens."""
     if evaluation:
