@@ -327,3 +327,28 @@ def test_the_run_summary_shows_the_sft_loss_and_leaves_out_placeholder_rewards(c
     _print_summary({**s, "reward_first": 0.3, "reward_last": 0.5}, RunConfig(loss_type="sft_loss"))
     out = capsys.readouterr().out
     assert "reward (mean of first 3 / last 3 rollouts): 0.300 → 0.500" in out and "SFT loss" in out
+
+
+def test_preflight_names_the_rows_the_sft_rollout_could_not_train_on(tmp_path):
+    """The doctor checks engine.rollout.sft's rows before anything starts: a row without an answer, a conversation
+    without an assistant turn or starting with one, and more than one sample per row are named."""
+    import json
+
+    from engine.doctor.checks import Environment
+    from engine.stages import preflight
+
+    p = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": ""},
+            {"prompt": [{"role": "user", "content": "hi"}], "label": None},
+            {"prompt": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"},
+                        {"role": "assistant", "content": "c"}], "label": None}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = RunConfig(**SFT, prompt_data=str(p), apply_chat_template=True)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, Environment())
+    (d,) = [d for d in e.value.diagnoses if d.code == "DATA"]
+    assert "3 of 4 --prompt-data rows cannot be trained on" in d.what and d.facts["lines"] == [2, 3, 4]
+    assert "no assistant message" in d.what and "starts with an assistant message" in d.what
+    with pytest.raises(ConfigError, match="--n-samples-per-prompt is 4"):
+        preflight(RunConfig(**{**SFT, "n_samples_per_prompt": 4}, prompt_data=str(p), apply_chat_template=True),
+                  Environment())

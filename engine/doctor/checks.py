@@ -459,6 +459,60 @@ def _sample_rm_types(cfg, flag: str, path: str, rows) -> Diagnosis | None:
 
 
 @check("DATA")
+def sft_rows_trainable(cfg, env: Environment) -> list[Diagnosis]:
+    """engine.rollout.sft's rows, before anything starts: one sample per row (--n-samples-per-prompt 1), each row
+    an answer (--label-key) or a conversation with an assistant turn after a first non-assistant one (a
+    conversation needs --apply-chat-template), and the template renders the first conversation's turns as prefixes
+    (what the rollout function would refuse mid-run)."""
+    from engine.data import load_prompts
+    from engine.rollout import sft
+
+    if not sft.placeholder_rewards(cfg):
+        return []
+    if cfg.n_samples_per_prompt != 1:
+        return [Diagnosis(code="CONFIG", severity="error",
+                          what=f"{cfg.rollout_function_path} trains each row once per rollout, and "
+                               f"--n-samples-per-prompt is {cfg.n_samples_per_prompt}",
+                          fix="--n-samples-per-prompt 1", facts={"field": "n_samples_per_prompt"})]
+    rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
+                        metadata_key=cfg.metadata_key)
+    bad: list[tuple[int, str]] = []
+    first_conversation = None
+    for r in rows:
+        if isinstance(r.prompt, list):
+            roles = [m.get("role") for m in r.prompt]
+            if not cfg.apply_chat_template:
+                bad.append((r.row, "a conversation, and --apply-chat-template is off"))
+            elif "assistant" not in roles:
+                bad.append((r.row, "no assistant message to train on"))
+            elif roles[0] == "assistant":
+                bad.append((r.row, "starts with an assistant message"))
+            elif first_conversation is None:
+                first_conversation = r
+        elif r.label is None or not str(r.label):
+            bad.append((r.row, f"no answer under --label-key {cfg.label_key!r}"))
+    if bad:
+        shown = "; ".join(f"line {line}: {why}" for line, why in bad[:5]) + (" …" if len(bad) > 5 else "")
+        return [Diagnosis(code="DATA", severity="error",
+                          what=f"{len(bad)} of {len(rows)} --prompt-data rows cannot be trained on by "
+                               f"{cfg.rollout_function_path} ({shown})",
+                          fix="give each row an answer (--label-key) or a conversation with an assistant turn "
+                              "(--input-key messages --label-key '' --apply-chat-template), or drop those rows",
+                          facts={"lines": [line for line, _ in bad[:50]]})]
+    if first_conversation is not None:
+        from engine.modeling import load_tokenizer
+
+        try:
+            sft.conversation_tokens(load_tokenizer(cfg.model_dir), first_conversation.prompt,
+                                    cfg.apply_chat_template_kwargs, row=first_conversation.row)
+        except ValueError as e:
+            return [Diagnosis(code="DATA", severity="error", what=f"--prompt-data {e}",
+                              fix="split conversations into one row per assistant turn, or use a chat template that "
+                                  "does not rewrite earlier turns", facts={"line": first_conversation.row})]
+    return []
+
+
+@check("DATA")
 def saved_rollouts_present(cfg, env: Environment) -> list[Diagnosis]:
     """--load-debug-rollout-data: a file for every rollout id of the run, before anything starts."""
     from engine.rollout.replay import missing, missing_diagnosis
