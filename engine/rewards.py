@@ -258,6 +258,21 @@ def _check_reward(r: Any) -> float | dict[str, float]:
     raise ValueError(f"returned {type(r).__name__} {str(r)[:80]!r}; expected a float or a dict of floats")
 
 
+def split_category(reward: Any, key: str | None, sample: Sample) -> Any:
+    """--log-reward-category `key`: a dict reward's `key` (any text: why it scored as it did) moves to the sample's
+    metadata "reward_category"; the rest is the reward. A reward without it is category "none"."""
+    if key is None:
+        return reward
+    if isinstance(reward, dict) and key in reward:
+        reward = dict(reward)
+        sample.metadata["reward_category"] = str(reward.pop(key))
+        if not reward:
+            raise ValueError(f"the reward dict holds only --log-reward-category's key {key!r}: no reward is left")
+    else:
+        sample.metadata["reward_category"] = "none"
+    return reward
+
+
 def select_key(reward: float | dict[str, float], key: str | None) -> float | dict[str, float]:
     """`reward` unchanged, after checking that a dict reward holds --reward-key `key` (a sample's scalar reward is
     then that value: Sample.scalar_reward). A number passes: a run may mix numeric and dict rewards (per-sample
@@ -332,7 +347,7 @@ class RewardModel:
     """Scores groups of samples in place: sets `reward`, or FAILED status with the reason."""
 
     def __init__(self, rm_type: str | None, custom_rm_path: str | None, group_rm: bool = False,
-                 rm_url: str | None = None, reward_key: str | None = None):
+                 rm_url: str | None = None, reward_key: str | None = None, category_key: str | None = None):
         if custom_rm_path is None and rm_type is None:
             raise ConfigError(Diagnosis(code="CONFIG", severity="error", what="no reward: --rm-type and "
                                         "--custom-rm-path are both unset", fix="--rm-type exact_match"))
@@ -351,6 +366,12 @@ class RewardModel:
         self.builtin = rule_based(rm_type) if rm_type and rm_type != "remote_rm" and not custom_rm_path else None
         self.group_rm = group_rm
         self.reward_key = reward_key
+        self.category_key = category_key  # --log-reward-category
+
+    @classmethod
+    def of(cls, cfg: Any) -> "RewardModel":
+        """The run's reward, from its flags."""
+        return cls(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key, cfg.log_reward_category)
 
     def keyed(self, reward_key: str | None) -> "RewardModel":
         """The same rewards with another --reward-key (the evaluation's --eval-reward-key)."""
@@ -370,7 +391,7 @@ class RewardModel:
                 if not isinstance(rewards, (list, tuple)) or len(rewards) != len(live):
                     raise ValueError(f"returned {type(rewards).__name__} of length "
                                      f"{len(rewards) if hasattr(rewards, '__len__') else '?'} for {len(live)} samples")
-                checked = [_check_reward(r) for r in rewards]
+                checked = [_check_reward(split_category(r, self.category_key, s)) for s, r in zip(live, rewards)]
             except Exception as e:  # one bad group must not crash the run
                 for s in live:
                     self._fail(s, e)
@@ -412,7 +433,7 @@ class RewardModel:
             try:
                 if isinstance(out, BaseException):
                     raise out
-                s.reward = select_key(_check_reward(out), self.reward_key)
+                s.reward = select_key(_check_reward(split_category(out, self.category_key, s)), self.reward_key)
             except Exception as e:
                 self._fail(s, e)
 

@@ -181,7 +181,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     run.dataset = PromptDataset(rows, shuffle=cfg.rollout_shuffle, seed=cfg.sampling_seed)
     run.eval_datasets = {} if cfg.no_engines else {d.name: d for d in cfg.eval_datasets()}  # no engine: no eval
     run.eval_sets = {name: eval_rows(d, cfg.eval_max_samples, run) for name, d in run.eval_datasets.items()}
-    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
+    run.reward_model = RewardModel.of(cfg)
     load_hooks(run)
     run.probe = probe_prompts(run)
 
@@ -615,7 +615,7 @@ def _draw(run: Run, k: int) -> list:
 def custom_rollout(run: Run, rollout_id: int, args) -> Any:
     """--rollout-function-path: slime's contract, checked (B groups of n final samples; unscored ones are scored
     by the run's reward)."""
-    from engine.rewards import select_key
+    from engine.rewards import select_key, split_category
     from engine.rollout.hooks import EngineClient, HookError, RolloutFnTrainOutput, call_hook, check_sample
     from engine.rollout.loop import RolloutResult
     from engine.samples import Status
@@ -638,12 +638,14 @@ def custom_rollout(run: Run, rollout_id: int, args) -> Any:
         for j, smp in enumerate(g):
             check_sample(smp, flag, path)
             smp.index, smp.group_index, smp.rollout_id = gi * n + j, gi, rollout_id
-        if any(smp.reward is None for smp in g):
+        own = [smp for smp in g if smp.reward is not None]  # the rewards the function set itself
+        if len(own) < len(g):
             run.reward_model.score_group([smp for smp in g if smp.reward is None])
-        for smp in g:  # rewards the function set itself: --reward-key selects from them too
-            if smp.reward is not None and smp.status not in (Status.FAILED, Status.ABORTED):
+        for smp in own:  # --reward-key selects from them too, --log-reward-category takes its key out
+            if smp.status not in (Status.FAILED, Status.ABORTED):
                 smp.reward_key = cfg.reward_key
                 try:
+                    smp.reward = split_category(smp.reward, cfg.log_reward_category, smp)
                     select_key(smp.reward, cfg.reward_key)
                 except ValueError as e:
                     raise HookError.of(flag, path, f"sample {smp.index}: {e}") from None
@@ -718,7 +720,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     hook_metrics = {**getattr(result, "extra_metrics", {}),
                     **({"rollout/removed_samples": float(removed)} if hooks.sample_filter is not None else {}),
                     **({f"rollout/pass_at_{k}": v for k, v in pass_rates(
-                        [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {})}
+                        [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {}),
+                    **(reward_categories(samples) if cfg.log_reward_category else {})}
     metrics = publish(run, rollout_id, {**rollout_metrics(result, time.perf_counter() - t0),
                                         **gpu_memory_metrics(run, "rollout"), **hook_metrics})
     if run.tracker is not None:
@@ -728,6 +731,17 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     if cfg.save_debug_rollout_data:
         save_rollout(run, rollout_id, result.groups, metrics, version)
     return RolloutBatch(rollout_id, result.groups, metrics)
+
+
+def reward_categories(samples: list[Sample]) -> dict[str, float]:
+    """--log-reward-category: rollout/reward_category/<category> = the share of the rollout's samples in it (the
+    category text made a metric name: letters, digits, `_ - .` kept, the rest `_`)."""
+    import re
+    from collections import Counter
+
+    counts = Counter(re.sub(r"[^A-Za-z0-9_.-]", "_", str(s.metadata.get("reward_category", "none")))[:80] or "_"
+                     for s in samples)
+    return {f"rollout/reward_category/{c}": k / len(samples) for c, k in sorted(counts.items())} if samples else {}
 
 
 def save_rollout(run: Run, rollout_id: int, groups: list[list[Sample]], metrics: dict[str, float],

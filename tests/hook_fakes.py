@@ -163,6 +163,19 @@ def two_part_reward(sample):
     return {"correct": float(sample.response.strip() == sample.label), "format": 1.0}
 
 
+def reward_with_a_reason(sample):
+    """--custom-rm-path returning a dict with a category: why the answer scored as it did."""
+    text = sample.response.strip()
+    why = "correct" if text == sample.label else "empty" if not text else "not a number" if not text.isdigit() \
+        else "wrong number"
+    return {"score": float(why == "correct"), "why": why}
+
+
+def reason_rollout(args, rollout_id, data_source, evaluation=False):
+    """--rollout-function-path setting dict rewards with a category itself."""
+    return _fixed_groups(args, data_source, lambda j: {"score": float(j), "why": "right" if j else "wrong"})
+
+
 def dict_reward_rollout(args, rollout_id, data_source, evaluation=False):
     """--rollout-function-path that sets dict rewards itself (never scored by the run's reward)."""
     return _fixed_groups(args, data_source, lambda j: {"correct": float(j), "format": 0.5})

@@ -40,6 +40,7 @@ FLAG_TESTS = {
     "custom_rm_path": "test_data.py::test_async_group_and_dict_rewards",
     "rm_url": "test_data.py::test_a_remote_reward_service_scores_each_sample_as_slime_sends_it",
     "reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
+    "log_reward_category": "test_hooks.py::test_log_reward_category_logs_the_share_of_each_reason",
     "eval_reward_key": "test_hooks.py::test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict",
     "eval_config": "test_eval_config.py::test_each_set_is_evaluated_with_its_own_keys_reward_and_sampling",
     "eval_top_k": "test_eval_config.py::test_eval_key_and_top_k_flags_are_every_sets_default",

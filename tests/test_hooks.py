@@ -42,7 +42,7 @@ def make_run(tmp_path, url, **over):
     run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
     run.dataset = PromptDataset(load_prompts(cfg.prompt_data, input_key="prompt", label_key="label"), shuffle=False,
                                 seed=0)
-    run.reward_model = RewardModel(cfg.rm_type, cfg.custom_rm_path, cfg.group_rm, cfg.rm_url, cfg.reward_key)
+    run.reward_model = RewardModel.of(cfg)
     run.engines = StaticEngines([url]) if url else SimpleNamespace(release_memory=lambda: None)
     load_hooks(run)
     return run
@@ -319,6 +319,27 @@ def test_reward_key_picks_the_training_and_the_eval_reward_from_a_dict(tmp_path,
     run = make_run(tmp_path, None, rollout_function_path="hook_fakes:dict_reward_rollout", reward_key="quality")
     with pytest.raises(HookError, match="the reward dict has no key 'quality'.*its keys: correct, format"):
         rollout(run)
+
+
+def test_log_reward_category_logs_the_share_of_each_reason(tmp_path, engine_url):
+    """slime's --log-reward-category: the named key of a reward dict (any text) leaves the reward for the sample's
+    metadata, and rollout/reward_category/<reason> is the share of the rollout's samples with that reason; a
+    rollout function's own rewards too; a run whose rewards name no category refuses the flag."""
+    batch = rollout(make_run(tmp_path, engine_url, custom_rm_path="hook_fakes:reward_with_a_reason",
+                             log_reward_category="why", n_samples_per_prompt=4))
+    samples = [s for g in batch.groups for s in g]
+    assert all(set(s.reward) == {"score"} for s in samples)  # the reason is not a reward
+    shares = {k.rsplit("/", 1)[1]: v for k, v in batch.metrics.items() if k.startswith("rollout/reward_category/")}
+    assert abs(sum(shares.values()) - 1.0) < 1e-12 and set(shares) <= {"correct", "empty", "not_a_number",
+                                                                        "wrong_number"}
+    assert shares.get("correct", 0.0) == batch.metrics["rollout/reward_mean"]
+    assert shares == {c.replace(" ", "_"): sum(s.metadata["reward_category"] == c for s in samples) / len(samples)
+                      for c in {s.metadata["reward_category"] for s in samples}}
+    run = make_run(tmp_path, None, rollout_function_path="hook_fakes:reason_rollout", log_reward_category="why")
+    m = rollout(run).metrics
+    assert m["rollout/reward_category/right"] == m["rollout/reward_category/wrong"] == 0.5
+    with pytest.raises(ConfigError, match="--log-reward-category 'why': the rewards of this run come from --rm-type"):
+        RunConfig(log_reward_category="why")
 
 
 def test_log_passrate_logs_pass_at_k_of_the_rollout(tmp_path, engine_url):

@@ -159,6 +159,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 continue
             raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix,
                                         facts={"field": field, "value": key}))
+        key = self.log_reward_category
+        if key is not None and not (key.strip() and (self.custom_rm_path or self.rm_url or self.rollout_function_path
+                                                     or self.replay)):
+            raise _config_error(f"--log-reward-category {key!r}: " + (
+                "is empty" if not key.strip() else f"the rewards of this run come from --rm-type {self.rm_type}, "
+                                                   "which names no category"),
+                "drop --log-reward-category, or return {'score': …, " + repr(key or "why") + ": …} from "
+                "--custom-rm-path (or the --rm-url service, --rollout-function-path)",
+                field="log_reward_category", value=key)
 
     @classmethod
     def from_dump(cls, data: dict[str, Any]) -> "RunConfig":

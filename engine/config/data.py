@@ -156,6 +156,9 @@ class DataArgs(Section):
     reward_key: Optional[str] = None
     """When the reward is a dict (f1's {"score", "precision", "recall"}, a custom reward's, the --rm-url service's, a --rollout-function-path's): the key whose value is the training reward (slime's flag), e.g. `--rm-type f1 --reward-key recall`. Unset: its "score" key, else the mean of its values. Every key is still logged. A scored dict without the key fails that sample (FAILED, the dict's keys in its metadata); one a rollout function set is a HOOK error. A number reward is used as it is. With --load-debug-rollout-data: another key of the recorded rewards (the same samples, another reward). Refused where every reward is a number (--rm-type exact_match / math without --metadata-key, no custom reward, rollout function or replay)."""
 
+    log_reward_category: Optional[str] = None
+    """Log the share of each category a reward dict names under this key (slime's flag), e.g. a custom reward returning `{"score": 0, "why": "format_error"}` with `--log-reward-category why` gives rollout/reward_category/format_error. The key's value (any text) is taken out of the reward dict when the sample is scored and kept in its metadata as "reward_category"; the rest of the dict is the reward as usual. A sample without the key counts as "none". Needs rewards that can be dicts of your making: --custom-rm-path, --rm-url, --rollout-function-path or a replay."""
+
     eval_reward_key: Optional[str] = None
     """The same for the evaluation's accuracy (slime's flag); unset: --reward-key."""
 

@@ -35,6 +35,9 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/reward_std", None, "standard deviation of those rewards (0 → GRPO has no signal)"),
     MetricDoc("rollout/pass_at_<k>", "max", "--log-passrate: pass@k over the rollout's groups (k = 1, 2, 4, … ≤ "
                                             "--n-samples-per-prompt; unbiased estimator, a reward of 1 is correct)"),
+    MetricDoc("rollout/reward_category/<key>", None, "`--log-reward-category`: share of the rollout's samples "
+                                                     "whose reward dict named this category (\"none\": no "
+                                                     "category)"),
     MetricDoc("rollout/reward_<key>_mean", "max", "mean of one key of a dict reward (a custom reward returning a dict)"),
     MetricDoc("rollout/response_len_mean", None, "response tokens per sample, mean"),
     MetricDoc("rollout/response_len_max", None, "response tokens per sample, max"),
