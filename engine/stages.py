@@ -1035,7 +1035,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         out = {f"train/{k}": sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
         out.update({"train/critic_only": 1.0, "train/seconds": secs,
                     "train/tokens_per_s": packed.metrics["pack/tokens"] / max(secs, 1e-9)})
-        return publish(run, rollout_id, {**out, **mismatch, **move_ref(run, rollout_id),
+        return publish(run, rollout_id, {**out, **mismatch, **after_train(run, rollout_id),
                                          **gpu_memory_metrics(run, "train")})
     skip = {"loss_total", "ratio_maxdev", "skipped", "skipped_steps_total", "grad_norm_spikes", "mismatch",
             "mismatch_max"}
@@ -1048,8 +1048,16 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     out["train/grad_norm_spikes"] = sum(s.get("grad_norm_spikes", 0.0) for s in per_step)
     out["train/seconds"] = secs
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
-    return publish(run, rollout_id, {**out, **mismatch, **move_ref(run, rollout_id),
+    return publish(run, rollout_id, {**out, **mismatch, **after_train(run, rollout_id),
                                      **gpu_memory_metrics(run, "train")})
+
+
+def after_train(run: Run, rollout_id: int) -> dict[str, float]:
+    """After a rollout's steps: --save-debug-train-data's files, then --ref-update-interval's move."""
+    if run.cfg.save_debug_train_data:  # before the reference moves: what the steps were computed with
+        for path in run.train_group.save_train_data(run.cfg.save_debug_train_data, rollout_id):
+            log.info("rollout %d: train data saved to %s", rollout_id, path)
+    return move_ref(run, rollout_id)
 
 
 def move_ref(run: Run, rollout_id: int) -> dict[str, float]:

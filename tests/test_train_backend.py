@@ -198,6 +198,10 @@ class InProcessGroup:
         self.calls.append("update_ref")
         self.worker.update_ref()
 
+    def save_train_data(self, pattern, rollout_id):
+        self.calls.append("save_train_data")
+        return [self.worker.save_train_data(pattern, rollout_id)]
+
 
 def stage_run(cfg, worker):
     from engine.run import Run
@@ -278,6 +282,37 @@ def test_ref_update_interval_moves_the_reference_to_the_policy_and_checkpoints_i
     assert all(torch.equal(ref[k], v) for k, v in params(w2.backend.ref).items())
     with pytest.raises(ConfigError, match="moves the reference, which nothing reads without a KL term"):
         make_cfg(tiny_model, ref_update_interval=2)
+
+
+def test_save_debug_train_data_writes_what_each_sample_was_trained_with(tiny_model, tmp_path):
+    """slime's --save-debug-train-data: after the rollout's steps, per sample over its response tokens: the
+    tokens, loss mask, advantage, old / reference / engine log-probs as the step used them."""
+    from engine.stages import train
+
+    pattern = str(tmp_path / "debug" / "train_{rollout_id}_{rank}.pt")
+    cfg = make_cfg(tiny_model, use_kl_loss=True, kl_loss_coef=0.1, save_debug_train_data=pattern,
+                   logprob_mismatch_threshold=1e3)
+    w = make_worker(cfg)
+    rollout = packed_rollout(0)
+    (steps,) = rollout.per_rank_steps
+    train(stage_run(cfg, w), rollout)
+    got = torch.load(tmp_path / "debug" / "train_0_0.pt")
+    assert sorted(got["sample_ids"]) == list(range(8))
+    by_id = dict(zip(got["sample_ids"], range(8)))
+    for mb in steps[0]:
+        cu = mb.cu_seqlens.tolist()
+        for i, sid in enumerate(mb.sample_ids):
+            r = got["response_lengths"][by_id[sid]]
+            end = cu[i + 1]
+            for key, x in (("tokens", mb.tokens), ("loss_masks", mb.loss_mask), ("advantages", mb.advantages),
+                           ("rollout_log_probs", mb.rollout_log_probs)):
+                assert torch.equal(got[key][by_id[sid]], x[end - r:end]), key
+    assert all(x.numel() == r for x, r in zip(got["log_probs"], got["response_lengths"]))
+    assert all(x is not None for x in got["ref_log_probs"]) and got["values"] == [None] * 8
+    with pytest.raises(ConfigError, match="has no \\{rank\\}: the 2 train ranks would write one file"):
+        make_cfg(tiny_model, save_debug_train_data="t_{rollout_id}.pt", actor_num_gpus_per_node=2)
+    with pytest.raises(ConfigError, match="'t_\\{rollout_id\\}.pt'"):
+        make_cfg(tiny_model, save_debug_train_data="t.pt")
 
 
 def test_rf14_stops_the_run_before_the_update_when_the_engine_disagrees(tiny_model):

@@ -483,6 +483,9 @@ class TrainGroup:
     def update_ref(self) -> None:
         self._all(lambda w: w.update_ref)
 
+    def save_train_data(self, pattern: str, rollout_id: int) -> list[str]:
+        return self._all(lambda w: w.save_train_data, pattern, rollout_id)
+
     def load_weights(self, path: str, ref: bool = False) -> None:
         """Policy (ref=False) or reference weights from an HF dir or a checkpoint iteration, on every rank."""
         self._all(lambda w: w.load_weights_from, path, ref, per_rank=self._files_for(path))

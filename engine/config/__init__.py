@@ -57,6 +57,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
+                "save_debug_train_data",
                 "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
                 "wandb_host", "wandb_run_id", "log_passrate", "use_tensorboard", "tb_project_name",
                 "tb_experiment_name"}
@@ -245,6 +246,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      f"{'; '.join(why)}",
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
+        if self.save_debug_train_data and "{rank}" not in self.save_debug_train_data and self.train_world_size > 1:
+            raise _config_error(f"--save-debug-train-data {self.save_debug_train_data!r} has no {{rank}}: the "
+                                f"{self.train_world_size} train ranks would write one file",
+                                "put {rank} in the path, e.g. runs/debug/train_{rollout_id}_{rank}.pt",
+                                field="save_debug_train_data", value=self.save_debug_train_data)
         if self.update_weights_interval > 1:
             n = self.update_weights_interval
             why = [w for w, on in (

@@ -8,11 +8,17 @@ from engine.diagnosis import ConfigError, Diagnosis
 
 
 def _with_id(pattern: str) -> str:
-    """`pattern` with `_{rollout_id}` before its .json / .json.gz suffix (else at its end)."""
-    for suffix in (".json.gz", ".json"):
+    """`pattern` with `_{rollout_id}` before its .json / .json.gz / .pt suffix (else at its end)."""
+    for suffix in (".json.gz", ".json", ".pt"):
         if pattern.endswith(suffix):
             return pattern[: -len(suffix)] + "_{rollout_id}" + suffix
     return pattern + "_{rollout_id}.json"
+
+
+def fill_pattern(pattern: str, rollout_id: int, rank: int | None = None) -> str:
+    """A --save/--load-debug-*-data path: {rollout_id} (and {rank}) replaced."""
+    out = pattern.replace("{rollout_id}", str(rollout_id))
+    return out.replace("{rank}", str(rank)) if rank is not None else out
 
 
 class RolloutArgs(Section):
@@ -140,6 +146,9 @@ class RolloutArgs(Section):
     its metrics to this path, `{rollout_id}` replaced by the rollout id (slime's flag), e.g.
     `runs/debug/rollout_{rollout_id}.json` (`.json.gz`: compressed). --load-debug-rollout-data replays them."""
 
+    save_debug_train_data: Optional[str] = None
+    """Also write what each train rank trained on, per rollout (slime's flag): a torch.save file at this path, `{rollout_id}` and `{rank}` replaced, holding per-sample lists over the response tokens — tokens, loss masks, advantages, returns, old / reference / engine log-probs, critic values — plus the sample ids, rewards and response lengths (engine/train/worker.py: save_train_data). Written on the rank's own node after the rollout's steps. `{rank}` is needed when there is more than one train rank."""
+
     load_debug_rollout_data: Optional[str] = None
     """Train on the rollouts --save-debug-rollout-data wrote, `{rollout_id}` replaced by the rollout id (slime's
     flag), instead of generating: no rollout engine starts and no weight sync or evaluation runs, so the trainer
@@ -208,7 +217,8 @@ class RolloutArgs(Section):
         rollout flag that a replay (which generates nothing) would ignore."""
         errors = []
         for flag, pattern in (("--save-debug-rollout-data", self.save_debug_rollout_data),
-                              ("--load-debug-rollout-data", self.load_debug_rollout_data)):
+                              ("--load-debug-rollout-data", self.load_debug_rollout_data),
+                              ("--save-debug-train-data", self.save_debug_train_data)):
             if pattern is None:
                 continue
             if "{rollout_id}" not in pattern:

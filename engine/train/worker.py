@@ -340,6 +340,42 @@ class TrainWorker:
                                               global_tokens=self.step_tokens[k]))
         return out
 
+    def save_train_data(self, pattern: str, rollout_id: int) -> str:
+        """--save-debug-train-data: what this rank trained on in the rollout just trained, per sample over its
+        response tokens (see the flag's help), to `pattern` with {rollout_id} and {rank} filled in."""
+        from pathlib import Path
+
+        import torch
+
+        from engine.config.rollout import fill_pattern
+
+        out: dict[str, list] = {k: [] for k in ("sample_ids", "response_lengths", "tokens", "loss_masks",
+                                                "advantages", "returns", "log_probs", "ref_log_probs",
+                                                "rollout_log_probs", "values")}
+        for k, mbs in enumerate(self.steps):
+            for j, mb in enumerate(mbs):
+                cu = mb.cu_seqlens.long().tolist()
+                lens = (mb.response_lengths or [])[:mb.num_samples]
+                spans = [(e - r, e) for e, r in zip(cu[1:mb.num_samples + 1], lens)]
+
+                def cut(x):
+                    return None if x is None else [x[a:b].clone() for a, b in spans]
+
+                out["sample_ids"] += list(mb.sample_ids)
+                out["response_lengths"] += list(lens)
+                for key, x in (("tokens", mb.tokens), ("loss_masks", mb.loss_mask), ("advantages", mb.advantages),
+                               ("returns", self.returns[k][j] if self.returns else None),
+                               ("log_probs", self.old[k][j] if self.old else None),
+                               ("ref_log_probs", self.ref[k][j] if self.ref else None),
+                               ("rollout_log_probs", mb.rollout_log_probs),
+                               ("values", self.values[k][j] if self.values else None)):
+                    got = cut(x)
+                    out[key] += got if got is not None else [None] * len(spans)
+        path = fill_pattern(pattern, rollout_id, rank=self.rank)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, path)
+        return path
+
     def update_ref(self) -> None:
         """--ref-update-interval: the reference becomes the current policy."""
         self.backend_onload()
