@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationInfo, model_validator
 
 from engine.config.algorithm import AlgorithmArgs
+from engine.config.base import config_error
 from engine.config.checkpoint import CheckpointArgs
 from engine.config.cluster import ClusterArgs
 from engine.config.data import DataArgs
@@ -71,13 +72,6 @@ RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "rollo
                 "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
                 "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed",
                 "rollout_max_context_len")
-
-
-def _config_error(what: str, fix: str, **facts: Any):
-    """A CONFIG ConfigError naming what is wrong, the fix and the facts (the field, its value)."""
-    from engine.diagnosis import ConfigError, Diagnosis
-
-    return ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix, facts=facts))
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
@@ -163,7 +157,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         key = self.log_reward_category
         if key is not None and not (key.strip() and (self.custom_rm_path or self.rm_url or self.rollout_function_path
                                                      or self.replay)):
-            raise _config_error(f"--log-reward-category {key!r}: " + (
+            raise config_error(f"--log-reward-category {key!r}: " + (
                 "is empty" if not key.strip() else f"the rewards of this run come from --rm-type {self.rm_type}, "
                                                    "which names no category"),
                 "drop --log-reward-category, or return {'score': …, " + repr(key or "why") + ": …} from "
@@ -247,7 +241,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 fix="--rollout-engine-process auto (own where it cannot) or own, or change the settings named",
                 facts={"field": "rollout_engine_process", "value": "trainer", "blockers": why}))
         if self.save_debug_train_data and "{rank}" not in self.save_debug_train_data and self.train_world_size > 1:
-            raise _config_error(f"--save-debug-train-data {self.save_debug_train_data!r} has no {{rank}}: the "
+            raise config_error(f"--save-debug-train-data {self.save_debug_train_data!r} has no {{rank}}: the "
                                 f"{self.train_world_size} train ranks would write one file",
                                 "put {rank} in the path, e.g. runs/debug/train_{rollout_id}_{rank}.pt",
                                 field="save_debug_train_data", value=self.save_debug_train_data)
@@ -262,11 +256,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                  "holds weights the engines never had, so a resume would generate with other ones)",
                  bool(self.save and self.save_interval and self.save_interval % n))) if on]
             if why:
-                raise _config_error(f"--update-weights-interval {n} with {'; '.join(why)}",
+                raise config_error(f"--update-weights-interval {n} with {'; '.join(why)}",
                                     "drop --update-weights-interval, or change the settings named",
                                     field="update_weights_interval", value=n, blockers=why)
         if self.num_critic_only_steps >= self.num_rollout:
-            raise _config_error(f"--num-critic-only-steps {self.num_critic_only_steps} with --num-rollout "
+            raise config_error(f"--num-critic-only-steps {self.num_critic_only_steps} with --num-rollout "
                                 f"{self.num_rollout}: the policy would never train",
                                 f"--num-critic-only-steps below {self.num_rollout}", field="num_critic_only_steps",
                                 value=self.num_critic_only_steps)
@@ -277,11 +271,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                  "--eval-max-context-len" if self.eval_max_context_len else "--rollout-max-context-len",
                  self.eval_context_len)):
             if prompt_len and ctx and prompt_len >= ctx:
-                raise _config_error(f"{prompt_flag} {prompt_len} is not below {ctx_flag} {ctx}: a prompt that long "
+                raise config_error(f"{prompt_flag} {prompt_len} is not below {ctx_flag} {ctx}: a prompt that long "
                                     "leaves no token to generate", f"{prompt_flag} {ctx - 1} or less",
                                     field=prompt_flag[2:].replace("-", "_"), value=prompt_len)
         if self.disable_rewards_normalization and self.custom_reward_post_process_path:
-            raise _config_error("--disable-rewards-normalization with --custom-reward-post-process-path: the hook's "
+            raise config_error("--disable-rewards-normalization with --custom-reward-post-process-path: the hook's "
                                 "rewards already replace the normalisation (they are used as they are)",
                                 "drop --disable-rewards-normalization", field="disable_rewards_normalization")
         for flag, on in ((f"--loss-type {self.loss_type}", self.loss_type != "policy_loss"),
@@ -291,7 +285,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                          ("--only-train-params-name-list", self.only_train_params_name_list)):
             if on and self.train_backend != "torch":
                 name = flag.split(" ")[0]
-                raise _config_error(f"{flag} with --train-backend {self.train_backend}: only the torch backend has "
+                raise config_error(f"{flag} with --train-backend {self.train_backend}: only the torch backend has "
                                     "it (the megatron backend has not been run with it on a GPU)",
                                     f"--train-backend torch (on a GPU too), or drop {name}",
                                     field=name[2:].replace("-", "_"))

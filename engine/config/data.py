@@ -5,7 +5,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from engine import PROJECT_ROOT
-from engine.config.base import Section
+from engine.config.base import Section, config_error
 
 BUNDLED_MODEL = str(PROJECT_ROOT / "examples" / "tiny-qwen2-arith")
 BUNDLED_TRAIN = str(PROJECT_ROOT / "examples" / "data" / "arith" / "train.jsonl")
@@ -182,15 +182,11 @@ class DataArgs(Section):
 
     @model_validator(mode="after")
     def _template_kwargs_need_template(self) -> "DataArgs":
-        from engine.diagnosis import ConfigError, Diagnosis
-
         if self.apply_chat_template_kwargs and not self.apply_chat_template:
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"--apply-chat-template-kwargs {json.dumps(self.apply_chat_template_kwargs)} is read only by "
-                     "the chat template, and --apply-chat-template is off: prompts are raw text",
-                fix="add --apply-chat-template, or drop --apply-chat-template-kwargs",
-                facts={"field": "apply_chat_template_kwargs", "value": self.apply_chat_template_kwargs}))
+            raise config_error(f"--apply-chat-template-kwargs {json.dumps(self.apply_chat_template_kwargs)} is read "
+                               "only by the chat template, and --apply-chat-template is off: prompts are raw text",
+                               "add --apply-chat-template, or drop --apply-chat-template-kwargs",
+                               field="apply_chat_template_kwargs", value=self.apply_chat_template_kwargs)
         return self
 
     @model_validator(mode="after")
