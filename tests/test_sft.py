@@ -352,3 +352,25 @@ def test_preflight_names_the_rows_the_sft_rollout_could_not_train_on(tmp_path):
     with pytest.raises(ConfigError, match="--n-samples-per-prompt is 4"):
         preflight(RunConfig(**{**SFT, "n_samples_per_prompt": 4}, prompt_data=str(p), apply_chat_template=True),
                   Environment())
+
+
+@pytest.mark.slow
+def test_an_sft_run_resumes_bit_for_bit(prefect_harness, shared_ray, small_cfg, tmp_path):
+    """3 SFT rollouts, then a resume to 4, end with the weights of 4 uninterrupted ones (the data position and the
+    optimizer come back from the checkpoint; no engine is involved)."""
+    from safetensors.torch import load_file
+
+    from engine import checkpoint
+    from flows.train import rl_train
+
+    over = dict(SFT, rollout_batch_size=8, global_batch_size=8, lr=3e-4, save_interval=1)
+    rl_train(small_cfg(num_rollout=4, save=str(tmp_path / "whole"), work_dir=str(tmp_path / "w1"), **over))
+    rl_train(small_cfg(num_rollout=3, save=str(tmp_path / "cut"), work_dir=str(tmp_path / "w2"), **over))
+    resumed = rl_train(small_cfg(num_rollout=4, save=str(tmp_path / "cut"), work_dir=str(tmp_path / "w2"), **over))
+    assert resumed["start_rollout"] == 3
+
+    def weights(save):
+        return load_file(str(checkpoint.iter_dir(save, 3) / "model" / "model.safetensors"))
+
+    a, b = weights(str(tmp_path / "whole")), weights(str(tmp_path / "cut"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
