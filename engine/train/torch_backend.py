@@ -402,7 +402,7 @@ class TorchBackend:
         """The reference's HF-named weights, a tied tensor once (as model_state)."""
         seen, out = set(), {}
         for k, v in self._ref_model().state_dict(keep_vars=True).items():
-            if id(v) not in seen and k in dict(self._ref_model().named_parameters(remove_duplicate=False)):
+            if id(v) not in seen:  # tied (lm_head ≡ embedding): once, under its first name
                 seen.add(id(v))
                 out[k] = v.detach()
         return out
