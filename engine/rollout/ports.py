@@ -31,9 +31,13 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def is_port_free(port: int, host: str = "0.0.0.0") -> bool:
-    """True when `port` can be bound on `host` (0.0.0.0 — the strictest check — by default)."""
+def is_port_free(port: int, host: str = "0.0.0.0", *, reuse: bool = False) -> bool:
+    """True when `port` can be bound on `host` (0.0.0.0 — the strictest check — by default). reuse: bound as a
+    server that sets SO_REUSEADDR binds it (uvicorn does), so connections of a stopped server that linger in
+    TIME_WAIT do not count; only a socket listening there does. Without it (the allocator) such a port is avoided."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

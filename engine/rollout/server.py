@@ -938,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"rollflow serve: SGLang flags with no effect on the built-in engine: {' '.join(unknown)}",
               file=sys.stderr, flush=True)
-    if not is_port_free(a.port, a.host):
+    if not is_port_free(a.port, a.host, reuse=True):  # uvicorn binds with SO_REUSEADDR: a restart may reuse it
         print(DiagnosisError(port_in_use(a.port, a.host, "rollflow serve")), file=sys.stderr)
         return 1
     if a.api_key is None and not is_loopback(a.host):
