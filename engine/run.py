@@ -78,7 +78,7 @@ class Run:
         self.engine_dtype = "float32"  # the built-in engines' dtype (--rollout-dtype, resolved by place)
         self.engine_spec = None  # engine.rollout.actor.EngineSpec (stages.plan_rollout_engines)
         self.engine_in_trainer = False  # the engine serves from train rank 0's process (--rollout-engine-process)
-        # cuda_ipc | object_store | disk: place decides (stages.sync_transport); until then what the flag says
+        # cuda_ipc | object_store | in_process | http | disk | none: place decides (stages.sync_transport); until then what the flag says
         self.sync_transport = "disk" if cfg.weight_sync_method == "disk" else "object_store"
         self.probe: list[list[int]] = []  # prompts every engine answers after a sync, scored by the trainer (RF14)
         self.probe_seqs: list[tuple[list[int], list[int]]] = []  # (prompt, sampled answer): later probes score them
@@ -102,7 +102,8 @@ class Run:
 
     @property
     def threads_per_process(self) -> int:
-        dp, engines = self.cfg.dp_size, self.cfg.rollout_num_engines
+        dp = self.cfg.dp_size
+        engines = 0 if self.cfg.external_engines else self.cfg.rollout_num_engines  # external: not our cores
         if self.cfg.async_mode != "off":
             return max(1, self.cpus // (dp + engines))
         return max(1, (self.cpus - 1) // max(dp, engines))

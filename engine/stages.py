@@ -138,6 +138,8 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         # serves the engine once it has loaded the model (its calls run in order).
         if cfg.no_engines:  # --load-debug-rollout-data, --debug-train-only: no engine starts
             plan_train_only(run)
+        elif cfg.external_engines:  # --rollout-external-engine-addrs: servers that run already
+            plan_external_engines(run)
         else:
             plan_rollout_engines(run)
         if not run.engine_in_trainer and not cfg.no_engines:
@@ -154,6 +156,8 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         if run.engines is not None:
             run.engines.wait_started()
             watch_rollout_engines(run)
+            if cfg.external_engines:  # RF14's default threshold follows what the servers compute in
+                run.engine_dtype = external_dtype(run.engines)
         if run.train_group is not None:
             run.train_group.wait_ready()
             check_disk_sync(run)
@@ -359,19 +363,8 @@ def plan_rollout_engines(run: Run) -> None:
 def plan_train_only(run: Run) -> None:
     """--load-debug-rollout-data, --debug-train-only: no engines; on GPUs a bundle per train rank
     (`train_only_layout`); the weights go nowhere (`run.sync_transport` "none")."""
-    from engine import cluster
-    from engine.cluster.placement import group_name, place as place_group, remove_leftovers, train_only_layout
-
     cfg = run.cfg
-    run.ports = cluster.port_registry()
-    layout = train_only_layout(cluster_gpus=run.cluster.get("GPU", 0.0), train_gpus=cfg.train_world_size)
-    if layout is not None:
-        name = group_name(run.key)
-        if gone := remove_leftovers(name):
-            log.warning("removed %d placement group(s) named %s left by an earlier attempt of this run", gone, name)
-        run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
-        run.on_gpu = True
-    cluster.take_prestarted_engine(None, run.threads_per_process)  # none is started for a replay; killed if it was
+    _place_train_ranks_only(run)
     run.sync_transport = "none"
     if cfg.replay:
         log.warning("rollflow: --load-debug-rollout-data: no rollout engine, no weight sync and no evaluation; "
@@ -381,6 +374,47 @@ def plan_train_only(run: Run) -> None:
                     "rollouts are made by --rollout-function-path %s", cfg.rollout_function_path)
 
 
+def _place_train_ranks_only(run: Run) -> None:
+    """No engine on the cluster: on GPUs a bundle per train rank (`train_only_layout`), on CPUs nothing to place;
+    an engine `rollflow train` may have prestarted is killed."""
+    from engine import cluster
+    from engine.cluster.placement import group_name, place as place_group, remove_leftovers, train_only_layout
+
+    cfg = run.cfg
+    run.ports = cluster.port_registry()
+    layout = train_only_layout(cluster_gpus=run.cluster.get("GPU", 0.0),
+                               train_gpus=cfg.train_world_size if cfg.trains else 0)
+    if layout is not None and layout.bundles:
+        name = group_name(run.key)
+        if gone := remove_leftovers(name):
+            log.warning("removed %d placement group(s) named %s left by an earlier attempt of this run", gone, name)
+        run.placement = place_group(layout, timeout_s=cfg.placement_timeout, name=name)
+        run.on_gpu = True
+    cluster.take_prestarted_engine(None, run.threads_per_process)  # none is started for these runs; killed if it was
+
+
+def plan_external_engines(run: Run) -> None:
+    """--rollout-external-engine-addrs: the train ranks are placed as in a run without engines, the servers are
+    attached by `launch_rollout_engines` (engine/rollout/external.py), and the weights reach them over HTTP:
+    `disk` (/update_weights_from_disk of <work_dir>/weights/vN) or `http` (safetensors buckets to
+    /update_weights_from_tensor, the built-in engine)."""
+    cfg = run.cfg
+    _place_train_ranks_only(run)
+    run.engine_in_trainer = False
+    run.sync_transport = ("disk" if cfg.weight_sync_method == "disk" else "http") if cfg.trains else "none"
+    log.info("rollflow: %d external rollout engine(s) (%s: %s), weight sync by %s",
+             len(cfg.rollout_external_engine_addrs), cfg.rollout_engine, ", ".join(cfg.rollout_external_engine_addrs),
+             run.sync_transport)
+    if not cfg.trains:
+        log.warning("rollflow: --debug-rollout-only: the external engines serve the weights they were started with")
+
+
+def external_dtype(engines) -> str:
+    """The external servers' dtype for RF14's default threshold: float32 only when every one says float32."""
+    dtypes = {s.info.get("dtype") for s in engines.slots}
+    return "float32" if dtypes == {"float32"} else next((d for d in dtypes if d != "float32"), "unknown")
+
+
 def launch_rollout_engines(run: Run, host=None) -> None:
     """The engines of `plan_rollout_engines` on their bundles, or served from `host` (a train worker actor),
     starting (`run.engines.wait_started()` waits)."""
@@ -388,6 +422,17 @@ def launch_rollout_engines(run: Run, host=None) -> None:
     from engine.rollout.engines import EngineGroup
 
     cfg = run.cfg
+    if cfg.external_engines:
+        from engine.rollout.external import ExternalEngines
+
+        key = cfg.sglang_args.get("api-key")
+        run.engines = ExternalEngines(cfg.rollout_external_engine_addrs, kind=cfg.rollout_engine,
+                                      api_key=str(key) if key else None,
+                                      start_timeout_s=cfg.rollout_engine_start_timeout)
+        # a server that answers again after a failure gets the run's weights again (whatever it reports)
+        run.engines.resync = (lambda slots: push_weights(run, slots, run.state.weight_version)) if cfg.trains \
+            else None
+        return
     if host is not None:  # served by the train worker: its start call made with the prestarted worker, if it was
         hosted = getattr(run.train_group, "hosted_engine", None)
         run.prestarted_engine = hosted if hosted is not None and hosted["spec"] == run.engine_spec else None
@@ -429,7 +474,9 @@ def check_disk_sync(run: Run) -> None:
     where = run.work_dir / "weights"
     with Probe(where) as p:
         rank0 = run.train_group.seeing(str(where / "v000000"))[0]
-        engines = ray.get([s.actor.sees.remote(p.file, p.token) for s in run.engines.slots], timeout=60)
+        # an external engine has no process here to ask: its first /update_weights_from_disk tells
+        engines = [True] * len(run.engines.slots) if run.cfg.external_engines else \
+            ray.get([s.actor.sees.remote(p.file, p.token) for s in run.engines.slots], timeout=60)
     blind = ([f"train rank 0 on {run.train_group.nodes[0]['node_ip']}"] if not rank0 else []) + \
         [f"rollout engine {s.index} on {s.info.get('node')}" for s, ok in zip(run.engines.slots, engines) if not ok]
     if blind:
@@ -499,12 +546,38 @@ def convert(run: Run) -> int:
     if run.ref_dir and not moved_ref:  # (a checkpoint's moved reference was loaded with it: --ref-update-interval)
         run.train_group.load_weights(run.ref_dir, ref=True)
     run.state.start_rollout_id = s.next_rollout_id
-    if s.kind != "fresh":
+    if run.cfg.external_engines and run.cfg.trains:
+        # a server started with weights of its own gets the trainer's before rollout 0 too
+        first_external_sync(run, s.next_rollout_id - 1)
+    elif s.kind != "fresh":
         sync(run, s.next_rollout_id - 1)  # (offloads the trainer with --offload-train)
     elif run.cfg.offload_train:
         run.train_group.offload()
     shutil.rmtree(run.staging / "load", ignore_errors=True)  # loaded everywhere; S3 downloads are not needed
     return run.state.start_rollout_id
+
+
+def first_external_sync(run: Run, rollout_id: int) -> None:
+    """The trainer's weights to the external engines before their first rollout; a server that cannot take them
+    is a CONFIG error saying what it needs (a refusal here is about how it was started, not a passing fault)."""
+    from engine.rollout.client import EngineError
+
+    try:
+        sync(run, rollout_id)
+    except EngineError as e:
+        cfg = run.cfg
+        where = (run.work_dir / "weights").resolve()
+        fix = (f"the servers must see {where} at that path (a shared filesystem) and the built-in engine must be "
+               f"started with --weight-dir {where}; or --weight-sync-method tensor (the built-in engine)"
+               if run.sync_transport == "disk" else
+               "start the servers with --api-key KEY (the weight endpoints need a key) and pass the same "
+               "--sglang-api-key")
+        raise ConfigError(Diagnosis(
+            code="CONFIG", severity="error",
+            what=f"--rollout-external-engine-addrs: the trainer's weights did not reach the external engines "
+                 f"(--weight-sync-method {cfg.weight_sync_method}): {e}",
+            fix=fix, facts={"field": "rollout_external_engine_addrs", "value": cfg.rollout_external_engine_addrs,
+                            "transport": run.sync_transport})) from None
 
 
 # ---- rollout ---------------------------------------------------------------------------------------------------
@@ -1191,7 +1264,7 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
     probe_scores (a dict, weight_sync in_process once the probe has its stored sequences): the RF14 probe's
     scores are computed in the same call, by the trainer and by each engine, into probe_scores[url]."""
     exported = exported or (lambda: None)
-    from engine.weights.sync import push_disk, push_in_process, push_ipc, push_object_store
+    from engine.weights.sync import push_disk, push_in_process, push_ipc, push_object_store, push_tensors
 
     cfg = run.cfg
     key = getattr(run.engines, "api_key", None)
@@ -1218,12 +1291,21 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
         exported()
         push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
         nbytes = mb * 2**20
+    elif run.sync_transport == "http":  # external built-in engines: buckets to /update_weights_from_tensor
+        import ray
+
+        ref, mb = handed(run, version, "weights", run.train_group.weights_ref)
+        exported()
+        push_tensors([s.url for s in slots], ray.get(ref, timeout=cfg.weight_sync_timeout).tensors(), version,
+                     bucket_bytes=cfg.update_weight_buffer_size, timeout_s=cfg.weight_sync_timeout, api_key=key)
+        nbytes = mb * 2**20
     else:
         path = _weights_dir(run, version)
         handed(run, version, "weights", lambda: _save_weights(run, path))
         exported()
         nbytes = sum(f.stat().st_size for f in path.glob("*"))
-        push_disk([s.url for s in slots], str(path), version, timeout_s=cfg.weight_sync_timeout, api_key=key)
+        push_disk([s.url for s in slots], str(path.resolve()), version, timeout_s=cfg.weight_sync_timeout,
+                  api_key=key)
     secs = time.perf_counter() - t0
     return {"sync/mb": nbytes / 2**20, "sync/gb_per_s": nbytes / 1e9 / max(secs, 1e-9)}
 
@@ -1387,8 +1469,13 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
         exported.set()
     if run.cfg.offload_train:
         run.train_group.offload()
-    return publish(run, rollout_id, {**out, "sync/seconds": time.perf_counter() - t0,
-                                     "sync/weight_version": float(version), **gpu_memory_metrics(run, "sync")})
+    metrics = {**out, "sync/seconds": time.perf_counter() - t0, "sync/weight_version": float(version),
+               **gpu_memory_metrics(run, "sync")}
+    if rollout_id < 0:  # the starting weights to external engines, before rollout 0: no rollout to log it under
+        log.info("rollflow: the starting weights reached the external engines in %.2f s (probe mismatch %.3g)",
+                 metrics["sync/seconds"], metrics.get("sync/probe_mismatch", 0.0))
+        return metrics
+    return publish(run, rollout_id, metrics)
 
 
 def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
@@ -1533,7 +1620,8 @@ def placement_info(run: Run) -> dict[str, Any]:
             "engine_prestarted": run.prestarted_engine is not None,  # likewise, engine 0 (or the worker's)
             "ray_services": cluster.services_started(),  # lean / full for a local cluster the run started; None joined
             "engines": [{"index": s.index, "node_ip": s.info.get("node"), "node_id": s.info.get("node_id"),
-                         "pid": s.info.get("pid"), "url": s.url, "model_impl": s.info.get("model_impl")}
+                         "pid": s.info.get("pid"), "url": s.url, "model_impl": s.info.get("model_impl"),
+                         "external": bool(s.info.get("external"))}
                         for s in getattr(eng, "slots", [])]}
 
 

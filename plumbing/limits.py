@@ -48,6 +48,8 @@ def gpus_occupied(cfg: RunConfig, cluster_gpus: float) -> int:
     train = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
     if cfg.colocate:
         return train
+    if cfg.external_engines:  # servers on GPUs the cluster does not lend
+        return train
     rollout = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else \
         cfg.rollout_num_engines * cfg.rollout_num_gpus_per_engine
     return train + rollout

@@ -94,6 +94,8 @@ FLAG_TESTS = {
     "rollout_engine_python": "test_flag_wiring.py::test_engine_spec_flags",
     "rollout_engine_process": "test_flag_wiring.py::test_where_the_engine_runs",
     "rollout_engine_start_timeout": "test_flag_wiring.py::test_engine_spec_flags",
+    "rollout_external_engine_addrs":
+        "test_external_engines.py::test_a_run_on_an_external_engine_equals_one_on_its_own_engine",
     "use_fault_tolerance": "test_rollout_loop.py::test_without_fault_tolerance_a_dead_engine_fails_the_rollout",
     "rollout_health_check_interval": "test_flag_wiring.py::test_place_flags",
     "rollout_health_check_timeout": "test_flag_wiring.py::test_place_flags",

@@ -315,7 +315,7 @@ def prestart_engine(cfg, *, threads: int, log_dir: str) -> bool:
     from engine.rollout.engines import engine_spec, new_engine_actor
 
     if (cfg.rollout_engine != "builtin" or cfg.rollout_num_engines != 1 or cfg.colocate or cfg.no_engines
-            or cfg.engine_in_trainer_on_cpu() or ray.cluster_resources().get("GPU", 0)):
+            or cfg.external_engines or cfg.engine_in_trainer_on_cpu() or ray.cluster_resources().get("GPU", 0)):
         return False
     spec = engine_spec(cfg, threads=threads, log_dir=log_dir, on_gpu=False, api_key=secrets.token_urlsafe(24))
     actor = new_engine_actor(spec, 0, port_registry(), _threads_env(threads))  # EngineGroup's runtime env

@@ -218,6 +218,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         self._async_consistent()
         self._replay_consistent()
         self._rollout_only_consistent()
+        self._external_consistent()
         if not (info.context or {}).get("dumped"):  # these read --eval-config's file: checked where it was read
             self._reward_key_consistent()
             self._eval_config_consistent()
@@ -437,6 +438,45 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 facts={"field": which[2:].replace("-", "_"), "value": self.load_debug_rollout_data or True,
                        "needs_engines": needs}))
 
+    @property
+    def external_engines(self) -> bool:
+        """--rollout-external-engine-addrs: the run uses servers it did not start (engine/rollout/external.py)."""
+        return bool(self.rollout_external_engine_addrs)
+
+    def _external_consistent(self) -> None:
+        """External engines are started, sized and restarted by their owner: what would configure that here would
+        do nothing."""
+        if not self.external_engines:
+            return
+        n = len(self.rollout_external_engine_addrs)
+        launch = [f"--sglang-{k}" for k in self.sglang_args if k != "api-key"]
+        needs = [w for w, on in (
+            ("--colocate (each server holds its own GPUs)", self.colocate),
+            ("--use-fault-tolerance (rollflow cannot restart a server it did not start; a dead one is waited for "
+             "before a retried rollout)", self.use_fault_tolerance),
+            ("--load-debug-rollout-data / --debug-train-only (they use no engine)", self.no_engines),
+            (f"--rollout-engine-process {self.rollout_engine_process}", self.rollout_engine_process != "auto"),
+            (f"--rollout-num-gpus {self.rollout_num_gpus}", self.rollout_num_gpus is not None),
+            (f"--rollout-num-gpus-per-engine {self.rollout_num_gpus_per_engine}",
+             self.rollout_num_gpus_per_engine != 1),
+            (f"--rollout-num-engines {self.rollout_num_engines} (the {n} address(es) are the engines)",
+             self.rollout_num_engines not in (1, n)),
+            (f"--rollout-dtype {self.rollout_dtype}", self.rollout_dtype != "auto"),
+            ("--rollout-engine-python", bool(self.rollout_engine_python)),
+            (f"{', '.join(launch)} (SGLang launch flags)", bool(launch))) if on]
+        if needs:
+            raise config_error(
+                f"--rollout-external-engine-addrs attaches to servers that run already: {'; '.join(needs)} would do "
+                "nothing here", "drop them (a server's own command line sets its GPUs, dtype and flags; "
+                "--sglang-api-key stays: it is the key rollflow sends), or drop --rollout-external-engine-addrs",
+                field="rollout_external_engine_addrs", value=self.rollout_external_engine_addrs, conflicts=needs)
+        if self.rollout_engine == "builtin" and self.trains and not self.sglang_args.get("api-key"):
+            raise config_error(
+                "--rollout-external-engine-addrs with the built-in engine and no --sglang-api-key: it takes weights "
+                "only from a client with the --api-key it was started with",
+                "start it with --api-key KEY and pass --sglang-api-key KEY (kept out of logs and MLflow)",
+                field="sglang_args", value="api-key")
+
     def _rollout_only_consistent(self) -> None:
         """--debug-rollout-only starts no trainer: what needs one would do nothing."""
         from engine.diagnosis import ConfigError, Diagnosis
@@ -501,6 +541,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             why.append("--colocate (GPU engines)")
         if self.no_engines:
             why.append(("--load-debug-rollout-data" if self.replay else "--debug-train-only") + " (no engine at all)")
+        if self.external_engines:
+            why.append("--rollout-external-engine-addrs (servers rollflow did not start)")
         if self.debug_rollout_only:
             why.append("--debug-rollout-only (no trainer)")
         return why

@@ -1,7 +1,7 @@
 """Rollout flags: how many samples, how they are generated, by which engine."""
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.config.base import Section
 from engine.diagnosis import ConfigError, Diagnosis
@@ -118,7 +118,10 @@ class RolloutArgs(Section):
     """Python executable that runs `-m sglang.launch_server` (default: this interpreter), so SGLang can live in its own environment."""
 
     rollout_engine_start_timeout: float = Field(600.0, gt=0)
-    """Seconds an engine may take to answer /health_generate after it is started (RF08 when it does not)."""
+    """Seconds an engine may take to answer /health_generate after it is started (RF08 when it does not); with --rollout-external-engine-addrs, how long each external engine is waited for."""
+
+    rollout_external_engine_addrs: list[str] = []
+    """Use SGLang-API servers that already run at these addresses (host:port or http(s)://host:port; slime's flag) instead of starting engines: SGLang (--rollout-engine sglang) or the built-in engine (`rollflow serve`), here or on other machines. rollflow never starts, restarts or stops them; it checks each at start (it answers, it is the --rollout-engine kind, it takes --sglang-api-key), sends the trainer's weights before the first rollout and after every step, and leaves them serving the last ones. Weights: --weight-sync-method disk (the server loads <work_dir>/weights/vN, so it must see that path; the built-in engine also needs --weight-dir <work_dir>/weights) or tensor (built-in engine only: safetensors buckets over HTTP). An engine that stops answering is waited for before a retried rollout and given the weights again. Not with --colocate, --use-fault-tolerance or engine-free runs; the --sglang-* launch flags, --rollout-num-gpus(-per-engine) and --rollout-dtype belong to the servers' own command lines. docs/engines.md, "External engines"."""
 
     use_fault_tolerance: bool = False
     """Health-check the engines; restart a dead one on its bundle, re-sync its weights, and resend its requests."""
@@ -133,7 +136,7 @@ class RolloutArgs(Section):
     """Seconds before the first health check (time for compilation and warm-up)."""
 
     weight_sync_method: Literal["tensor", "disk"] = "tensor"
-    """Trainer → engines: tensor (in memory, built-in engine: CUDA IPC handles in buckets when colocated on a GPU, else rank 0's weights through Ray's object store) or disk (versioned safetensors dir, /update_weights_from_disk)."""
+    """Trainer → engines: tensor (in memory, built-in engine: CUDA IPC handles in buckets when colocated on a GPU, else rank 0's weights through Ray's object store; to external built-in engines, safetensors buckets over HTTP) or disk (versioned safetensors dir, /update_weights_from_disk)."""
 
     update_weight_buffer_size: int = Field(512 * 2**20, ge=2**20)
     """Bytes per bucket of a weight sync in memory (CUDA IPC between colocated trainer and engine, HTTP tensor pushes)."""
@@ -167,6 +170,29 @@ class RolloutArgs(Section):
 
     sglang_args: dict[str, str | bool | list[str]] = {}
     """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix)."""
+
+    @field_validator("rollout_external_engine_addrs")
+    @classmethod
+    def _external_urls(cls, addrs: list[str]) -> list[str]:
+        """Each address as its base URL (http://host:port), named once."""
+        from engine.rollout.external import normalize_addr
+
+        urls, errors = [], []
+        for addr in addrs:
+            try:
+                urls.append(normalize_addr(addr))
+            except ValueError as e:
+                errors.append(Diagnosis(code="CONFIG", severity="error", what=f"--rollout-external-engine-addrs: {e}",
+                                        fix="give each engine as host:port, e.g. 10.0.0.5:30000",
+                                        facts={"field": "rollout_external_engine_addrs", "value": addr}))
+        if twice := sorted({u for u in urls if urls.count(u) > 1}):
+            errors.append(Diagnosis(code="CONFIG", severity="error",
+                                    what=f"--rollout-external-engine-addrs names {', '.join(twice)} more than once",
+                                    fix="name each engine once",
+                                    facts={"field": "rollout_external_engine_addrs", "value": twice}))
+        if errors:
+            raise ConfigError(errors)
+        return urls
 
     @model_validator(mode="after")
     def _rollout_consistent(self) -> "RolloutArgs":

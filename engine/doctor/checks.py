@@ -700,7 +700,7 @@ def topology_fits_cluster(cfg, env: Environment) -> list[Diagnosis]:
     train = n * g if cfg.trains else 0  # --debug-rollout-only: no train rank
     rollout = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else \
         cfg.rollout_num_engines * cfg.rollout_num_gpus_per_engine
-    if cfg.no_engines:  # --load-debug-rollout-data, --debug-train-only: no engine
+    if cfg.no_engines or cfg.external_engines:  # no engine, or servers on GPUs of their own
         rollout = 0
     if cfg.colocate:
         need, formula = train, f"colocated: GPUs ≥ actor_num_nodes × actor_num_gpus_per_node = {n} × {g} = {train}"

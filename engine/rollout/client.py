@@ -169,6 +169,18 @@ class EngineClient:
     def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self._get("/get_model_info", timeout_s)
 
+    def server_info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """/get_server_info (SGLang's server args and state; older SGLang: /server_info), with /get_model_info's
+        keys (model_path, is_generation, weight_version, the built-in engine's `engine`) added where it lacks them."""
+        try:
+            info = self._get("/get_server_info", timeout_s)
+        except EngineError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            info = self._get("/server_info", timeout_s)
+        info = info if isinstance(info, dict) else {}
+        return {**self.model_info(timeout_s), **info}
+
     def weight_version(self, timeout_s: float | None = None) -> str:
         return str(self.model_info(timeout_s).get("weight_version"))
 

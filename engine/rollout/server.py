@@ -599,8 +599,9 @@ def create_app(state: EngineState):
     @app.get("/server_info")
     async def server_info():
         sched = state.scheduler
-        return {**info(), "device": state.device, "pid": os.getpid(), "model_impl": state.model_impl,
-                "deterministic": state.deterministic,
+        return {**info(), "device": state.device, "dtype": state.dtype, "pid": os.getpid(),
+                "model_impl": state.model_impl, "deterministic": state.deterministic,
+                "max_running_requests": state.max_batch,
                 "batch_window_s": state.batch_window_s, "batch_sizes": sched.batch_sizes[-100:] if sched else [],
                 "batch_seconds": sched.batch_seconds[-100:] if sched else [],
                 "continuous_batching": bool(sched and sched.continuous), **decoder_info(state.generator)}
