@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -116,6 +117,10 @@ def cmd_train(argv: list[str]) -> int:
     # the idle core around them. A SIGTERM meanwhile exits through atexit, which stops them all.
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        # Prefect first, in this thread: launch_ephemeral_api needs it at once, and two threads importing it at the
+        # same time can leave one with a half-initialised prefect.settings ("Failed to initialize plugins")
+        importlib.import_module("prefect.settings")
+
         # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
         imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
                                                 "transformers:PreTrainedTokenizerFast")
