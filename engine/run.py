@@ -78,8 +78,9 @@ class Run:
         self.engine_dtype = "float32"  # the built-in engines' dtype (--rollout-dtype, resolved by place)
         self.engine_spec = None  # engine.rollout.actor.EngineSpec (stages.plan_rollout_engines)
         self.engine_in_trainer = False  # the engine serves from train rank 0's process (--rollout-engine-process)
-        # cuda_ipc | object_store | in_process | http | disk | none: place decides (stages.sync_transport); until then what the flag says
-        self.sync_transport = "disk" if cfg.weight_sync_method == "disk" else "object_store"
+        # cuda_ipc | object_store | in_process | http | disk | distributed | none: place decides
+        # (stages.sync_transport); until then what the flag says
+        self.sync_transport = cfg.weight_sync_method if cfg.weight_sync_method != "tensor" else "object_store"
         self.probe: list[list[int]] = []  # prompts every engine answers after a sync, scored by the trainer (RF14)
         self.probe_seqs: list[tuple[list[int], list[int]]] = []  # (prompt, sampled answer): later probes score them
         # weight version → what the trainer handed over for it (stages.handed): a retried sync reuses it
@@ -145,7 +146,7 @@ class Run:
     def close(self) -> None:
         from engine.cluster import shutdown
 
-        for closer in (self._stop_engines, self._stop_train):
+        for closer in (self._leave_weight_group, self._stop_engines, self._stop_train):
             try:
                 closer()
             except Exception:
@@ -154,6 +155,12 @@ class Run:
             shutdown()
         shutil.rmtree(self.work_dir / "weights", ignore_errors=True)
         shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _leave_weight_group(self) -> None:
+        """--weight-sync-method distributed: the engines leave the run's weight-update group (an external server
+        outlives the run, and a group it still held would refuse the next run's)."""
+        if self.train_group is not None:
+            self.train_group.group_close()
 
     def _stop_engines(self) -> None:
         if self.engines:

@@ -401,7 +401,8 @@ def plan_external_engines(run: Run) -> None:
     cfg = run.cfg
     _place_train_ranks_only(run)
     run.engine_in_trainer = False
-    run.sync_transport = ("disk" if cfg.weight_sync_method == "disk" else "http") if cfg.trains else "none"
+    run.sync_transport = {"disk": "disk", "tensor": "http", "distributed": "distributed"}[cfg.weight_sync_method] \
+        if cfg.trains else "none"
     log.info("rollflow: %d external rollout engine(s) (%s: %s), weight sync by %s",
              len(cfg.rollout_external_engine_addrs), cfg.rollout_engine, ", ".join(cfg.rollout_external_engine_addrs),
              run.sync_transport)
@@ -492,9 +493,10 @@ def check_disk_sync(run: Run) -> None:
 def sync_transport(cfg: RunConfig, *, on_gpu: bool, in_trainer: bool = False) -> str:
     """How weights reach the engines (one decision per run): `disk`; `in_process` when the engine serves from
     the train worker's process (a copy there); `cuda_ipc` when each built-in engine shares its GPU with a train
-    rank that can gather the full weights (colocated; Megatron without pipeline stages); else `object_store`."""
-    if cfg.weight_sync_method == "disk":
-        return "disk"
+    rank that can gather the full weights (colocated; Megatron without pipeline stages); `distributed` (a
+    broadcast in a process group of train rank 0 and the engines); else `object_store`."""
+    if cfg.weight_sync_method in ("disk", "distributed"):
+        return cfg.weight_sync_method
     if in_trainer:
         return "in_process"
     if cfg.colocate and on_gpu and cfg.rollout_engine == "builtin" and \
@@ -1264,7 +1266,8 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
     probe_scores (a dict, weight_sync in_process once the probe has its stored sequences): the RF14 probe's
     scores are computed in the same call, by the trainer and by each engine, into probe_scores[url]."""
     exported = exported or (lambda: None)
-    from engine.weights.sync import push_disk, push_in_process, push_ipc, push_object_store, push_tensors
+    from engine.rollout.client import EngineClient
+    from engine.weights.sync import check_version, push_disk, push_in_process, push_ipc, push_object_store, push_tensors
 
     cfg = run.cfg
     key = getattr(run.engines, "api_key", None)
@@ -1291,6 +1294,14 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
         exported()
         push_object_store(slots, ref, version, timeout_s=cfg.weight_sync_timeout)
         nbytes = mb * 2**20
+    elif run.sync_transport == "distributed":  # rank 0 broadcasts to the engines' ranks (SGLang's group API)
+        answers, nbytes = run.train_group.group_push([(s.url, engine_ranks(run, s)) for s in slots], version,
+                                                     api_key=key, backend=group_backend(run),
+                                                     timeout_s=cfg.weight_sync_timeout)
+        exported()
+        for s, reply in zip(slots, answers):
+            check_version(EngineClient(s.url, timeout_s=cfg.weight_sync_timeout, api_key=key), version,
+                          cfg.weight_sync_timeout, reply)
     elif run.sync_transport == "http":  # external built-in engines: buckets to /update_weights_from_tensor
         import ray
 
@@ -1308,6 +1319,32 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
                   api_key=key)
     secs = time.perf_counter() - t0
     return {"sync/mb": nbytes / 2**20, "sync/gb_per_s": nbytes / 1e9 / max(secs, 1e-9)}
+
+
+def engine_ranks(run: Run, slot) -> int:
+    """An engine's ranks in a weight-update group: an SGLang server's tensor × pipeline size (each rank receives
+    the whole tensors), the built-in engine's one."""
+    if slot.info.get("ranks"):  # an external server says (engine/rollout/external.py)
+        return int(slot.info["ranks"])
+    return run.engine_spec.tp_size if run.cfg.rollout_engine == "sglang" else 1
+
+
+def group_backend(run: Run) -> str:
+    """--weight-sync-method distributed: NCCL where the trainer and every engine are on GPUs, else gloo (CPU
+    tensors). SGLang receives over NCCL only: with a trainer or an engine on CPUs that is a ConfigError."""
+    trainer_on_gpu = run.on_gpu  # (engines on GPU bundles, or an external run's train ranks on them)
+    engines_on_gpu = all((s.info.get("kind") == "sglang" or str(s.info.get("device")).startswith("cuda"))
+                         if s.info.get("external") else run.on_gpu for s in run.engines.slots)
+    if trainer_on_gpu and engines_on_gpu:
+        return "nccl"
+    if run.cfg.rollout_engine == "sglang":
+        raise ConfigError(Diagnosis(
+            code="CONFIG", severity="error",
+            what="--weight-sync-method distributed with SGLang engines needs NCCL, i.e. the trainer and the engines "
+                 f"on GPUs; here the trainer is on {'GPUs' if trainer_on_gpu else 'CPUs'}",
+            fix="--weight-sync-method disk, or train on GPUs",
+            facts={"field": "weight_sync_method", "value": "distributed"}))
+    return "gloo"
 
 
 def _save_weights(run: Run, path: Path) -> str:

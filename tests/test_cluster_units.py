@@ -213,3 +213,38 @@ def test_full_ray_services_with_a_joined_cluster_is_a_config_error(small_cfg):
         small_cfg(ray_address="auto", ray_services="full")
     assert "--ray-services full" in str(e.value) and "ray_services" in str(e.value.diagnoses[0].facts)
     assert small_cfg(ray_address="auto").ray_services == "lean"
+
+
+def test_the_weight_group_is_opened_again_only_when_its_engines_change():
+    """--weight-sync-method distributed: TrainGroup.group_push opens rank 0's group on the first push, reuses it
+    while the engines are the same, opens it anew for a restarted engine's new address (its old process left the
+    group with it), and after a failed broadcast."""
+    from engine.cluster import TrainGroup
+
+    calls = []
+    fail = []
+
+    def all_(method, *args, **kwargs):
+        name = method(type("W", (), {"__getattr__": lambda self, n: n})())
+        calls.append(name)
+        if name == "group_push" and fail:
+            raise RuntimeError(fail.pop())
+        return [([{"success": True}], 10)]
+
+    tg = object.__new__(TrainGroup)
+    tg._group_engines, tg._all = None, all_
+    kw = dict(api_key="k", backend="gloo", timeout_s=5)
+    a, b = [("http://e0:1", 1), ("http://e1:1", 1)], [("http://e0:2", 1)]
+    assert tg.group_push(a, 1, **kw) == ([{"success": True}], 10)
+    tg.group_push(a, 2, **kw)
+    assert calls == ["group_open", "group_push", "group_push"]
+    tg.group_push(b, 2, **kw)  # engine 0 restarted on a new port: a group of its own for its resync
+    tg.group_push(a, 3, **kw)  # the next sync to every engine: one group again
+    assert calls[3:] == ["group_open", "group_push", "group_open", "group_push"]
+    fail.append("gloo timeout")
+    with pytest.raises(RuntimeError):
+        tg.group_push(a, 4, **kw)
+    tg.group_push(a, 4, **kw)  # the broken group is not reused
+    assert calls[7:] == ["group_push", "group_open", "group_push"]
+    tg.group_close()
+    assert calls[-1] == "group_close" and tg._group_engines is None

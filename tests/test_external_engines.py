@@ -193,23 +193,26 @@ def _equal(a: dict, b: dict) -> bool:
 @pytest.mark.slow
 def test_a_run_on_an_external_engine_equals_one_on_its_own_engine(prefect_harness, shared_ray, small_cfg, server,
                                                                    tmp_path):
-    """Weights as HTTP tensor buckets: the same samples, rewards and trained weights as a run whose engine rollflow
-    started, and the server is left serving the run's last weights."""
+    """Weights as HTTP tensor buckets, and by broadcast in a weight-update group (gloo): the same samples, rewards
+    and trained weights as a run whose engine rollflow started, and the server is left serving the run's last
+    weights (and out of the group: the second run opens its own)."""
     from flows.train import rl_train
 
     over = dict(num_rollout=2, save_interval=2, eval_prompt_data=[], lr=1e-3)
     own = rl_train(small_cfg(save=str(tmp_path / "own"), work_dir=str(tmp_path / "w_own"), **over))
-    ext_run = rl_train(small_cfg(save=str(tmp_path / "ext"), work_dir=str(server.work), **over,
-                                 rollout_external_engine_addrs=[server.url], sglang_args={"api-key": KEY}))
-    engines = ext_run["placement"]["engines"]
-    assert [(e["url"], e["external"]) for e in engines] == [(server.url, True)]
     assert own["placement"]["engines"][0]["external"] is False
-    for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss"):
-        assert ext_run["history"][key] == own["history"][key], key
-    for key in ("train/mismatch", "sync/probe_mismatch"):  # the engine's log-probs: float rounding of its threads
-        assert max(ext_run["history"][key].values()) < 1e-5, (key, ext_run["history"][key])
-    assert _equal(_weights(str(tmp_path / "ext"), 1), _weights(str(tmp_path / "own"), 1))
-    assert server.info()["weight_version"] == "2"
+    for method in ("tensor", "distributed"):
+        ext_run = rl_train(small_cfg(save=str(tmp_path / method), work_dir=str(server.work), **over,
+                                     weight_sync_method=method, rollout_external_engine_addrs=[server.url],
+                                     sglang_args={"api-key": KEY}))
+        engines = ext_run["placement"]["engines"]
+        assert [(e["url"], e["external"]) for e in engines] == [(server.url, True)]
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss"):
+            assert ext_run["history"][key] == own["history"][key], (method, key)
+        for key in ("train/mismatch", "sync/probe_mismatch"):  # the engine's log-probs: float rounding of threads
+            assert max(ext_run["history"][key].values()) < 1e-5, (method, key, ext_run["history"][key])
+        assert _equal(_weights(str(tmp_path / method), 1), _weights(str(tmp_path / "own"), 1)), method
+        assert server.info()["weight_version"] == "2"
 
 
 @pytest.mark.slow

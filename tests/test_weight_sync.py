@@ -272,3 +272,82 @@ def test_an_engine_in_the_train_workers_process_is_probed_in_the_sync_call(tiny_
         assert d.code == "RF14" and "weight sync to version 4" in d.what and d.facts["mean"] > 1e-2
     finally:
         server.stop()
+
+
+# ---- --weight-sync-method distributed: a process group of train rank 0 and the engines (gloo on CPUs) -----------
+def _final_weights(save: str) -> dict:
+    from safetensors.torch import load_file
+
+    from engine import checkpoint
+
+    return load_file(str(checkpoint.iter_dir(save, checkpoint.read_marker(save)) / "model" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_distributed_sync_trains_as_the_object_store_does(prefect_harness, shared_ray, small_cfg, tmp_path):
+    """The broadcast carries every weight: the same rewards, losses and final weights as the object-store path, on
+    engines in processes of their own (the engine in the trainer's process would take a copy instead)."""
+    from flows.train import rl_train
+
+    over = dict(num_rollout=3, eval_prompt_data=[], lr=1e-3, rollout_engine_process="own")
+    store = rl_train(small_cfg(save=str(tmp_path / "store"), work_dir=str(tmp_path / "w1"), **over))
+    dist = rl_train(small_cfg(save=str(tmp_path / "dist"), work_dir=str(tmp_path / "w2"),
+                              weight_sync_method="distributed", **over))
+    assert dist["placement"]["engine_in_trainer"] is False
+    for key in ("rollout/reward_mean", "train/loss", "sync/weight_version"):
+        assert dist["history"][key] == store["history"][key], key
+    assert max(dist["history"]["sync/probe_mismatch"].values()) < 1e-5
+    a, b = _final_weights(str(tmp_path / "dist")), _final_weights(str(tmp_path / "store"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_restarted_engine_rejoins_the_weight_group(prefect_harness, shared_ray, small_cfg, tmp_path, monkeypatch):
+    """--use-fault-tolerance with distributed sync: the engine that died mid-rollout is restarted, the group is
+    opened again with its new process and it gets the current weights before it serves; the run then finishes
+    with every engine on the last version."""
+    from flows.train import rl_train
+
+    # /generate requests of engine 0: 0 is rollout 0 (one request: join_rows), 1 the RF14 probe after sync 0,
+    # 2 rollout 1 — the engine exits there
+    monkeypatch.setenv("ROLLFLOW_ENGINE_FAULT", "exit@2")
+    monkeypatch.setenv("ROLLFLOW_FAULT_STATE", str(tmp_path / "fired"))
+    cfg = small_cfg(num_rollout=3, eval_prompt_data=[], save="", weight_sync_method="distributed",
+                    use_fault_tolerance=True, rollout_health_check_timeout=10)
+    result = rl_train(cfg)
+    assert (tmp_path / "fired").read_text() == "engine-exit@2\n"
+    assert result["history"]["sync/weight_version"] == {"0": 1.0, "1": 2.0, "2": 3.0}
+    assert max(result["history"]["sync/probe_mismatch"].values()) < 1e-5
+    assert result["history"]["rollout/retried_requests"]["1"] >= 1
+
+
+def test_distributed_is_refused_where_it_cannot_work_and_picks_nccl_only_on_gpus(small_cfg):
+    from types import SimpleNamespace
+
+    from engine.diagnosis import ConfigError
+    from engine.run import Run
+    from engine.rollout.engines import Slot
+    from engine.stages import group_backend
+
+    with pytest.raises(ConfigError, match="cannot join two ranks on one GPU"):
+        small_cfg(weight_sync_method="distributed", colocate=True)
+    with pytest.raises(ConfigError, match="--weight-sync-method distributed"):
+        small_cfg(weight_sync_method="distributed", rollout_engine_process="trainer")
+    assert not small_cfg(weight_sync_method="distributed").engine_in_trainer_on_cpu()  # auto: its own process
+
+    def backend(cfg, on_gpu: bool, *infos) -> str:
+        run = Run(cfg)
+        run.on_gpu = on_gpu
+        run.engines = SimpleNamespace(slots=[Slot(i, -1, info=dict(info)) for i, info in enumerate(infos)])
+        return group_backend(run)
+
+    own = small_cfg(weight_sync_method="distributed")
+    assert backend(own, False, {}) == "gloo" and backend(own, True, {}, {}) == "nccl"
+    ext = dict(weight_sync_method="distributed", rollout_external_engine_addrs=["h:1"], sglang_args={"api-key": "k"})
+    builtin = small_cfg(**ext)
+    assert backend(builtin, True, {"external": True, "kind": "builtin", "device": "cuda:0"}) == "nccl"
+    assert backend(builtin, True, {"external": True, "kind": "builtin", "device": "cpu"}) == "gloo"
+    sglang = small_cfg(**ext, rollout_engine="sglang")
+    assert backend(sglang, True, {"external": True, "kind": "sglang"}) == "nccl"
+    with pytest.raises(ConfigError, match="SGLang engines needs NCCL"):
+        backend(sglang, False, {"external": True, "kind": "sglang"})

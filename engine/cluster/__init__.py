@@ -370,6 +370,7 @@ class TrainGroup:
         self.hosted_engine = taken.get("engine") if self.prestarted else None
         self.nodes: list[dict[str, Any]] = []  # per rank: node_ip, node_id, pid (wait_ready fills it)
         self._seen: dict[str, list[bool]] = {}  # directory → per rank: its node sees it (`seeing`)
+        self._group_engines: list | None = None  # the engines of rank 0's weight-update group (`group_push`)
         if taken is not None and not self.prestarted:
             ray.kill(taken["worker"], no_restart=True)
         if self.prestarted:
@@ -502,6 +503,25 @@ class TrainGroup:
         calls = [w.numpy_state.options(num_returns=2).remote() for w in joined]
         mbs = ray.get([mb for _, mb in calls], timeout=self.timeout_s)
         return calls[0][0], mbs[0]
+
+    def group_push(self, engines: list[tuple[str, int]], version: int, *, api_key: str | None, backend: str,
+                   timeout_s: float) -> tuple[list[dict], int]:
+        """--weight-sync-method distributed: rank 0 broadcasts the weights to `engines` ((url, ranks) each) as
+        `version`; the group is (re)opened first when these are not the engines it holds (the first sync, a
+        restarted engine). Returns the engines' answers and the bytes each got."""
+        if self._group_engines != engines:
+            self._all(lambda w: w.group_open, engines, api_key, backend, timeout_s)
+            self._group_engines = engines
+        try:
+            return self._all(lambda w: w.group_push, version)[0]
+        except BaseException:
+            self._group_engines = None  # a broken broadcast leaves the group unusable: the next push reopens it
+            raise
+
+    def group_close(self) -> None:
+        if self._group_engines is not None:
+            self._group_engines = None
+            self._all(lambda w: w.group_close)
 
     def ipc_export(self, dtype: str, bucket_bytes: int, exporters: set[int]) -> list[list]:
         """Per rank, the CUDA IPC buckets of its weights in `dtype` (empty for ranks not in `exporters`); the

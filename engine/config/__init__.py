@@ -260,6 +260,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 raise config_error(f"--update-weights-interval {n} with {'; '.join(why)}",
                                     "drop --update-weights-interval, or change the settings named",
                                     field="update_weights_interval", value=n, blockers=why)
+        if self.weight_sync_method == "distributed" and self.colocate:
+            raise config_error("--weight-sync-method distributed with --colocate: a process group cannot join two "
+                               "ranks on one GPU (each engine shares its GPU with a train rank)",
+                               "--weight-sync-method tensor (CUDA IPC between the colocated trainer and engine)",
+                               field="weight_sync_method", value="distributed")
         if self.num_critic_only_steps >= self.num_rollout:
             raise config_error(f"--num-critic-only-steps {self.num_critic_only_steps} with --num-rollout "
                                 f"{self.num_rollout}: the policy would never train",
@@ -543,6 +548,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             why.append(("--load-debug-rollout-data" if self.replay else "--debug-train-only") + " (no engine at all)")
         if self.external_engines:
             why.append("--rollout-external-engine-addrs (servers rollflow did not start)")
+        if self.weight_sync_method == "distributed":
+            why.append("--weight-sync-method distributed (an engine in the trainer's process takes a copy)")
         if self.debug_rollout_only:
             why.append("--debug-rollout-only (no trainer)")
         return why

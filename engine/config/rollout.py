@@ -135,8 +135,8 @@ class RolloutArgs(Section):
     rollout_health_check_first_wait: float = Field(0.0, ge=0)
     """Seconds before the first health check (time for compilation and warm-up)."""
 
-    weight_sync_method: Literal["tensor", "disk"] = "tensor"
-    """Trainer → engines: tensor (in memory, built-in engine: CUDA IPC handles in buckets when colocated on a GPU, else rank 0's weights through Ray's object store; to external built-in engines, safetensors buckets over HTTP) or disk (versioned safetensors dir, /update_weights_from_disk)."""
+    weight_sync_method: Literal["tensor", "disk", "distributed"] = "tensor"
+    """Trainer → engines: tensor (in memory, built-in engine: CUDA IPC handles in buckets when colocated on a GPU, else rank 0's weights through Ray's object store; to external built-in engines, safetensors buckets over HTTP), disk (versioned safetensors dir, /update_weights_from_disk) or distributed (slime's way for engines on GPUs of their own: train rank 0 and every engine form a process group — SGLang's /init_weights_update_group — and each sync broadcasts the weights, NCCL where trainer and engines are on GPUs, else gloo through CPU memory; SGLang engines need NCCL; not with --colocate or the engine in the trainer's process)."""
 
     update_weight_buffer_size: int = Field(512 * 2**20, ge=2**20)
     """Bytes per bucket of a weight sync in memory (CUDA IPC between colocated trainer and engine, HTTP tensor pushes)."""

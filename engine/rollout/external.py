@@ -6,13 +6,16 @@ rollflow never starts, restarts or stops them. At place it waits for each to ans
 --rollout-engine-start-timeout), reads `/get_server_info` and checks what it can: the server kind matches
 --rollout-engine (the transports differ), it generates, and it accepts the run's key. The trainer's weights then
 reach them before the first rollout (a fresh run too: a server may have been launched with any weights), and after
-every train step, over HTTP only:
+every train step (--weight-sync-method):
 
 - disk: `/update_weights_from_disk` of `<work_dir>/weights/vN`, which the server must see at that path (a shared
   filesystem; the built-in engine also needs `--weight-dir <work_dir>/weights`);
 - tensor (built-in engine only): the weights in safetensors buckets of --update-weight-buffer-size, POSTed to
   `/update_weights_from_tensor` (engine/weights/sync.py:push_tensors). SGLang's own /update_weights_from_tensor
-  takes CUDA IPC handles, usable only on its host, so an SGLang server is fed from disk.
+  takes CUDA IPC handles, usable only on its host, so an SGLang server is fed from disk or by broadcast;
+- distributed: train rank 0 and the servers' ranks form a weight-update group (SGLang's
+  /init_weights_update_group; engine/weights/distributed.py) and each sync is a broadcast; the group is left when
+  the run ends, and one a killed run left is dropped when the next run opens its own.
 
 The RF14 probe after each sync checks that the server then scores like the trainer (a different model, or weights
 that did not load, fail it). An engine that stops answering is taken out of service; before a retried rollout it is
@@ -154,6 +157,7 @@ class ExternalEngines(EngineGroup):
         return {"kind": kind, "model_path": info.get("model_path"), "dtype": served_dtype(info),
                 "pid": info.get("pid"), "model_impl": info.get("model_impl"), "device": info.get("device"),
                 "max_running_requests": info.get("max_running_requests"),
+                "ranks": 1 if kind == "builtin" else int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1),
                 "weight_version": info.get("weight_version")}
 
     def _kill(self, slot: Slot) -> None:  # not ours to stop

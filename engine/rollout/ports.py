@@ -31,6 +31,14 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port() -> int:
+    """A port free on every address of this node now, picked by the OS: for a process group this process hosts
+    (its TCP store listens on all addresses)."""
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
 def is_port_free(port: int, host: str = "0.0.0.0", *, reuse: bool = False) -> bool:
     """True when `port` can be bound on `host` (0.0.0.0 — the strictest check — by default). reuse: bound as a
     server that sets SO_REUSEADDR binds it (uvicorn does), so connections of a stopped server that linger in

@@ -60,6 +60,7 @@ class TrainWorker:
         self.step_tokens: list[float] = []
         self._ipc = None  # the IPC buckets of a sync in progress (engine/weights/ipc.py)
         self._engine = None  # the built-in engine served from this process (--rollout-engine-process trainer)
+        self._sender = None  # rank 0's weight-update group with the engines (--weight-sync-method distributed)
         self.custom_advantages = None  # --custom-advantage-function-path's function
         if not lazy:
             self.setup(master)
@@ -520,6 +521,57 @@ class TrainWorker:
             mb, temperature, seqs = probe
             scored = (self.score(mb)[0][mb.loss_mask > 0], *state.score_local(seqs, temperature))
         return str(state.weight_version), copied, scored
+
+    # ---- weights by broadcast to the engines (--weight-sync-method distributed) ---------------------------------
+    def group_open(self, engines: list[tuple[str, int]], api_key: str | None, backend: str, timeout_s: float) -> str:
+        """Rank 0: open a weight-update group (SGLang's /init_weights_update_group) with the engines, each given
+        as (url, its ranks), hosted at this node's address on a free port; closes the one open before. Returns
+        "address:port". Other ranks do nothing."""
+        import ray
+
+        from engine.rollout.client import EngineClient
+        from engine.rollout.ports import free_port
+        from engine.weights.distributed import DEFAULT_GROUP, DistributedSender
+
+        self.group_close()
+        if self.rank != 0:
+            return ""
+        address = ray.util.get_node_ip_address()
+        port = free_port()
+        clients = [EngineClient(url, timeout_s=timeout_s, api_key=api_key) for url, _ in engines]
+        for c in clients:  # a group an earlier run left (killed before it could close it) would refuse this one
+            try:
+                c.destroy_weights_update_group(DEFAULT_GROUP)
+            except Exception:  # noqa: BLE001 — none to leave: the usual case
+                pass
+        self._sender = DistributedSender(clients, address, port, backend=backend, timeout_s=timeout_s,
+                                         ranks=[n for _, n in engines])
+        self._sender_backend = backend
+        return f"{address}:{port}"
+
+    def group_push(self, version: int) -> tuple[list[dict], int]:
+        """The policy's weights broadcast to the group's engines as `version` (tied tensors once, on the device
+        the backend needs: CUDA for NCCL, CPU for gloo); every rank joins the gather of sharded weights. Returns
+        the engines' answers and the bytes sent (rank 0; ([], 0) elsewhere)."""
+        state = self._state()
+        if self.rank != 0:
+            return [], 0
+        if self._sender is None:
+            raise RuntimeError("no weight-update group is open: group_open first")
+        device = "cuda" if self._sender_backend == "nccl" else "cpu"
+        seen, named = set(), {}
+        for k, t in state.items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                named[k] = t.detach().to(device)
+        answers = self._sender.push(named, version=version)
+        return answers, sum(t.numel() * t.element_size() for t in named.values())
+
+    def group_close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
 
     def ipc_export(self, export: bool, dtype: str, bucket_bytes: int) -> list:
         """This rank's weights as CUDA IPC buckets in `dtype` when `export` (the rank shares its GPU with an

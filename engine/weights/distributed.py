@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from engine.rollout.client import EngineError
+
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 BACKENDS = ("gloo", "nccl")
 
@@ -96,15 +98,21 @@ class DistributedSender:
     """The trainer's rank 0 of a weight-update group with engines (EngineClient per engine)."""
 
     def __init__(self, clients: list, master_address: str, master_port: int, *, backend: str = "gloo",
-                 group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0):
+                 group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0, ranks: list[int] | None = None):
+        """ranks: each engine's ranks in the group (its tensor-parallel × pipeline size: SGLang's every rank
+        receives the whole tensors; the built-in engine has one), 1 each by default."""
         self.clients, self.group_name = clients, group_name
-        world = 1 + len(clients)  # one rank per engine (the built-in engine has one tensor-parallel rank)
+        ranks = list(ranks) if ranks is not None else [1] * len(clients)
+        if len(ranks) != len(clients) or min(ranks, default=1) < 1:
+            raise ValueError(f"ranks {ranks}: one count ≥ 1 per engine ({len(clients)})")
+        offsets = [1 + sum(ranks[:i]) for i in range(len(clients))]
+        world = 1 + sum(ranks)
         answers: list[Any] = [None] * len(clients)
 
         def ask(i: int) -> None:
             try:
                 answers[i] = clients[i].init_weights_update_group(
-                    master_address, master_port, rank_offset=1 + i, world_size=world, group_name=group_name,
+                    master_address, master_port, rank_offset=offsets[i], world_size=world, group_name=group_name,
                     backend=backend, timeout_s=timeout_s)
             except Exception as e:  # noqa: BLE001 — reported below, after the join gave up
                 answers[i] = e
@@ -117,7 +125,7 @@ class DistributedSender:
             t.join()
         bad = [f"{c.url}: {a}" for c, a in zip(clients, answers) if isinstance(a, Exception)]
         if bad:
-            raise RuntimeError("engines did not join the weight-update group: " + "; ".join(bad))
+            raise EngineError("engines did not join the weight-update group: " + "; ".join(bad))
 
     def push(self, named: dict[str, torch.Tensor], version: int | None = None, flush_cache: bool = True
              ) -> list[dict]:
@@ -144,10 +152,14 @@ class DistributedSender:
             t.join()
         bad = [f"{c.url}: {a}" for c, a in zip(self.clients, answers) if isinstance(a, Exception)]
         if bad:
-            raise RuntimeError("weight update refused: " + "; ".join(bad))
+            raise EngineError("weight update refused: " + "; ".join(bad))
         return answers
 
     def close(self) -> None:
+        """Every engine leaves the group (one that is gone, e.g. restarted, is skipped)."""
         for c in self.clients:
-            c.destroy_weights_update_group(self.group_name)
+            try:
+                c.destroy_weights_update_group(self.group_name)
+            except Exception:  # noqa: BLE001 — a dead or restarted engine has no group to leave
+                pass
         self.pg = None

@@ -22,7 +22,7 @@ def _each(urls: list[str], fn: Callable[[str], None]) -> None:
             f.result()
 
 
-def _check_version(client: EngineClient, version: int, timeout_s: float, reply: dict | None = None) -> None:
+def check_version(client: EngineClient, version: int, timeout_s: float, reply: dict | None = None) -> None:
     """The engine serves `version`: as its sync reply says (the built-in engine's), else as it answers when asked."""
     got = reply["weight_version"] if reply and "weight_version" in reply else client.weight_version(timeout_s)
     if got != str(version):
@@ -45,7 +45,7 @@ def push_tensors(urls: list[str], state_dict: dict[str, torch.Tensor], version: 
         for k, blob in enumerate(blobs):
             last = k == len(blobs) - 1
             reply = c.update_weights_from_tensor_raw(blob, version=version if last else None, flush_cache=last)
-        _check_version(c, version, timeout_s, reply)  # no second round trip when the reply says it
+        check_version(c, version, timeout_s, reply)  # no second round trip when the reply says it
 
     _each(urls, one)
     return {"mb": mb, "buckets": float(len(blobs)), "encode_s": t_encode, "seconds": time.perf_counter() - t0}
@@ -103,6 +103,6 @@ def push_disk(urls: list[str], path: str, version: int, *, timeout_s: float, api
     def one(url: str) -> None:
         c = EngineClient(url, timeout_s=timeout_s, api_key=api_key)
         c.update_weights_from_disk(path, version)
-        _check_version(c, version, timeout_s)
+        check_version(c, version, timeout_s)
 
     _each(urls, one)
