@@ -1025,7 +1025,8 @@ def old_log_probs_source(run: Run, first: bool) -> str:
     if cfg.use_rollout_logprobs:
         return "rollout"
     if (cfg.train_backend == "torch" and run.plan.num_steps_per_rollout == 1 and not cfg.use_mis
-            and cfg.kl_coef == 0 and not cfg.custom_advantage_function_path):  # that function reads them first
+            and cfg.kl_coef == 0 and not cfg.custom_advantage_function_path  # that function reads them first
+            and not cfg.use_opd):  # so does the distillation penalty
         return "train"
     return "forward"
 
@@ -1080,6 +1081,8 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     mismatch = check_mismatch(facts) if "mismatch" in facts else {}
     if "mis_masked_share" in facts:
         mismatch["train/mis_masked_share"] = facts["mis_masked_share"]
+    if "opd_reverse_kl" in facts:
+        mismatch["train/opd_reverse_kl"] = facts["opd_reverse_kl"]
     if first and (d := first_step_check(ref_logp_maxdiff=facts.get("ref_logp_maxdiff"), ratio_maxdev=None,
                                         ref_source=run.ref_dir or cfg.hf_checkpoint,
                                         policy_source=run.start.local_dir or cfg.hf_checkpoint)):
@@ -1673,6 +1676,7 @@ def summary(run: Run) -> dict[str, Any]:
     rewards = run.history.get("rollout/reward_mean", {})
     reward_first, reward_last = first_last(rewards)
     loss_first, loss_last = first_last(run.history.get("train/loss", {}))
+    opd_first, opd_last = first_last(run.history.get("train/opd_reverse_kl", {}))
     return {
         "rollouts": len(rewards),
         "start_rollout": run.state.start_rollout_id,  # this process trained start_rollout .. num_rollout - 1
@@ -1681,6 +1685,8 @@ def summary(run: Run) -> dict[str, Any]:
         "reward_last": reward_last,
         "loss_first": loss_first,  # train/loss, the same way (what --loss-type sft_loss runs are read by)
         "loss_last": loss_last,
+        "opd_reverse_kl_first": opd_first,  # train/opd_reverse_kl, the same way (--use-opd)
+        "opd_reverse_kl_last": opd_last,
         "test_accuracy_before": evaluated(run, 0),
         "test_accuracy_after": evaluated(run, run.cfg.num_rollout),
         "wall_s": time.time() - run.state.started_at,

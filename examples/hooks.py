@@ -155,3 +155,9 @@ def rloo_advantages(args, rollout_data: dict) -> None:
         adv.append(torch.full((length,), r - (sum(group) - r) / max(n - 1, 1)))
     rollout_data["advantages"] = adv
     rollout_data["returns"] = adv
+
+
+# --custom-rm-path examples/hooks.py:no_reward — every sample scores 0, so GRPO's advantages are all 0: with
+# --use-opd the teacher's penalty is the only signal (pure on-policy distillation; examples/opd.yaml)
+def no_reward(sample: Sample) -> float:
+    return 0.0

@@ -55,6 +55,9 @@ def _print_summary(s: dict, cfg) -> None:
     if not placeholder_rewards(cfg):  # engine.rollout.sft's samples carry reward 0
         progress.append(f"  reward (mean of first 3 / last 3 rollouts): {s['reward_first']:.3f} → "
                         f"{s['reward_last']:.3f} ({delta:+.3f})" if delta is not None else "  reward: no rollouts ran")
+    if cfg.use_opd and s.get("opd_reverse_kl_first") is not None:
+        progress.append(f"  reverse KL to the teacher (mean of first 3 / last 3 rollouts): "
+                        f"{s['opd_reverse_kl_first']:.3g} → {s['opd_reverse_kl_last']:.3g}")
     if cfg.loss_type == "sft_loss" and s.get("loss_first") is not None:
         progress.append(f"  SFT loss (mean of first 3 / last 3 rollouts): {s['loss_first']:.3g} → "
                         f"{s['loss_last']:.3g} ({s['loss_last'] - s['loss_first']:+.3g})")
@@ -62,6 +65,8 @@ def _print_summary(s: dict, cfg) -> None:
         accuracy = "  test accuracy: not measured (no rollout engine" + (
             "; evaluate the saved weights with an engine: examples/sft.yaml shows how)" if cfg.debug_train_only
             else ")")
+    elif not cfg.has_eval():
+        accuracy = "  test accuracy: not measured (no eval set)"
     elif cfg.trains:
         accuracy = f"  test accuracy (greedy): {pct(s['test_accuracy_before'])} → {pct(s['test_accuracy_after'])}"
     else:

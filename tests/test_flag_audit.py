@@ -161,6 +161,11 @@ FLAG_TESTS = {
     "kl_loss_coef": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "kl_loss_type": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "use_unbiased_kl": "test_objective.py::test_unbiased_kl_weights_the_kl_loss_by_the_ratio_with_its_gradient",
+    "use_opd": "test_opd.py::test_the_penalty_is_the_reverse_kl_to_the_teacher_on_every_trained_token",
+    "opd_type": "test_opd.py::test_pure_distillation_moves_the_student_toward_the_teacher",
+    "opd_kl_coef": "test_opd.py::test_the_penalty_is_the_reverse_kl_to_the_teacher_on_every_trained_token",
+    "opd_teacher_load": "test_opd.py::test_pure_distillation_moves_the_student_toward_the_teacher",
+    "opd_teacher_ckpt_step": "test_opd.py::test_a_teacher_from_a_checkpoint_iteration_and_the_errors_that_name_it",
     "ref_update_interval":
         "test_train_backend.py::test_ref_update_interval_moves_the_reference_to_the_policy_and_checkpoints_it",
     "kl_coef": "test_advantages.py::test_reinforce_plus_plus_baseline_subtracts_kl",

@@ -287,6 +287,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         for flag, on in ((f"--loss-type {self.loss_type}", self.loss_type != "policy_loss"),
                          ("--reset-optimizer-states", self.reset_optimizer_states),
                          ("--ref-update-interval", self.ref_update_interval),
+                         ("--use-opd", self.use_opd),
                          ("--freeze-params-name-list", self.freeze_params_name_list),
                          ("--only-train-params-name-list", self.only_train_params_name_list)):
             if on and self.train_backend != "torch":

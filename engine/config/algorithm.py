@@ -24,6 +24,21 @@ class AlgorithmArgs(Section):
     custom_advantage_function_path: Optional[str] = None
     """Replace the advantage estimator's computation (slime's flag): `module:function` or `path/to/file.py:function`, called on each train rank per micro-batch as fn(args, rollout_data) before any update. rollout_data (slime's keys) holds per-sample lists over the response tokens — log_probs (the old policy's), ref_log_probs and values (None when not computed), kl (the --kl-loss-type estimate of old vs reference; zeros without a reference), rollout_log_probs, loss_masks — and per-sample numbers: rewards (the scalar rewards, as --custom-reward-post-process-path left them; not group-normalised, unlike slime's grpo path), response_lengths, total_lengths, sample_ids; plus all_rewards, every reward of the rollout indexed by sample id, for group baselines. The function sets rollout_data["advantages"] and rollout_data["returns"] (the critic's targets with ppo; else the advantages) to lists of per-sample tensors of the response's length. --normalize-advantages still applies after it."""
 
+    use_opd: bool = False
+    """On-policy distillation (slime's flag): on top of --advantage-estimator, every trained token's advantage gets −opd_kl_coef × (log π_old − log π_teacher), the reverse KL to a teacher on the student's own samples, logged as train/opd_reverse_kl. Needs --opd-type; with task rewards all equal (e.g. 0) it is pure distillation. Torch backend; not with --loss-type sft_loss / custom_loss. docs/algorithms.md, "On-policy distillation"."""
+
+    opd_type: Optional[Literal["megatron", "sglang"]] = None
+    """Where the teacher's log-probs come from (slime's flag and values): megatron — the teacher (--opd-teacher-load) is loaded into each train rank and scores the samples before the update (slime's Megatron backend; here the torch backend does the same). sglang — from a teacher server during the rollout: not built in rollflow yet (a CONFIG error)."""
+
+    opd_kl_coef: float = Field(1.0, ge=0)
+    """Weight of the on-policy distillation penalty (slime's flag)."""
+
+    opd_teacher_load: Optional[str] = None
+    """The teacher (slime's flag), with the student's tokenizer and vocabulary: a Hugging Face directory, or a --save directory (its latest iteration, or --opd-teacher-ckpt-step's). Required with --opd-type megatron."""
+
+    opd_teacher_ckpt_step: Optional[int] = Field(None, ge=0)
+    """Which iteration of the --opd-teacher-load checkpoint directory to load (slime's flag); default its latest (the marker)."""
+
     eps_clip: float = Field(0.2, gt=0)
     """PPO clip range ε: ratio clipped to [1-ε, 1+ε_high]."""
 
@@ -170,6 +185,7 @@ class AlgorithmArgs(Section):
             raise err("--use-unbiased-kl corrects the KL loss, and --use-kl-loss is off: there is no KL loss to "
                       "correct", "add --use-kl-loss --kl-loss-coef C, or drop --use-unbiased-kl",
                       field="use_unbiased_kl", value=True)
+        self._opd_consistent(err)
         if self.mis_low >= self.mis_high:
             raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
                       "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)
@@ -178,3 +194,28 @@ class AlgorithmArgs(Section):
                       f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",
                       value=self.tis_clip_low)
         return self
+
+    def _opd_consistent(self, err) -> None:
+        """--use-opd and its flags, as slime checks them; a flag without --use-opd would do nothing."""
+        if not self.use_opd:
+            idle = [f for f, on in (("--opd-type", self.opd_type), ("--opd-teacher-load", self.opd_teacher_load),
+                                    ("--opd-teacher-ckpt-step", self.opd_teacher_ckpt_step is not None),
+                                    ("--opd-kl-coef", self.opd_kl_coef != 1.0)) if on]
+            if idle:
+                raise err(f"{', '.join(idle)} without --use-opd would do nothing", "add --use-opd, or drop them",
+                          field="use_opd", value=False, idle=idle)
+            return
+        if self.opd_type is None:
+            raise err("--use-opd needs --opd-type", "--opd-type megatron --opd-teacher-load TEACHER_DIR (the teacher "
+                      "loaded into the trainer)", field="opd_type", value=None)
+        if self.opd_type == "sglang":
+            raise err("--opd-type sglang (teacher log-probs from a teacher server during the rollout) is not built in "
+                      "rollflow yet", "--opd-type megatron --opd-teacher-load TEACHER_DIR: the teacher is loaded "
+                      "into the trainer and scores the samples there", field="opd_type", value="sglang")
+        if not self.opd_teacher_load:
+            raise err("--opd-type megatron needs --opd-teacher-load (the teacher's weights)",
+                      "--opd-teacher-load a Hugging Face directory or a --save directory of the teacher",
+                      field="opd_teacher_load", value=None)
+        if self.loss_type != "policy_loss":
+            raise err(f"--use-opd changes the advantages, which --loss-type {self.loss_type} does not read",
+                      "--loss-type policy_loss, or drop --use-opd", field="use_opd", value=True)

@@ -109,6 +109,9 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/mismatch_max", "min", "largest \\|log π_engine − log π_trainer\\| of one trained token"),
     MetricDoc("train/mis_masked_share", "min", "`--use-mis`: share of the trained tokens masked because π_old / "
                                                "π_engine left [`--mis-low`, `--mis-high`]"),
+    MetricDoc("train/opd_reverse_kl", "min", "`--use-opd`: mean over the trained tokens of log π_old − log "
+                                             "π_teacher, the reverse KL to the teacher on the student's samples "
+                                             "(its --opd-kl-coef multiple is subtracted from each advantage)"),
     MetricDoc("train/grad_norm", None, "gradient norm before clipping, mean over the rollout's optimizer steps"),
     MetricDoc("train/grad_norm_max", None, "largest gradient norm of the rollout's optimizer steps"),
     MetricDoc("train/lr", None, "learning rate, mean over the rollout's optimizer steps"),

@@ -97,6 +97,7 @@ class TorchBackend:
             self.masters = Fp32Masters(model)  # takes the fp32 weights, then the model holds their bf16 rounding
         self.model = model.eval()  # dropout off: see the module docstring
         self.ref = None
+        self.teacher = None  # --use-opd --opd-type megatron: frozen, loaded at its first use (_teacher_model)
         self.last_log_probs: list[torch.Tensor] | None = None  # the last train step's forward, per micro-batch
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
         # shared prompts run once (engine/train/forward.py); auto leaves CUDA half precision to the flash kernel
@@ -138,6 +139,13 @@ class TorchBackend:
                                                        self.cfg.model_impl))
         return self.ref
 
+    def _teacher_model(self):
+        """--opd-teacher-load: an HF directory, or a --save directory's latest iteration (or
+        --opd-teacher-ckpt-step's), frozen and in the forward's dtype like the reference."""
+        if self.teacher is None:
+            self.teacher = self._placed_ref(load_teacher(self.cfg, int(self.model.config.vocab_size)))
+        return self.teacher
+
     def _placed_ref(self, model):
         """In the forward's dtype: the bf16 rounding of the same initial weights is what the policy computes with
         on the first step, so KL = 0 exactly there."""
@@ -147,10 +155,11 @@ class TorchBackend:
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
-        """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy or the reference,
-        on the CPU."""
-        model = self._ref_model() if ref else self.model
+    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False
+                          ) -> list[torch.Tensor]:
+        """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy, the reference or
+        the --use-opd teacher, on the CPU."""
+        model = self._teacher_model() if teacher else self._ref_model() if ref else self.model
         return [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
                                share_prefix=self.share_prefix)[0].cpu() for mb in mbs]
 
@@ -278,8 +287,9 @@ class TorchBackend:
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     st[k] = v.to(dev)
-        if self.ref is not None:
-            self.ref.to(dev)
+        for frozen in (self.ref, self.teacher):
+            if frozen is not None:
+                frozen.to(dev)
         if dev.type == "cpu":
             torch.cuda.empty_cache()
 
@@ -577,16 +587,17 @@ def load_state_strict(model, state: dict[str, torch.Tensor], source: str) -> Non
     model.load_state_dict(state, strict=False)
 
 
-def load_reference(ref_load: str | None, hf_checkpoint: str, impl: str = "auto"):
-    """The frozen reference: an HF directory, or a checkpoint directory's latest iteration (RF01 if neither)."""
+def load_reference(ref_load: str | None, hf_checkpoint: str, impl: str = "auto", step: int | None = None):
+    """The frozen reference: an HF directory, or a checkpoint directory's latest iteration (or `step`'s); RF01 if
+    neither."""
     from engine import checkpoint
     from engine.modeling import load_causal_lm
     from engine.weights import load_weights_dir
 
     src = Path(ref_load or hf_checkpoint)
-    if (src / "config.json").is_file():
+    if step is None and (src / "config.json").is_file():
         model = load_causal_lm(str(src), impl=impl)
-    elif (it := checkpoint.read_marker(src)) is not None:
+    elif (it := step if step is not None else checkpoint.read_marker(src)) is not None:
         model = load_causal_lm(hf_checkpoint, impl=impl)  # architecture from the policy's HF config, weights from src
         load_state_strict(model, load_weights_dir(checkpoint.iter_dir(src, it) / "model"), str(src))
     else:
@@ -599,6 +610,35 @@ def load_reference(ref_load: str | None, hf_checkpoint: str, impl: str = "auto")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    return model
+
+
+def load_teacher(cfg, vocab_size: int):
+    """The --use-opd teacher (load_reference's rules, with --opd-teacher-ckpt-step picking the iteration of a
+    checkpoint directory), checked to share the policy's vocabulary: the samples' token ids must mean the same."""
+    from engine import checkpoint
+
+    src, step = Path(cfg.opd_teacher_load), cfg.opd_teacher_ckpt_step
+    hf = step is None and (src / "config.json").is_file()
+    it = None if hf else step if step is not None else checkpoint.read_marker(src)
+    if not hf and (it is None or not checkpoint.iter_dir(src, it).is_dir()):
+        raise DiagnosisError(Diagnosis(
+            code="CONFIG", severity="error",
+            what=f"--opd-teacher-load {src}: " + (
+                f"--opd-teacher-ckpt-step {step}: it has no iteration {step} ({checkpoint.iter_dir(src, step).name} "
+                "is not a directory)" if step is not None else
+                f"neither a Hugging Face directory (config.json) nor a checkpoint directory with {checkpoint.MARKER}"),
+            fix="an iteration the directory holds, or drop --opd-teacher-ckpt-step (its latest)" if step is not None
+                else "--opd-teacher-load a Hugging Face model directory or a directory written by --save",
+            facts={"field": "opd_teacher_load", "value": str(src), "step": step}))
+    model = load_reference(str(src), cfg.hf_checkpoint, cfg.model_impl, step=it)
+    if int(model.config.vocab_size) != vocab_size:
+        raise DiagnosisError(Diagnosis(
+            code="CONFIG", severity="error",
+            what=f"--opd-teacher-load {src} has a vocabulary of {model.config.vocab_size} tokens and the student "
+                 f"(--hf-checkpoint) {vocab_size}: the teacher would score other tokens than the samples'",
+            fix="a teacher with the student's tokenizer (the same model family)",
+            facts={"field": "opd_teacher_load", "value": str(src)}))
     return model
 
 

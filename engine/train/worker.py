@@ -225,6 +225,7 @@ class TrainWorker:
                 mb.advantages = adv
                 rets.append(ret)
             self.returns.append(rets)
+        opd = self._distill(steps) if cfg.use_opd else {}
         if cfg.normalize_advantages:  # whiten over the trained tokens of the whole rollout, all ranks
             stats = self._all_reduce(sum((whiten_stats(mb.advantages, mb.loss_mask) for mbs in steps for mb in mbs),
                                          torch.zeros(3, dtype=torch.float64)))
@@ -244,7 +245,25 @@ class TrainWorker:
             facts.update(mis_masked_share_sum=mis_masked if self.reports else 0.0,
                          mis_masked_share_count=mismatch["mismatch_count"])
         facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
+        facts.update(opd)
         return facts
+
+    def _distill(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
+        """--use-opd: each trained token's advantage −= opd_kl_coef × (log π_old − log π_teacher), the teacher's
+        log-probs of the very tokens sampled (slime's apply_opd_kl_to_advantages); after the estimator (and a custom
+        advantage function), before --normalize-advantages. Returns the reverse KL's partial sums (token mean)."""
+        if self.old is None:
+            raise ValueError("--use-opd needs the old log-probs before the update (old_from 'forward' or 'rollout')")
+        total, count = 0.0, 0.0
+        for k, mbs in enumerate(steps):
+            teacher = self.backend.compute_log_probs(mbs, teacher=True)
+            for j, mb in enumerate(mbs):
+                reverse_kl = (self.old[k][j] - teacher[j]) * mb.loss_mask
+                mb.advantages = mb.advantages - self.cfg.opd_kl_coef * reverse_kl
+                total += float(reverse_kl.sum())
+                count += float(mb.loss_mask.sum())
+        return {"opd_reverse_kl_sum": total if self.reports else 0.0, "opd_reverse_kl_count": count
+                if self.reports else 0.0}
 
     def _custom_advantages(self, mb: MicroBatch, rewards: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
                            values: torch.Tensor | None, kl_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
