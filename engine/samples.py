@@ -31,6 +31,7 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     remove_sample: bool = False  # set by --rollout-sample-filter-path: kept out of the loss (slime's field)
     reward_key: str | None = None  # a dict reward's key that is the training reward (--reward-key; set when scored)
+    teacher_log_probs: list[float] | None = None  # [R] --use-opd --opd-type sglang: log π_teacher of the response
 
     @property
     def prompt_length(self) -> int:

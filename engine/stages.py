@@ -785,6 +785,7 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                                     threshold=cfg.rollout_max_truncated_share)
         if diag is not None:
             raise DiagnosisError(diag)
+        teacher = teacher_scores(run, samples) if cfg.use_opd and cfg.opd_type == "sglang" else {}
     except BaseException:
         src.load_state(position)  # a retried rollout takes the same prompts
         raise
@@ -796,7 +797,7 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                     **({"rollout/removed_samples": float(removed)} if hooks.sample_filter is not None else {}),
                     **({f"rollout/pass_at_{k}": v for k, v in pass_rates(
                         [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {}),
-                    **(reward_categories(samples) if cfg.log_reward_category else {})}
+                    **(reward_categories(samples) if cfg.log_reward_category else {}), **teacher}
     metrics = publish(run, rollout_id, {**rollout_metrics(result, time.perf_counter() - t0),
                                         **gpu_memory_metrics(run, "rollout"), **hook_metrics})
     if run.tracker is not None:
@@ -806,6 +807,34 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     if cfg.save_debug_rollout_data:
         save_rollout(run, rollout_id, result.groups, metrics, version)
     return RolloutBatch(rollout_id, result.groups, metrics)
+
+
+def teacher_scores(run: Run, samples: list[Sample], batch: int = 64) -> dict[str, float]:
+    """--use-opd --opd-type sglang: the teacher server's log-probs of every trained sample's response tokens
+    (a prefill at the rollout temperature: /generate with max_new_tokens 0, as slime's on_policy_distillation
+    asks), into sample.teacher_log_probs, `batch` sequences per request. A server that fails is an ENGINE error
+    of the rollout (it is retried like one)."""
+    from engine.rollout.client import EngineClient, EngineError
+    from engine.samples import Status
+
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    client = EngineClient(cfg.opd_teacher_url, timeout_s=cfg.rollout_timeout, api_key=cfg.opd_teacher_api_key)
+    todo = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED) and s.response_length]
+    temperature = cfg.rollout_temperature or 1.0
+    for i in range(0, len(todo), batch):
+        part = todo[i:i + batch]
+        try:
+            scored = client.score([s.tokens for s in part], temperature)
+        except Exception as e:  # noqa: BLE001 — named, then raised as the engine error it is
+            raise EngineError(f"--opd-teacher-url {cfg.opd_teacher_url} did not score the rollout's samples: "
+                              f"{e}") from e
+        for s, lps in zip(part, scored):
+            if len(lps) != len(s.tokens) - 1:
+                raise EngineError(f"--opd-teacher-url {cfg.opd_teacher_url} returned {len(lps)} log-probs for a "
+                                  f"sequence of {len(s.tokens)} tokens (expected {len(s.tokens) - 1})")
+            s.teacher_log_probs = [float(x) for x in lps[len(lps) - s.response_length:]]
+    return {"rollout/opd_teacher_seconds": time.perf_counter() - t0}
 
 
 def reward_categories(samples: list[Sample]) -> dict[str, float]:

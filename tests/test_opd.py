@@ -105,13 +105,46 @@ def test_a_teacher_from_a_checkpoint_iteration_and_the_errors_that_name_it(tmp_p
     (dict(opd_kl_coef=0.5), "--opd-kl-coef without --use-opd would do nothing"),
     (dict(opd_teacher_load="t"), "--opd-teacher-load without --use-opd"),
     (dict(**OPD), "--opd-type megatron needs --opd-teacher-load"),
-    (dict(use_opd=True, opd_type="sglang"), "--opd-type sglang .* is not built"),
+    (dict(use_opd=True, opd_type="sglang"), "--opd-type sglang needs --opd-teacher-url"),
+    (dict(use_opd=True, opd_type="sglang", opd_teacher_url="h:1", opd_teacher_load="t"), "which --opd-type sglang"),
+    (dict(**OPD, opd_teacher_load="t", opd_teacher_url="h:1"), "--opd-teacher-url is read only with --opd-type"),
+    (dict(opd_teacher_url="h:1"), "--opd-teacher-url without --use-opd"),
+    (dict(use_opd=True, opd_type="sglang", opd_teacher_url="h"), "--opd-teacher-url: 'h' is not host:port"),
     (dict(**OPD, opd_teacher_load="t", loss_type="sft_loss"), "--loss-type sft_loss does not read"),
     (dict(**OPD, opd_teacher_load="t", train_backend="megatron"), "--use-opd with --train-backend megatron"),
 ])
 def test_opd_flags_that_could_not_work_are_refused(over, named):
     with pytest.raises(ConfigError, match=named):
         RunConfig(**over)
+
+
+def test_the_teacher_server_scores_each_response_as_the_teacher_model_does(tmp_path):
+    """--opd-type sglang: teacher_scores asks the server for a prefill of every trained sample and keeps the
+    response's log-probs: equal to transformers' on the teacher model; a failed sample is not scored."""
+    from types import SimpleNamespace
+
+    from conftest import served_engine
+
+    from engine.rollout.client import EngineError
+    from engine.samples import Status
+    from engine.stages import teacher_scores
+
+    teacher = _teacher(tmp_path / "teacher")
+    samples, _ = _batch()
+    samples[5].status = Status.FAILED
+    with served_engine(teacher, api_key="k") as (_, url):
+        cfg = RunConfig(use_opd=True, opd_type="sglang", opd_teacher_url=url, opd_teacher_api_key="k",
+                        rollout_temperature=1.0)
+        metrics = teacher_scores(SimpleNamespace(cfg=cfg), samples, batch=3)
+        assert metrics["rollout/opd_teacher_seconds"] > 0
+        for s in samples:
+            if s.status == Status.FAILED:
+                assert s.teacher_log_probs is None
+            else:
+                assert torch.allclose(torch.tensor(s.teacher_log_probs), _response_logprobs(teacher, s), atol=1e-4)
+        wrong = RunConfig(use_opd=True, opd_type="sglang", opd_teacher_url=url, opd_teacher_api_key="nope")
+        with pytest.raises(EngineError, match="did not score the rollout's samples: .*HTTP 401"):
+            teacher_scores(SimpleNamespace(cfg=wrong), samples)
 
 
 def _answer_kl(student: dict | None, teacher: str, k: int = 32) -> float:
@@ -141,10 +174,16 @@ def _answer_kl(student: dict | None, teacher: str, k: int = 32) -> float:
 
 
 @pytest.mark.slow
-def test_pure_distillation_moves_the_student_toward_the_teacher(prefect_harness, shared_ray, small_cfg, tmp_path):
-    """Every reward 0 (GRPO's advantages all 0): the teacher's penalty is the only signal. The exact KL from the
+@pytest.mark.parametrize("opd_type", ["megatron", "sglang"])
+def test_pure_distillation_moves_the_student_toward_the_teacher(prefect_harness, shared_ray, small_cfg, tmp_path,
+                                                               opd_type):
+    """Every reward 0 (GRPO's advantages all 0): the teacher's penalty is the only signal, the teacher loaded into
+    the trainer (megatron) or served (sglang: a built-in engine of the teacher, with a key). The exact KL from the
     student to the teacher at the first answer token of 32 test prompts (measured apart from the run) falls, and
     the run logs the sampled estimate every rollout."""
+    from contextlib import nullcontext
+
+    from conftest import served_engine
     from safetensors.torch import load_file
 
     from engine import checkpoint
@@ -152,10 +191,15 @@ def test_pure_distillation_moves_the_student_toward_the_teacher(prefect_harness,
 
     teacher = _teacher(tmp_path / "teacher")
     save = tmp_path / "ckpt"
-    out = rl_train(small_cfg(num_rollout=8, eval_prompt_data=[], save=str(save), lr=3e-4, use_opd=True,
-                             opd_type="megatron", opd_teacher_load=teacher,
-                             custom_rm_path="examples/hooks.py:no_reward"))
+    server = served_engine(teacher, api_key="teacher-key") if opd_type == "sglang" else nullcontext()
+    with server as served:
+        where = dict(opd_teacher_url=served[1], opd_teacher_api_key="teacher-key") if served else \
+            dict(opd_teacher_load=teacher)
+        out = rl_train(small_cfg(num_rollout=8, eval_prompt_data=[], save=str(save), lr=3e-4, use_opd=True,
+                                 opd_type=opd_type, custom_rm_path="examples/hooks.py:no_reward", **where))
     assert set(out["history"]["rollout/reward_mean"].values()) == {0.0}
+    if opd_type == "sglang":
+        assert all(v > 0 for v in out["history"]["rollout/opd_teacher_seconds"].values())
     assert sorted(out["history"]["train/opd_reverse_kl"], key=int) == [str(i) for i in range(8)]
     trained = load_file(str(checkpoint.iter_dir(str(save), 7) / "model" / "model.safetensors"))
     before, after = _answer_kl(None, teacher), _answer_kl(trained, teacher)

@@ -1,7 +1,7 @@
 """RL algorithm flags (defaults as slime)."""
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.config.base import Section
 from engine.diagnosis import ConfigError, Diagnosis
@@ -28,7 +28,13 @@ class AlgorithmArgs(Section):
     """On-policy distillation (slime's flag): on top of --advantage-estimator, every trained token's advantage gets −opd_kl_coef × (log π_old − log π_teacher), the reverse KL to a teacher on the student's own samples, logged as train/opd_reverse_kl. Needs --opd-type; with task rewards all equal (e.g. 0) it is pure distillation. Torch backend; not with --loss-type sft_loss / custom_loss. docs/algorithms.md, "On-policy distillation"."""
 
     opd_type: Optional[Literal["megatron", "sglang"]] = None
-    """Where the teacher's log-probs come from (slime's flag and values): megatron — the teacher (--opd-teacher-load) is loaded into each train rank and scores the samples before the update (slime's Megatron backend; here the torch backend does the same). sglang — from a teacher server during the rollout: not built in rollflow yet (a CONFIG error)."""
+    """Where the teacher's log-probs come from (slime's flag and values): megatron — the teacher (--opd-teacher-load) is loaded into each train rank and scores the samples before the update (slime's Megatron backend; here the torch backend does the same). sglang — a teacher server (--opd-teacher-url: SGLang, or `rollflow serve`) scores every sample's tokens right after the rollout (a prefill, /generate with max_new_tokens 0), e.g. a teacher larger than the trainer's GPUs."""
+
+    opd_teacher_url: Optional[str] = None
+    """--opd-type sglang: the teacher server (host:port or http(s)://host:port), SGLang's HTTP API, with the student's tokenizer; its --api-key in --opd-teacher-api-key. rollflow's flag (slime routes it through --rm-url and a custom reward)."""
+
+    opd_teacher_api_key: Optional[str] = None
+    """The --opd-teacher-url server's --api-key (sent as `Authorization: Bearer`; kept out of logs and MLflow)."""
 
     opd_kl_coef: float = Field(1.0, ge=0)
     """Weight of the on-policy distillation penalty (slime's flag)."""
@@ -120,6 +126,20 @@ class AlgorithmArgs(Section):
     num_critic_only_steps: int = Field(0, ge=0)
     """ppo: the first N rollouts train the critic only (slime's flag): the policy, its optimizer and its LR schedule wait, and its metrics are not logged for those rollouts, so the value function is fitted before it steers the policy."""
 
+    @field_validator("opd_teacher_url")
+    @classmethod
+    def _teacher_url(cls, url: str | None) -> str | None:
+        from engine.rollout.external import normalize_addr
+
+        if url is None:
+            return None
+        try:
+            return normalize_addr(url)
+        except ValueError as e:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"--opd-teacher-url: {e}",
+                                        fix="--opd-teacher-url HOST:PORT, e.g. 10.0.0.7:30000",
+                                        facts={"field": "opd_teacher_url", "value": url})) from None
+
     @model_validator(mode="after")
     def _algorithm_consistent(self) -> "AlgorithmArgs":
         def err(what: str, fix: str, **facts) -> ConfigError:
@@ -199,6 +219,8 @@ class AlgorithmArgs(Section):
         """--use-opd and its flags, as slime checks them; a flag without --use-opd would do nothing."""
         if not self.use_opd:
             idle = [f for f, on in (("--opd-type", self.opd_type), ("--opd-teacher-load", self.opd_teacher_load),
+                                    ("--opd-teacher-url", self.opd_teacher_url),
+                                    ("--opd-teacher-api-key", self.opd_teacher_api_key),
                                     ("--opd-teacher-ckpt-step", self.opd_teacher_ckpt_step is not None),
                                     ("--opd-kl-coef", self.opd_kl_coef != 1.0)) if on]
             if idle:
@@ -209,10 +231,19 @@ class AlgorithmArgs(Section):
             raise err("--use-opd needs --opd-type", "--opd-type megatron --opd-teacher-load TEACHER_DIR (the teacher "
                       "loaded into the trainer)", field="opd_type", value=None)
         if self.opd_type == "sglang":
-            raise err("--opd-type sglang (teacher log-probs from a teacher server during the rollout) is not built in "
-                      "rollflow yet", "--opd-type megatron --opd-teacher-load TEACHER_DIR: the teacher is loaded "
-                      "into the trainer and scores the samples there", field="opd_type", value="sglang")
-        if not self.opd_teacher_load:
+            if not self.opd_teacher_url:
+                raise err("--opd-type sglang needs --opd-teacher-url (the teacher server)",
+                          "--opd-teacher-url HOST:PORT of an SGLang (or rollflow serve) server of the teacher",
+                          field="opd_teacher_url", value=None)
+            if self.opd_teacher_load or self.opd_teacher_ckpt_step is not None:
+                raise err("--opd-teacher-load / --opd-teacher-ckpt-step load a teacher into the trainer, which "
+                          "--opd-type sglang does not (its teacher is --opd-teacher-url's server)",
+                          "drop them, or --opd-type megatron", field="opd_teacher_load", value=self.opd_teacher_load)
+        elif self.opd_teacher_url or self.opd_teacher_api_key:
+            raise err("--opd-teacher-url is read only with --opd-type sglang (now megatron: the teacher is loaded "
+                      "into the trainer)", "drop --opd-teacher-url, or --opd-type sglang",
+                      field="opd_teacher_url", value=self.opd_teacher_url)
+        elif not self.opd_teacher_load:
             raise err("--opd-type megatron needs --opd-teacher-load (the teacher's weights)",
                       "--opd-teacher-load a Hugging Face directory or a --save directory of the teacher",
                       field="opd_teacher_load", value=None)

@@ -25,6 +25,7 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor  # [T] float, log π_engine(tokens[t]) from the rollout (0 off-response)
     sample_ids: list[int]  # [S] Sample.index, for reports (RF09 / RF13)
     response_lengths: list[int] | None = None  # [S] R_i: sample i's response is its last R_i tokens
+    teacher_log_probs: torch.Tensor | None = None  # [T] --opd-type sglang: log π_teacher (0 off-response)
 
     @property
     def num_samples(self) -> int:
@@ -45,6 +46,8 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
     toks, pos, mask, adv, rlp, cu, resp = [], [], [], [], [], [0], []
+    teacher = any(s.teacher_log_probs is not None for s in samples)
+    tlp: list[float] = []
     for s, a in zip(samples, advantages):
         L, R = len(s.tokens), s.response_length
         P = L - R
@@ -58,6 +61,12 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
         mask += [0.0] * P + ([float(m) for m in s.loss_mask] if trained else [0.0] * R)
         adv += [0.0] * P + [float(a)] * R
         rlp += [0.0] * P + (list(s.rollout_log_probs) if trained else [0.0] * R)
+        if teacher:
+            if trained and len(s.teacher_log_probs or []) != R:
+                raise ValueError(f"sample {s.index}: response_length {R} but "
+                                 f"{len(s.teacher_log_probs or [])} teacher log-probs (--opd-type sglang scores "
+                                 "every response token)")
+            tlp += [0.0] * P + (list(s.teacher_log_probs) if trained else [0.0] * R)
         cu.append(cu[-1] + L)
         resp.append(R)
     pad = (-len(toks)) % pad_to_multiple
@@ -67,6 +76,7 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
         mask += [0.0] * pad
         adv += [0.0] * pad
         rlp += [0.0] * pad
+        tlp += [0.0] * pad if teacher else []
         cu.append(cu[-1] + pad)
         resp.append(0)
     return MicroBatch(tokens=torch.tensor(toks, dtype=torch.long), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
@@ -74,4 +84,5 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
                       loss_mask=torch.tensor(mask, dtype=torch.float32),
                       advantages=torch.tensor(adv, dtype=torch.float32),
                       rollout_log_probs=torch.tensor(rlp, dtype=torch.float32),
-                      sample_ids=[s.index for s in samples], response_lengths=resp)
+                      sample_ids=[s.index for s in samples], response_lengths=resp,
+                      teacher_log_probs=torch.tensor(tlp, dtype=torch.float32) if teacher else None)

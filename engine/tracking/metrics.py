@@ -68,6 +68,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("async/stale_dropped", "min", "`--async-mode` or `--update-weights-interval` > 1: samples older than "
                                             "the bound (one-step 1, bounded `--max-staleness`, interval N − 1), kept "
                                             "out of the loss"),
+    MetricDoc("rollout/opd_teacher_seconds", "min", "`--opd-type sglang`: seconds the teacher server took to score "
+                                                    "the rollout's samples"),
     MetricDoc("rollout/removed_samples", None, "samples `--rollout-sample-filter-path` kept out of the loss "
                                                "(`remove_sample`)"),
     MetricDoc("<any numeric metric a --rollout-function-path returns>", None, "logged as the function names it "

@@ -256,7 +256,13 @@ class TrainWorker:
             raise ValueError("--use-opd needs the old log-probs before the update (old_from 'forward' or 'rollout')")
         total, count = 0.0, 0.0
         for k, mbs in enumerate(steps):
-            teacher = self.backend.compute_log_probs(mbs, teacher=True)
+            if self.cfg.opd_type == "sglang":  # scored by the teacher server after the rollout
+                if any(mb.teacher_log_probs is None for mb in mbs):
+                    raise ValueError("--opd-type sglang: a micro-batch carries no teacher log-probs (the rollout "
+                                     "scores them; a replayed rollout must have been saved with them)")
+                teacher = [mb.teacher_log_probs for mb in mbs]
+            else:
+                teacher = self.backend.compute_log_probs(mbs, teacher=True)
             for j, mb in enumerate(mbs):
                 reverse_kl = (self.old[k][j] - teacher[j]) * mb.loss_mask
                 mb.advantages = mb.advantages - self.cfg.opd_kl_coef * reverse_kl
