@@ -31,7 +31,7 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from engine.diagnosis import ConfigError, Diagnosis
+from engine.config.base import config_error
 from engine.rollout.client import EngineClient, EngineError
 from engine.rollout.engines import EngineGroup, Slot
 
@@ -115,15 +115,14 @@ class ExternalEngines(EngineGroup):
     def _attach(self, slot: Slot) -> dict[str, Any]:
         client = self.client(slot.url, timeout_s=30.0)
         if not self._answers(client):
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"{FLAG}: the engine at {slot.url} did not answer /health_generate within "
-                     f"{self.start_timeout_s:g} s (--rollout-engine-start-timeout); rollflow does not start "
-                     "external engines",
-                fix=f"start it first (e.g. `rollflow serve --port {urlparse(slot.url).port} --api-key KEY "
-                    "--weight-dir <work_dir>/weights`, or `python -m sglang.launch_server …`), "
-                    f"check the address, or drop {FLAG} to let rollflow start its engines",
-                facts={"field": "rollout_external_engine_addrs", "value": slot.url}))
+            raise config_error(
+                f"{FLAG}: the engine at {slot.url} did not answer /health_generate within "
+                f"{self.start_timeout_s:g} s (--rollout-engine-start-timeout); rollflow does not start external "
+                "engines",
+                f"start it first (e.g. `rollflow serve --port {urlparse(slot.url).port} --api-key KEY --weight-dir "
+                f"<work_dir>/weights`, or `python -m sglang.launch_server …`), check the address, or drop {FLAG} to "
+                "let rollflow start its engines",
+                field="rollout_external_engine_addrs", value=slot.url)
         return self._check(slot, client)
 
     def _check(self, slot: Slot, client: EngineClient) -> dict[str, Any]:
@@ -131,29 +130,26 @@ class ExternalEngines(EngineGroup):
             info = client.server_info()
         except EngineError as e:
             unauthorized = "HTTP 401" in str(e) or "HTTP 403" in str(e)
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"{FLAG}: the engine at {slot.url} " + (
+            raise config_error(
+                f"{FLAG}: the engine at {slot.url} " + (
                     "refused rollflow's key (HTTP 401/403)" if unauthorized else f"gave no server info: {e}"),
-                fix="pass the server's --api-key as --sglang-api-key KEY" if unauthorized else
-                    "point the flag at an SGLang-API server (SGLang or the built-in engine)",
-                facts={"field": "rollout_external_engine_addrs", "value": slot.url})) from None
+                "pass the server's --api-key as --sglang-api-key KEY" if unauthorized else
+                "point the flag at an SGLang-API server (SGLang or the built-in engine)",
+                field="rollout_external_engine_addrs", value=slot.url) from None
         kind = kind_of(info)
         if kind != self.kind:
             what = "the built-in engine" if kind == "builtin" else "an SGLang server"
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"{FLAG}: {slot.url} is {what}, but --rollout-engine is {self.kind} (the weights reach the two "
-                     "kinds differently)",
-                fix=f"--rollout-engine {kind}",
-                facts={"field": "rollout_engine", "value": self.kind, "url": slot.url, "served_kind": kind}))
+            raise config_error(
+                f"{FLAG}: {slot.url} is {what}, but --rollout-engine is {self.kind} (the weights reach the two "
+                "kinds differently)",
+                f"--rollout-engine {kind}",
+                field="rollout_engine", value=self.kind, url=slot.url, served_kind=kind)
         if info.get("is_generation") is False:
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"{FLAG}: {slot.url} serves {info.get('model_path')!r} as an embedding/reward model "
-                     "(is_generation false); a rollout needs a generating one",
-                fix="point the flag at a server of the policy model",
-                facts={"field": "rollout_external_engine_addrs", "value": slot.url}))
+            raise config_error(
+                f"{FLAG}: {slot.url} serves {info.get('model_path')!r} as an embedding/reward model "
+                "(is_generation false); a rollout needs a generating one",
+                "point the flag at a server of the policy model",
+                field="rollout_external_engine_addrs", value=slot.url)
         return {"kind": kind, "model_path": info.get("model_path"), "dtype": served_dtype(info),
                 "pid": info.get("pid"), "model_impl": info.get("model_impl"), "device": info.get("device"),
                 "max_running_requests": info.get("max_running_requests"),
