@@ -155,6 +155,14 @@ def test_attach_checks_the_key_the_kind_and_that_the_engine_answers(server):
     assert server.proc.poll() is None  # stop leaves the server running
 
 
+def test_the_doctor_warns_of_a_server_that_does_not_answer(small_cfg, server):
+    from engine.doctor.checks import Environment, servers_answer
+
+    down = f"http://127.0.0.1:{_free_port()}"
+    found = servers_answer(small_cfg(**ext(addrs=[server.url, down])), Environment())
+    assert [(d.severity, d.facts["value"]) for d in found] == [("warning", down)]
+
+
 @pytest.mark.slow
 def test_a_server_that_comes_back_gets_the_weights_again_and_a_dead_one_is_named(tiny_model, tmp_path):
     from engine.rollout.client import EngineError

@@ -204,3 +204,16 @@ def test_pure_distillation_moves_the_student_toward_the_teacher(prefect_harness,
     trained = load_file(str(checkpoint.iter_dir(str(save), 7) / "model" / "model.safetensors"))
     before, after = _answer_kl(None, teacher), _answer_kl(trained, teacher)
     assert after < 0.7 * before, (before, after)
+
+
+def test_the_doctor_finds_a_teacher_that_cannot_load_before_anything_starts(tmp_path):
+    from engine.doctor.checks import Environment, opd_teacher_usable
+
+    def found(**over):
+        cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, use_opd=True, opd_type="megatron", **over)
+        return [d.what for d in opd_teacher_usable(cfg, Environment()) if d.severity == "error"]
+
+    assert found(opd_teacher_load=_teacher(tmp_path / "teacher")) == []
+    assert "neither a Hugging Face directory" in found(opd_teacher_load=str(tmp_path / "nowhere"))[0]
+    assert "no iteration 4" in found(opd_teacher_load=str(tmp_path), opd_teacher_ckpt_step=4)[0]
+    assert "vocabulary of 320 tokens" in found(opd_teacher_load=_teacher(tmp_path / "other", vocab=320))[0]

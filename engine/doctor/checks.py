@@ -383,6 +383,58 @@ def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
 
 
 @check("MODEL")
+def opd_teacher_usable(cfg, env: Environment) -> list[Diagnosis]:
+    """--use-opd --opd-type megatron: --opd-teacher-load is a Hugging Face directory with the student's vocabulary,
+    or a --save directory with its marker (or --opd-teacher-ckpt-step's iteration): found before anything starts,
+    not when the train worker first loads it. Not for an s3:// teacher (read on the train nodes)."""
+    from engine import checkpoint
+    from engine.modeling import read_model_json
+
+    if not (cfg.use_opd and cfg.opd_type == "megatron" and cfg.opd_teacher_load) \
+            or str(cfg.opd_teacher_load).startswith("s3://"):
+        return []
+    src, step = Path(cfg.opd_teacher_load), cfg.opd_teacher_ckpt_step
+    facts = {"field": "opd_teacher_load", "value": str(src)}
+    if step is None and (teacher := read_model_json(src, "config.json", "--opd-teacher-load")) is not None:
+        student = read_model_json(Path(cfg.model_dir), "config.json") or {}
+        t_vocab, s_vocab = teacher.get("vocab_size"), student.get("vocab_size")
+        if t_vocab is not None and s_vocab is not None and int(t_vocab) != int(s_vocab):
+            return [Diagnosis(code="CONFIG", severity="error",
+                              what=f"--opd-teacher-load {src} has a vocabulary of {t_vocab} tokens and the student "
+                                   f"(--hf-checkpoint) {s_vocab}: the teacher would score other tokens than the "
+                                   "samples'", fix="a teacher with the student's tokenizer (the same model family)",
+                              facts=facts)]
+        return []
+    it = step if step is not None else checkpoint.read_marker(src)
+    if it is None or not checkpoint.iter_dir(src, it).is_dir():
+        return [Diagnosis(code="CONFIG", severity="error",
+                          what=f"--opd-teacher-load {src}: " + (
+                              f"--opd-teacher-ckpt-step {step}: it has no iteration {step}" if step is not None else
+                              "neither a Hugging Face directory (config.json) nor a checkpoint directory with "
+                              f"{checkpoint.MARKER}"),
+                          fix="--opd-teacher-load a Hugging Face model directory or a directory written by --save"
+                              + (", and an iteration it holds" if step is not None else ""), facts=facts)]
+    return []
+
+
+@check("CONFIG")
+def servers_answer(cfg, env: Environment) -> list[Diagnosis]:
+    """--rollout-external-engine-addrs and --opd-teacher-url: servers the run does not start. One that does not
+    answer /health now is a warning (the run waits --rollout-engine-start-timeout for an external engine; a
+    teacher that does not answer fails the first rollout)."""
+    from engine.rollout.client import EngineClient
+
+    servers = [("--rollout-external-engine-addrs", u) for u in cfg.rollout_external_engine_addrs]
+    if cfg.use_opd and cfg.opd_type == "sglang" and cfg.opd_teacher_url:
+        servers.append(("--opd-teacher-url", cfg.opd_teacher_url))
+    return [Diagnosis(code="CONFIG", severity="warning",
+                      what=f"{flag}: {url} does not answer /health now",
+                      fix="start that server (rollflow does not start it), or correct the address",
+                      facts={"field": flag[2:].replace("-", "_"), "value": url})
+            for flag, url in servers if not EngineClient(url).health(timeout_s=2.0)]
+
+
+@check("MODEL")
 def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
     """--model-impl native: rollflow's model code can run the model where the run puts it (the CPU; a cluster with
     GPUs trains and generates on CUDA). Found here, before any process starts, not at the worker's model load.
