@@ -24,13 +24,14 @@ from engine.tracking import Tracker
 log = logging.getLogger("rollflow")
 
 
-def publish(run: Run, step: int, metrics: dict[str, float]) -> dict[str, float]:
+def publish(run: Run, step: int, metrics: dict[str, float], *, track: bool = True) -> dict[str, float]:
     """A stage's metrics: into the run's history (carried by checkpoints) and MLflow at `step` (the rollout id),
-    with MLflow copies of the headline ones (engine.tracking.metrics.overview)."""
+    with MLflow copies of the headline ones (engine.tracking.metrics.overview); `track` False: the history only (a
+    logging hook took over: --custom-rollout-log-function-path)."""
     from engine.tracking.metrics import overview
 
     run.record(metrics, step)
-    if run.tracker is not None:
+    if run.tracker is not None and track:
         run.tracker.log_metrics({**metrics, **overview(metrics, run.history, step)}, step=step)
     return metrics
 
@@ -259,7 +260,8 @@ def hook_args(run: Run, rollout_id: int, *, evaluation: bool = False):
 
     params = eval_sampling_params(run) if evaluation else sampling_params(run)
     return HookArgs(run.cfg, tokenizer=run.tokenizer, sampling_params=params.to_sglang(None),
-                    rollout_id=rollout_id, evaluation=evaluation, eval_sets=run.eval_sets if evaluation else None)
+                    rollout_id=rollout_id, evaluation=evaluation, eval_sets=run.eval_sets if evaluation else None,
+                    tracker=getattr(run, "tracker", None))
 
 
 def load_hooks(run: Run) -> None:
@@ -798,9 +800,13 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                     **({f"rollout/pass_at_{k}": v for k, v in pass_rates(
                         [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {}),
                     **(reward_categories(samples) if cfg.log_reward_category else {}), **teacher}
-    metrics = publish(run, rollout_id, {**rollout_metrics(result, time.perf_counter() - t0),
-                                        **gpu_memory_metrics(run, "rollout"), **hook_metrics})
-    if run.tracker is not None:
+    metrics = {**rollout_metrics(result, time.perf_counter() - t0), **gpu_memory_metrics(run, "rollout"),
+               **hook_metrics}
+    taken = hooks.rollout_log is not None and logged_by_hook(
+        hooks.rollout_log, "--custom-rollout-log-function-path", cfg.custom_rollout_log_function_path,
+        rollout_id, hook_args(run, rollout_id), samples, dict(metrics), time.perf_counter() - t0)
+    metrics = publish(run, rollout_id, metrics, track=not taken)
+    if run.tracker is not None and not taken:
         from engine.tracking.record import log_rollout
 
         log_rollout(run.tracker, cfg, rollout_id, result.groups, run.history_copy())  # samples + plots, when due
@@ -835,6 +841,13 @@ def teacher_scores(run: Run, samples: list[Sample], batch: int = 64) -> dict[str
                                   f"sequence of {len(s.tokens)} tokens (expected {len(s.tokens) - 1})")
             s.teacher_log_probs = [float(x) for x in lps[len(lps) - s.response_length:]]
     return {"rollout/opd_teacher_seconds": time.perf_counter() - t0}
+
+
+def logged_by_hook(fn: Callable, flag: str, path: str, *args: Any) -> bool:
+    """A logging hook (slime's contract: True skips the default logging) called; its answer as a bool."""
+    from engine.rollout.hooks import call_hook
+
+    return bool(call_hook(flag, path, fn, *args))
 
 
 def reward_categories(samples: list[Sample]) -> dict[str, float]:
@@ -1588,6 +1601,7 @@ def evaluate(run: Run, step: int) -> float | None:
     accuracy; None without eval prompts. A step already evaluated (a resumed run's history) is not evaluated again."""
     from engine.config.eval_config import EvalDataset
     from engine.rollout.loop import generate_rollout
+    from engine.samples import Status
 
     if not run.eval_sets:
         return None
@@ -1595,6 +1609,8 @@ def evaluate(run: Run, step: int) -> float | None:
         return done
     if getattr(getattr(run, "hooks", None), "evaluate", None) is not None:
         return custom_evaluate(run, step)
+    metrics: dict[str, float] = {}
+    data: dict[str, dict[str, list]] = {}
     for name, eval_rows in run.eval_sets.items():
         d = run.eval_datasets.get(name) or EvalDataset(name=name, path="").resolved(run.cfg)  # rows set by hand
         rows = iter(eval_rows)
@@ -1608,9 +1624,23 @@ def evaluate(run: Run, step: int) -> float | None:
                                   generate=getattr(getattr(run, "hooks", None), "generate", None),
                                   hook_args=hook_args(run, -1 - step, evaluation=True),
                                   hook_path=run.cfg.custom_generate_function_path or "")
-        publish(run, step, eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups],
-                                        passrate=run.cfg.log_passrate))
+        metrics.update(eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups],
+                                    passrate=run.cfg.log_passrate))
+        flat = [s for g in result.groups for s in g]
+        data[name] = {"rewards": [s.scalar_reward for s in flat],
+                      "truncated": [s.status == Status.TRUNCATED for s in flat], "samples": flat}
+    publish_eval(run, step, metrics, data)
     return evaluated(run, step)
+
+
+def publish_eval(run: Run, step: int, metrics: dict[str, float], data: dict[str, dict[str, list]]) -> None:
+    """An evaluation's metrics at `step`, through --custom-eval-rollout-log-function-path when set (True from it:
+    the history only)."""
+    hook = getattr(getattr(run, "hooks", None), "eval_log", None)
+    taken = hook is not None and logged_by_hook(hook, "--custom-eval-rollout-log-function-path",
+                                                run.cfg.custom_eval_rollout_log_function_path, step,
+                                                hook_args(run, -1 - step, evaluation=True), data, dict(metrics))
+    publish(run, step, metrics, track=not taken)
 
 
 def custom_evaluate(run: Run, step: int) -> float | None:
@@ -1624,9 +1654,9 @@ def custom_evaluate(run: Run, step: int) -> float | None:
     engine = EngineClient(None, run.engines, rid_prefix=f"ev{step}-{uuid.uuid4().hex[:6]}-",
                           timeout_s=cfg.rollout_timeout)
     args = hook_args(run, rid, evaluation=True).with_engine(engine)
-    metrics = eval_output_metrics(call_hook(flag, path, run.hooks.evaluate, args, rid, None, evaluation=True),
-                                  flag, path)
-    publish(run, step, metrics)
+    out = call_hook(flag, path, run.hooks.evaluate, args, rid, None, evaluation=True)
+    metrics = eval_output_metrics(out, flag, path)
+    publish_eval(run, step, metrics, out.data if hasattr(out, "data") else out)
     if eval_accuracy_key(cfg) not in metrics:
         log.warning("%s returned no eval set named %r (the first of --eval-prompt-data): the run's headline "
                     "accuracy is unknown at step %d", flag, eval_accuracy_key(cfg)[5:-9], step)

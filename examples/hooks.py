@@ -161,3 +161,21 @@ def rloo_advantages(args, rollout_data: dict) -> None:
 # --use-opd the teacher's penalty is the only signal (pure on-policy distillation; examples/opd.yaml)
 def no_reward(sample: Sample) -> float:
     return 0.0
+
+
+# --custom-rollout-log-function-path examples/hooks.py:log_answer_lengths — a metric of your own next to rollflow's;
+# returning True would replace rollflow's logging of the rollout (its metrics stay in the run's history)
+def log_answer_lengths(rollout_id: int, args, samples: list[Sample], rollout_extra_metrics: dict,
+                       rollout_time: float) -> bool:
+    digits = [sum(c.isdigit() for c in s.response) for s in samples]
+    args.tracker.log_metrics({"custom/answer_digits_mean": sum(digits) / max(len(digits), 1)}, step=rollout_id)
+    return False
+
+
+# --custom-eval-rollout-log-function-path examples/hooks.py:log_eval_truncation — per eval set, the share of
+# answers cut at --eval-max-response-len, logged next to rollflow's eval metrics
+def log_eval_truncation(rollout_id: int, args, data: dict, extra_metrics: dict) -> bool:
+    for name, d in data.items():
+        args.tracker.log_metrics({f"custom/{name}_truncated": sum(d["truncated"]) / max(len(d["truncated"]), 1)},
+                                 step=rollout_id)
+    return False

@@ -166,6 +166,10 @@ FLAG_TESTS = {
     "opd_kl_coef": "test_opd.py::test_the_penalty_is_the_reverse_kl_to_the_teacher_on_every_trained_token",
     "opd_teacher_load": "test_opd.py::test_pure_distillation_moves_the_student_toward_the_teacher",
     "opd_teacher_ckpt_step": "test_opd.py::test_a_teacher_from_a_checkpoint_iteration_and_the_errors_that_name_it",
+    "custom_rollout_log_function_path":
+        "test_hooks_flow.py::test_logging_hooks_see_each_rollout_and_evaluation_and_may_take_over",
+    "custom_eval_rollout_log_function_path":
+        "test_hooks_flow.py::test_logging_hooks_see_each_rollout_and_evaluation_and_may_take_over",
     "opd_teacher_url": "test_opd.py::test_the_teacher_server_scores_each_response_as_the_teacher_model_does",
     "opd_teacher_api_key": "test_opd.py::test_the_teacher_server_scores_each_response_as_the_teacher_model_does",
     "ref_update_interval":

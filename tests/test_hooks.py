@@ -379,6 +379,32 @@ def test_reward_key_flags_are_refused_where_they_would_do_nothing():
     RunConfig(rollout_function_path="m:f", reward_key="score", eval_reward_key="acc")
 
 
+def test_the_example_logging_hooks_log_their_own_metrics_beside_rollflows(tmp_path, engine_url):
+    """examples/hooks.py:log_answer_lengths and :log_eval_truncation through the rollout and evaluate stages: each
+    logs its metric with args.tracker and returns False, so rollflow's metrics are logged as well."""
+    from pathlib import Path
+
+    from engine import stages
+    from engine.config.data import BUNDLED_TEST
+    from engine.data import load_prompts
+
+    ex = Path(__file__).parent.parent / "examples" / "hooks.py"
+    run = make_run(tmp_path, engine_url, eval_prompt_data=BUNDLED_TEST, rollout_max_response_len=8,
+                   custom_rollout_log_function_path=f"{ex}:log_answer_lengths",
+                   custom_eval_rollout_log_function_path=f"{ex}:log_eval_truncation")
+    logged: list[tuple[dict, int]] = []
+    run.tracker = SimpleNamespace(log_metrics=lambda m, step, **kw: logged.append((dict(m), step)))
+    run.eval_sets = {"test": load_prompts(BUNDLED_TEST, input_key="prompt", label_key="label")[:6]}
+    batch = rollout(run, rollout_id=3)
+    samples = [s for g in batch.groups for s in g]
+    mine = [m for m, step in logged if "custom/answer_digits_mean" in m and step == 3]
+    assert mine == [{"custom/answer_digits_mean": sum(sum(c.isdigit() for c in s.response) for s in samples) / 4}]
+    assert any("rollout/reward_mean" in m and step == 3 for m, step in logged)  # rollflow's too (False)
+    stages.evaluate(run, 2)
+    assert any("custom/test_truncated" in m and step == 2 for m, step in logged)
+    assert any("eval/test_accuracy" in m and step == 2 for m, step in logged)
+
+
 # ---- --eval-function-path ---------------------------------------------------------------------------------------
 def test_the_example_eval_function_scores_what_the_built_in_evaluation_scores(tmp_path, engine_url):
     """examples/hooks.py:evaluate (greedy, exact match, by hand) through the evaluate stage gives the built-in

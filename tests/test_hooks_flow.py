@@ -56,3 +56,46 @@ def test_a_raising_hook_fails_its_rollout_once(prefect_harness, shared_ray, tmp_
     rollout = [t for t in trs if t.name == "rollout-0"]
     assert len(rollout) == 1 and rollout[0].run_count == 1 and rollout[0].state.is_failed()
     assert "hook_fakes:raises" in (rollout[0].state.message or "")
+
+
+calls: list[tuple] = []
+
+
+def take_odd_rollouts(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """--custom-rollout-log-function-path: logs a metric of its own; takes over rollflow's logging of rollout 1."""
+    calls.append(("rollout", rollout_id, len(samples), dict(rollout_extra_metrics), rollout_time))
+    args.tracker.log_metrics({"custom/samples": float(len(samples))}, step=rollout_id)
+    return rollout_id == 1
+
+
+def take_every_eval(rollout_id, args, data, extra_metrics):
+    calls.append(("eval", rollout_id, {k: len(v["rewards"]) for k, v in data.items()}, dict(extra_metrics)))
+    return True
+
+
+def test_logging_hooks_see_each_rollout_and_evaluation_and_may_take_over(prefect_harness, shared_ray, small_cfg):
+    """slime's --custom-rollout-log-function-path / --custom-eval-rollout-log-function-path: called with the
+    samples and rollflow's metrics; True keeps those metrics out of MLflow (the run's history keeps them), and
+    args.tracker logs the hook's own."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.train import rl_train
+
+    calls.clear()
+    out = rl_train(small_cfg(save="", eval_max_samples=8,
+                             custom_rollout_log_function_path="test_hooks_flow:take_odd_rollouts",
+                             custom_eval_rollout_log_function_path="test_hooks_flow:take_every_eval"))
+    mine = [c for c in calls if c[0] == "rollout"]  # the run imports this very module (by its name)
+    assert [(c[1], c[2]) for c in mine] == [(0, 16), (1, 16)]
+    assert mine[0][3]["rollout/reward_mean"] == out["history"]["rollout/reward_mean"]["0"] and mine[0][4] > 0
+    evals = [c for c in calls if c[0] == "eval"]
+    assert [(c[1], c[2]) for c in evals] == [(0, {"test": 8}), (2, {"test": 8})]
+    assert evals[0][3]["eval/test_accuracy"] == out["test_accuracy_before"]
+    client = MlflowClient(tracking_uri=out["mlflow_tracking_uri"])
+
+    def steps(key):
+        return sorted(m.step for m in client.get_metric_history(out["mlflow_run_id"], key))
+
+    assert steps("rollout/reward_mean") == [0] and sorted(out["history"]["rollout/reward_mean"]) == ["0", "1"]
+    assert steps("custom/samples") == [0, 1]
+    assert steps("eval/test_accuracy") == [] and out["test_accuracy_after"] is not None

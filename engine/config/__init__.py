@@ -222,6 +222,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         if not (info.context or {}).get("dumped"):  # these read --eval-config's file: checked where it was read
             self._reward_key_consistent()
             self._eval_config_consistent()
+        if self.custom_eval_rollout_log_function_path and not (self.has_eval() and not self.no_engines):
+            raise config_error(f"--custom-eval-rollout-log-function-path {self.custom_eval_rollout_log_function_path!r}"
+                               " with no evaluation: it would never be called",
+                               "--eval-prompt-data PATH (or --eval-config), or drop the flag",
+                               field="custom_eval_rollout_log_function_path")
         if self.eval_function_path and not self.has_eval():
             from engine.diagnosis import ConfigError, Diagnosis
 

@@ -43,6 +43,8 @@ HOOK_FLAGS = {
     "rollout_sample_filter_path": "--rollout-sample-filter-path",
     "data_source_path": "--data-source-path",
     "eval_function_path": "--eval-function-path",
+    "custom_rollout_log_function_path": "--custom-rollout-log-function-path",
+    "custom_eval_rollout_log_function_path": "--custom-eval-rollout-log-function-path",
 }
 
 
@@ -162,10 +164,11 @@ class HookArgs:
 
     def __init__(self, cfg: Any, *, tokenizer: Any, sampling_params: dict[str, Any], rollout_id: int,
                  engine: EngineClient | None = None, evaluation: bool = False,
-                 eval_sets: dict[str, list] | None = None):
+                 eval_sets: dict[str, list] | None = None, tracker: Any = None):
         self.cfg, self.tokenizer, self.sampling_params = cfg, tokenizer, sampling_params
         self.rollout_id, self.engine, self.evaluation = rollout_id, engine, evaluation
         self.eval_sets = eval_sets or {}  # --eval-prompt-data as loaded: name → rows (prompt, label, metadata)
+        self.tracker = tracker  # the run's MLflow tracker (log_metrics(metrics, step)), for the logging hooks
 
     def __getattr__(self, name: str) -> Any:  # only called for names not set above: the run's flags
         cfg = self.__dict__.get("cfg")
@@ -177,7 +180,7 @@ class HookArgs:
     def with_engine(self, engine: EngineClient) -> "HookArgs":
         return HookArgs(self.cfg, tokenizer=self.tokenizer, sampling_params=self.sampling_params,
                         rollout_id=self.rollout_id, engine=engine, evaluation=self.evaluation,
-                        eval_sets=self.eval_sets)
+                        eval_sets=self.eval_sets, tracker=self.tracker)
 
 
 # ---- loading and calling -------------------------------------------------------------------------------------
@@ -399,6 +402,8 @@ class Hooks:
     post_process: Callable | None = None
     sample_filter: Callable | None = None
     evaluate: Callable | None = None
+    rollout_log: Callable | None = None
+    eval_log: Callable | None = None
     paths: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -408,6 +413,8 @@ class Hooks:
                    post_process=load_hook(cfg, "custom_reward_post_process_path"),
                    sample_filter=load_hook(cfg, "rollout_sample_filter_path"),
                    evaluate=load_hook(cfg, "eval_function_path"),
+                   rollout_log=load_hook(cfg, "custom_rollout_log_function_path"),
+                   eval_log=load_hook(cfg, "custom_eval_rollout_log_function_path"),
                    paths={k: getattr(cfg, k) for k in HOOK_FLAGS if getattr(cfg, k, None)})
 
 
