@@ -134,6 +134,41 @@ def test_unbiased_kl_weights_the_kl_loss_by_the_ratio_with_its_gradient():
         RunConfig(use_unbiased_kl=True)
 
 
+def test_opsm_leaves_drifted_samples_with_negative_advantages_out_of_the_policy_loss():
+    """--use-opsm (slime's compute_opsm_mask): three samples of two tokens, ratio e^−d (log π = old − d):
+    sample 0 drifted (d = 0.3 > δ) with A < 0 → masked; sample 1 drifted with A > 0 → kept; sample 2 A < 0 but
+    d = 0 ≤ δ → kept. Only sample 0's tokens leave the loss (and its gradient), and 2 of 6 trained tokens count
+    as masked."""
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+
+    old = torch.tensor([-1.0, -2.0, -1.5, -0.5, -1.0, -1.2])
+    drift = torch.tensor([0.3, 0.3, 0.3, 0.3, 0.0, 0.0])
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
+    cu = torch.tensor([0, 2, 4, 6])
+
+    def run(opsm: bool):
+        lp = (old - drift).clone().requires_grad_(True)
+        loss, stats, per_sample = policy_objective(
+            LossSpec(use_opsm=opsm, opsm_delta=0.1), log_probs=lp, entropy=torch.zeros(6), old_log_probs=old,
+            ref_log_probs=None, rollout_log_probs=old, advantages=adv, loss_mask=torch.ones(6), cu_seqlens=cu,
+            denominator=3)
+        loss.backward()
+        return per_sample, stats, lp.grad
+
+    plain, _, g_plain = run(False)
+    masked, stats, g = run(True)
+    assert float(masked[0]) == 0.0 and float(plain[0]) != 0.0
+    torch.testing.assert_close(masked[1:], plain[1:])
+    assert g[:2].abs().sum() == 0 and torch.equal(g[2:], g_plain[2:])
+    assert float(stats["opsm_masked"]) == 2.0
+    assert LossSpec.of(RunConfig(use_opsm=True, opsm_delta=0.5)).opsm_delta == 0.5
+    with pytest.raises(ConfigError, match="--opsm-delta 0.5 without --use-opsm would do nothing"):
+        RunConfig(opsm_delta=0.5)
+    with pytest.raises(ConfigError, match="--use-opsm with --train-backend megatron"):
+        RunConfig(use_opsm=True, train_backend="megatron")
+
+
 def test_value_objective_is_split_invariant_too():
     b = _batch(seed=3)
     spec = LossSpec(value_clip=0.1)

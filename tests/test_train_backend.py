@@ -231,6 +231,18 @@ def test_train_stage_reports_the_metrics(tiny_model):
     assert 0 < out["train/mismatch"] <= out["train/mismatch_max"]  # fake engine log-probs differ from the trainer's
 
 
+def test_use_opsm_masks_the_drifted_samples_with_negative_advantages(tiny_model):
+    """--use-opsm through the train stage, with --use-rollout-logprobs: the fake engine's log-probs (−3 … 0) are far
+    above the trainer's for these random tokens, so every sample has drifted past --opsm-delta, and exactly those
+    with a negative advantage leave the loss: samples 1, 2, 4, 5, 6, 30 of the 44 trained tokens."""
+    from engine.stages import train
+
+    cfg = make_cfg(tiny_model, use_opsm=True, opsm_delta=0.5, use_rollout_logprobs=True,
+                   logprob_mismatch_threshold=1e3)
+    out = train(stage_run(cfg, make_worker(cfg)), packed_rollout(rollout_id=1))  # not the run's first step
+    assert out["train/opsm_masked"] == pytest.approx(30 / 44)
+
+
 def test_num_critic_only_steps_fits_the_critic_before_the_policy_moves(tiny_model):
     """slime's --num-critic-only-steps (ppo): rollout 0 trains the critic alone (the policy's weights and LR
     schedule stay, only critic metrics are logged); rollout 1 trains both."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from engine.algorithms.losses import cispo_policy_loss, gspo_policy_loss, kl, policy_loss, tis_weights, value_loss
-from engine.algorithms.packed import per_sample_mean
+from engine.algorithms.packed import per_sample_mean, segment_ids
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class LossSpec:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
     per_token_loss: bool = False
     value_clip: float = 0.2
 
@@ -50,7 +52,7 @@ class LossSpec:
                    eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
                    use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
                    unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip,
-                   tis_clip_low=cfg.tis_clip_low,
+                   tis_clip_low=cfg.tis_clip_low, use_opsm=cfg.use_opsm, opsm_delta=cfg.opsm_delta,
                    per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip)
 
 
@@ -84,6 +86,12 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
         pg, clipped = policy_loss(log_probs, old_log_probs, advantages, eps_clip=spec.eps_clip,
                                   eps_clip_high=spec.eps_clip_high, eps_clip_c=spec.eps_clip_c)
     stats: dict[str, torch.Tensor] = {}
+    if spec.use_opsm:  # slime's compute_opsm_mask: a drifted sample with a negative advantage leaves the loss
+        with torch.no_grad():
+            seq_kl = per_sample_mean(old_log_probs - log_probs.detach(), m, cu_seqlens)  # [S]
+            masked = ((advantages < 0) & (seq_kl[segment_ids(cu_seqlens)] > spec.opsm_delta)).to(pg.dtype) * m
+        pg = pg * (1 - masked)
+        stats["opsm_masked"] = masked.sum()
     if spec.use_tis:
         w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip)
         pg = pg * w  # [T]

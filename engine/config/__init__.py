@@ -293,6 +293,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                          ("--reset-optimizer-states", self.reset_optimizer_states),
                          ("--ref-update-interval", self.ref_update_interval),
                          ("--use-opd", self.use_opd),
+                         ("--use-opsm", self.use_opsm),
                          ("--freeze-params-name-list", self.freeze_params_name_list),
                          ("--only-train-params-name-list", self.only_train_params_name_list)):
             if on and self.train_backend != "torch":

@@ -45,6 +45,12 @@ class AlgorithmArgs(Section):
     opd_teacher_ckpt_step: Optional[int] = Field(None, ge=0)
     """Which iteration of the --opd-teacher-load checkpoint directory to load (slime's flag); default its latest (the marker)."""
 
+    use_opsm: bool = False
+    """Off-policy sequence masking (slime's flag, DeepSeek-V3.2's OPSM): a sample with a negative advantage whose mean log π_old − log π over its trained tokens is above --opsm-delta (the policy being updated has drifted from the one that sampled it) is left out of the policy loss; logged as train/opsm_masked, the share of trained tokens masked. Torch backend."""
+
+    opsm_delta: float = Field(1e-4, ge=0)
+    """--use-opsm's threshold on a sample's mean log π_old − log π (slime's flag and default)."""
+
     eps_clip: float = Field(0.2, gt=0)
     """PPO clip range ε: ratio clipped to [1-ε, 1+ε_high]."""
 
@@ -206,6 +212,12 @@ class AlgorithmArgs(Section):
                       "correct", "add --use-kl-loss --kl-loss-coef C, or drop --use-unbiased-kl",
                       field="use_unbiased_kl", value=True)
         self._opd_consistent(err)
+        if self.opsm_delta != 1e-4 and not self.use_opsm:
+            raise err(f"--opsm-delta {self.opsm_delta} without --use-opsm would do nothing", "add --use-opsm, or "
+                      "drop --opsm-delta", field="opsm_delta", value=self.opsm_delta)
+        if self.use_opsm and self.loss_type != "policy_loss":
+            raise err(f"--use-opsm masks the policy loss, which --loss-type {self.loss_type} does not compute",
+                      "--loss-type policy_loss, or drop --use-opsm", field="use_opsm", value=True)
         if self.mis_low >= self.mis_high:
             raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
                       "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)

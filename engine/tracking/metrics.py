@@ -96,6 +96,8 @@ METRICS: list[MetricDoc] = [
                                 "`--kl-loss-type`; logged every rollout with a KL term (`--use-kl-loss`, "
                                 "`--kl-coef`) or `--log-kl`, else on the run's first step only (RF01)"),
     MetricDoc("train/tis_clipfrac", None, "`--use-tis`: share of tokens whose importance weight was clipped"),
+    MetricDoc("train/opsm_masked", None, "`--use-opsm`: share of the trained tokens left out of the policy loss "
+                                         "(samples with a negative advantage that drifted past --opsm-delta)"),
     MetricDoc("train/value_loss", "min", "ppo: the critic's clipped value loss, token mean"),
     MetricDoc("train/value_clipfrac", None, "ppo: share of tokens whose value was clipped"),
     MetricDoc("train/critic_grad_norm", None, "ppo: the critic's gradient norm before clipping"),

@@ -44,8 +44,9 @@ from engine.train.optim import gather_lists, make_optimizer, sync_and_clip
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
 TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
-#: token sums this backend reports: the policy loss's, and --loss-type sft_loss's negative log-likelihood
-SUMMED = (*TOKEN_METRICS, "nll")
+#: token sums this backend reports: the policy loss's, --loss-type sft_loss's negative log-likelihood, and the
+#: tokens --use-opsm masked
+SUMMED = (*TOKEN_METRICS, "nll", "opsm_masked")
 
 
 def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: int, device: str) -> "TorchBackend":
