@@ -45,23 +45,45 @@ def test_generate_fields_and_logprobs_match_a_direct_forward(engine):
     assert torch.allclose(got, ref, atol=1e-4), (got, ref)
 
 
-def test_serving_leaves_the_process_random_states_alone(engine):
+RNG_SCRIPT = """
+import random, sys
+import httpx, numpy as np, torch
+from engine.rollout.server import EngineState, ServerThread
+from engine.rollout.ports import free_loopback_port
+
+state = EngineState(sys.argv[1], threads=1, max_new_tokens=8)
+server = ServerThread(state, "127.0.0.1", free_loopback_port())
+url = server.start()
+ids = state.tokenizer("37+48=", add_special_tokens=False)["input_ids"]
+before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+for body in ({"input_ids": [ids, ids], "sampling_params": {"temperature": 1.0, "max_new_tokens": 4}},
+             {"input_ids": [ids], "return_logprob": True, "logprob_start_len": 0,
+              "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}):
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+moved = [name for name, same in (("python", random.getstate() == before[0]),
+                                 ("numpy", bool((np.random.get_state()[1] == before[1]).all())),
+                                 ("torch", torch.equal(torch.get_rng_state(), before[2]))) if not same]
+server.stop()
+print("MOVED", moved)
+"""
+
+
+def test_serving_leaves_the_process_random_states_alone(tiny_model):
     """Unseeded requests and a score (prefill) do not draw from the process's python / numpy / torch generators: an
-    engine serving from a train worker's process must not move the RNG states its checkpoints carry."""
-    import random
+    engine serving from a train worker's process must not move the RNG states its checkpoints carry. In a process
+    of its own: in the test process, Prefect's events websocket (left by earlier flow tests) pings with
+    random.getrandbits on its own thread whenever it likes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    import numpy as np
-
-    state, url = engine
-    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
-    ids = _prompt_ids(state)
-    for body in ({"input_ids": [ids, ids], "sampling_params": {"temperature": 1.0, "max_new_tokens": 4}},
-                 {"input_ids": [ids], "return_logprob": True, "logprob_start_len": 0,
-                  "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}):
-        r = httpx.post(url + "/generate", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
-    assert torch.equal(torch.get_rng_state(), before[2])
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", RNG_SCRIPT, tiny_model], cwd=root, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "MOVED []" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
 def test_compact_logprobs_header_gives_the_same_answer(engine):
