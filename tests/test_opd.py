@@ -217,3 +217,21 @@ def test_the_doctor_finds_a_teacher_that_cannot_load_before_anything_starts(tmp_
     assert "neither a Hugging Face directory" in found(opd_teacher_load=str(tmp_path / "nowhere"))[0]
     assert "no iteration 4" in found(opd_teacher_load=str(tmp_path), opd_teacher_ckpt_step=4)[0]
     assert "vocabulary of 320 tokens" in found(opd_teacher_load=_teacher(tmp_path / "other", vocab=320))[0]
+
+
+def test_served_teacher_log_probs_reach_the_penalty_and_a_batch_without_trained_samples_needs_none():
+    """--opd-type sglang: the penalty takes the samples' teacher_log_probs; a micro-batch whose samples all failed
+    (nothing trained, so nothing scored) gets no penalty instead of an error."""
+    from engine.samples import Status
+
+    samples, steps = _batch()
+    for s in samples[:4]:
+        s.teacher_log_probs = [lp - 0.25 for lp in s.rollout_log_probs]
+    for s in samples[4:]:
+        s.status = Status.FAILED
+    steps = [pack(samples, [[0, 1, 2, 3], [4, 5, 6, 7]])]
+    w = _worker(use_opd=True, opd_type="sglang", opd_teacher_url="127.0.0.1:1", use_rollout_logprobs=True)
+    facts = w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False, old_from="rollout")
+    # old = the engine's log-probs, teacher = old − 0.25: a reverse KL of 0.25 on every trained token
+    assert facts["opd_reverse_kl_sum"] / facts["opd_reverse_kl_count"] == pytest.approx(0.25)
+    assert not steps[0][1].advantages.any()

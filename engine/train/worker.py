@@ -252,15 +252,19 @@ class TrainWorker:
         """--use-opd: each trained token's advantage −= opd_kl_coef × (log π_old − log π_teacher), the teacher's
         log-probs of the very tokens sampled (slime's apply_opd_kl_to_advantages); after the estimator (and a custom
         advantage function), before --normalize-advantages. Returns the reverse KL's partial sums (token mean)."""
+        import torch
+
         if self.old is None:
             raise ValueError("--use-opd needs the old log-probs before the update (old_from 'forward' or 'rollout')")
         total, count = 0.0, 0.0
         for k, mbs in enumerate(steps):
             if self.cfg.opd_type == "sglang":  # scored by the teacher server after the rollout
-                if any(mb.teacher_log_probs is None for mb in mbs):
+                if any(mb.teacher_log_probs is None and mb.loss_mask.any() for mb in mbs):
                     raise ValueError("--opd-type sglang: a micro-batch carries no teacher log-probs (the rollout "
                                      "scores them; a replayed rollout must have been saved with them)")
-                teacher = [mb.teacher_log_probs for mb in mbs]
+                # a micro-batch without a trained sample (all failed, or DP padding) has none to carry
+                teacher = [torch.zeros(mb.num_tokens) if mb.teacher_log_probs is None else mb.teacher_log_probs
+                           for mb in mbs]
             else:
                 teacher = self.backend.compute_log_probs(mbs, teacher=True)
             for j, mb in enumerate(mbs):
@@ -583,13 +587,9 @@ class TrainWorker:
             return [], 0
         if self._sender is None:
             raise RuntimeError("no weight-update group is open: group_open first")
-        device = "cuda" if self._sender_backend == "nccl" else "cpu"
-        seen, named = set(), {}
-        for k, t in state.items():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-            if key not in seen:
-                seen.add(key)
-                named[k] = t.detach().to(device)
+        from engine.weights import unique_tensors
+
+        named = unique_tensors(state, "cuda" if self._sender_backend == "nccl" else "cpu")
         answers = self._sender.push(named, version=version)
         return answers, sum(t.numel() * t.element_size() for t in named.values())
 

@@ -29,15 +29,16 @@ import torch
 TENSOR_LOAD_FORMAT = "safetensors"
 
 
-def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop later names of a tensor already present (tied embeddings); detach and move to CPU, contiguous."""
+def unique_tensors(state_dict: dict[str, torch.Tensor], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Drop later names of a tensor already present (tied embeddings); detach and move to `device` (CPU by
+    default), contiguous."""
     seen, out = set(), {}
     for name, t in state_dict.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
         if key is not None and key in seen:
             continue
         seen.add(key)
-        out[name] = t.detach().to("cpu").contiguous()
+        out[name] = t.detach().to(device).contiguous()
     return out
 
 
