@@ -122,9 +122,12 @@ def cmd_train(argv: list[str]) -> int:
     # the idle core around them. A SIGTERM meanwhile exits through atexit, which stops them all.
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        # Prefect first, in this thread: launch_ephemeral_api needs it at once, and two threads importing it at the
-        # same time can leave one with a half-initialised prefect.settings ("Failed to initialize plugins")
-        importlib.import_module("prefect.settings")
+        # Prefect and requests first, in this thread: two threads importing one of them at the same time can leave
+        # the second with a half-initialised module — prefect.settings ("Failed to initialize plugins"), or
+        # requests before its DependencyWarning filter, so urllib3's SOCKS warning reaches the terminal.
+        # launch_ephemeral_api needs Prefect at once anyway; requests takes ~35 ms
+        for module in ("prefect.settings", "requests"):
+            importlib.import_module(module)
 
         # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
         imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
