@@ -7,6 +7,8 @@
     python bench/gpu_flow.py shape --shape 1.5b --backend torch --bf16 --out DIR   # 64 prompts × 8 × ≤1,024 tokens
     python bench/gpu_flow.py debug --backend torch --out DIR              # slime's debugging flags on the GPU:
                                             # record 5 demo rollouts, replay them (no engine), --debug-rollout-only
+    python bench/gpu_flow.py distill --backend megatron --bf16 --out DIR  # examples/sft.yaml, then examples/opd.yaml
+                                            # from its model (colocated), each model's greedy accuracy after
     python bench/gpu_flow.py report --out DIR --write bench/results       # any machine: copy + a markdown table
 
 Each run writes `gpu_flow_<tag>.json` with: train_backend, precision, state ("Completed" when `rollflow train`
@@ -192,9 +194,49 @@ def debug(backend: str, bf16: bool, n: int, out: Path, timeout_s: float) -> int:
     return 0 if all(res[k] == "Completed" for k in ("record", "replay", "rollout_only")) else 1
 
 
+def distill(backend: str, bf16: bool, out: Path, timeout_s: float) -> int:
+    """slime's supervised and distillation recipes on the GPU, as the examples run them: examples/sft.yaml (20
+    supervised steps, no engine), then examples/opd.yaml (40 rollouts, colocated, reward 0, the SFT model as the
+    --opd-teacher-load teacher), each final model's greedy test accuracy measured by a --debug-rollout-only run.
+    Writes gpu_distill_<backend>_<precision>.json."""
+    from engine import checkpoint
+
+    precision = "bf16" if bf16 else "fp32"
+    work = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow"))
+    ck = {k: work / f"ck_{k}_{backend}" for k in ("sft", "opd")}
+    for c in ck.values():
+        shutil.rmtree(c, ignore_errors=True)
+    train = ["--train-backend", backend, *(["--bf16"] if bf16 else [])]
+    meta = {"train_backend": backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"}
+    runs = {"sft": run(f"sft_{backend}_{precision}", ["--config", "examples/sft.yaml", *train, "--save", str(ck["sft"])],
+                       out, timeout_s, meta, prefix="gpu_distill")}
+    if runs["sft"]["state"] == "Completed":
+        runs["opd"] = run(f"opd_{backend}_{precision}", ["--config", "examples/opd.yaml", *train, "--colocate",
+                                                         "--save", str(ck["opd"]), "--opd-teacher-load", str(ck["sft"])],
+                          out, timeout_s, meta, prefix="gpu_distill")
+    res = {"command": f"python bench/gpu_flow.py distill --backend {backend}" + (" --bf16" if bf16 else ""),
+           "machine": machine(), **{k: r["state"] for k, r in runs.items()}}
+    for k, r in runs.items():
+        res[f"{k}_wall_s"] = r["wall_s"]
+        if r["state"] != "Completed":
+            continue
+        h = r["_history"]
+        res[f"{k}_history"] = {m: h[m] for m in ("train/nll", "train/loss", "train/opd_reverse_kl", "train/mismatch")
+                               if m in h}
+        last = checkpoint.read_marker(ck[k])
+        ev = run(f"eval_{k}_{backend}_{precision}",
+                 ["--config", "examples/demo.yaml", "--hf-checkpoint", str(checkpoint.iter_dir(ck[k], last) / "hf"),
+                  "--debug-rollout-only", "--num-rollout", "1", "--save", ""], out, timeout_s, meta,
+                 prefix="gpu_distill")
+        res[f"{k}_accuracy_after"] = ev.get("accuracy_before")  # the only evaluation of a rollout-only run
+    (out / f"gpu_distill_{backend}_{precision}.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if not k.endswith("_history") and k != "machine"}, indent=1))
+    return 0 if all(r["state"] == "Completed" for r in runs.values()) and len(runs) == 2 else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["demo", "tool", "shape", "debug", "report"])
+    p.add_argument("mode", choices=["demo", "tool", "shape", "debug", "distill", "report"])
     p.add_argument("--backend", default="torch", choices=["torch", "megatron"])
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
@@ -240,6 +282,8 @@ def main() -> int:
             term_after_s=a.term_after, part=a.part)
     elif a.mode == "debug":
         return debug(a.backend, a.bf16, a.num_rollout or 5, out, a.timeout)
+    elif a.mode == "distill":
+        return distill(a.backend, a.bf16, out, a.timeout)
     else:
         rows = [json.loads(f.read_text()) for f in sorted(out.glob("gpu_flow_*.json"))]
         lines = ["| run | state | rollouts | accuracy | mismatch mean (max over rollouts) | peak GiB rollout/train/sync "

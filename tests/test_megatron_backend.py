@@ -129,3 +129,94 @@ def test_gpu_megatron_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(mg.compute_log_probs(mbs, ref=True), trained))
     mg.load_weights(str(tmp_path / "hf"))  # the starting weights as the policy
     assert max(float((a - b).abs().max()) for a, b in zip(mg.compute_log_probs(mbs), t_old)) < 1e-5
+
+
+def _agree(mg: dict, tb: dict, keys: tuple[str, ...], what: str) -> None:
+    for k in keys:
+        assert k in mg and k in tb, (what, k, sorted(mg), sorted(tb))
+        assert abs(mg[k] - tb[k]) <= 1e-5 * max(1.0, abs(tb[k])), (what, k, mg[k], tb[k])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_reset(tmp_path, small_cfg):
+    """slime's flags that were torch-only, on the megatron backend, each against the torch backend in fp32 on the
+    same weights and batch: --loss-type sft_loss and custom_loss (a custom metric included), --use-opsm (the
+    tokens it masks), --use-opd --opd-type megatron (the teacher's log-probs; the policy's unchanged after),
+    --ref-update-interval (update_ref; the moved reference saved and loaded with the checkpoint) and
+    --reset-optimizer-states (Adam's moments zero; the next steps as torch's)."""
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.torch_backend import TorchBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    hf = _tiny_qwen2(tmp_path / "hf")
+    mbs = _micro_batches()
+
+    def both(**over):
+        cfg = small_cfg(hf_checkpoint=hf, train_backend="megatron", lr=1e-3, **over)
+        return MegatronBackend(cfg, params_dtype="float32"), TorchBackend(cfg)
+
+    # sft_loss: no old log-probs at all
+    sft = dict(loss_type="sft_loss", debug_train_only=True, rollout_function_path="engine.rollout.sft:generate_rollout",
+               n_samples_per_prompt=1)
+    mg, tb = both(**sft)
+    for step in range(2):
+        _agree(mg.train_step(mbs, None, None, 8), tb.train_step(mbs, None, None, 8),
+               ("loss_total", "grad_norm", "nll_sum", "nll_count", "entropy_sum"), f"sft step {step}")
+    del mg, tb
+
+    # custom_loss: examples/hooks.py's vanilla policy gradient and its ratio metric
+    mg, tb = both(loss_type="custom_loss", custom_loss_function_path="examples/hooks.py:vanilla_policy_gradient")
+    old = tb.compute_log_probs(mbs)
+    for step in range(2):
+        m, t = mg.train_step(mbs, old, None, 8), tb.train_step(mbs, old, None, 8)
+        _agree(m, t, ("loss_total", "grad_norm", "custom_ratio_stepsum"), f"custom step {step}")
+    assert m["custom_ratio_stepsum"] != pytest.approx(1.0)  # the second step moved the policy
+    del mg, tb
+
+    # --use-opsm: old log-probs made far from the policy so that negative-advantage samples are masked
+    mg, tb = both(use_opsm=True, opsm_delta=1e-4)
+    drifted = [o + 0.5 * mb.loss_mask for o, mb in zip(tb.compute_log_probs(mbs), mbs)]
+    m, t = mg.train_step(mbs, drifted, None, 8), tb.train_step(mbs, drifted, None, 8)
+    _agree(m, t, ("loss_total", "grad_norm", "opsm_masked_sum", "pg_loss_sum"), "opsm")
+    assert m["opsm_masked_sum"] > 0
+    del mg, tb
+
+    # --use-opd --opd-type megatron: the teacher (same architecture, other weights) swapped in and out
+    teacher = tmp_path / "teacher"
+    from transformers import AutoModelForCausalLM
+
+    t_model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in t_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    t_model.save_pretrained(teacher)
+    mg, tb = both(use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher))
+    policy = mg.compute_log_probs(mbs)
+    m_teacher, t_teacher = mg.compute_log_probs(mbs, teacher=True), tb.compute_log_probs(mbs, teacher=True)
+    assert max(float((a - b).abs().max()) for a, b in zip(m_teacher, t_teacher)) < 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(m_teacher, policy)) > 1e-3  # a different model
+    assert all(torch.equal(a, b) for a, b in zip(mg.compute_log_probs(mbs), policy))  # the policy is back
+    del mg, tb
+
+    # --ref-update-interval and --reset-optimizer-states
+    mg, tb = both(ref_update_interval=1, reset_optimizer_states=True, use_kl_loss=True, kl_loss_coef=0.1)
+    old = tb.compute_log_probs(mbs)
+    _agree(mg.train_step(mbs, old, old, 8), tb.train_step(mbs, old, old, 8), ("loss_total", "grad_norm"), "step 1")
+    mg.update_ref()
+    now = mg.compute_log_probs(mbs)
+    assert all(torch.equal(a, b) for a, b in zip(mg.compute_log_probs(mbs, ref=True), now))
+    assert max(float((a - b).abs().max()) for a, b in zip(now, old)) > 1e-4  # the step moved it
+    files = mg.save(str(tmp_path / "ck"))
+    assert any(f.startswith("ref/model/") for f in files), files
+    mg.reset_optimizer()
+    tb.reset_optimizer()
+    inner = [o.optimizer for o in getattr(mg.optimizer, "chained_optimizers", [mg.optimizer])]
+    moments = [v for o in inner for st in o.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(float(v.abs().sum()) == 0.0 for v in moments)
+    for step in range(2):  # after the reset, both restart Adam the same way
+        _agree(mg.train_step(mbs, old, old, 8), tb.train_step(mbs, old, old, 8), ("loss_total", "grad_norm"),
+               f"after reset {step}")
+    mg.load(str(tmp_path / "ck"))  # the saved (moved) reference comes back with the checkpoint
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(mg.compute_log_probs(mbs, ref=True), now))

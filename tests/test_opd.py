@@ -111,7 +111,6 @@ def test_a_teacher_from_a_checkpoint_iteration_and_the_errors_that_name_it(tmp_p
     (dict(opd_teacher_url="h:1"), "--opd-teacher-url without --use-opd"),
     (dict(use_opd=True, opd_type="sglang", opd_teacher_url="h"), "--opd-teacher-url: 'h' is not host:port"),
     (dict(**OPD, opd_teacher_load="t", loss_type="sft_loss"), "--loss-type sft_loss does not read"),
-    (dict(**OPD, opd_teacher_load="t", train_backend="megatron"), "--use-opd with --train-backend megatron"),
 ])
 def test_opd_flags_that_could_not_work_are_refused(over, named):
     with pytest.raises(ConfigError, match=named):
@@ -217,6 +216,17 @@ def test_the_doctor_finds_a_teacher_that_cannot_load_before_anything_starts(tmp_
     assert "neither a Hugging Face directory" in found(opd_teacher_load=str(tmp_path / "nowhere"))[0]
     assert "no iteration 4" in found(opd_teacher_load=str(tmp_path), opd_teacher_ckpt_step=4)[0]
     assert "vocabulary of 320 tokens" in found(opd_teacher_load=_teacher(tmp_path / "other", vocab=320))[0]
+    # a wider teacher with the student's vocabulary: the torch backend loads it as a model of its own; the megatron
+    # backend loads a teacher into the student's model (as slime's), so there it is refused before anything starts
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    wider = AutoConfig.from_pretrained(BUNDLED_MODEL)
+    wider.intermediate_size *= 2
+    AutoModelForCausalLM.from_config(wider).save_pretrained(tmp_path / "wider")
+    assert found(opd_teacher_load=str(tmp_path / "wider")) == []
+    (what,) = found(opd_teacher_load=str(tmp_path / "wider"), train_backend="megatron")
+    assert "not the student's architecture" in what and f"ffn_hidden_size={wider.intermediate_size}" in what, what
+    assert found(opd_teacher_load=_teacher(tmp_path / "teacher"), train_backend="megatron") == []
 
 
 def test_served_teacher_log_probs_reach_the_penalty_and_a_batch_without_trained_samples_needs_none():

@@ -5,10 +5,10 @@ from engine.algorithms.advantages import (ESTIMATORS, compute_advantages, discou
 from engine.algorithms.losses import (cispo_policy_loss, gspo_policy_loss, kl, masked_mean, policy_loss, tis_weights,
                                       value_loss)
 from engine.algorithms.objective import (LossSpec, aggregate, custom_objective, policy_objective, sft_objective,
-                                         value_objective)
+                                         step_objective, value_objective)
 
 __all__ = ["ESTIMATORS", "LossSpec", "aggregate", "cispo_policy_loss", "compute_advantages", "custom_objective",
            "discounted_returns",
            "gae", "grpo_advantages", "gspo_policy_loss", "kl", "masked_mean", "masked_whiten", "policy_loss",
            "policy_objective", "reinforce_plus_plus_baseline_advantages", "reinforce_plus_plus_returns",
-           "sft_objective", "tis_weights", "value_loss", "value_objective", "whiten_stats"]
+           "sft_objective", "step_objective", "tis_weights", "value_loss", "value_objective", "whiten_stats"]

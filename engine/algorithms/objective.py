@@ -168,6 +168,30 @@ def custom_objective(fn: Callable, path: str, args: Any, spec: LossSpec, *, log_
     return loss.reshape(()), stats, loss.detach().reshape(()).expand(S).clone()
 
 
+def step_objective(spec: LossSpec, *, custom: tuple[Callable, str, Any] | None, sample_ids: list[int],
+                   log_probs: torch.Tensor, entropy: torch.Tensor, old_log_probs: torch.Tensor | None,
+                   ref_log_probs: torch.Tensor | None, rollout_log_probs: torch.Tensor, advantages: torch.Tensor,
+                   loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The --loss-type's (loss share, stats, per-sample losses) of one packed micro-batch: the one dispatch every
+    train backend calls. `custom` is (function, its --custom-loss-function-path, the args it is given) for
+    custom_loss; old_log_probs may be None only for sft_loss, which reads none of them."""
+    if spec.loss_type == "sft_loss":
+        return sft_objective(spec, log_probs=log_probs, entropy=entropy, loss_mask=loss_mask, cu_seqlens=cu_seqlens,
+                             denominator=denominator)
+    if old_log_probs is None:
+        raise ValueError(f"--loss-type {spec.loss_type} needs the old log-probs of the micro-batch")
+    tensors = dict(log_probs=log_probs, entropy=entropy, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                   rollout_log_probs=rollout_log_probs, advantages=advantages, loss_mask=loss_mask,
+                   cu_seqlens=cu_seqlens, denominator=denominator)
+    if spec.loss_type == "custom_loss":
+        if custom is None:
+            raise ValueError("--loss-type custom_loss without its function (--custom-loss-function-path)")
+        fn, path, args = custom
+        return custom_objective(fn, path, args, spec, sample_ids=sample_ids, **tensors)
+    return policy_objective(spec, **tensors)
+
+
 def value_objective(spec: LossSpec, *, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                     loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:

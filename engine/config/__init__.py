@@ -289,19 +289,14 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise config_error("--disable-rewards-normalization with --custom-reward-post-process-path: the hook's "
                                 "rewards already replace the normalisation (they are used as they are)",
                                 "drop --disable-rewards-normalization", field="disable_rewards_normalization")
-        for flag, on in ((f"--loss-type {self.loss_type}", self.loss_type != "policy_loss"),
-                         ("--reset-optimizer-states", self.reset_optimizer_states),
-                         ("--ref-update-interval", self.ref_update_interval),
-                         ("--use-opd", self.use_opd),
-                         ("--use-opsm", self.use_opsm),
-                         ("--freeze-params-name-list", self.freeze_params_name_list),
+        for flag, on in (("--freeze-params-name-list", self.freeze_params_name_list),
                          ("--only-train-params-name-list", self.only_train_params_name_list)):
             if on and self.train_backend != "torch":
-                name = flag.split(" ")[0]
                 raise config_error(f"{flag} with --train-backend {self.train_backend}: only the torch backend has "
-                                    "it (the megatron backend has not been run with it on a GPU)",
-                                    f"--train-backend torch (on a GPU too), or drop {name}",
-                                    field=name[2:].replace("-", "_"))
+                                    "it (its patterns are Hugging Face parameter names, and Megatron fuses some of "
+                                    "them, e.g. q/k/v_proj into one linear_qkv)",
+                                    f"--train-backend torch (on a GPU too), or drop {flag}",
+                                    field=flag[2:].replace("-", "_"))
         if self.train_share_prefix == "on" and self.train_backend != "torch":
             from engine.diagnosis import ConfigError, Diagnosis
 

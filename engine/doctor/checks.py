@@ -404,6 +404,14 @@ def opd_teacher_usable(cfg, env: Environment) -> list[Diagnosis]:
                                    f"(--hf-checkpoint) {s_vocab}: the teacher would score other tokens than the "
                                    "samples'", fix="a teacher with the student's tokenizer (the same model family)",
                               facts=facts)]
+        if cfg.train_backend == "megatron" and student and _megatron_shape(teacher) != _megatron_shape(student):
+            return [Diagnosis(code="CONFIG", severity="error",
+                              what=f"--opd-teacher-load {src} is not the student's architecture "
+                                   f"({_megatron_shape(teacher)} against {_megatron_shape(student)}): the megatron "
+                                   "backend loads the teacher into the student's model, as slime's does",
+                              fix="--opd-type sglang --opd-teacher-url HOST:PORT (a server of the teacher), or "
+                                  "--train-backend torch (it loads the teacher as a model of its own)",
+                              facts=facts)]
         return []
     it = step if step is not None else checkpoint.read_marker(src)
     if it is None or not checkpoint.iter_dir(src, it).is_dir():
@@ -415,6 +423,16 @@ def opd_teacher_usable(cfg, env: Environment) -> list[Diagnosis]:
                           fix="--opd-teacher-load a Hugging Face model directory or a directory written by --save"
                               + (", and an iteration it holds" if step is not None else ""), facts=facts)]
     return []
+
+
+def _megatron_shape(hf_config: dict) -> str:
+    """The Megatron mapping's ModelShape of an HF config, or why it cannot map it (compared as text)."""
+    from engine.train.megatron_mapping import shape_from_hf_config
+
+    try:
+        return str(shape_from_hf_config(hf_config))
+    except (NotImplementedError, KeyError, TypeError, ValueError) as e:
+        return f"not mappable: {e}"
 
 
 @check("CONFIG")

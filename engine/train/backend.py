@@ -4,7 +4,7 @@ Division of work (engine.train.worker drives it, one worker per DP rank):
   worker   old / ref log-probs (backend.compute_log_probs) and critic values, then the advantages
            (engine.algorithms.compute_advantages: the one estimator dispatch) written into mb.advantages,
            whitening over all ranks, the global trained-token count of each step
-  backend  the forward, `engine.algorithms.policy_objective` per micro-batch, gradient sync over DP, clipping,
+  backend  the forward, `engine.algorithms.step_objective` (the --loss-type's) per micro-batch, gradient sync over DP, clipping,
            the RF13 NaN policy, the optimizer step; state save / load / HF export
 Log-prob tensors are [T], aligned with the micro-batch's flat tokens; entries with loss_mask 0 are not used by
 anything (the torch backend leaves them 0).
@@ -31,6 +31,17 @@ def create_backend(cfg, *, rank: int, world_size: int, master: str | None, train
         cfg, rank=rank, world_size=world_size, master=master, train_iters=train_iters, device=device)
 
 
+def custom_loss_of(cfg) -> tuple[Any, str, Any] | None:
+    """--loss-type custom_loss: (the --custom-loss-function-path function, its path, the args it is given);
+    None for the built-in losses."""
+    if cfg.loss_type != "custom_loss":
+        return None
+    from engine.rewards import load_function
+
+    return load_function(cfg.custom_loss_function_path, "--custom-loss-function-path"), \
+        cfg.custom_loss_function_path, cfg
+
+
 class TrainBackend(Protocol):
     #: the weights are sharded over ranks: model_state / save / export / ipc_export are collectives every rank joins
     collective: bool
@@ -40,9 +51,10 @@ class TrainBackend(Protocol):
     def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Σ ("sum") or max ("max") of a CPU tensor over the data-parallel ranks, returned on the CPU."""
 
-    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
-        """Per-token log-probs [T] of each micro-batch under the policy (or the frozen reference), no grad,
-        at the rollout temperature."""
+    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False
+                          ) -> list[torch.Tensor]:
+        """Per-token log-probs [T] of each micro-batch under the policy (or the frozen reference, or the
+        --use-opd --opd-type megatron teacher), no grad, at the rollout temperature."""
 
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
                    ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
@@ -63,6 +75,12 @@ class TrainBackend(Protocol):
 
     def load_weights(self, path: str, *, ref: bool = False) -> None:
         """Policy (or reference) weights only, from a Hugging Face directory or a checkpoint iteration."""
+
+    def update_ref(self) -> None:
+        """--ref-update-interval: the reference takes the policy's current weights."""
+
+    def reset_optimizer(self) -> None:
+        """--reset-optimizer-states: Adam's moments and step counts to zero (the LR schedule goes on)."""
 
     def export_hf(self, path: str) -> None:
         """Save a Hugging Face directory (config, weights, tokenizer) loadable by transformers."""

@@ -32,13 +32,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine.algorithms import kl, policy_loss
+from engine.algorithms import LossSpec, step_objective
 from engine.packing.microbatch import MicroBatch
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
 from engine.train.optim import lr_lambda
-from engine.train.torch_backend import TOKEN_METRICS, rng_state, set_rng_state
+from engine.train.backend import custom_loss_of
+from engine.train.torch_backend import SUMMED, rng_state, set_rng_state
 
 log = logging.getLogger("rollflow.megatron")
 
@@ -50,9 +51,6 @@ INSTALL_HINT = ("install it on a CUDA machine with `pip install 'rollflow[megatr
 # ("ShardedTensor.flattened_range is not supported", seen on the H200).
 _OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
-# What train_step's loss function reports per micro-batch, stacked in this order: the token sums of
-# engine.algorithms.policy_objective (as the torch backend reports them), then the loss share and the ratio check.
-_STATS = (*TOKEN_METRICS, "tokens", "loss_total", "ratio_maxdev")
 
 
 def require_megatron() -> None:
@@ -117,6 +115,8 @@ class MegatronBackend:
         from engine.weights import load_weights_dir
 
         self.cfg, self.train_iters = cfg, train_iters
+        self.spec = LossSpec.of(cfg)
+        self.custom_loss = custom_loss_of(cfg)  # (function, path, args) for --loss-type custom_loss
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
@@ -173,7 +173,8 @@ class MegatronBackend:
             self.graphs = DecoderGraphs(gpt.decoder, dtype=self.dtype, hidden_size=self.shape.hidden_size,
                                         fused_weights=fused_wgrad_weights(gpt.decoder))
         # The frozen reference policy: the initial weights of this rank's shards, on the host.
-        self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in gpt.named_parameters()}
+        self.ref_weights = self._host_copy()
+        self.teacher_weights = None  # --use-opd --opd-type megatron: the teacher's shards, read at first use
         self.steps_done = 0
         self.skipped_steps = 0
 
@@ -280,14 +281,19 @@ class MegatronBackend:
         if self.graphs is not None:
             self.graphs.prepare(self._graph_keys(mbs))
 
+    def _host_copy(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards as they are now, copied to the host."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+
     @contextmanager
-    def _reference_weights(self):
-        """Swap the initial weights in for the duration (each rank its own shards), then restore."""
+    def _swapped_in(self, weights: dict[str, torch.Tensor]):
+        """Other weights of this rank's shards (the reference's, the teacher's) in the model for the duration,
+        then the policy's again (as slime's weights backuper switches models)."""
         params = dict(self.gpt.named_parameters())
-        current = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+        current = self._host_copy()
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(self.ref_weights[n], non_blocking=True)
+                p.copy_(weights[n], non_blocking=True)
         try:
             yield
         finally:
@@ -295,18 +301,37 @@ class MegatronBackend:
                 for n, p in params.items():
                     p.copy_(current[n], non_blocking=True)
 
+    def _teacher(self) -> dict[str, torch.Tensor]:
+        """--opd-teacher-load (an HF directory, or a --save directory's iteration), read into the student's
+        model once and kept as this rank's shards on the host: the teacher has the student's architecture, as in
+        slime's Megatron backend (a different model is --opd-type sglang)."""
+        if self.teacher_weights is None:
+            from engine import checkpoint
+            from engine.train.torch_backend import teacher_source
+
+            src, it = teacher_source(self.cfg)
+            current = self._host_copy()
+            self._read_weights(src if it is None else checkpoint.iter_dir(src, it), what="--opd-teacher-load")
+            self.teacher_weights = self._host_copy()
+            with torch.no_grad():
+                for n, p in self.gpt.named_parameters():
+                    p.copy_(current[n], non_blocking=True)
+        return self.teacher_weights
+
     def _on_stream(self):
         """The backend's own stream (with decoder graphs), whatever stream the caller left current."""
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     @_on_own_stream
     @torch.no_grad()
-    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
+    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False
+                          ) -> list[torch.Tensor]:
         with torch.enable_grad():  # a capture records the backward too
             self._prepare_graphs(mbs)
         for m in self.model:
             m.eval()
-        with self._reference_weights() if ref else nullcontext():
+        other = self._teacher() if teacher else self.ref_weights if ref else None
+        with self._swapped_in(other) if other is not None else nullcontext():
             outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp}), forward_only=True,
                              entropy_grad=False)
         for m in self.model:
@@ -331,11 +356,9 @@ class MegatronBackend:
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
                    ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,
                    global_tokens: float | None = None) -> dict[str, Any]:
-        """One optimizer step; the loss is engine.algorithms.policy_objective, exactly as the torch backend's."""
-        from engine.algorithms import LossSpec, policy_objective
-
-        cfg = self.cfg
-        spec = LossSpec.of(cfg)
+        """One optimizer step; the loss is engine.algorithms.step_objective (the --loss-type's), exactly as the
+        torch backend's. old_log_probs is None only for --loss-type sft_loss."""
+        cfg, spec = self.cfg, self.spec
         if spec.per_token_loss and global_tokens is None:
             raise ValueError("--calculate-per-token-loss needs the step's global trained-token count")
         denom = max(global_tokens, 1.0) if spec.per_token_loss else global_batch_size
@@ -350,32 +373,42 @@ class MegatronBackend:
             g["lr"] = lr
 
         # Every per-token input on the GPU up front (see _run): [T] each.
-        aux = [{"old": old_log_probs[j].to(dev), "mask": mb.loss_mask.to(dev), "adv": mb.advantages.to(dev),
+        aux = [{"old": old_log_probs[j].to(dev) if old_log_probs is not None else None,
+                "mask": mb.loss_mask.to(dev), "adv": mb.advantages.to(dev),
                 "rollout": mb.rollout_log_probs.to(dev), "cu": mb.cu_seqlens.to(dev),
                 "ref": ref_log_probs[j].to(dev) if ref_log_probs is not None else None}
                for j, mb in enumerate(mbs)]
 
         def loss_fn(j, mb, lp, ent):  # lp, ent [T] aligned with mb.tokens
             a = aux[j]
-            loss, stats, _ = policy_objective(spec, log_probs=lp, entropy=ent, old_log_probs=a["old"],
-                                              ref_log_probs=a["ref"], rollout_log_probs=a["rollout"],
-                                              advantages=a["adv"], loss_mask=a["mask"], cu_seqlens=a["cu"],
-                                              denominator=denom)
+            loss, stats, _ = step_objective(spec, custom=self.custom_loss, sample_ids=mb.sample_ids, log_probs=lp,
+                                            entropy=ent, old_log_probs=a["old"], ref_log_probs=a["ref"],
+                                            rollout_log_probs=a["rollout"], advantages=a["adv"],
+                                            loss_mask=a["mask"], cu_seqlens=a["cu"], denominator=denom)
             with torch.no_grad():
                 zero = torch.zeros((), device=lp.device)
-                dev_ratio = ((torch.exp(lp - a["old"]) - 1).abs() * a["mask"]).max() if mb.num_tokens else zero
-                row = [stats.get(k, zero) for k in TOKEN_METRICS] + [stats["tokens"], loss.detach(), dev_ratio]
-            return loss, {"stats": torch.stack([x.float() for x in row])}
+                dev_ratio = ((torch.exp(lp - a["old"]) - 1).abs() * a["mask"]).max() \
+                    if mb.num_tokens and a["old"] is not None else zero
+                row = {k: v.detach().float() for k, v in stats.items() if k in SUMMED or k.startswith("custom_")}
+                row.update(tokens=stats["tokens"].float(), loss_total=loss.detach().float(), ratio_maxdev=dev_ratio)
+            return loss, {"stats": row}
 
-        outs = self._run(mbs, loss_fn, forward_only=False, entropy_grad=cfg.entropy_coef > 0)
-        vals = torch.stack([o["stats"] for o in outs]) if outs else torch.zeros(1, len(_STATS))
-        col = {k: vals[:, i] for i, k in enumerate(_STATS)}
-        tokens = float(col["tokens"].sum())
-        out: dict[str, Any] = {f"{k}_sum": float(col[k].sum()) for k in TOKEN_METRICS}
-        out.update({f"{k}_count": tokens for k in TOKEN_METRICS})
-        if not spec.use_tis:
-            del out["tis_clipfrac_sum"], out["tis_clipfrac_count"]
-        loss_total, ratio_maxdev = float(col["loss_total"].sum()), float(col["ratio_maxdev"].max())
+        outs = self._run(mbs, loss_fn, forward_only=False,
+                         entropy_grad=spec.entropy_coef != 0 or self.custom_loss is not None)  # a custom loss may use it
+        # one device → host transfer for the step's numbers: Σ over micro-batches (the ratio check: max)
+        keys = sorted({k for o in outs for k in o["stats"]})
+        zero = torch.zeros((), device=dev)
+        col = {}
+        if outs:
+            vals = torch.stack([torch.stack([o["stats"].get(k, zero) for k in keys]) for o in outs])  # [M, K]
+            total = vals.sum(0)
+            total[keys.index("ratio_maxdev")] = vals[:, keys.index("ratio_maxdev")].max()
+            col = dict(zip(keys, total.tolist()))
+        tokens = col.pop("tokens", 0.0)
+        loss_total, ratio_maxdev = col.pop("loss_total", 0.0), col.pop("ratio_maxdev", 0.0)
+        out: dict[str, Any] = {}
+        for k, v in col.items():  # token sums → means over the step's tokens; a custom loss's shares → step sums
+            out.update({f"{k}_stepsum": v} if k.startswith("custom_") else {f"{k}_sum": v, f"{k}_count": tokens})
         if not self.reports_metrics:  # TP / PP peers of a replica report nothing, so sums count once
             out = {k: 0.0 for k in out}
             loss_total, ratio_maxdev = 0.0, 0.0
@@ -464,8 +497,14 @@ class MegatronBackend:
             for sub in subs:
                 shutil.rmtree(root / sub, ignore_errors=True)
                 (root / sub).mkdir(parents=True)
+        if self.cfg.ref_update_interval and self.rank == 0:
+            shutil.rmtree(root / "ref", ignore_errors=True)
+            (root / "ref" / "model").mkdir(parents=True)
         dist.barrier()
         dist_checkpointing.save(self.gpt.sharded_state_dict(), str(root / "model"))
+        if self.cfg.ref_update_interval:  # the reference moves: a resume must find the one it had
+            with self._swapped_in(self.ref_weights):
+                dist_checkpointing.save(self.gpt.sharded_state_dict(), str(root / "ref" / "model"))
         if save_optim:
             dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(),
                                                                                     metadata=_OPTIM_FORMAT)},
@@ -485,6 +524,8 @@ class MegatronBackend:
         root = Path(path)
         state = dist_checkpointing.load(self.gpt.sharded_state_dict(), str(root / "model"))
         self.gpt.load_state_dict(state)
+        if self.cfg.ref_update_interval and (root / "ref" / "model").is_dir():
+            self.load_weights(str(root / "ref"), ref=True)
         if load_optim and (root / "optim" / "backend.pt").is_file():
             tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
                                                                    metadata=_OPTIM_FORMAT)}
@@ -500,27 +541,59 @@ class MegatronBackend:
     @_on_own_stream
     def load_weights(self, path: str, *, ref: bool = False) -> None:
         """Policy (or reference) weights only: a Hugging Face directory (mapped and sharded as at start-up), or a
-        checkpoint iteration's model/ (this backend's dist_checkpointing layout). The reference is kept as this
-        rank's shards on the host, like the initial weights it replaces; the policy's fp32 main copy follows."""
+        checkpoint iteration (this backend's dist_checkpointing model/, or the torch backend's HF-named one). The
+        reference is kept as this rank's shards on the host, like the initial weights it replaces; the policy's
+        fp32 main copy follows."""
+        current = self._host_copy() if ref else None
+        self._read_weights(Path(path), what="--ref-load" if ref else "the weights")
+        if ref:
+            self.ref_weights = self._host_copy()
+            with torch.no_grad():
+                for n, p in self.gpt.named_parameters():
+                    p.copy_(current[n], non_blocking=True)
+        else:
+            self.optimizer.reload_model_params()
+
+    def _read_weights(self, root: Path, *, what: str) -> None:
+        """Weights into the model's parameters (not the optimizer's fp32 copy): an HF directory, or an iteration
+        directory whose model/ is a dist_checkpointing save (this backend) or HF-named safetensors (torch's)."""
         from megatron.core import dist_checkpointing
 
         from engine.train.megatron_model import load_hf_into
         from engine.weights import load_weights_dir
 
-        root = Path(path)
-        params = dict(self.gpt.named_parameters())
-        current = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if ref else None
+        if (root / "config.json").is_file():
+            hf_config = json.loads((root / "config.json").read_text())
+            if shape_from_hf_config(hf_config) != self.shape:
+                from engine.diagnosis import ConfigError, Diagnosis
+
+                raise ConfigError(Diagnosis(
+                    code="CONFIG", severity="error",
+                    what=f"{what} {root}: its architecture ({shape_from_hf_config(hf_config)}) is not the "
+                         f"policy's ({self.shape}); the megatron backend loads it into the policy's model",
+                    fix="weights of the policy's architecture" + (
+                        ", or --opd-type sglang for a teacher of another size" if what.startswith("--opd") else ""),
+                    facts={"field": what.lstrip("-").replace("-", "_"), "value": str(root)}))
         with torch.no_grad():
             if (root / "config.json").is_file():
                 load_hf_into(self.gpt, self.config, load_weights_dir(root), self.shape, vocab_padded=self.vocab_padded)
-            else:
+            elif (root / "model" / "metadata.json").is_file():  # dist_checkpointing's
                 self.gpt.load_state_dict(dist_checkpointing.load(self.gpt.sharded_state_dict(), str(root / "model")))
-            if ref:
-                self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
-                for n, p in params.items():
-                    p.copy_(current[n], non_blocking=True)
-        if not ref:
-            self.optimizer.reload_model_params()
+            else:
+                load_hf_into(self.gpt, self.config, load_weights_dir(root / "model"), self.shape,
+                             vocab_padded=self.vocab_padded)
+
+    @_on_own_stream
+    def update_ref(self) -> None:
+        """--ref-update-interval: the reference becomes the policy's current weights (this rank's shards)."""
+        self.ref_weights = self._host_copy()
+
+    def reset_optimizer(self) -> None:
+        """--reset-optimizer-states: the inner optimizers' Adam moments and steps to zero, in place."""
+        from engine.train.optim import reset_state
+
+        for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            reset_state(o.optimizer)
 
     @_on_own_stream
     def export_hf(self, path: str) -> None:

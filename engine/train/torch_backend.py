@@ -35,12 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.algorithms import LossSpec, custom_objective, policy_objective, sft_objective
+from engine.algorithms import LossSpec, step_objective
 from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
+from engine.train.backend import custom_loss_of
 from engine.train.checks import nan_diagnosis
 from engine.train.forward import packed_forward, use_varlen_attention
-from engine.train.optim import gather_lists, make_optimizer, sync_and_clip
+from engine.train.optim import gather_lists, make_optimizer, reset_state, sync_and_clip
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
 TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
@@ -67,11 +68,7 @@ class TorchBackend:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.spec = LossSpec.of(cfg)
-        self.custom_loss = None
-        if cfg.loss_type == "custom_loss":
-            from engine.rewards import load_function
-
-            self.custom_loss = load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
+        self.custom_loss = custom_loss_of(cfg)  # (function, path, args) for --loss-type custom_loss
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
@@ -241,17 +238,11 @@ class TorchBackend:
     def _objective(self, mb: MicroBatch, lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor,
                    ref: torch.Tensor | None, mask: torch.Tensor, denom: float):
         """The --loss-type's (loss share, stats, per-sample losses) of one micro-batch."""
-        spec, dev = self.spec, self.device
-        if spec.loss_type == "sft_loss":
-            return sft_objective(spec, log_probs=lp, entropy=ent, loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev),
-                                 denominator=denom)
-        tensors = dict(log_probs=lp, entropy=ent, old_log_probs=old, ref_log_probs=ref,
-                       rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev),
-                       loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom)
-        if spec.loss_type == "custom_loss":
-            return custom_objective(self.custom_loss, self.cfg.custom_loss_function_path, self.cfg, spec,
-                                    sample_ids=mb.sample_ids, **tensors)
-        return policy_objective(spec, **tensors)
+        dev = self.device
+        return step_objective(self.spec, custom=self.custom_loss, sample_ids=mb.sample_ids, log_probs=lp,
+                              entropy=ent, old_log_probs=old, ref_log_probs=ref,
+                              rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev),
+                              loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom)
 
     def _non_finite_step(self, mbs: list[MicroBatch], bad_ids: list[int], loss_total: float,
                          grad_norm: float) -> None:
@@ -402,6 +393,9 @@ class TorchBackend:
         if self.ref is None:  # the frozen architecture; its weights are replaced just below
             self.ref = self._placed_ref(load_reference(None, self.cfg.hf_checkpoint, self.cfg.model_impl))
         load_state_strict(self.ref, state, path)
+
+    def reset_optimizer(self) -> None:
+        reset_state(self.optimizer)
 
     def update_ref(self) -> None:
         """--ref-update-interval: the reference takes the policy's current weights (in the forward's dtype, as the
@@ -614,15 +608,16 @@ def load_reference(ref_load: str | None, hf_checkpoint: str, impl: str = "auto",
     return model
 
 
-def load_teacher(cfg, vocab_size: int):
-    """The --use-opd teacher (load_reference's rules, with --opd-teacher-ckpt-step picking the iteration of a
-    checkpoint directory), checked to share the policy's vocabulary: the samples' token ids must mean the same."""
+def teacher_source(cfg) -> tuple[Path, int | None]:
+    """The --use-opd teacher's weights: (--opd-teacher-load, None) when it is a Hugging Face directory, else (the
+    --save directory, its iteration: the latest, or --opd-teacher-ckpt-step's); a CONFIG error if neither."""
     from engine import checkpoint
 
     src, step = Path(cfg.opd_teacher_load), cfg.opd_teacher_ckpt_step
-    hf = step is None and (src / "config.json").is_file()
-    it = None if hf else step if step is not None else checkpoint.read_marker(src)
-    if not hf and (it is None or not checkpoint.iter_dir(src, it).is_dir()):
+    if step is None and (src / "config.json").is_file():
+        return src, None
+    it = step if step is not None else checkpoint.read_marker(src)
+    if it is None or not checkpoint.iter_dir(src, it).is_dir():
         raise DiagnosisError(Diagnosis(
             code="CONFIG", severity="error",
             what=f"--opd-teacher-load {src}: " + (
@@ -632,14 +627,22 @@ def load_teacher(cfg, vocab_size: int):
             fix="an iteration the directory holds, or drop --opd-teacher-ckpt-step (its latest)" if step is not None
                 else "--opd-teacher-load a Hugging Face model directory or a directory written by --save",
             facts={"field": "opd_teacher_load", "value": str(src), "step": step}))
+    return src, it
+
+
+def load_teacher(cfg, vocab_size: int):
+    """The --use-opd teacher (teacher_source's weights; an iteration's in the policy's architecture), checked to
+    share the policy's vocabulary: the samples' token ids must mean the same."""
+    src, it = teacher_source(cfg)
     model = load_reference(str(src), cfg.hf_checkpoint, cfg.model_impl, step=it)
     if int(model.config.vocab_size) != vocab_size:
         raise DiagnosisError(Diagnosis(
             code="CONFIG", severity="error",
-            what=f"--opd-teacher-load {src} has a vocabulary of {model.config.vocab_size} tokens and the student "
-                 f"(--hf-checkpoint) {vocab_size}: the teacher would score other tokens than the samples'",
+            what=f"--opd-teacher-load {cfg.opd_teacher_load} has a vocabulary of {model.config.vocab_size} tokens "
+                 f"and the student (--hf-checkpoint) {vocab_size}: the teacher would score other tokens than the "
+                 "samples'",
             fix="a teacher with the student's tokenizer (the same model family)",
-            facts={"field": "opd_teacher_load", "value": str(src)}))
+            facts={"field": "opd_teacher_load", "value": str(cfg.opd_teacher_load)}))
     return model
 
 

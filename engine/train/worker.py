@@ -156,7 +156,7 @@ class TrainWorker:
         if cfg.reset_optimizer_states:  # before this rollout's first step (slime resets at the start of train)
             from engine.train.optim import reset_state
 
-            reset_state(self.backend.optimizer)
+            self.backend.reset_optimizer()
             if self.critic:
                 reset_state(self.critic.optimizer)
         self.steps = steps
