@@ -9,6 +9,8 @@
                                             # record 5 demo rollouts, replay them (no engine), --debug-rollout-only
     python bench/gpu_flow.py distill --backend megatron --bf16 --out DIR  # examples/sft.yaml, then examples/opd.yaml
                                             # from its model (colocated), each model's greedy accuracy after
+    python bench/gpu_flow.py external --backend torch --out DIR          # the demo on a `rollflow serve` already
+                                            # running on the GPU (--rollout-external-engine-addrs), weights as tensors
     python bench/gpu_flow.py report --out DIR --write bench/results       # any machine: copy + a markdown table
 
 Each run writes `gpu_flow_<tag>.json` with: train_backend, precision, state ("Completed" when `rollflow train`
@@ -234,9 +236,63 @@ def distill(backend: str, bf16: bool, out: Path, timeout_s: float) -> int:
     return 0 if all(r["state"] == "Completed" for r in runs.values()) and len(runs) == 2 else 1
 
 
+def external(backend: str, bf16: bool, out: Path, timeout_s: float, port: int = 31000) -> int:
+    """The demo on a built-in server that already runs (`rollflow serve` on the GPU, as a user starts SGLang), through
+    --rollout-external-engine-addrs with the weights sent as HTTP tensors after every step; the server is stopped
+    by pid afterwards. Writes gpu_flow_external_<backend>_<precision>.json (run's digest, the server's log tail)."""
+    import urllib.request
+
+    precision = "bf16" if bf16 else "fp32"
+    work = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / f"external_{backend}"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "weights").mkdir(parents=True)
+    log = open(work / "serve.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), "--api-key", "k1",
+                               "--weight-dir", str(work / "weights"), "--device", "cuda",
+                               "--dtype", "bfloat16" if bf16 else "float32"],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 120:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    break
+                time.sleep(0.5)
+        res = run(f"external_{backend}_{precision}",
+                  ["--config", "examples/demo.yaml", "--train-backend", backend, *(["--bf16"] if bf16 else []),
+                   "--rollout-external-engine-addrs", f"127.0.0.1:{port}", "--sglang-api-key", "k1",
+                   "--save", str(work / "ck")], out, timeout_s,
+                  {"train_backend": backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)",
+                   "server": f"rollflow serve --port {port} --api-key k1 --weight-dir … --device cuda"})
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/get_server_info",
+                                         headers={"Authorization": "Bearer k1"})
+            info = json.loads(urllib.request.urlopen(req, timeout=5).read())
+        except OSError as e:
+            info = {"error": str(e)}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    f = out / f"gpu_flow_external_{backend}_{precision}.json"
+    data = json.loads(f.read_text())
+    data.update(server_info={k: info.get(k) for k in ("weight_version", "dtype", "device", "error") if k in info},
+                server_log_tail=(work / "serve.log").read_text(errors="replace")[-1500:])
+    f.write_text(json.dumps(data, indent=1))
+    print(json.dumps({k: data.get(k) for k in ("state", "accuracy_before", "accuracy_after", "server_info",
+                                              "mismatch_mean", "weight_sync")}, default=str)[:1500])
+    return 0 if res["state"] == "Completed" else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["demo", "tool", "shape", "debug", "distill", "report"])
+    p.add_argument("mode", choices=["demo", "tool", "shape", "debug", "distill", "external", "report"])
     p.add_argument("--backend", default="torch", choices=["torch", "megatron"])
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
@@ -284,6 +340,8 @@ def main() -> int:
         return debug(a.backend, a.bf16, a.num_rollout or 5, out, a.timeout)
     elif a.mode == "distill":
         return distill(a.backend, a.bf16, out, a.timeout)
+    elif a.mode == "external":
+        return external(a.backend, a.bf16, out, a.timeout)
     else:
         rows = [json.loads(f.read_text()) for f in sorted(out.glob("gpu_flow_*.json"))]
         lines = ["| run | state | rollouts | accuracy | mismatch mean (max over rollouts) | peak GiB rollout/train/sync "

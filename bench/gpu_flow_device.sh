@@ -2,7 +2,7 @@
 # The GPU flow on the lent machine (the device tool, kind nvidia-h200), from the repository root, carry [".gpu"]:
 #   bash bench/gpu_flow_device.sh STEP...
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | parallel
-#          | regress (also SFT then OPD on the megatron backend: gpu_flow.py distill) | side-by-side
+#          | regress (also SFT then OPD on the megatron backend, and the demo on a `rollflow serve`) | side-by-side
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -31,9 +31,10 @@ for step in "$@"; do
       python3 bench/gpu_flow.py debug --backend torch --out "$OUT" --timeout 240 > "$OUT/gpu_debug.txt" 2>&1 &
       python3 bench/gpu_flow.py distill --backend megatron --bf16 --out "$OUT" --timeout 240 \
         > "$OUT/gpu_distill.txt" 2>&1 &
+      python3 bench/gpu_flow.py external --backend torch --out "$OUT" --timeout 240 > "$OUT/gpu_external.txt" 2>&1 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --out "$OUT" --timeout 500
       wait; tail -n 4 "$OUT/pytest_gpu.txt" "$OUT/pytest_megatron.txt"; tail -30 "$OUT/gpu_debug.txt"
-      tail -12 "$OUT/gpu_distill.txt" ;;
+      tail -12 "$OUT/gpu_distill.txt"; tail -4 "$OUT/gpu_external.txt" ;;
     side-by-side)  # three runs start their engines at the same moment on one GPU (each its own Ray cluster: the
                    # port race of two registries both starting at 30000), then the 0.5B shape runs on alone
       python3 bench/gpu_flow.py demo --backend torch --out "$OUT" --timeout 400 &
