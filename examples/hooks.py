@@ -141,6 +141,20 @@ def vanilla_policy_gradient(args, batch: dict, sum_of_sample_mean) -> tuple:
     return loss, {"ratio": sum_of_sample_mean(ratio.detach())}
 
 
+# --use-tis --custom-tis-function-path examples/hooks.py:icepop
+def icepop(args, *, pg_loss, train_log_probs: list, rollout_log_probs: list, loss_masks: list, **kwargs) -> tuple:
+    """IcePop (slime's icepop_function): a token whose ratio π_train_old / π_rollout lies outside
+    [--tis-clip-low, --tis-clip] gets weight 0 (TIS would clamp it), the others weight ratio. pg_loss is the
+    response tokens' policy loss [ΣR]; the log-probs and masks are lists of [R_i]. Its metrics are logged as
+    train/tis (the mean ratio), train/tis_clipfrac (the share zeroed) and train/tis_abs (mean |ratio − 1|)."""
+    import torch
+
+    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))  # [ΣR]
+    weight = torch.where((ratio >= args.tis_clip_low) & (ratio <= args.tis_clip), ratio, torch.zeros_like(ratio))
+    metrics = {"tis": ratio.detach(), "tis_clipfrac": (weight != ratio).float(), "tis_abs": (ratio - 1).abs().detach()}
+    return pg_loss * weight, loss_masks, metrics
+
+
 # --custom-advantage-function-path examples/hooks.py:rloo_advantages
 def rloo_advantages(args, rollout_data: dict) -> None:
     """RLOO as an advantage function (slime's contract): each sample's advantage is its reward minus the mean of

@@ -183,6 +183,18 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     assert m["opsm_masked_sum"] > 0
     del mg, tb
 
+    # --custom-tis-function-path: examples/hooks.py's IcePop on engine log-probs within ±1 of the trainer's
+    mg, tb = both(use_tis=True, tis_clip=1.5, tis_clip_low=0.5, custom_tis_function_path="examples/hooks.py:icepop")
+    old = tb.compute_log_probs(mbs)
+    g = torch.Generator().manual_seed(3)
+    for mb, lp in zip(mbs, old):
+        mb.rollout_log_probs = (lp + 2 * torch.rand(lp.shape, generator=g) - 1) * mb.loss_mask
+    m, t = mg.train_step(mbs, old, None, 8), tb.train_step(mbs, old, None, 8)
+    _agree(m, t, ("loss_total", "grad_norm", "tis_sum", "tis_clipfrac_sum", "tis_abs_sum"), "icepop")
+    assert 0 < m["tis_clipfrac_sum"] < m["tis_clipfrac_count"]
+    del mg, tb
+    mbs = _micro_batches()
+
     # --use-opd --opd-type megatron: the teacher (same architecture, other weights) swapped in and out
     teacher = tmp_path / "teacher"
     from transformers import AutoModelForCausalLM

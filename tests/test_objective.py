@@ -187,3 +187,80 @@ def test_value_objective_is_split_invariant_too():
     whole, parts = run([[0, 1, 2, 3, 4, 5]]), run([[0, 1, 2], [3], [4, 5]])
     assert parts[0] == pytest.approx(whole[0], rel=1e-6)
     torch.testing.assert_close(parts[1], whole[1])
+
+
+def _slime_vanilla_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """slime's vanilla_tis_function (slime/backends/megatron_utils/loss.py), as written there."""
+    rollout_log_probs = torch.cat(rollout_log_probs, dim=0)
+    old_log_probs = torch.cat(train_log_probs, dim=0)
+    tis = torch.exp(old_log_probs - rollout_log_probs)
+    tis_weights = torch.clamp(tis, min=args.tis_clip_low, max=args.tis_clip)
+    metrics = {"tis": tis.clone().detach(), "tis_clipfrac": (tis_weights != tis).float().clone().detach()}
+    return pg_loss * tis_weights, loss_masks, metrics
+
+
+def _reject_long_ratio(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, response_lengths, **kw):
+    """Rejection through the masks: every token of a sample's second half leaves the loss; weight 1 elsewhere."""
+    masks = [m.clone() for m in loss_masks]
+    for m, r in zip(masks, response_lengths):
+        m[r // 2:] = 0
+    return pg_loss, masks, {"kept": torch.cat(masks)}
+
+
+def test_a_custom_tis_function_in_slimes_contract_sees_each_samples_response_tokens():
+    """--custom-tis-function-path: slime's own vanilla TIS function through the hook gives --use-tis's loss and
+    gradient exactly (the packed [T] tensors are cut into the samples' response spans and put back); a function
+    that zeroes masks leaves those tokens out while the per-sample denominators stay; a bad return names the
+    flag; and the flag is refused where it would do nothing."""
+    from types import SimpleNamespace
+
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+    from engine.rollout.hooks import HookError
+
+    b = _batch(seed=5)
+    resp = [n - 1 for n in b["lens"]]  # every sample has a one-token prompt
+    spec = LossSpec(use_tis=True, tis_clip=1.5, tis_clip_low=0.2)
+    args = SimpleNamespace(tis_clip=1.5, tis_clip_low=0.2)
+
+    def run(tis):
+        lp = b["lp"].clone().requires_grad_(True)
+        mask = b["mask"].clone()
+        for a in b["cu"][:-1].tolist():
+            mask[a] = 0  # the prompt token
+        loss, stats, _ = policy_objective(spec, log_probs=lp, entropy=b["ent"], old_log_probs=b["old"],
+                                          ref_log_probs=None, rollout_log_probs=b["rollout"], advantages=b["adv"],
+                                          loss_mask=mask, cu_seqlens=b["cu"], denominator=6.0, tis=tis,
+                                          response_lengths=resp)
+        loss.backward()
+        return loss.detach(), lp.grad, stats, mask
+
+    built_in, g_built_in, s_built_in, mask = run(None)
+    custom, g_custom, s_custom, _ = run((_slime_vanilla_tis, "tests/test_objective.py:_slime_vanilla_tis", args))
+    torch.testing.assert_close(custom, built_in, rtol=0, atol=1e-7)
+    torch.testing.assert_close(g_custom, g_built_in, rtol=0, atol=1e-7)
+    assert float(s_custom["tis_clipfrac"]) == float(s_built_in["tis_clipfrac"]) > 0
+    ratio = torch.exp(b["old"] - b["rollout"])
+    assert float(s_custom["tis"]) == pytest.approx(float((ratio * mask).sum()), rel=1e-6)
+
+    rejected, g_rej, s_rej, _ = run((_reject_long_ratio, "tests/test_objective.py:_reject_long_ratio", args))
+    kept = torch.zeros_like(mask)
+    for e, r in zip(b["cu"][1:].tolist(), resp):
+        kept[e - r:e - r + r // 2] = 1
+    assert g_rej[(kept == 0) & (mask > 0)].abs().sum() == 0 and g_rej[(kept > 0) & (mask > 0)].abs().sum() > 0
+    assert float(s_rej["tis_kept"]) == float((kept * mask).sum())  # a key not starting with tis gets the prefix
+    # the denominators are the original masks' (slime: rejected tokens zeroed, per-rollout totals kept)
+    pg_only = LossSpec(use_tis=False)
+    lp = b["lp"].clone().requires_grad_(True)
+    ref_loss, _, _ = policy_objective(pg_only, log_probs=lp, entropy=b["ent"], old_log_probs=b["old"],
+                                      ref_log_probs=None, rollout_log_probs=b["rollout"],
+                                      advantages=b["adv"] * kept, loss_mask=mask, cu_seqlens=b["cu"], denominator=6.0)
+    torch.testing.assert_close(rejected, ref_loss.detach(), rtol=0, atol=1e-7)
+
+    with pytest.raises(HookError, match="--custom-tis-function-path"):
+        run((lambda args, **kw: kw["pg_loss"], "m:f", args))
+    with pytest.raises(HookError, match="must cover the"):
+        run((lambda args, **kw: (kw["pg_loss"][:3], kw["loss_masks"], {}), "m:f", args))
+    with pytest.raises(ConfigError, match="without --use-tis it would do nothing"):
+        RunConfig(custom_tis_function_path="examples/hooks.py:icepop")
+    assert RunConfig(use_tis=True, custom_tis_function_path="examples/hooks.py:icepop").custom_tis_function_path

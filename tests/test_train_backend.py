@@ -651,3 +651,23 @@ def test_use_rollout_logprobs_on_a_backend_without_train_step_log_probs(tiny_mod
     del w2.backend.last_log_probs
     out = train(stage_run(cfg, w2), packed_rollout(rollout_id=1))
     assert out["train/mismatch"] > 0  # the fake engine log-probs differ from the trainer's
+
+
+def test_a_custom_tis_function_weights_the_step_and_logs_its_metrics(tiny_model):
+    """--custom-tis-function-path examples/hooks.py:icepop through the worker and the torch backend: engine
+    log-probs within ±1 of the trainer's put some ratios outside [--tis-clip-low, --tis-clip], which IcePop zeroes
+    where --use-tis clamps, so the step's loss differs; its metrics arrive as train/tis, tis_clipfrac, tis_abs."""
+    def step(**over):
+        w = make_worker(make_cfg(tiny_model, use_tis=True, tis_clip=1.5, tis_clip_low=0.5, **over))
+        steps, rewards = one_rollout()
+        g = torch.Generator().manual_seed(3)
+        for mb, lp in zip(steps[0], w.backend.compute_log_probs(steps[0])):
+            mb.rollout_log_probs = (lp + 2 * torch.rand(lp.shape, generator=g) - 1) * mb.loss_mask
+        w.set_rollout(steps, rewards, need_ref=False)
+        return w.train_step(0, 8)
+
+    clamp, ice = step(), step(custom_tis_function_path="examples/hooks.py:icepop")
+    assert {"tis_sum", "tis_abs_sum", "tis_clipfrac_sum"} <= set(ice) and "tis_abs_sum" not in clamp
+    share = ice["tis_clipfrac_sum"] / ice["tis_clipfrac_count"]
+    assert share == pytest.approx(clamp["tis_clipfrac_sum"] / clamp["tis_clipfrac_count"]) and 0 < share < 1
+    assert ice["loss_total"] != pytest.approx(clamp["loss_total"], rel=1e-4)

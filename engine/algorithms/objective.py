@@ -68,12 +68,15 @@ def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: tor
 def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.Tensor,
                      old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
                      rollout_log_probs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                     cu_seqlens: torch.Tensor, denominator: float
+                     cu_seqlens: torch.Tensor, denominator: float, tis: tuple[Callable, str, Any] | None = None,
+                     response_lengths: list[int] | None = None
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(loss share, token sums for metrics, per-sample loss [S]) of one packed micro-batch.
 
     log_probs, entropy [T] carry gradients; old_log_probs (trainer, before the rollout's first update),
     ref_log_probs (frozen reference), rollout_log_probs (engine), advantages, loss_mask [T] are constants.
+    tis: --custom-tis-function-path's (function, path, args), which then weights the policy loss in place of
+    --use-tis's clamp (custom_tis); it needs the samples' response_lengths.
     """
     m = loss_mask
     if spec.policy_loss == "gspo":
@@ -92,7 +95,11 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
             masked = ((advantages < 0) & (seq_kl[segment_ids(cu_seqlens)] > spec.opsm_delta)).to(pg.dtype) * m
         pg = pg * (1 - masked)
         stats["opsm_masked"] = masked.sum()
-    if spec.use_tis:
+    if spec.use_tis and tis is not None:
+        pg, tis_stats = custom_tis(tis, pg_loss=pg, old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs,
+                                   loss_mask=m, cu_seqlens=cu_seqlens, response_lengths=response_lengths)
+        stats.update(tis_stats)
+    elif spec.use_tis:
         w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip)
         pg = pg * w  # [T]
         stats["tis_clipfrac"] = (tis_clipped * m).sum()
@@ -111,6 +118,55 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
                      clipfrac=(clipped * m).sum(), ratio=(ratio * m).sum(),
                      mismatch=((rollout_log_probs - old_log_probs).abs() * m).sum(), tokens=m.sum())
     return loss, stats, per_sample.detach()
+
+
+def custom_tis(tis: tuple[Callable, str, Any], *, pg_loss: torch.Tensor, old_log_probs: torch.Tensor,
+               rollout_log_probs: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+               response_lengths: list[int] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """--custom-tis-function-path on one packed micro-batch, with slime's contract: the function sees each sample's
+    response tokens ([R_i] tensors in lists, the policy loss concatenated [ΣR]) and returns (pg_loss [ΣR], masks,
+    metrics). Returns the policy loss [T] (times the returned masks: a token they zero leaves the loss, while the
+    aggregate's per-sample denominators stay the original mask's, as in slime) and the metrics' token sums over
+    the original trained tokens, keyed tis_<key> (or <key> when it starts with tis)."""
+    from engine.rollout.hooks import HookError, call_hook
+
+    flag = "--custom-tis-function-path"
+    fn, path, args = tis
+    if response_lengths is None:
+        raise ValueError(f"{flag} needs the micro-batch's response lengths")
+    ends = cu_seqlens[1:].tolist()
+    spans = [(int(e) - r, int(e)) for e, r in zip(ends, response_lengths)]
+    idx = torch.cat([torch.arange(a, b, device=pg_loss.device) for a, b in spans]) if spans else \
+        torch.zeros(0, dtype=torch.long, device=pg_loss.device)
+
+    def per_sample(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x[a:b] for a, b in spans]
+
+    total = sum(b - a for a, b in spans)
+    out = call_hook(flag, path, fn, args, pg_loss=pg_loss[idx], train_log_probs=per_sample(old_log_probs),
+                    rollout_log_probs=per_sample(rollout_log_probs), loss_masks=per_sample(loss_mask),
+                    total_lengths=[int(b - a) for a, b in zip(cu_seqlens[:-1].tolist(), ends)],
+                    response_lengths=list(response_lengths))
+    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], torch.Tensor) and isinstance(out[2], dict)):
+        raise HookError.of(flag, path, f"returned {type(out).__name__}; expected (pg_loss, loss_masks, metrics)")
+    pg, masks, metrics = out
+    masks = torch.cat(list(masks)) if isinstance(masks, (list, tuple)) else masks
+    if pg.shape != (total,) or not isinstance(masks, torch.Tensor) or masks.shape != (total,):
+        raise HookError.of(flag, path, f"returned pg_loss of shape {tuple(pg.shape)} and masks of "
+                                       f"{tuple(getattr(masks, 'shape', ()))}; both must cover the {total} response "
+                                       "tokens it was given ([ΣR], or masks as a list of [R_i])")
+    full, kept = torch.zeros_like(pg_loss), torch.zeros_like(loss_mask)
+    full[idx], kept[idx] = pg.to(pg_loss.dtype), masks.to(loss_mask.dtype).detach()
+    stats: dict[str, torch.Tensor] = {}
+    for k, v in metrics.items():
+        v = torch.as_tensor(v, device=pg_loss.device)
+        if not str(k).isidentifier() or v.numel() not in (1, total):
+            raise HookError.of(flag, path, f"returned metric {k!r} of {v.numel()} values; metrics are per-token "
+                                           f"tensors [{total}] (or scalars) under names like 'tis_abs'")
+        t = torch.zeros_like(pg_loss)
+        t[idx] = v.detach().to(pg_loss.dtype).expand(total)
+        stats[k if str(k).startswith("tis") else f"tis_{k}"] = (t * loss_mask).sum()
+    return full * kept, stats
 
 
 def sft_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.Tensor, loss_mask: torch.Tensor,
@@ -171,11 +227,13 @@ def custom_objective(fn: Callable, path: str, args: Any, spec: LossSpec, *, log_
 def step_objective(spec: LossSpec, *, custom: tuple[Callable, str, Any] | None, sample_ids: list[int],
                    log_probs: torch.Tensor, entropy: torch.Tensor, old_log_probs: torch.Tensor | None,
                    ref_log_probs: torch.Tensor | None, rollout_log_probs: torch.Tensor, advantages: torch.Tensor,
-                   loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float
+                   loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float,
+                   tis: tuple[Callable, str, Any] | None = None, response_lengths: list[int] | None = None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The --loss-type's (loss share, stats, per-sample losses) of one packed micro-batch: the one dispatch every
     train backend calls. `custom` is (function, its --custom-loss-function-path, the args it is given) for
-    custom_loss; old_log_probs may be None only for sft_loss, which reads none of them."""
+    custom_loss, `tis` the same for --custom-tis-function-path; old_log_probs may be None only for sft_loss,
+    which reads none of them."""
     if spec.loss_type == "sft_loss":
         return sft_objective(spec, log_probs=log_probs, entropy=entropy, loss_mask=loss_mask, cu_seqlens=cu_seqlens,
                              denominator=denominator)
@@ -189,7 +247,7 @@ def step_objective(spec: LossSpec, *, custom: tuple[Callable, str, Any] | None, 
             raise ValueError("--loss-type custom_loss without its function (--custom-loss-function-path)")
         fn, path, args = custom
         return custom_objective(fn, path, args, spec, sample_ids=sample_ids, **tensors)
-    return policy_objective(spec, **tensors)
+    return policy_objective(spec, **tensors, tis=tis, response_lengths=response_lengths)
 
 
 def value_objective(spec: LossSpec, *, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -95,7 +95,12 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/kl", None, "KL to the frozen reference (`--ref-load`, else the initial weights), token mean, "
                                 "`--kl-loss-type`; logged every rollout with a KL term (`--use-kl-loss`, "
                                 "`--kl-coef`) or `--log-kl`, else on the run's first step only (RF01)"),
-    MetricDoc("train/tis_clipfrac", None, "`--use-tis`: share of tokens whose importance weight was clipped"),
+    MetricDoc("train/tis_clipfrac", None, "`--use-tis`: share of tokens whose importance weight was clipped (with "
+                                          "`--custom-tis-function-path`: the function's own `tis_clipfrac`, if it "
+                                          "returns one)"),
+    MetricDoc("train/tis_<key>", None, "`--custom-tis-function-path`: a per-token metric the function returned "
+                                       "(`tis_<key>`, or `<key>` itself when it starts with tis, e.g. train/tis and "
+                                       "train/tis_abs of examples/hooks.py:icepop), the mean over the trained tokens"),
     MetricDoc("train/opsm_masked", None, "`--use-opsm`: share of the trained tokens left out of the policy loss "
                                          "(samples with a negative advantage that drifted past --opsm-delta)"),
     MetricDoc("train/value_loss", "min", "ppo: the critic's clipped value loss, token mean"),

@@ -42,6 +42,16 @@ def custom_loss_of(cfg) -> tuple[Any, str, Any] | None:
         cfg.custom_loss_function_path, cfg
 
 
+def custom_tis_of(cfg) -> tuple[Any, str, Any] | None:
+    """--custom-tis-function-path: (the function, its path, the args it is given); None for --use-tis's clamp."""
+    if not cfg.custom_tis_function_path:
+        return None
+    from engine.rewards import load_function
+
+    return load_function(cfg.custom_tis_function_path, "--custom-tis-function-path"), \
+        cfg.custom_tis_function_path, cfg
+
+
 class TrainBackend(Protocol):
     #: the weights are sharded over ranks: model_state / save / export / ipc_export are collectives every rank joins
     collective: bool

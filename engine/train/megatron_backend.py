@@ -38,7 +38,7 @@ from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
 from engine.train.optim import lr_lambda
-from engine.train.backend import custom_loss_of
+from engine.train.backend import custom_loss_of, custom_tis_of
 from engine.train.torch_backend import SUMMED, rng_state, set_rng_state
 
 log = logging.getLogger("rollflow.megatron")
@@ -117,6 +117,7 @@ class MegatronBackend:
         self.cfg, self.train_iters = cfg, train_iters
         self.spec = LossSpec.of(cfg)
         self.custom_loss = custom_loss_of(cfg)  # (function, path, args) for --loss-type custom_loss
+        self.custom_tis = custom_tis_of(cfg)  # the same for --custom-tis-function-path
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
@@ -384,12 +385,14 @@ class MegatronBackend:
             loss, stats, _ = step_objective(spec, custom=self.custom_loss, sample_ids=mb.sample_ids, log_probs=lp,
                                             entropy=ent, old_log_probs=a["old"], ref_log_probs=a["ref"],
                                             rollout_log_probs=a["rollout"], advantages=a["adv"],
-                                            loss_mask=a["mask"], cu_seqlens=a["cu"], denominator=denom)
+                                            loss_mask=a["mask"], cu_seqlens=a["cu"], denominator=denom,
+                                            tis=self.custom_tis, response_lengths=mb.response_lengths)
             with torch.no_grad():
                 zero = torch.zeros((), device=lp.device)
                 dev_ratio = ((torch.exp(lp - a["old"]) - 1).abs() * a["mask"]).max() \
                     if mb.num_tokens and a["old"] is not None else zero
-                row = {k: v.detach().float() for k, v in stats.items() if k in SUMMED or k.startswith("custom_")}
+                row = {k: v.detach().float() for k, v in stats.items()
+                       if k in SUMMED or k.startswith(("custom_", "tis"))}
                 row.update(tokens=stats["tokens"].float(), loss_total=loss.detach().float(), ratio_maxdev=dev_ratio)
             return loss, {"stats": row}
 

@@ -38,7 +38,7 @@ import torch
 from engine.algorithms import LossSpec, step_objective
 from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
-from engine.train.backend import custom_loss_of
+from engine.train.backend import custom_loss_of, custom_tis_of
 from engine.train.checks import nan_diagnosis
 from engine.train.forward import packed_forward, use_varlen_attention
 from engine.train.optim import gather_lists, make_optimizer, reset_state, sync_and_clip
@@ -69,6 +69,7 @@ class TorchBackend:
         self.cuda = self.device.type == "cuda"
         self.spec = LossSpec.of(cfg)
         self.custom_loss = custom_loss_of(cfg)  # (function, path, args) for --loss-type custom_loss
+        self.custom_tis = custom_tis_of(cfg)  # the same for --custom-tis-function-path
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
@@ -198,7 +199,7 @@ class TorchBackend:
             loss.backward()
             with torch.no_grad():
                 for k, v in stats.items():
-                    if k in SUMMED or k.startswith("custom_"):
+                    if k in SUMMED or k.startswith(("custom_", "tis")):
                         sums[k] = sums.get(k, zero) + v.to(dev).double()
                 tokens += stats["tokens"].double()
                 loss_total += loss.detach().double()
@@ -242,7 +243,8 @@ class TorchBackend:
         return step_objective(self.spec, custom=self.custom_loss, sample_ids=mb.sample_ids, log_probs=lp,
                               entropy=ent, old_log_probs=old, ref_log_probs=ref,
                               rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev),
-                              loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom)
+                              loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom,
+                              tis=self.custom_tis, response_lengths=mb.response_lengths)
 
     def _non_finite_step(self, mbs: list[MicroBatch], bad_ids: list[int], loss_total: float,
                          grad_norm: float) -> None:
