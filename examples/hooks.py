@@ -146,13 +146,15 @@ def icepop(args, *, pg_loss, train_log_probs: list, rollout_log_probs: list, los
     """IcePop (slime's icepop_function): a token whose ratio π_train_old / π_rollout lies outside
     [--tis-clip-low, --tis-clip] gets weight 0 (TIS would clamp it), the others weight ratio. pg_loss is the
     response tokens' policy loss [ΣR]; the log-probs and masks are lists of [R_i]. Its metrics are logged as
-    train/tis (the mean ratio), train/tis_clipfrac (the share zeroed) and train/tis_abs (mean |ratio − 1|)."""
+    train/tis (the mean ratio), train/tis_clipfrac (the share zeroed) and train/tis_abs (mean |ratio − 1|).
+    Without --use-tis (--get-mismatch-metrics) it leaves the loss as it is and only measures, as slime's MIS
+    helper does."""
     import torch
 
     ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))  # [ΣR]
     weight = torch.where((ratio >= args.tis_clip_low) & (ratio <= args.tis_clip), ratio, torch.zeros_like(ratio))
     metrics = {"tis": ratio.detach(), "tis_clipfrac": (weight != ratio).float(), "tis_abs": (ratio - 1).abs().detach()}
-    return pg_loss * weight, loss_masks, metrics
+    return (pg_loss * weight if args.use_tis else pg_loss), loss_masks, metrics
 
 
 # --custom-advantage-function-path examples/hooks.py:rloo_advantages

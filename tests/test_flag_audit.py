@@ -152,6 +152,7 @@ FLAG_TESTS = {
     "loss_type": "test_sft.py::test_sft_loss_is_the_answers_negative_log_likelihood",
     "custom_loss_function_path": "test_sft.py::test_a_custom_loss_gets_the_packed_batch_and_its_metrics_are_step_values",
     "custom_tis_function_path": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
+    "get_mismatch_metrics": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
     "custom_advantage_function_path":
         "test_sft.py::test_a_custom_advantage_function_gets_each_samples_response_and_sets_its_advantages",
     "advantage_estimator": "test_train_backend.py::test_each_estimator_trains",

@@ -261,6 +261,6 @@ def test_a_custom_tis_function_in_slimes_contract_sees_each_samples_response_tok
         run((lambda args, **kw: kw["pg_loss"], "m:f", args))
     with pytest.raises(HookError, match="must cover the"):
         run((lambda args, **kw: (kw["pg_loss"][:3], kw["loss_masks"], {}), "m:f", args))
-    with pytest.raises(ConfigError, match="without --use-tis it would do nothing"):
+    with pytest.raises(ConfigError, match="without --use-tis or --get-mismatch-metrics it would do nothing"):
         RunConfig(custom_tis_function_path="examples/hooks.py:icepop")
     assert RunConfig(use_tis=True, custom_tis_function_path="examples/hooks.py:icepop").custom_tis_function_path

@@ -658,7 +658,7 @@ def test_a_custom_tis_function_weights_the_step_and_logs_its_metrics(tiny_model)
     log-probs within ±1 of the trainer's put some ratios outside [--tis-clip-low, --tis-clip], which IcePop zeroes
     where --use-tis clamps, so the step's loss differs; its metrics arrive as train/tis, tis_clipfrac, tis_abs."""
     def step(**over):
-        w = make_worker(make_cfg(tiny_model, use_tis=True, tis_clip=1.5, tis_clip_low=0.5, **over))
+        w = make_worker(make_cfg(tiny_model, **({"use_tis": True, "tis_clip": 1.5, "tis_clip_low": 0.5} | over)))
         steps, rewards = one_rollout()
         g = torch.Generator().manual_seed(3)
         for mb, lp in zip(steps[0], w.backend.compute_log_probs(steps[0])):
@@ -671,3 +671,10 @@ def test_a_custom_tis_function_weights_the_step_and_logs_its_metrics(tiny_model)
     share = ice["tis_clipfrac_sum"] / ice["tis_clipfrac_count"]
     assert share == pytest.approx(clamp["tis_clipfrac_sum"] / clamp["tis_clipfrac_count"]) and 0 < share < 1
     assert ice["loss_total"] != pytest.approx(clamp["loss_total"], rel=1e-4)
+    # --get-mismatch-metrics: the same function without --use-tis measures and leaves the loss unweighted
+    plain = step(use_tis=False)
+    measured = step(use_tis=False, get_mismatch_metrics=True, custom_tis_function_path="examples/hooks.py:icepop")
+    assert measured["loss_total"] == plain["loss_total"] and "tis_abs_sum" not in plain
+    assert measured["tis_abs_sum"] == pytest.approx(ice["tis_abs_sum"])
+    with pytest.raises(ConfigError, match="--get-mismatch-metrics calls --custom-tis-function-path"):
+        make_cfg(tiny_model, get_mismatch_metrics=True)

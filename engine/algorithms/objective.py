@@ -39,6 +39,7 @@ class LossSpec:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    mismatch_metrics: bool = False  # --get-mismatch-metrics: the custom TIS function runs without --use-tis
     use_opsm: bool = False
     opsm_delta: float = 1e-4
     per_token_loss: bool = False
@@ -52,7 +53,8 @@ class LossSpec:
                    eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
                    use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
                    unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip,
-                   tis_clip_low=cfg.tis_clip_low, use_opsm=cfg.use_opsm, opsm_delta=cfg.opsm_delta,
+                   tis_clip_low=cfg.tis_clip_low, mismatch_metrics=cfg.get_mismatch_metrics,
+                   use_opsm=cfg.use_opsm, opsm_delta=cfg.opsm_delta,
                    per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip)
 
 
@@ -95,7 +97,7 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
             masked = ((advantages < 0) & (seq_kl[segment_ids(cu_seqlens)] > spec.opsm_delta)).to(pg.dtype) * m
         pg = pg * (1 - masked)
         stats["opsm_masked"] = masked.sum()
-    if spec.use_tis and tis is not None:
+    if (spec.use_tis or spec.mismatch_metrics) and tis is not None:
         pg, tis_stats = custom_tis(tis, pg_loss=pg, old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs,
                                    loss_mask=m, cu_seqlens=cu_seqlens, response_lengths=response_lengths)
         stats.update(tis_stats)

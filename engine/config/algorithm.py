@@ -99,8 +99,11 @@ class AlgorithmArgs(Section):
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the TIS weight."""
 
+    get_mismatch_metrics: bool = False
+    """Call --custom-tis-function-path on every micro-batch even without --use-tis, for its train–inference mismatch metrics (slime's flag; the function decides what it does to the loss, e.g. slime's MIS helper returns it unchanged when args.use_tis is off). Needs --custom-tis-function-path."""
+
     custom_tis_function_path: Optional[str] = None
-    """Your importance weighting in place of --use-tis's clamp (slime's flag and contract): `fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)`, called per micro-batch with --use-tis. pg_loss is the response tokens' policy loss, concatenated [ΣR]; the log-probs and masks are lists of [R_i] per sample (the trainer's old log-probs, the engine's). It returns the weighted pg_loss [ΣR], the masks (a token set to 0 leaves the loss — rejection sampling — while the per-sample denominators stay), and metrics: per-token tensors [ΣR] logged as train/<key> (train/tis_<key> unless the key starts with tis), token means over the trained tokens. slime's vanilla_tis_function and icepop_function run unchanged. module:function or path/to/file.py:function."""
+    """Your importance weighting in place of --use-tis's clamp (slime's flag and contract): `fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)`, called per micro-batch with --use-tis (or --get-mismatch-metrics). pg_loss is the response tokens' policy loss, concatenated [ΣR]; the log-probs and masks are lists of [R_i] per sample (the trainer's old log-probs, the engine's). It returns the weighted pg_loss [ΣR], the masks (a token set to 0 leaves the loss — rejection sampling — while the per-sample denominators stay), and metrics: per-token tensors [ΣR] logged as train/<key> (train/tis_<key> unless the key starts with tis), token means over the trained tokens. slime's vanilla_tis_function and icepop_function run unchanged. module:function or path/to/file.py:function."""
 
     use_mis: bool = False
     """Masked importance sampling (IcePop-style): tokens whose π_train_old / π_rollout falls outside [--mis-low, --mis-high] are masked out of the loss (and its token counts); the others keep their weight (with --use-tis, truncated)."""
@@ -224,13 +227,23 @@ class AlgorithmArgs(Section):
         if self.mis_low >= self.mis_high:
             raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
                       "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)
-        if self.custom_tis_function_path and not (self.use_tis and self.loss_type == "policy_loss"):
+        if self.custom_tis_function_path and not ((self.use_tis or self.get_mismatch_metrics)
+                                                   and self.loss_type == "policy_loss"):
             raise err(f"--custom-tis-function-path {self.custom_tis_function_path!r} replaces --use-tis's weights in "
-                      f"the policy loss: without --use-tis" + (f" (and with --loss-type {self.loss_type})"
-                                                               if self.loss_type != "policy_loss" else "")
+                      f"the policy loss: without --use-tis or --get-mismatch-metrics" + (
+                          f" (and with --loss-type {self.loss_type})" if self.loss_type != "policy_loss" else "")
                       + " it would do nothing", "add --use-tis (with --loss-type policy_loss), or drop "
                       "--custom-tis-function-path", field="custom_tis_function_path",
                       value=self.custom_tis_function_path)
+        if self.get_mismatch_metrics and not self.custom_tis_function_path:
+            raise err("--get-mismatch-metrics calls --custom-tis-function-path for its metrics, and none is given",
+                      "--custom-tis-function-path module:function (e.g. examples/hooks.py:icepop), or drop "
+                      "--get-mismatch-metrics (train/mismatch is logged anyway)", field="get_mismatch_metrics")
+        if self.get_mismatch_metrics and self.use_rollout_logprobs:
+            raise err("--get-mismatch-metrics with --use-rollout-logprobs: the old log-probs are the engine's, so "
+                      "the function would compare the engine with itself",
+                      "drop --use-rollout-logprobs (the trainer then computes the old log-probs), or drop "
+                      "--get-mismatch-metrics", field="get_mismatch_metrics")
         if self.tis_clip_low > self.tis_clip:
             raise err(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}",
                       f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",
