@@ -427,10 +427,12 @@ def opd_teacher_usable(cfg, env: Environment) -> list[Diagnosis]:
 
 def _megatron_shape(hf_config: dict) -> str:
     """The Megatron mapping's ModelShape of an HF config, or why it cannot map it (compared as text)."""
+    import dataclasses
+
     from engine.train.megatron_mapping import shape_from_hf_config
 
-    try:
-        return str(shape_from_hf_config(hf_config))
+    try:  # the position limit changes no weight
+        return str(dataclasses.replace(shape_from_hf_config(hf_config), max_position_embeddings=0))
     except (NotImplementedError, KeyError, TypeError, ValueError) as e:
         return f"not mappable: {e}"
 

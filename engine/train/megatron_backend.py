@@ -17,6 +17,7 @@ default --weight-decay 0 makes the two identical).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -567,13 +568,14 @@ class MegatronBackend:
 
         if (root / "config.json").is_file():
             hf_config = json.loads((root / "config.json").read_text())
-            if shape_from_hf_config(hf_config) != self.shape:
+            theirs = dataclasses.replace(shape_from_hf_config(hf_config), max_position_embeddings=0)
+            if theirs != dataclasses.replace(self.shape, max_position_embeddings=0):  # (the limit changes no weight)
                 from engine.diagnosis import ConfigError, Diagnosis
 
                 raise ConfigError(Diagnosis(
                     code="CONFIG", severity="error",
-                    what=f"{what} {root}: its architecture ({shape_from_hf_config(hf_config)}) is not the "
-                         f"policy's ({self.shape}); the megatron backend loads it into the policy's model",
+                    what=f"{what} {root}: its architecture ({theirs}) is not the policy's ({self.shape}); the "
+                         "megatron backend loads it into the policy's model",
                     fix="weights of the policy's architecture" + (
                         ", or --opd-type sglang for a teacher of another size" if what.startswith("--opd") else ""),
                     facts={"field": what.lstrip("-").replace("-", "_"), "value": str(root)}))
