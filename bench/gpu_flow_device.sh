@@ -2,7 +2,7 @@
 # The GPU flow on the lent machine (the device tool, kind nvidia-h200), from the repository root, carry [".gpu"]:
 #   bash bench/gpu_flow_device.sh STEP...
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | parallel
-#          | regress (also SFT then OPD on the megatron backend, and the demo on a `rollflow serve`) | side-by-side
+#          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -29,12 +29,15 @@ for step in "$@"; do
          > "$OUT/pytest_megatron.txt" 2>&1) &
       python3 bench/gpu_flow.py demo --backend torch --out "$OUT" --timeout 480 &
       python3 bench/gpu_flow.py debug --backend torch --out "$OUT" --timeout 240 > "$OUT/gpu_debug.txt" 2>&1 &
-      python3 bench/gpu_flow.py distill --backend megatron --bf16 --out "$OUT" --timeout 240 \
-        > "$OUT/gpu_distill.txt" 2>&1 &
       python3 bench/gpu_flow.py external --backend torch --out "$OUT" --timeout 240 > "$OUT/gpu_external.txt" 2>&1 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --out "$OUT" --timeout 500
       wait; tail -n 4 "$OUT/pytest_gpu.txt" "$OUT/pytest_megatron.txt"; tail -30 "$OUT/gpu_debug.txt"
-      tail -12 "$OUT/gpu_distill.txt"; tail -4 "$OUT/gpu_external.txt" ;;
+      tail -4 "$OUT/gpu_external.txt" ;;
+    megatron-flags)  # slime's training flags on the megatron backend: the GPU test against the torch backend, then
+                     # (once rollflow train no longer refuses them there) SFT then OPD through the flow
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_backend.py -k torch_backends \
+        --timeout 380 > "$OUT/pytest_megatron_flags.txt" 2>&1; tail -25 "$OUT/pytest_megatron_flags.txt"
+      python3 bench/gpu_flow.py distill --backend megatron --bf16 --out "$OUT" --timeout 240 ;;
     side-by-side)  # three runs start their engines at the same moment on one GPU (each its own Ray cluster: the
                    # port race of two registries both starting at 30000), then the 0.5B shape runs on alone
       python3 bench/gpu_flow.py demo --backend torch --out "$OUT" --timeout 400 &
