@@ -210,12 +210,13 @@ def distill(backend: str, bf16: bool, out: Path, timeout_s: float) -> int:
         shutil.rmtree(c, ignore_errors=True)
     train = ["--train-backend", backend, *(["--bf16"] if bf16 else [])]
     meta = {"train_backend": backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"}
-    runs = {"sft": run(f"sft_{backend}_{precision}", ["--config", "examples/sft.yaml", *train, "--save", str(ck["sft"])],
-                       out, timeout_s, meta, prefix="gpu_distill")}
+    runs = {"sft": run(f"sft_{backend}_{precision}",
+                       ["--config", "examples/sft.yaml", *train, "--save", str(ck["sft"])], out, timeout_s, meta,
+                       prefix="gpu_distill")}
     if runs["sft"]["state"] == "Completed":
-        runs["opd"] = run(f"opd_{backend}_{precision}", ["--config", "examples/opd.yaml", *train, "--colocate",
-                                                         "--save", str(ck["opd"]), "--opd-teacher-load", str(ck["sft"])],
-                          out, timeout_s, meta, prefix="gpu_distill")
+        runs["opd"] = run(f"opd_{backend}_{precision}",
+                          ["--config", "examples/opd.yaml", *train, "--colocate", "--save", str(ck["opd"]),
+                           "--opd-teacher-load", str(ck["sft"])], out, timeout_s, meta, prefix="gpu_distill")
     res = {"command": f"python bench/gpu_flow.py distill --backend {backend}" + (" --bf16" if bf16 else ""),
            "machine": machine(), **{k: r["state"] for k, r in runs.items()}}
     for k, r in runs.items():

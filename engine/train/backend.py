@@ -4,8 +4,8 @@ Division of work (engine.train.worker drives it, one worker per DP rank):
   worker   old / ref log-probs (backend.compute_log_probs) and critic values, then the advantages
            (engine.algorithms.compute_advantages: the one estimator dispatch) written into mb.advantages,
            whitening over all ranks, the global trained-token count of each step
-  backend  the forward, `engine.algorithms.step_objective` (the --loss-type's) per micro-batch, gradient sync over DP, clipping,
-           the RF13 NaN policy, the optimizer step; state save / load / HF export
+  backend  the forward, `engine.algorithms.step_objective` (the --loss-type's) per micro-batch, gradient sync
+           over DP, clipping, the RF13 NaN policy, the optimizer step; state save / load / HF export
 Log-prob tensors are [T], aligned with the micro-batch's flat tokens; entries with loss_mask 0 are not used by
 anything (the torch backend leaves them 0).
 """

@@ -397,8 +397,9 @@ class MegatronBackend:
                 row.update(tokens=stats["tokens"].float(), loss_total=loss.detach().float(), ratio_maxdev=dev_ratio)
             return loss, {"stats": row}
 
+        # a custom loss may use the entropy's gradient
         outs = self._run(mbs, loss_fn, forward_only=False,
-                         entropy_grad=spec.entropy_coef != 0 or self.custom_loss is not None)  # a custom loss may use it
+                         entropy_grad=spec.entropy_coef != 0 or self.custom_loss is not None)
         # one device → host transfer for the step's numbers: Σ over micro-batches (the ratio check: max)
         keys = sorted({k for o in outs for k in o["stats"]})
         zero = torch.zeros((), device=dev)
