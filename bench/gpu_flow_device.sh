@@ -34,7 +34,7 @@ for step in "$@"; do
       wait; tail -n 4 "$OUT/pytest_gpu.txt" "$OUT/pytest_megatron.txt"; tail -30 "$OUT/gpu_debug.txt"
       tail -4 "$OUT/gpu_external.txt" ;;
     megatron-flags)  # slime's training flags on the megatron backend: the GPU test against the torch backend, then
-                     # (once rollflow train no longer refuses them there) SFT then OPD through the flow
+                     # SFT then OPD through the flow
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_backend.py -k torch_backends \
         --timeout 380 > "$OUT/pytest_megatron_flags.txt" 2>&1; tail -25 "$OUT/pytest_megatron_flags.txt"
       python3 bench/gpu_flow.py distill --backend megatron --bf16 --out "$OUT" --timeout 240 ;;

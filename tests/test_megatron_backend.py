@@ -153,8 +153,8 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     hf = _tiny_qwen2(tmp_path / "hf")
     mbs = _micro_batches()
 
-    def both(**over):  # (the config of a torch run: rollflow train refuses these flags on megatron until this passes)
-        cfg = small_cfg(hf_checkpoint=hf, lr=1e-3, **over)
+    def both(**over):
+        cfg = small_cfg(hf_checkpoint=hf, train_backend="megatron", lr=1e-3, **over)
         return MegatronBackend(cfg, params_dtype="float32"), TorchBackend(cfg)
 
     # sft_loss: no old log-probs at all

@@ -165,9 +165,8 @@ def test_opsm_leaves_drifted_samples_with_negative_advantages_out_of_the_policy_
     assert LossSpec.of(RunConfig(use_opsm=True, opsm_delta=0.5)).opsm_delta == 0.5
     with pytest.raises(ConfigError, match="--opsm-delta 0.5 without --use-opsm would do nothing"):
         RunConfig(opsm_delta=0.5)
-    # policy_objective is the megatron backend's loss too; refused there until its GPU test has run
-    with pytest.raises(ConfigError, match="--use-opsm with --train-backend megatron"):
-        RunConfig(use_opsm=True, train_backend="megatron")
+    # policy_objective is the megatron backend's loss too (compared with torch's in tests/test_megatron_backend.py)
+    assert LossSpec.of(RunConfig(use_opsm=True, train_backend="megatron")).use_opsm
 
 
 def test_value_objective_is_split_invariant_too():

@@ -109,7 +109,6 @@ def test_a_teacher_from_a_checkpoint_iteration_and_the_errors_that_name_it(tmp_p
     (dict(use_opd=True, opd_type="sglang", opd_teacher_url="h:1", opd_teacher_load="t"), "which --opd-type sglang"),
     (dict(**OPD, opd_teacher_load="t", opd_teacher_url="h:1"), "--opd-teacher-url is read only with --opd-type"),
     (dict(opd_teacher_url="h:1"), "--opd-teacher-url without --use-opd"),
-    (dict(**OPD, opd_teacher_load="t", train_backend="megatron"), "--use-opd with --train-backend megatron"),
     (dict(use_opd=True, opd_type="sglang", opd_teacher_url="h"), "--opd-teacher-url: 'h' is not host:port"),
     (dict(**OPD, opd_teacher_load="t", loss_type="sft_loss"), "--loss-type sft_loss does not read"),
 ])
@@ -225,13 +224,9 @@ def test_the_doctor_finds_a_teacher_that_cannot_load_before_anything_starts(tmp_
     wider.intermediate_size *= 2
     AutoModelForCausalLM.from_config(wider).save_pretrained(tmp_path / "wider")
     assert found(opd_teacher_load=str(tmp_path / "wider")) == []
-    as_megatron = lambda **over: [  # noqa: E731 — megatron refuses --use-opd until its GPU test has run
-        d.what for d in opd_teacher_usable(RunConfig(hf_checkpoint=BUNDLED_MODEL, use_opd=True, opd_type="megatron",
-                                                     **over).model_copy(update={"train_backend": "megatron"}),
-                                           Environment()) if d.severity == "error"]
-    (what,) = as_megatron(opd_teacher_load=str(tmp_path / "wider"))
+    (what,) = found(opd_teacher_load=str(tmp_path / "wider"), train_backend="megatron")
     assert "not the student's architecture" in what and f"ffn_hidden_size={wider.intermediate_size}" in what, what
-    assert as_megatron(opd_teacher_load=_teacher(tmp_path / "teacher")) == []
+    assert found(opd_teacher_load=_teacher(tmp_path / "teacher"), train_backend="megatron") == []
 
 
 def test_served_teacher_log_probs_reach_the_penalty_and_a_batch_without_trained_samples_needs_none():

@@ -102,7 +102,6 @@ def test_the_sft_rollout_wants_one_sample_per_row():
     (dict(SFT, use_kl_loss=True, kl_loss_coef=0.1), "--use-kl-loss would do nothing"),
     (dict(SFT, use_tis=True, entropy_coef=0.01), "--use-tis, --entropy-coef would do nothing"),
     (dict(SFT, advantage_estimator="ppo"), "--advantage-estimator ppo would do nothing"),
-    (dict(SFT, train_backend="megatron"), "its GPU test (tests/test_megatron_backend.py, against the torch"),
     (dict(SFT, custom_advantage_function_path="m:f"), "--custom-advantage-function-path would do nothing"),
     (dict(loss_type="custom_loss"), "--loss-type custom_loss needs --custom-loss-function-path"),
     (dict(custom_loss_function_path="m:f"), "is called only with --loss-type custom_loss (now policy_loss)"),

@@ -289,18 +289,6 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise config_error("--disable-rewards-normalization with --custom-reward-post-process-path: the hook's "
                                 "rewards already replace the normalisation (they are used as they are)",
                                 "drop --disable-rewards-normalization", field="disable_rewards_normalization")
-        for flag, on in ((f"--loss-type {self.loss_type}", self.loss_type != "policy_loss"),
-                         ("--use-opsm", self.use_opsm), ("--use-opd", self.use_opd),
-                         ("--ref-update-interval", self.ref_update_interval),
-                         ("--reset-optimizer-states", self.reset_optimizer_states),
-                         ("--custom-tis-function-path", self.custom_tis_function_path)):
-            if on and self.train_backend == "megatron":
-                name = flag.split(" ")[0]
-                raise config_error(f"{flag} with --train-backend megatron: the megatron backend has the code, but "
-                                    "its GPU test (tests/test_megatron_backend.py, against the torch backend) has "
-                                    "not run yet, so it is refused until it has",
-                                    f"--train-backend torch (on a GPU too), or drop {name}",
-                                    field=name[2:].replace("-", "_"))
         for flag, on in (("--freeze-params-name-list", self.freeze_params_name_list),
                          ("--only-train-params-name-list", self.only_train_params_name_list)):
             if on and self.train_backend != "torch":
