@@ -31,25 +31,16 @@ def create_backend(cfg, *, rank: int, world_size: int, master: str | None, train
         cfg, rank=rank, world_size=world_size, master=master, train_iters=train_iters, device=device)
 
 
-def custom_loss_of(cfg) -> tuple[Any, str, Any] | None:
-    """--loss-type custom_loss: (the --custom-loss-function-path function, its path, the args it is given);
-    None for the built-in losses."""
-    if cfg.loss_type != "custom_loss":
+def step_hook(cfg, field: str) -> tuple[Any, str, Any] | None:
+    """A train-step hook as (the function, its path, the args it is given), None when its flag is unset: field
+    custom_loss_function_path (set exactly with --loss-type custom_loss: the config checks) or
+    custom_tis_function_path."""
+    path = getattr(cfg, field)
+    if not path:
         return None
     from engine.rewards import load_function
 
-    return load_function(cfg.custom_loss_function_path, "--custom-loss-function-path"), \
-        cfg.custom_loss_function_path, cfg
-
-
-def custom_tis_of(cfg) -> tuple[Any, str, Any] | None:
-    """--custom-tis-function-path: (the function, its path, the args it is given); None for --use-tis's clamp."""
-    if not cfg.custom_tis_function_path:
-        return None
-    from engine.rewards import load_function
-
-    return load_function(cfg.custom_tis_function_path, "--custom-tis-function-path"), \
-        cfg.custom_tis_function_path, cfg
+    return load_function(path, "--" + field.replace("_", "-")), path, cfg
 
 
 class TrainBackend(Protocol):

@@ -39,7 +39,7 @@ from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
 from engine.train.optim import lr_lambda
-from engine.train.backend import custom_loss_of, custom_tis_of
+from engine.train.backend import step_hook
 from engine.train.torch_backend import SUMMED, rng_state, set_rng_state
 
 log = logging.getLogger("rollflow.megatron")
@@ -117,8 +117,8 @@ class MegatronBackend:
 
         self.cfg, self.train_iters = cfg, train_iters
         self.spec = LossSpec.of(cfg)
-        self.custom_loss = custom_loss_of(cfg)  # (function, path, args) for --loss-type custom_loss
-        self.custom_tis = custom_tis_of(cfg)  # the same for --custom-tis-function-path
+        self.custom_loss = step_hook(cfg, "custom_loss_function_path")  # (function, path, args) or None
+        self.custom_tis = step_hook(cfg, "custom_tis_function_path")
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)

@@ -38,7 +38,7 @@ import torch
 from engine.algorithms import LossSpec, step_objective
 from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
-from engine.train.backend import custom_loss_of, custom_tis_of
+from engine.train.backend import step_hook
 from engine.train.checks import nan_diagnosis
 from engine.train.forward import packed_forward, use_varlen_attention
 from engine.train.optim import gather_lists, make_optimizer, reset_state, sync_and_clip
@@ -68,8 +68,8 @@ class TorchBackend:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.spec = LossSpec.of(cfg)
-        self.custom_loss = custom_loss_of(cfg)  # (function, path, args) for --loss-type custom_loss
-        self.custom_tis = custom_tis_of(cfg)  # the same for --custom-tis-function-path
+        self.custom_loss = step_hook(cfg, "custom_loss_function_path")  # (function, path, args) or None
+        self.custom_tis = step_hook(cfg, "custom_tis_function_path")
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
