@@ -157,6 +157,25 @@ def icepop(args, *, pg_loss, train_log_probs: list, rollout_log_probs: list, los
     return (pg_loss * weight if args.use_tis else pg_loss), loss_masks, metrics
 
 
+# --custom-pg-loss-reducer-function-path examples/hooks.py:dr_grpo_reducer (with --disable-grpo-std-normalization)
+DR_GRPO_DIVISOR = 8.0  # a constant for every sample: the generation budget, the demo's --rollout-max-response-len
+
+
+def dr_grpo_reducer(total_lengths: list, response_lengths: list, loss_masks: list,
+                    calculate_per_token_loss: bool = False):
+    """Dr.GRPO's aggregation (slime's examples/DrGRPO): each sample's policy loss summed over its trained tokens
+    and divided by the same constant, instead of by its own token count, so that long wrong answers are not
+    penalised less per token. With --calculate-per-token-loss the default token sum is already length-unbiased and
+    is returned as is. The reducer maps the micro-batch's response-token pg_loss [ΣR] to its sum over samples."""
+    def reduce(pg_loss):
+        parts = pg_loss.split(list(response_lengths))
+        if calculate_per_token_loss:
+            return sum((x * m).sum() for x, m in zip(parts, loss_masks))
+        return sum((x * m).sum() / DR_GRPO_DIVISOR for x, m in zip(parts, loss_masks))
+
+    return reduce
+
+
 # --custom-advantage-function-path examples/hooks.py:rloo_advantages
 def rloo_advantages(args, rollout_data: dict) -> None:
     """RLOO as an advantage function (slime's contract): each sample's advantage is its reward minus the mean of

@@ -143,8 +143,9 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     """slime's flags that were torch-only, on the megatron backend, each against the torch backend in fp32 on the
     same weights and batch: --loss-type sft_loss and custom_loss (a custom metric included), --use-opsm (the
     tokens it masks), --use-opd --opd-type megatron (the teacher's log-probs; the policy's unchanged after),
-    --ref-update-interval (update_ref; the moved reference saved and loaded with the checkpoint) and
-    --reset-optimizer-states (Adam's moments zero; the next steps as torch's)."""
+    --ref-update-interval (update_ref; the moved reference saved and loaded with the checkpoint),
+    --reset-optimizer-states (Adam's moments zero; the next steps as torch's) and
+    --custom-pg-loss-reducer-function-path (Dr.GRPO)."""
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.torch_backend import TorchBackend
 
@@ -194,6 +195,13 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     assert 0 < m["tis_clipfrac_sum"] < m["tis_clipfrac_count"]
     del mg, tb
     mbs = _micro_batches()
+
+    # --custom-pg-loss-reducer-function-path: examples/hooks.py's Dr.GRPO reducer
+    mg, tb = both(custom_pg_loss_reducer_function_path="examples/hooks.py:dr_grpo_reducer")
+    old = tb.compute_log_probs(mbs)
+    _agree(mg.train_step(mbs, old, None, 8), tb.train_step(mbs, old, None, 8), ("loss_total", "grad_norm"),
+           "dr.grpo reducer")
+    del mg, tb
 
     # --use-opd --opd-type megatron: the teacher (same architecture, other weights) swapped in and out
     teacher = tmp_path / "teacher"

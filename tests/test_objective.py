@@ -264,3 +264,72 @@ def test_a_custom_tis_function_in_slimes_contract_sees_each_samples_response_tok
     with pytest.raises(ConfigError, match="without --use-tis or --get-mismatch-metrics it would do nothing"):
         RunConfig(custom_tis_function_path="examples/hooks.py:icepop")
     assert RunConfig(use_tis=True, custom_tis_function_path="examples/hooks.py:icepop").custom_tis_function_path
+
+
+def test_a_custom_pg_loss_reducer_aggregates_the_policy_term_alone_and_dr_grpo_is_length_unbiased():
+    """--custom-pg-loss-reducer-function-path (slime's contract): examples/hooks.py's Dr.GRPO reducer gives
+    (1/G) Σ_i Σ_t pg_it / C for the policy term while entropy and KL keep the per-sample mean; the step loss and
+    its gradient are the same for any split into micro-batches; a reducer reproducing the default gives the
+    default bit for bit; a broken one is a HookError naming the flag; other loss types refuse the flag."""
+    from engine.algorithms import StepHooks, step_objective
+    from engine.algorithms.losses import policy_loss
+    from engine.algorithms.packed import per_sample_mean
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+    from engine.rollout.hooks import HookError
+    from examples.hooks import DR_GRPO_DIVISOR, dr_grpo_reducer
+
+    b = _batch(seed=9)
+    resp = [n - 1 for n in b["lens"]]  # a one-token prompt each
+    mask = b["mask"].clone()
+    for a in b["cu"][:-1].tolist():
+        mask[a] = 0
+    spec = LossSpec(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    G = len(b["lens"])
+
+    def run(reducer, samples=None, spec=spec, denom=float(G)):
+        part = _slice(b, samples) if samples else {**b, "cu": b["cu"]}
+        lens = [resp[i] for i in samples] if samples else resp
+        lp = part["lp"].clone().requires_grad_(True)
+        m = mask[int(b["cu"][samples[0]]):int(b["cu"][samples[-1] + 1])] if samples else mask
+        loss, _, _ = step_objective(spec, hooks=StepHooks(pg_reducer=reducer), sample_ids=list(range(len(lens))),
+                                    log_probs=lp, entropy=part["ent"], old_log_probs=part["old"],
+                                    ref_log_probs=part["ref"], rollout_log_probs=part["rollout"],
+                                    advantages=part["adv"], loss_mask=m, cu_seqlens=part["cu"], denominator=denom,
+                                    response_lengths=lens)
+        loss.backward()
+        return loss.detach(), lp.grad
+
+    dr = (dr_grpo_reducer, "examples/hooks.py:dr_grpo_reducer", None)
+    whole, g_whole = run(dr)
+    # closed form: the pg term summed per sample over C, the rest the default per-sample mean, all over G
+    pg, _ = policy_loss(b["lp"], b["old"], b["adv"], eps_clip=0.2)
+    default, _ = run(None)
+    rest = default - float(per_sample_mean(pg, mask, b["cu"]).sum()) / G
+    expected = float(torch.zeros(G).index_add(0, torch.repeat_interleave(torch.arange(G), torch.tensor(b["lens"])),
+                                              pg * mask).sum()) / DR_GRPO_DIVISOR / G + rest
+    assert float(whole) == pytest.approx(float(expected), rel=1e-6)
+    assert float(whole) != pytest.approx(float(default), rel=1e-3)  # it is not the default
+    # any split into micro-batches sums to the whole, gradients included
+    parts = [run(dr, s) for s in ([0, 1], [2], [3, 4, 5])]
+    assert float(sum(p[0] for p in parts)) == pytest.approx(float(whole), rel=1e-6)
+    torch.testing.assert_close(torch.cat([p[1] for p in parts]), g_whole, rtol=1e-6, atol=1e-7)
+
+    def same_as_default(total_lengths, response_lengths, loss_masks, per_token):
+        assert total_lengths == b["lens"] and response_lengths == resp and per_token is False
+        return lambda x: sum((xi * mi).sum() / mi.sum().clamp(min=1)
+                             for xi, mi in zip(x.split(response_lengths), loss_masks))
+
+    again, g_again = run((same_as_default, "t:f", None))
+    _, g_default = run(None)
+    torch.testing.assert_close(again, default, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g_again, g_default, rtol=1e-6, atol=1e-8)
+
+    with pytest.raises(HookError, match="--custom-pg-loss-reducer-function-path.*expected a reducer"):
+        run((lambda *a: 3.0, "t:f", None))
+    with pytest.raises(HookError, match="without a gradient"):
+        run((lambda *a: (lambda x: torch.tensor(float(x.sum()))), "t:f", None))
+    with pytest.raises(HookError, match="expected a scalar tensor"):
+        run((lambda *a: (lambda x: x), "t:f", None))
+    with pytest.raises(ConfigError, match="--loss-type sft_loss does not compute"):
+        RunConfig(loss_type="sft_loss", custom_pg_loss_reducer_function_path="examples/hooks.py:dr_grpo_reducer")

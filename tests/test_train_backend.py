@@ -678,3 +678,27 @@ def test_a_custom_tis_function_weights_the_step_and_logs_its_metrics(tiny_model)
     assert measured["tis_abs_sum"] == pytest.approx(ice["tis_abs_sum"])
     with pytest.raises(ConfigError, match="--get-mismatch-metrics calls --custom-tis-function-path"):
         make_cfg(tiny_model, get_mismatch_metrics=True)
+
+
+def _default_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+    """--custom-pg-loss-reducer-function-path that reproduces the default per-sample token mean."""
+    return lambda x: sum((xi * mi).sum() / mi.sum().clamp(min=1) for xi, mi in zip(x.split(response_lengths),
+                                                                                     loss_masks))
+
+
+def test_a_custom_pg_loss_reducer_reaches_the_step(tiny_model):
+    """--custom-pg-loss-reducer-function-path through the worker and the torch backend, loaded from its flag: a
+    reducer that reproduces the default gives the default step loss; examples/hooks.py's Dr.GRPO reducer another."""
+    def step(**over):
+        w = make_worker(make_cfg(tiny_model, **over))
+        steps, rewards = one_rollout()
+        w.set_rollout(steps, rewards, need_ref=False)
+        return w.train_step(0, 8)
+
+    default = step()
+    same = step(custom_pg_loss_reducer_function_path="tests/test_train_backend.py:_default_reducer")
+    dr = step(custom_pg_loss_reducer_function_path="examples/hooks.py:dr_grpo_reducer")
+    assert same["loss_total"] == pytest.approx(default["loss_total"], rel=1e-6, abs=1e-9)
+    assert same["grad_norm"] == pytest.approx(default["grad_norm"], rel=1e-5) and default["grad_norm"] > 0
+    assert dr["loss_total"] != pytest.approx(default["loss_total"], rel=1e-3)
+    assert dr["grad_norm"] != pytest.approx(default["grad_norm"], rel=1e-3)

@@ -4,10 +4,10 @@ from engine.algorithms.advantages import (ESTIMATORS, compute_advantages, discou
                                           reinforce_plus_plus_returns, whiten_stats)
 from engine.algorithms.losses import (cispo_policy_loss, gspo_policy_loss, kl, masked_mean, policy_loss, tis_weights,
                                       value_loss)
-from engine.algorithms.objective import (LossSpec, aggregate, custom_objective, policy_objective, sft_objective,
-                                         step_objective, value_objective)
+from engine.algorithms.objective import (LossSpec, StepHooks, aggregate, custom_objective, policy_objective,
+                                         sft_objective, step_objective, value_objective)
 
-__all__ = ["ESTIMATORS", "LossSpec", "aggregate", "cispo_policy_loss", "compute_advantages", "custom_objective",
+__all__ = ["ESTIMATORS", "LossSpec", "StepHooks", "aggregate", "cispo_policy_loss", "compute_advantages", "custom_objective",
            "discounted_returns",
            "gae", "grpo_advantages", "gspo_policy_loss", "kl", "masked_mean", "masked_whiten", "policy_loss",
            "policy_objective", "reinforce_plus_plus_baseline_advantages", "reinforce_plus_plus_returns",

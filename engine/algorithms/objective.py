@@ -14,7 +14,7 @@ equals the loss of the whole batch, and so do its gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Optional
 
 import torch
 
@@ -58,6 +58,32 @@ class LossSpec:
                    per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip)
 
 
+Hook = tuple[Callable, str, Any]  # a user function, the path its flag gave, the args it is called with
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """The train step's user functions (engine.train.backend.step_hooks loads them from the flags), each a Hook
+    or None: --custom-loss-function-path, --custom-tis-function-path, --custom-pg-loss-reducer-function-path."""
+
+    custom_loss: Optional[Hook] = None
+    tis: Optional[Hook] = None
+    pg_reducer: Optional[Hook] = None
+
+
+def response_spans(cu_seqlens: torch.Tensor, response_lengths: list[int] | None, flag: str
+                   ) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """Each sample's response tokens in a packed micro-batch: their (start, end) spans and their flat index [ΣR]
+    (slime's hooks see the response tokens only, concatenated)."""
+    if response_lengths is None:
+        raise ValueError(f"{flag} needs the micro-batch's response lengths")
+    ends = cu_seqlens[1:].tolist()
+    spans = [(int(e) - r, int(e)) for e, r in zip(ends, response_lengths)]
+    idx = torch.cat([torch.arange(a, b, device=cu_seqlens.device) for a, b in spans]) if spans else \
+        torch.zeros(0, dtype=torch.long, device=cu_seqlens.device)
+    return spans, idx
+
+
 def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, per_token: bool,
               denominator: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(this micro-batch's share of the step loss, per-sample losses [S]); see the module docstring."""
@@ -70,15 +96,16 @@ def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: tor
 def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.Tensor,
                      old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
                      rollout_log_probs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                     cu_seqlens: torch.Tensor, denominator: float, tis: tuple[Callable, str, Any] | None = None,
-                     response_lengths: list[int] | None = None
+                     cu_seqlens: torch.Tensor, denominator: float, tis: Hook | None = None,
+                     pg_reducer: Hook | None = None, response_lengths: list[int] | None = None
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(loss share, token sums for metrics, per-sample loss [S]) of one packed micro-batch.
 
     log_probs, entropy [T] carry gradients; old_log_probs (trainer, before the rollout's first update),
     ref_log_probs (frozen reference), rollout_log_probs (engine), advantages, loss_mask [T] are constants.
-    tis: --custom-tis-function-path's (function, path, args), which then weights the policy loss in place of
-    --use-tis's clamp (custom_tis); it needs the samples' response_lengths.
+    tis: --custom-tis-function-path's Hook, which then weights the policy loss in place of --use-tis's clamp
+    (custom_tis); pg_reducer: --custom-pg-loss-reducer-function-path's, which then aggregates the policy-gradient
+    term alone (reduced_pg; entropy and KL keep the default aggregate). Both need the samples' response_lengths.
     """
     m = loss_mask
     if spec.policy_loss == "gspo":
@@ -91,6 +118,7 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
         pg, clipped = policy_loss(log_probs, old_log_probs, advantages, eps_clip=spec.eps_clip,
                                   eps_clip_high=spec.eps_clip_high, eps_clip_c=spec.eps_clip_c)
     stats: dict[str, torch.Tensor] = {}
+    pg_mask = m  # the masks a custom reducer sees: the custom TIS function's when it ran (slime)
     if spec.use_opsm:  # slime's compute_opsm_mask: a drifted sample with a negative advantage leaves the loss
         with torch.no_grad():
             seq_kl = per_sample_mean(old_log_probs - log_probs.detach(), m, cu_seqlens)  # [S]
@@ -98,8 +126,9 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
         pg = pg * (1 - masked)
         stats["opsm_masked"] = masked.sum()
     if (spec.use_tis or spec.mismatch_metrics) and tis is not None:
-        pg, tis_stats = custom_tis(tis, pg_loss=pg, old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs,
-                                   loss_mask=m, cu_seqlens=cu_seqlens, response_lengths=response_lengths)
+        pg, tis_stats, pg_mask = custom_tis(tis, pg_loss=pg, old_log_probs=old_log_probs,
+                                            rollout_log_probs=rollout_log_probs, loss_mask=m, cu_seqlens=cu_seqlens,
+                                            response_lengths=response_lengths)
         stats.update(tis_stats)
     elif spec.use_tis:
         w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip)
@@ -113,7 +142,12 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
     tok = pg - spec.entropy_coef * entropy  # [T]
     if spec.use_kl_loss:
         tok = tok + spec.kl_loss_coef * kl_t
-    loss, per_sample = aggregate(tok, m, cu_seqlens, per_token=spec.per_token_loss, denominator=denominator)
+    if pg_reducer is None:
+        loss, per_sample = aggregate(tok, m, cu_seqlens, per_token=spec.per_token_loss, denominator=denominator)
+    else:  # the policy-gradient term reduced by the user's function, the rest as always
+        rest, _ = aggregate(tok - pg, m, cu_seqlens, per_token=spec.per_token_loss, denominator=denominator)
+        loss = reduced_pg(pg_reducer, spec, pg, pg_mask, cu_seqlens, response_lengths) / denominator + rest
+        per_sample = per_sample_mean(tok.detach(), m, cu_seqlens)
     with torch.no_grad():
         ratio = torch.exp(log_probs - old_log_probs)
         stats.update(pg_loss=(pg * m).sum(), entropy=(entropy * m).sum(), kl=(kl_t * m).sum(),
@@ -122,24 +156,20 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
     return loss, stats, per_sample.detach()
 
 
-def custom_tis(tis: tuple[Callable, str, Any], *, pg_loss: torch.Tensor, old_log_probs: torch.Tensor,
+def custom_tis(tis: Hook, *, pg_loss: torch.Tensor, old_log_probs: torch.Tensor,
                rollout_log_probs: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-               response_lengths: list[int] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               response_lengths: list[int] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """--custom-tis-function-path on one packed micro-batch, with slime's contract: the function sees each sample's
     response tokens ([R_i] tensors in lists, the policy loss concatenated [ΣR]) and returns (pg_loss [ΣR], masks,
     metrics). Returns the policy loss [T] (times the returned masks: a token they zero leaves the loss, while the
-    aggregate's per-sample denominators stay the original mask's, as in slime) and the metrics' token sums over
-    the original trained tokens, keyed tis_<key> (or <key> when it starts with tis)."""
+    aggregate's per-sample denominators stay the original mask's, as in slime), the metrics' token sums over
+    the original trained tokens, keyed tis_<key> (or <key> when it starts with tis), and the returned masks [T]."""
     from engine.rollout.hooks import HookError, call_hook
 
     flag = "--custom-tis-function-path"
     fn, path, args = tis
-    if response_lengths is None:
-        raise ValueError(f"{flag} needs the micro-batch's response lengths")
+    spans, idx = response_spans(cu_seqlens, response_lengths, flag)
     ends = cu_seqlens[1:].tolist()
-    spans = [(int(e) - r, int(e)) for e, r in zip(ends, response_lengths)]
-    idx = torch.cat([torch.arange(a, b, device=pg_loss.device) for a, b in spans]) if spans else \
-        torch.zeros(0, dtype=torch.long, device=pg_loss.device)
 
     def per_sample(x: torch.Tensor) -> list[torch.Tensor]:
         return [x[a:b] for a, b in spans]
@@ -168,7 +198,34 @@ def custom_tis(tis: tuple[Callable, str, Any], *, pg_loss: torch.Tensor, old_log
         t = torch.zeros_like(pg_loss)
         t[idx] = v.detach().to(pg_loss.dtype).expand(total)
         stats[k if str(k).startswith("tis") else f"tis_{k}"] = (t * loss_mask).sum()
-    return full * kept, stats
+    return full * kept, stats, kept
+
+
+def reduced_pg(hook: Hook, spec: LossSpec, pg: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+               response_lengths: list[int] | None) -> torch.Tensor:
+    """--custom-pg-loss-reducer-function-path on one packed micro-batch, with slime's contract:
+    `fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)` returns a reducer, which maps the
+    response tokens' policy loss [ΣR] to this micro-batch's sum in the default's units (Σ over its samples of what
+    each contributes: the per-sample mean by default, the token sum with --calculate-per-token-loss); the caller
+    divides by the step's G (or N) as for the default. Dr.GRPO: Σ_t pg_t / a constant per sample."""
+    from engine.rollout.hooks import HookError, call_hook
+
+    flag = "--custom-pg-loss-reducer-function-path"
+    fn, path, _args = hook
+    spans, idx = response_spans(cu_seqlens, response_lengths, flag)
+    reducer = call_hook(flag, path, fn, [int(b - a) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())],
+                        list(response_lengths or []), [loss_mask[a:b] for a, b in spans], spec.per_token_loss)
+    if not callable(reducer):
+        raise HookError.of(flag, path, f"returned {type(reducer).__name__}; expected a reducer: a function of the "
+                                       "response tokens' pg_loss [ΣR] returning a scalar tensor")
+    out = call_hook(flag, path, reducer, pg[idx])
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        raise HookError.of(flag, path, f"its reducer returned {type(out).__name__} "
+                                       f"{tuple(getattr(out, 'shape', ()))}; expected a scalar tensor")
+    if pg.requires_grad and not out.requires_grad:
+        raise HookError.of(flag, path, "its reducer returned a value without a gradient: reduce the pg_loss tensor "
+                                       "it is given (not a copy of its numbers)")
+    return out.reshape(()).to(pg.dtype)
 
 
 def sft_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.Tensor, loss_mask: torch.Tensor,
@@ -226,16 +283,16 @@ def custom_objective(fn: Callable, path: str, args: Any, spec: LossSpec, *, log_
     return loss.reshape(()), stats, loss.detach().reshape(()).expand(S).clone()
 
 
-def step_objective(spec: LossSpec, *, custom: tuple[Callable, str, Any] | None, sample_ids: list[int],
+def step_objective(spec: LossSpec, *, hooks: StepHooks | None, sample_ids: list[int],
                    log_probs: torch.Tensor, entropy: torch.Tensor, old_log_probs: torch.Tensor | None,
                    ref_log_probs: torch.Tensor | None, rollout_log_probs: torch.Tensor, advantages: torch.Tensor,
                    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float,
-                   tis: tuple[Callable, str, Any] | None = None, response_lengths: list[int] | None = None
+                   response_lengths: list[int] | None = None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The --loss-type's (loss share, stats, per-sample losses) of one packed micro-batch: the one dispatch every
-    train backend calls. `custom` is (function, its --custom-loss-function-path, the args it is given) for
-    custom_loss, `tis` the same for --custom-tis-function-path; old_log_probs may be None only for sft_loss,
+    train backend calls, with the run's StepHooks (None: none set); old_log_probs may be None only for sft_loss,
     which reads none of them."""
+    hooks = hooks or StepHooks()
     if spec.loss_type == "sft_loss":
         return sft_objective(spec, log_probs=log_probs, entropy=entropy, loss_mask=loss_mask, cu_seqlens=cu_seqlens,
                              denominator=denominator)
@@ -245,11 +302,12 @@ def step_objective(spec: LossSpec, *, custom: tuple[Callable, str, Any] | None, 
                    rollout_log_probs=rollout_log_probs, advantages=advantages, loss_mask=loss_mask,
                    cu_seqlens=cu_seqlens, denominator=denominator)
     if spec.loss_type == "custom_loss":
-        if custom is None:
+        if hooks.custom_loss is None:
             raise ValueError("--loss-type custom_loss without its function (--custom-loss-function-path)")
-        fn, path, args = custom
+        fn, path, args = hooks.custom_loss
         return custom_objective(fn, path, args, spec, sample_ids=sample_ids, **tensors)
-    return policy_objective(spec, **tensors, tis=tis, response_lengths=response_lengths)
+    return policy_objective(spec, **tensors, tis=hooks.tis, pg_reducer=hooks.pg_reducer,
+                            response_lengths=response_lengths)
 
 
 def value_objective(spec: LossSpec, *, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

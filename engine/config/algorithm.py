@@ -105,6 +105,9 @@ class AlgorithmArgs(Section):
     custom_tis_function_path: Optional[str] = None
     """Your importance weighting in place of --use-tis's clamp (slime's flag and contract): `fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)`, called per micro-batch with --use-tis (or --get-mismatch-metrics). pg_loss is the response tokens' policy loss, concatenated [ΣR]; the log-probs and masks are lists of [R_i] per sample (the trainer's old log-probs, the engine's). It returns the weighted pg_loss [ΣR], the masks (a token set to 0 leaves the loss — rejection sampling — while the per-sample denominators stay), and metrics: per-token tensors [ΣR] logged as train/<key> (train/tis_<key> unless the key starts with tis), token means over the trained tokens. slime's vanilla_tis_function and icepop_function run unchanged. module:function or path/to/file.py:function."""
 
+    custom_pg_loss_reducer_function_path: Optional[str] = None
+    """Your aggregation of the policy-gradient term alone, e.g. Dr.GRPO's Σ_t pg_t / a constant in place of the per-sample token mean (slime's flag and contract): `fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)` is called per micro-batch (loss_masks: [R_i] per sample, the --custom-tis-function-path's masks when it runs) and returns a reducer, which maps the response tokens' pg_loss [ΣR] to a scalar: the micro-batch's sum in the default's units (Σ over samples of the per-sample mean, or of the token sums with --calculate-per-token-loss), divided by the step's sample (or token) count as the default is. Entropy and KL terms and every metric keep the default aggregate. --loss-type policy_loss, both train backends; example examples/hooks.py:dr_grpo_reducer. module:function or path/to/file.py:function."""
+
     use_mis: bool = False
     """Masked importance sampling (IcePop-style): tokens whose π_train_old / π_rollout falls outside [--mis-low, --mis-high] are masked out of the loss (and its token counts); the others keep their weight (with --use-tis, truncated)."""
 
@@ -235,6 +238,11 @@ class AlgorithmArgs(Section):
                       + " it would do nothing", "add --use-tis (with --loss-type policy_loss), or drop "
                       "--custom-tis-function-path", field="custom_tis_function_path",
                       value=self.custom_tis_function_path)
+        if self.custom_pg_loss_reducer_function_path and self.loss_type != "policy_loss":
+            raise err(f"--custom-pg-loss-reducer-function-path aggregates the policy loss, which --loss-type "
+                      f"{self.loss_type} does not compute", "--loss-type policy_loss, or drop "
+                      "--custom-pg-loss-reducer-function-path", field="custom_pg_loss_reducer_function_path",
+                      value=self.custom_pg_loss_reducer_function_path)
         if self.get_mismatch_metrics and not self.custom_tis_function_path:
             raise err("--get-mismatch-metrics calls --custom-tis-function-path for its metrics, and none is given",
                       "--custom-tis-function-path module:function (e.g. examples/hooks.py:icepop), or drop "

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.algorithms import StepHooks
 from engine.packing.microbatch import MicroBatch
 
 
@@ -31,16 +32,18 @@ def create_backend(cfg, *, rank: int, world_size: int, master: str | None, train
         cfg, rank=rank, world_size=world_size, master=master, train_iters=train_iters, device=device)
 
 
-def step_hook(cfg, field: str) -> tuple[Any, str, Any] | None:
-    """A train-step hook as (the function, its path, the args it is given), None when its flag is unset: field
-    custom_loss_function_path (set exactly with --loss-type custom_loss: the config checks) or
-    custom_tis_function_path."""
-    path = getattr(cfg, field)
-    if not path:
-        return None
+def step_hooks(cfg) -> StepHooks:
+    """The train step's user functions (engine.algorithms.StepHooks), each (the function, its path, the run's
+    config as its args) where its flag is set: --custom-loss-function-path (set exactly with --loss-type
+    custom_loss: the config checks), --custom-tis-function-path, --custom-pg-loss-reducer-function-path."""
     from engine.rewards import load_function
 
-    return load_function(path, "--" + field.replace("_", "-")), path, cfg
+    def hook(field: str):
+        path = getattr(cfg, field)
+        return (load_function(path, "--" + field.replace("_", "-")), path, cfg) if path else None
+
+    return StepHooks(custom_loss=hook("custom_loss_function_path"), tis=hook("custom_tis_function_path"),
+                     pg_reducer=hook("custom_pg_loss_reducer_function_path"))
 
 
 class TrainBackend(Protocol):

@@ -39,7 +39,7 @@ from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
 from engine.train.optim import lr_lambda
-from engine.train.backend import step_hook
+from engine.train.backend import step_hooks
 from engine.train.torch_backend import SUMMED, rng_state, set_rng_state
 
 log = logging.getLogger("rollflow.megatron")
@@ -117,8 +117,7 @@ class MegatronBackend:
 
         self.cfg, self.train_iters = cfg, train_iters
         self.spec = LossSpec.of(cfg)
-        self.custom_loss = step_hook(cfg, "custom_loss_function_path")  # (function, path, args) or None
-        self.custom_tis = step_hook(cfg, "custom_tis_function_path")
+        self.hooks = step_hooks(cfg)  # the custom loss / TIS / pg-loss reducer functions the flags name
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
@@ -383,11 +382,11 @@ class MegatronBackend:
 
         def loss_fn(j, mb, lp, ent):  # lp, ent [T] aligned with mb.tokens
             a = aux[j]
-            loss, stats, _ = step_objective(spec, custom=self.custom_loss, sample_ids=mb.sample_ids, log_probs=lp,
+            loss, stats, _ = step_objective(spec, hooks=self.hooks, sample_ids=mb.sample_ids, log_probs=lp,
                                             entropy=ent, old_log_probs=a["old"], ref_log_probs=a["ref"],
                                             rollout_log_probs=a["rollout"], advantages=a["adv"],
                                             loss_mask=a["mask"], cu_seqlens=a["cu"], denominator=denom,
-                                            tis=self.custom_tis, response_lengths=mb.response_lengths)
+                                            response_lengths=mb.response_lengths)
             with torch.no_grad():
                 zero = torch.zeros((), device=lp.device)
                 dev_ratio = ((torch.exp(lp - a["old"]) - 1).abs() * a["mask"]).max() \
@@ -399,7 +398,7 @@ class MegatronBackend:
 
         # a custom loss may use the entropy's gradient
         outs = self._run(mbs, loss_fn, forward_only=False,
-                         entropy_grad=spec.entropy_coef != 0 or self.custom_loss is not None)
+                         entropy_grad=spec.entropy_coef != 0 or self.hooks.custom_loss is not None)
         # one device → host transfer for the step's numbers: Σ over micro-batches (the ratio check: max)
         keys = sorted({k for o in outs for k in o["stats"]})
         zero = torch.zeros((), device=dev)

@@ -38,7 +38,7 @@ import torch
 from engine.algorithms import LossSpec, step_objective
 from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
-from engine.train.backend import step_hook
+from engine.train.backend import step_hooks
 from engine.train.checks import nan_diagnosis
 from engine.train.forward import packed_forward, use_varlen_attention
 from engine.train.optim import gather_lists, make_optimizer, reset_state, sync_and_clip
@@ -68,8 +68,7 @@ class TorchBackend:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.spec = LossSpec.of(cfg)
-        self.custom_loss = step_hook(cfg, "custom_loss_function_path")  # (function, path, args) or None
-        self.custom_tis = step_hook(cfg, "custom_tis_function_path")
+        self.hooks = step_hooks(cfg)  # the custom loss / TIS / pg-loss reducer functions the flags name
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)  # unseeded, these RNG states made optim/state.pt differ between identical runs
         np.random.seed(cfg.seed + rank)
@@ -186,7 +185,7 @@ class TorchBackend:
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         sums: dict[str, torch.Tensor] = {}  # what the loss reports: token sums, and a custom loss's step shares
         tokens, loss_total, ratio_maxdev, per_sample_losses = zero.clone(), zero.clone(), zero.clone(), []
-        entropy_grad = spec.entropy_coef != 0 or self.custom_loss is not None  # a custom loss may use it
+        entropy_grad = spec.entropy_coef != 0 or self.hooks.custom_loss is not None  # a custom loss may use it
         seen: list[torch.Tensor] = []
         for j, mb in enumerate(mbs):
             lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
@@ -240,11 +239,11 @@ class TorchBackend:
                    ref: torch.Tensor | None, mask: torch.Tensor, denom: float):
         """The --loss-type's (loss share, stats, per-sample losses) of one micro-batch."""
         dev = self.device
-        return step_objective(self.spec, custom=self.custom_loss, sample_ids=mb.sample_ids, log_probs=lp,
+        return step_objective(self.spec, hooks=self.hooks, sample_ids=mb.sample_ids, log_probs=lp,
                               entropy=ent, old_log_probs=old, ref_log_probs=ref,
                               rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev),
                               loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom,
-                              tis=self.custom_tis, response_lengths=mb.response_lengths)
+                              response_lengths=mb.response_lengths)
 
     def _non_finite_step(self, mbs: list[MicroBatch], bad_ids: list[int], loss_total: float,
                          grad_norm: float) -> None:
