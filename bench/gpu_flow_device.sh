@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU flow on the lent machine (the device tool, kind nvidia-h200), from the repository root, carry [".gpu"]:
 #   bash bench/gpu_flow_device.sh STEP...
-#   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | parallel
+#   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | external
+#          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
@@ -21,6 +22,7 @@ for step in "$@"; do
     shape-1.5b-megatron) python3 bench/gpu_flow.py shape --shape 1.5b --backend megatron --bf16 --out "$OUT" \
                            --timeout 420 ;;
     debug) python3 bench/gpu_flow.py debug --backend torch --out "$OUT" --timeout 240 ;;
+    external) python3 bench/gpu_flow.py external --backend torch --out "$OUT" --timeout 240 ;;
     regress)  # everything on the tiny model at once, one GPU: the GPU and Megatron tests, both demos, debug flags
       (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py --timeout 500 \
          > "$OUT/pytest_gpu.txt" 2>&1) &

@@ -1563,13 +1563,14 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
 
 def gpu_memory_metrics(run: Run, stage: str) -> dict[str, float]:
     """memory/<stage>_*: the most GPU memory the train workers and the engines held during the stage (each
-    process's allocator peak since the previous stage; engine.gpu.gpu_memory). {} on CPU runs."""
+    process's allocator peak since the previous stage; engine.gpu.gpu_memory). {} on CPU runs. Engines this run
+    launched only: an external server's memory is its own process's (the engine part is then 0)."""
     import ray
 
     if not run.on_gpu:
         return {}
     train = [m.get("peak_gib", 0.0) for m in run.train_group.memory()] if run.train_group is not None else []
-    slots = run.engines.serving_slots() if run.engines is not None else []
+    slots = [s for s in run.engines.serving_slots() if s.actor is not None] if run.engines is not None else []
     engines = [m.get("peak_gib", 0.0) for m in ray.get([s.actor.memory.remote() for s in slots], timeout=60)]
     t, e = max(train, default=0.0), max(engines, default=0.0)
     return {f"memory/{stage}_peak_gib": t + e, f"memory/{stage}_train_gib": t, f"memory/{stage}_engine_gib": e}

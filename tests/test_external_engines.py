@@ -155,6 +155,22 @@ def test_attach_checks_the_key_the_kind_and_that_the_engine_answers(server):
     assert server.proc.poll() is None  # stop leaves the server running
 
 
+def test_gpu_memory_metrics_skip_an_external_engine(server):
+    """A GPU run on an external server measured the memory of engines it launched, and an external slot has no
+    actor: its first sync failed with AttributeError on the H200 (2026-12-05). The engine part is 0 now."""
+    from types import SimpleNamespace
+
+    from engine.rollout.external import ExternalEngines
+    from engine.stages import gpu_memory_metrics
+
+    engines = ExternalEngines([server.url], kind="builtin", api_key=KEY, start_timeout_s=30).wait_started()
+    train = SimpleNamespace(memory=lambda: [{"peak_gib": 1.5}])
+    run = SimpleNamespace(on_gpu=True, train_group=train, engines=engines)
+    assert gpu_memory_metrics(run, "sync") == {"memory/sync_peak_gib": 1.5, "memory/sync_train_gib": 1.5,
+                                               "memory/sync_engine_gib": 0.0}
+    engines.stop()
+
+
 def test_the_doctor_warns_of_a_server_that_does_not_answer(small_cfg, server):
     from engine.doctor.checks import Environment, servers_answer
 
