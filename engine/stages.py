@@ -747,7 +747,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     from engine.rollout.loop import generate_rollout, rollout_metrics
     from engine.samples import Status
 
-    from engine.rollout.hooks import Hooks, PromptDataSource, apply_reward_post_process, apply_sample_filter
+    from engine.rollout.hooks import (Hooks, PromptDataSource, apply_reward_post_process, apply_sample_filter,
+                                      call_hook)
 
     cfg = run.cfg
     if cfg.replay:
@@ -780,6 +781,9 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                 smp.metadata["weight_version"] = str(version)
         removed = (apply_sample_filter(hooks.sample_filter, cfg.rollout_sample_filter_path, args, result.groups)
                    if hooks.sample_filter is not None else 0)
+        if hooks.all_samples is not None:  # slime: every finished group, the dynamic filter's dropped ones too
+            call_hook("--rollout-all-samples-process-path", cfg.rollout_all_samples_process_path, hooks.all_samples,
+                      args, result.all_groups if result.all_groups is not None else result.groups, src)
         if hooks.post_process is not None:
             apply_reward_post_process(hooks.post_process, cfg.custom_reward_post_process_path, args, samples)
         diag = truncation_diagnosis(sum(s.status == Status.TRUNCATED for s in samples), len(samples),
@@ -1069,7 +1073,7 @@ def old_log_probs_source(run: Run, first: bool) -> str:
         return "rollout"
     if (cfg.train_backend == "torch" and run.plan.num_steps_per_rollout == 1 and not cfg.use_mis
             and cfg.kl_coef == 0 and not cfg.custom_advantage_function_path  # that function reads them first
-            and not cfg.use_opd):  # so does the distillation penalty
+            and not cfg.use_opd and not cfg.rollout_data_postprocess_path):  # so do these two
         return "train"
     return "forward"
 
@@ -1099,10 +1103,11 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     first_parts = None  # step 0's metrics when the workers ran it in the set_rollout call
     if old_from == "forward":  # the mismatch (and on the first step RF01) is judged between the two calls
         facts = reduce_metrics(run.train_group.set_rollout(per_rank_steps, rewards, need_ref=need_ref,
-                                                           normalized=normalized, old_from=old_from))
+                                                           normalized=normalized, old_from=old_from,
+                                                           rollout_id=rollout_id))
     else:  # judged after step 0 anyway (its forward gives the trainer's side): one call where the backend allows
         per_rank_facts, first_parts = run.train_group.set_rollout_and_step(
-            per_rank_steps, rewards, need_ref, normalized, old_from, run.plan.global_batch_size)
+            per_rank_steps, rewards, need_ref, normalized, old_from, run.plan.global_batch_size, rollout_id)
         facts = reduce_metrics(per_rank_facts)
     trained = sum(float(mb.loss_mask.sum()) for rank in per_rank_steps for step in rank for mb in step)
     on_policy = getattr(packed, "staleness_max", 0) == 0
@@ -1126,6 +1131,8 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
         mismatch["train/mis_masked_share"] = facts["mis_masked_share"]
     if "opd_reverse_kl" in facts:
         mismatch["train/opd_reverse_kl"] = facts["opd_reverse_kl"]
+    if "postprocess_masked_share" in facts:
+        mismatch["train/postprocess_masked_share"] = facts["postprocess_masked_share"]
     if first and (d := first_step_check(ref_logp_maxdiff=facts.get("ref_logp_maxdiff"), ratio_maxdev=None,
                                         ref_source=run.ref_dir or cfg.hf_checkpoint,
                                         policy_source=run.start.local_dir or cfg.hf_checkpoint)):

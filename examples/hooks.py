@@ -176,6 +176,18 @@ def dr_grpo_reducer(total_lengths: list, response_lengths: list, loss_masks: lis
     return reduce
 
 
+# --rollout-data-postprocess-path examples/hooks.py:mask_confident_tokens
+CONFIDENT_LOGP = -0.05  # log π_old above this (p > 0.95): the token is left out of the loss
+
+
+def mask_confident_tokens(args, rollout_id: int, rollout_data: dict) -> None:
+    """Train on the tokens the policy was unsure of (the idea behind training on high-entropy "forking" tokens only):
+    a token whose old log-prob is above CONFIDENT_LOGP gets loss mask 0. Called once per train rank and rollout,
+    after the log-probs and advantages; rollout_data's lists hold this rank's samples, one [R_i] tensor each."""
+    rollout_data["loss_masks"] = [m * (lp <= CONFIDENT_LOGP) for m, lp in
+                                  zip(rollout_data["loss_masks"], rollout_data["log_probs"])]
+
+
 # --custom-advantage-function-path examples/hooks.py:rloo_advantages
 def rloo_advantages(args, rollout_data: dict) -> None:
     """RLOO as an advantage function (slime's contract): each sample's advantage is its reward minus the mean of

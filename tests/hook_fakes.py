@@ -179,3 +179,36 @@ def reason_rollout(args, rollout_id, data_source, evaluation=False):
 def dict_reward_rollout(args, rollout_id, data_source, evaluation=False):
     """--rollout-function-path that sets dict rewards itself (never scored by the run's reward)."""
     return _fixed_groups(args, data_source, lambda j: {"correct": float(j), "format": 0.5})
+
+
+ALL_SAMPLES: list = []
+
+
+def record_all_samples(args, all_samples, data_source):
+    """--rollout-all-samples-process-path (slime's signature): keeps what it was given."""
+    ALL_SAMPLES.append((args.rollout_id, all_samples, data_source))
+    return "ignored"
+
+
+def broken_all_samples(args, all_samples, data_source):
+    return all_samples[99]
+
+
+POSTPROCESS_CALLS: list = []
+
+
+def halve_masks(args, rollout_id, rollout_data):
+    """--rollout-data-postprocess-path: each sample's second half of its response leaves the loss."""
+    POSTPROCESS_CALLS.append((rollout_id, {k: v for k, v in rollout_data.items()}))
+    masks = [m.clone() for m in rollout_data["loss_masks"]]
+    for m in masks:
+        m[len(m) // 2:] = 0
+    rollout_data["loss_masks"] = masks
+
+
+def double_advantages(args, rollout_id, rollout_data):
+    rollout_data["advantages"] = [2 * a for a in rollout_data["advantages"]]
+
+
+def raise_masks(args, rollout_id, rollout_data):
+    rollout_data["loss_masks"] = [m + 1 for m in rollout_data["loss_masks"]]  # above the rollout's own

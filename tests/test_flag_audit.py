@@ -152,6 +152,10 @@ FLAG_TESTS = {
     "loss_type": "test_sft.py::test_sft_loss_is_the_answers_negative_log_likelihood",
     "custom_loss_function_path": "test_sft.py::test_a_custom_loss_gets_the_packed_batch_and_its_metrics_are_step_values",
     "custom_pg_loss_reducer_function_path": "test_train_backend.py::test_a_custom_pg_loss_reducer_reaches_the_step",
+    "rollout_data_postprocess_path":
+        "test_train_backend.py::test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step",
+    "rollout_all_samples_process_path":
+        "test_hooks.py::test_the_all_samples_hook_sees_the_groups_the_dynamic_filter_dropped",
     "custom_tis_function_path": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
     "get_mismatch_metrics": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
     "custom_advantage_function_path":

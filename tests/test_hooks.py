@@ -136,6 +136,26 @@ def test_slime_style_dynamic_filter_and_its_failure(tmp_path, engine_url):
         rollout(make_run(tmp_path, engine_url, dynamic_sampling_filter_path="hook_fakes:broken_filter"))
 
 
+# ---- --rollout-all-samples-process-path ---------------------------------------------------------------------------
+def test_the_all_samples_hook_sees_the_groups_the_dynamic_filter_dropped(tmp_path, engine_url):
+    hook_fakes.ALL_SAMPLES.clear()
+    run = make_run(tmp_path, engine_url, dynamic_sampling_filter_path="hook_fakes:slime_filter",
+                   rollout_all_samples_process_path="hook_fakes:record_all_samples", over_sampling_batch_size=4,
+                   rollout_temperature=1.0, rollout_batch_size=2, n_samples_per_prompt=2)
+    batch = rollout(run, rollout_id=3)
+    [(rid, every, source)] = hook_fakes.ALL_SAMPLES
+    assert rid == 3 and source is run.data_source
+    dropped = [g for g in every if not any(g is k for k in batch.groups)]
+    assert all(any(g is k for g in every) for k in batch.groups)  # the kept groups themselves, not copies
+    assert len(dropped) == batch.metrics["rollout/groups_filtered"] > 0  # seed-fixed: the filter drops some
+    assert all(len({s.scalar_reward for s in g}) == 1 for g in dropped)  # what slime_filter drops
+    assert len(every) == len(batch.groups) + len(dropped)
+
+    with pytest.raises(HookError, match="--rollout-all-samples-process-path 'hook_fakes:broken_all_samples' "
+                                        "raised IndexError"):
+        rollout(make_run(tmp_path, engine_url, rollout_all_samples_process_path="hook_fakes:broken_all_samples"))
+
+
 # ---- --rollout-sample-filter-path --------------------------------------------------------------------------------
 def test_removed_samples_stay_out_of_the_loss(tmp_path, engine_url):
     from engine.packing.microbatch import make_micro_batch

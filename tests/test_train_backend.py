@@ -180,14 +180,15 @@ class InProcessGroup:
         self.worker = worker
         self.calls: list[str] = []  # the worker calls the stage made, in order (each a Ray round trip in a run)
 
-    def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False, old_from="forward"):
+    def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False, old_from="forward", rollout_id=-1):
         self.calls.append("set_rollout")
-        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized, old_from)]
+        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized, old_from, rollout_id)]
 
-    def set_rollout_and_step(self, per_rank_steps, rewards, need_ref, normalized, old_from, global_batch_size):
+    def set_rollout_and_step(self, per_rank_steps, rewards, need_ref, normalized, old_from, global_batch_size,
+                             rollout_id=-1):
         self.calls.append("set_rollout_and_step")
         facts, out = self.worker.set_rollout_and_step(per_rank_steps[0], rewards, need_ref, normalized, old_from,
-                                                      global_batch_size)
+                                                      global_batch_size, rollout_id)
         return [facts], None if out is None else [out]
 
     def train_step(self, k, global_batch_size, policy=True):
@@ -702,3 +703,58 @@ def test_a_custom_pg_loss_reducer_reaches_the_step(tiny_model):
     assert same["grad_norm"] == pytest.approx(default["grad_norm"], rel=1e-5) and default["grad_norm"] > 0
     assert dr["loss_total"] != pytest.approx(default["loss_total"], rel=1e-3)
     assert dr["grad_norm"] != pytest.approx(default["grad_norm"], rel=1e-3)
+
+
+def test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step(tiny_model, monkeypatch):
+    """--rollout-data-postprocess-path (slime's contract) through the stage, the worker and the torch backend:
+    the hook sees this rank's samples with their old log-probs and advantages and the rollout id; masking each
+    response's second half gives exactly the step of a rollout packed with those masks; doubling the advantages
+    doubles the gradient; a mask raised above the rollout's is refused; examples/hooks.py's confident-token mask
+    takes a share of tokens out, logged as train/postprocess_masked_share."""
+    from engine.rollout.hooks import HookError
+    from engine.stages import train
+
+    def step(**over):
+        w = make_worker(make_cfg(tiny_model, **over))
+        steps, rewards = one_rollout()
+        w.set_rollout(steps, rewards, need_ref=False, rollout_id=7)
+        return w.train_step(0, 8)
+
+    import hook_fakes
+
+    hook_fakes.POSTPROCESS_CALLS.clear()
+    halved = step(rollout_data_postprocess_path="hook_fakes:halve_masks")
+    [(rid, data)] = hook_fakes.POSTPROCESS_CALLS
+    assert rid == 7 and len(data["loss_masks"]) == 8 and data["sample_ids"] == list(range(8))
+    assert [len(x) for x in data["log_probs"]] == data["response_lengths"] == [len(m) for m in data["advantages"]]
+    assert all(float(lp.abs().sum()) > 0 for lp in data["log_probs"]) and data["ref_log_probs"] is None
+    assert [len(t) for t in data["tokens"]] == data["total_lengths"]
+
+    # the same step from a rollout whose masks were halved before it was packed
+    w = make_worker(make_cfg(tiny_model))
+    steps, rewards = one_rollout()
+    for mb in steps[0]:
+        for a, b in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
+            r = mb.response_lengths[mb.cu_seqlens[:-1].tolist().index(a)]
+            mb.loss_mask[b - r + r // 2:b] = 0
+    w.set_rollout(steps, rewards, need_ref=False)
+    direct = w.train_step(0, 8)
+    assert halved["loss_total"] == pytest.approx(direct["loss_total"], rel=1e-6, abs=1e-9)
+    assert halved["grad_norm"] == pytest.approx(direct["grad_norm"], rel=1e-6) and direct["grad_norm"] > 0
+
+    plain = step()
+    doubled = step(rollout_data_postprocess_path="hook_fakes:double_advantages")
+    assert doubled["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-5)
+    with pytest.raises(HookError, match="--rollout-data-postprocess-path.*a mask can only take tokens out"):
+        step(rollout_data_postprocess_path="hook_fakes:raise_masks")
+
+    # the fake samples' tokens are random: no token is confident at p > 0.95, so the threshold is set at the
+    # median old log-prob, which takes about half of the trained tokens out
+    import examples.hooks
+
+    median = float(torch.cat(data["log_probs"])[torch.cat(data["loss_masks"]) > 0].median())
+    monkeypatch.setattr(examples.hooks, "CONFIDENT_LOGP", median)
+    cfg = make_cfg(tiny_model, rollout_data_postprocess_path="examples.hooks:mask_confident_tokens",
+                   logprob_mismatch_threshold=1e3)
+    out = train(stage_run(cfg, make_worker(cfg)), packed_rollout())
+    assert 0.3 < out["train/postprocess_masked_share"] < 0.7

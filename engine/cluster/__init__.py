@@ -415,19 +415,20 @@ class TrainGroup:
         return ray.get(refs, timeout=self.timeout_s)
 
     def set_rollout(self, per_rank_steps: list[list[list[Any]]], rewards: list[float],
-                    need_ref: bool, normalized: bool = False, old_from: str = "forward") -> list[dict[str, float]]:
+                    need_ref: bool, normalized: bool = False, old_from: str = "forward",
+                    rollout_id: int = -1) -> list[dict[str, float]]:
         """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches.
         Every rank also gets the rewards of the whole rollout (see engine.train.worker)."""
-        return self._all(lambda w: w.set_rollout, rewards, need_ref, normalized, old_from,
+        return self._all(lambda w: w.set_rollout, rewards, need_ref, normalized, old_from, rollout_id,
                          per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
     def set_rollout_and_step(self, per_rank_steps: list[list[list[Any]]], rewards: list[float], need_ref: bool,
-                             normalized: bool, old_from: str, global_batch_size: int
+                             normalized: bool, old_from: str, global_batch_size: int, rollout_id: int = -1
                              ) -> tuple[list[dict[str, float]], list[dict[str, Any]] | None]:
         """set_rollout and, where the workers defer the mismatch to the step's forward, train_step(0) in the same
         call (engine.train.worker.set_rollout_and_step): (facts per rank, step 0's metrics per rank or None)."""
         pairs = self._all(lambda w: w.set_rollout_and_step, rewards, need_ref, normalized, old_from,
-                          global_batch_size, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
+                          global_batch_size, rollout_id, per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
         stepped = [out is not None for _, out in pairs]
         if any(stepped) and not all(stepped):  # every rank has the same backend and flags: never expected
             raise RuntimeError(f"train ranks disagree on running step 0 with set_rollout: {stepped}")

@@ -24,6 +24,9 @@ class AlgorithmArgs(Section):
     custom_advantage_function_path: Optional[str] = None
     """Replace the advantage estimator's computation (slime's flag): `module:function` or `path/to/file.py:function`, called on each train rank per micro-batch as fn(args, rollout_data) before any update. rollout_data (slime's keys) holds per-sample lists over the response tokens — log_probs (the old policy's), ref_log_probs and values (None when not computed), kl (the --kl-loss-type estimate of old vs reference; zeros without a reference), rollout_log_probs, loss_masks — and per-sample numbers: rewards (the scalar rewards, as --custom-reward-post-process-path left them; not group-normalised, unlike slime's grpo path), response_lengths, total_lengths, sample_ids; plus all_rewards, every reward of the rollout indexed by sample id, for group baselines. The function sets rollout_data["advantages"] and rollout_data["returns"] (the critic's targets with ppo; else the advantages) to lists of per-sample tensors of the response's length. --normalize-advantages still applies after it."""
 
+    rollout_data_postprocess_path: Optional[str] = None
+    """After the log-probs and advantages, before the rollout's first update (slime's flag and contract): `fn(args, rollout_id, rollout_data)`, once per train rank and rollout, e.g. to mask tokens by their log-probs. rollout_data holds the rank's samples as per-sample lists over their response tokens — loss_masks, log_probs (the old policy's), ref_log_probs and values (None when not computed), rollout_log_probs, advantages, returns — plus tokens (each whole sequence), rewards, response_lengths, total_lengths and sample_ids. It may rewrite loss_masks (only lower: 0 takes a token out of the loss and the token counts; a token the rollout left out cannot be put in), advantages and returns; the share of trained tokens it takes out is logged as train/postprocess_masked_share. The old log-probs are then always computed before the step (no reuse of the step's own forward). Not with --loss-type sft_loss. module:function or path/to/file.py:function."""
+
     use_opd: bool = False
     """On-policy distillation (slime's flag): on top of --advantage-estimator, every trained token's advantage gets −opd_kl_coef × (log π_old − log π_teacher), the reverse KL to a teacher on the student's own samples, logged as train/opd_reverse_kl. Needs --opd-type; with task rewards all equal (e.g. 0) it is pure distillation. Torch backend; not with --loss-type sft_loss / custom_loss. docs/algorithms.md, "On-policy distillation"."""
 
@@ -195,6 +198,7 @@ class AlgorithmArgs(Section):
         if self.loss_type == "sft_loss":
             unused = [f for f, on in (
                 ("--custom-advantage-function-path", self.custom_advantage_function_path),
+                ("--rollout-data-postprocess-path", self.rollout_data_postprocess_path),
                 (f"--advantage-estimator {self.advantage_estimator}", self.advantage_estimator == "ppo"),
                 ("--use-kl-loss", self.use_kl_loss), ("--kl-coef", self.kl_coef > 0), ("--log-kl", self.log_kl),
                 ("--use-tis", self.use_tis), ("--use-mis", self.use_mis),

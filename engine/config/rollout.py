@@ -100,6 +100,9 @@ class RolloutArgs(Section):
     rollout_sample_filter_path: Optional[str] = None
     """After the rollout (slime's hook): fn(args, groups) sets sample.remove_sample = True on samples to keep out of the loss (they still count in the group's reward normalisation)."""
 
+    rollout_all_samples_process_path: Optional[str] = None
+    """After the rollout (slime's hook): fn(args, all_samples, data_source) sees every finished group of the rollout, the ones --dynamic-sampling-filter-path dropped included (in draw order; a kept group's samples are the ones trained on), e.g. to log or analyse them or to return prompts to a custom data source; its return value is ignored. Called after --rollout-sample-filter-path, before --custom-reward-post-process-path; with --rollout-function-path it sees the function's groups."""
+
     custom_rollout_log_function_path: Optional[str] = None
     """Your own logging of each rollout (slime's hook): fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, called once the rollout's samples are scored; rollout_extra_metrics is every metric rollflow computed for the rollout (a superset of slime's). True skips rollflow's default logging of the rollout to MLflow and its mirrors (its metrics and samples table; they are still kept in the run's history, which the summary and checkpoints carry); args.tracker.log_metrics({...}, step=rollout_id) logs metrics of your own."""
 
@@ -270,7 +273,7 @@ class RolloutArgs(Section):
             ignored = [f"--{f.replace('_', '-')}" for f in (
                 "rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                 "over_sampling_batch_size", "custom_reward_post_process_path", "rollout_sample_filter_path",
-                "data_source_path", "save_debug_rollout_data", "eval_function_path",
+                "rollout_all_samples_process_path", "data_source_path", "save_debug_rollout_data", "eval_function_path",
                 "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path") if getattr(self, f)]
             ignored += ["--use-fault-tolerance"] if self.use_fault_tolerance else []
             if ignored:

@@ -7,6 +7,7 @@
 | `--custom-reward-post-process-path`  | `fn(args, samples)` (all samples of the rollout)          | `(raw_rewards, rewards)`: `rewards` replace GRPO's group normalisation |
 | `--dynamic-sampling-filter-path`     | `fn(args, group)` (or `fn(group)`)                        | `bool` or `DynamicFilterOutput(keep, reason)`    |
 | `--rollout-sample-filter-path`       | `fn(args, groups)` after the rollout                      | `None`; sets `sample.remove_sample = True` to keep a sample out of the loss |
+| `--rollout-all-samples-process-path` | `fn(args, all_groups, data_source)` after the sample filter | ignored; all_groups has the dynamic filter's dropped groups too |
 | `--data-source-path`                 | `cls(args)`, then `.get_samples(num_prompts)`             | `[[Sample] × n]` per prompt                      |
 | `--eval-function-path`               | `fn(args, rollout_id, None, evaluation=True)` per evaluation | `RolloutFnEvalOutput(data={name: {"rewards": [...], "truncated": [...]}})` or that dict |
 
@@ -41,6 +42,7 @@ HOOK_FLAGS = {
     "custom_reward_post_process_path": "--custom-reward-post-process-path",
     "dynamic_sampling_filter_path": "--dynamic-sampling-filter-path",
     "rollout_sample_filter_path": "--rollout-sample-filter-path",
+    "rollout_all_samples_process_path": "--rollout-all-samples-process-path",
     "data_source_path": "--data-source-path",
     "eval_function_path": "--eval-function-path",
     "custom_rollout_log_function_path": "--custom-rollout-log-function-path",
@@ -401,6 +403,7 @@ class Hooks:
     generate: Callable | None = None
     post_process: Callable | None = None
     sample_filter: Callable | None = None
+    all_samples: Callable | None = None
     evaluate: Callable | None = None
     rollout_log: Callable | None = None
     eval_log: Callable | None = None
@@ -412,6 +415,7 @@ class Hooks:
                    generate=load_hook(cfg, "custom_generate_function_path"),
                    post_process=load_hook(cfg, "custom_reward_post_process_path"),
                    sample_filter=load_hook(cfg, "rollout_sample_filter_path"),
+                   all_samples=load_hook(cfg, "rollout_all_samples_process_path"),
                    evaluate=load_hook(cfg, "eval_function_path"),
                    rollout_log=load_hook(cfg, "custom_rollout_log_function_path"),
                    eval_log=load_hook(cfg, "custom_eval_rollout_log_function_path"),

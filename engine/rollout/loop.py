@@ -216,6 +216,7 @@ class EngineFailure(RuntimeError):
 class RolloutResult:
     groups: list[list[Sample]]  # [B][n], in draw order
     stats: dict[str, float]  # drawn / kept / filtered / aborted groups, rounds, retried requests
+    all_groups: list[list[Sample]] | None = None  # every finished group, the filter's dropped ones too (None: groups)
 
 
 class _Round:
@@ -533,6 +534,7 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
     nonce = uuid.uuid4().hex[:6]  # rids of a redone rollout never collide with a previous attempt's
     deadline = time.monotonic() + timeout_s
     kept: list[list[Sample]] = []
+    every: list[list[Sample]] = []  # kept and filtered, in draw order (--rollout-all-samples-process-path)
     stats = {"drawn": 0, "filtered": 0, "aborted": 0, "rounds": 0, "retried_requests": 0}
     if partial is not None:
         stats["continued"] = 0
@@ -553,6 +555,7 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
         run_on_rollout_loop(lambda client: rnd.run(client, left), getattr(engines, "api_key", None))
         finished = [g for g in range(rnd.cutoff) if rnd.done[g] is not None]
         kept += [rnd.done[g] for g in finished if rnd.kept[g]]
+        every += [rnd.done[g] for g in finished]
         stats["drawn"] += len(prompts)
         stats["filtered"] += sum(not rnd.kept[g] for g in finished)
         stats["aborted"] += len(prompts) - rnd.cutoff
@@ -568,7 +571,7 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
         reasons = sorted({str(s.metadata.get("failure") or s.metadata.get("finish_reason")) for s in samples})
         raise NothingToTrain(f"rollout {rollout_id}: all {len(samples)} samples failed or were aborted, nothing to "
                              f"train on; reasons: {reasons[:3]}")
-    return RolloutResult(kept, {k: float(v) for k, v in stats.items()})
+    return RolloutResult(kept, {k: float(v) for k, v in stats.items()}, every)
 
 
 def _quantile(xs: list[int], q: float) -> float:

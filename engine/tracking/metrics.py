@@ -118,6 +118,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/mismatch_max", "min", "largest \\|log π_engine − log π_trainer\\| of one trained token"),
     MetricDoc("train/mis_masked_share", "min", "`--use-mis`: share of the trained tokens masked because π_old / "
                                                "π_engine left [`--mis-low`, `--mis-high`]"),
+    MetricDoc("train/postprocess_masked_share", None, "`--rollout-data-postprocess-path`: share of the trained "
+                                                     "tokens (mask weight) the function took out of the loss"),
     MetricDoc("train/opd_reverse_kl", "min", "`--use-opd`: mean over the trained tokens of log π_old − log "
                                              "π_teacher, the reverse KL to the teacher on the student's samples "
                                              "(its --opd-kl-coef multiple is subtracted from each advantage)"),

@@ -62,6 +62,7 @@ class TrainWorker:
         self._engine = None  # the built-in engine served from this process (--rollout-engine-process trainer)
         self._sender = None  # rank 0's weight-update group with the engines (--weight-sync-method distributed)
         self.custom_advantages = None  # --custom-advantage-function-path's function
+        self.data_postprocess = None  # --rollout-data-postprocess-path's function
         if not lazy:
             self.setup(master)
 
@@ -90,6 +91,11 @@ class TrainWorker:
 
             self.custom_advantages = load_function(self.cfg.custom_advantage_function_path,
                                                    "--custom-advantage-function-path")
+        if self.cfg.rollout_data_postprocess_path:
+            from engine.rewards import load_function
+
+            self.data_postprocess = load_function(self.cfg.rollout_data_postprocess_path,
+                                                  "--rollout-data-postprocess-path")
         if self.cfg.advantage_estimator == "ppo":  # preflight: the critic runs on the torch backend only
             from engine.train.critic import TorchCritic
 
@@ -132,7 +138,7 @@ class TrainWorker:
         return self.backend.dp_all_reduce(x, op)
 
     def set_rollout(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool,
-                    normalized: bool = False, old_from: str = "forward") -> dict[str, float]:
+                    normalized: bool = False, old_from: str = "forward", rollout_id: int = -1) -> dict[str, float]:
         """Store this rank's micro-batches (per step); compute log-probs, values and advantages before any update.
 
         rewards: [N] the scalar reward of every sample of the rollout, indexed by Sample.index; `normalized`: they
@@ -152,6 +158,9 @@ class TrainWorker:
         from engine.algorithms import compute_advantages, kl, masked_whiten, whiten_stats
 
         cfg = self.cfg
+        if old_from == "train" and self.data_postprocess is not None:
+            raise ValueError("--rollout-data-postprocess-path is given the old log-probs: old_from 'train' has none "
+                             "before the step")
         self.backend_onload()
         if cfg.reset_optimizer_states:  # before this rollout's first step (slime resets at the start of train)
             from engine.train.optim import reset_state
@@ -231,6 +240,7 @@ class TrainWorker:
                                          torch.zeros(3, dtype=torch.float64)))
             for mb in (mb for mbs in steps for mb in mbs):
                 mb.advantages = masked_whiten(mb.advantages, stats) * mb.loss_mask
+        post = self._data_postprocess(steps, reward_t, rollout_id) if self.data_postprocess is not None else {}
         local_tokens = torch.tensor([float(sum(mb.loss_mask.sum() for mb in mbs)) for mbs in steps],
                                     dtype=torch.float64)
         self.step_tokens = self._all_reduce(local_tokens).tolist()
@@ -246,6 +256,7 @@ class TrainWorker:
                          mis_masked_share_count=mismatch["mismatch_count"])
         facts["tokens"] = float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0
         facts.update(opd)
+        facts.update(post)
         return facts
 
     def _distill(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
@@ -279,14 +290,10 @@ class TrainWorker:
                            values: torch.Tensor | None, kl_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """--custom-advantage-function-path on one micro-batch: slime's per-sample `rollout_data` in, its
         "advantages" / "returns" (one value per response token) back into flat [T] tensors (0 off the loss mask)."""
-        import torch
-
-        from engine.rollout.hooks import HookError, call_hook
+        from engine.rollout.hooks import call_hook
 
         flag, path = "--custom-advantage-function-path", self.cfg.custom_advantage_function_path
-        cu = mb.cu_seqlens.long().tolist()
-        ends, lens = cu[1:mb.num_samples + 1], mb.response_lengths[:mb.num_samples]
-        spans = [(e - r, e) for e, r in zip(ends, lens)]  # each sample's response tokens in the flat row
+        spans, lens, totals = _response_spans(mb)
 
         def per_sample(x: torch.Tensor | None):
             return None if x is None else [x[a:b].clone() for a, b in spans]
@@ -294,25 +301,67 @@ class TrainWorker:
         data = {"log_probs": per_sample(old), "ref_log_probs": per_sample(ref), "values": per_sample(values),
                 "kl": per_sample(kl_t), "rollout_log_probs": per_sample(mb.rollout_log_probs),
                 "loss_masks": per_sample(mb.loss_mask), "rewards": [float(rewards[i]) for i in mb.sample_ids],
-                "response_lengths": list(lens), "total_lengths": [e - s for s, e in zip(cu, ends)],
+                "response_lengths": list(lens), "total_lengths": totals,
                 "sample_ids": list(mb.sample_ids), "all_rewards": rewards.tolist()}
         call_hook(flag, path, self.custom_advantages, self.cfg, data)
-        out = []
-        for key in ("advantages", "returns"):
-            got = data.get(key)
-            if not isinstance(got, (list, tuple)) or len(got) != len(spans) or not all(
-                    torch.is_tensor(v) and v.numel() == r for v, r in zip(got, lens)):
-                shape = [tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for v in got][:8] \
-                    if isinstance(got, (list, tuple)) else type(got).__name__
-                raise HookError.of(flag, path, f"set rollout_data[{key!r}] to {shape}; expected a list of "
-                                               f"{len(spans)} tensors of the response lengths {lens[:8]}")
-            flat = torch.zeros(mb.num_tokens)
-            for (a, b), v in zip(spans, got):
-                flat[a:b] = v.detach().float().reshape(-1).cpu()
-            if not torch.isfinite(flat).all():
-                raise HookError.of(flag, path, f"set rollout_data[{key!r}] with a NaN or Inf")
-            out.append(flat * mb.loss_mask)
-        return out[0], out[1]
+        return tuple(_flat_from_hook(flag, path, data, key, [(mb, spans, lens)])[0] * mb.loss_mask
+                     for key in ("advantages", "returns"))
+
+    def _data_postprocess(self, steps: list[list[MicroBatch]], rewards: torch.Tensor,
+                          rollout_id: int) -> dict[str, float]:
+        """--rollout-data-postprocess-path (slime's flag and contract): `fn(args, rollout_id, rollout_data)` once per
+        rank and rollout, after the log-probs, advantages (and --normalize-advantages), before the first update.
+        rollout_data holds this rank's samples (all its steps, in order) as per-sample lists of their response
+        tokens; the function may rewrite "loss_masks" (only lower: 0 takes a token out of the loss, and of the
+        token counts) and "advantages" (and "returns", read by PPO's critic), which are read back. Returns the
+        share of the trained tokens it took out (partial sums over ranks)."""
+        from engine.rollout.hooks import HookError, call_hook
+
+        flag, path = "--rollout-data-postprocess-path", self.cfg.rollout_data_postprocess_path
+        where = [(mb, *_response_spans(mb)[:2]) for mbs in steps for mb in mbs]
+        flat = [(k, j) for k, mbs in enumerate(steps) for j in range(len(mbs))]
+
+        def per_sample(get) -> list | None:
+            out = []
+            for (k, j), (mb, spans, _) in zip(flat, where):
+                x = get(k, j, mb)
+                if x is None:
+                    return None
+                out += [x[a:b].clone() for a, b in spans]
+            return out
+
+        data = {
+            "sample_ids": [i for mb, _, _ in where for i in mb.sample_ids],
+            "rewards": [float(rewards[i]) for mb, _, _ in where for i in mb.sample_ids],
+            "response_lengths": [r for _, _, lens in where for r in lens],
+            "total_lengths": [t for mb, _, _ in where for t in _response_spans(mb)[2]],
+            "tokens": [mb.tokens[a:b].clone() for mb, _, _ in where for a, b in zip(
+                mb.cu_seqlens[:mb.num_samples].tolist(), mb.cu_seqlens[1:mb.num_samples + 1].tolist())],
+            "loss_masks": per_sample(lambda k, j, mb: mb.loss_mask),
+            "log_probs": per_sample(lambda k, j, mb: self.old[k][j] if self.old is not None else None),
+            "ref_log_probs": per_sample(lambda k, j, mb: self.ref[k][j] if self.ref else None),
+            "rollout_log_probs": per_sample(lambda k, j, mb: mb.rollout_log_probs),
+            "advantages": per_sample(lambda k, j, mb: mb.advantages),
+            "returns": per_sample(lambda k, j, mb: self.returns[k][j]),
+            "values": per_sample(lambda k, j, mb: self.values[k][j] if self.critic else None),
+        }
+        before = sum(float(mb.loss_mask.sum()) for mb, _, _ in where)
+        call_hook(flag, path, self.data_postprocess, self.cfg, rollout_id, data)
+        masks = _flat_from_hook(flag, path, data, "loss_masks", where)
+        for mb, m in zip((w[0] for w in where), masks):
+            if ((m < 0) | (m > mb.loss_mask)).any():
+                raise HookError.of(flag, path, "set a loss mask above the sample's own or below 0: a mask can "
+                                               "only take tokens out of the loss (0) or weigh them less, never "
+                                               "train a token the rollout left out (its log-probs are not kept)")
+        advantages = _flat_from_hook(flag, path, data, "advantages", where)
+        returns = _flat_from_hook(flag, path, data, "returns", where)
+        for (k, j), (mb, _, _), m, a, r in zip(flat, where, masks, advantages, returns):
+            mb.loss_mask = m
+            mb.advantages = a * (m > 0)
+            self.returns[k][j] = r * (m > 0)
+        after = sum(float(mb.loss_mask.sum()) for mb, _, _ in where)
+        return {"postprocess_masked_share_sum": before - after if self.reports else 0.0,
+                "postprocess_masked_share_count": before if self.reports else 0.0}
 
     def _set_supervised(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
         """set_rollout for --loss-type sft_loss: the micro-batches and the steps' token counts only."""
@@ -328,14 +377,14 @@ class TrainWorker:
         return {"tokens": float(sum(mb.num_tokens for mbs in steps for mb in mbs)) if self.reports else 0.0}
 
     def set_rollout_and_step(self, steps: list[list[MicroBatch]], rewards: list[float], need_ref: bool,
-                             normalized: bool, old_from: str, global_batch_size: int
+                             normalized: bool, old_from: str, global_batch_size: int, rollout_id: int = -1
                              ) -> tuple[dict[str, float], dict[str, Any] | None]:
         """`set_rollout`, then `train_step(0)` in the same call when nothing is judged between the two: the
         mismatch comes with the step's own forward (old_from "train", or "rollout" on a backend that keeps its
         step's log-probs), so the driver's RF14 check follows the step either way. One round trip fewer per
         rollout. Returns (facts, step 0's metrics); the metrics are None when the mismatch was computed here, and
         the driver then judges it before it asks for the step."""
-        facts = self.set_rollout(steps, rewards, need_ref, normalized, old_from)
+        facts = self.set_rollout(steps, rewards, need_ref, normalized, old_from, rollout_id)
         return facts, self.train_step(0, global_batch_size) if self.mismatch_deferred else None
 
     def _mismatch(self, steps: list[list[MicroBatch]], old: list[list[torch.Tensor]]) -> dict[str, float]:
@@ -620,3 +669,39 @@ class TrainWorker:
         """The policy's full parameters by name on the CPU (tests compare DP layouts with it); a collective when
         the backend shards them."""
         return self.backend.named_parameters_full()
+
+
+def _response_spans(mb: MicroBatch) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """Each sample's response tokens in the micro-batch's flat row: (start, end) spans, response lengths, total
+    lengths (slime's per-sample views)."""
+    cu = mb.cu_seqlens.long().tolist()
+    ends, lens = cu[1:mb.num_samples + 1], list(mb.response_lengths[:mb.num_samples])
+    return [(e - r, e) for e, r in zip(ends, lens)], lens, [e - s for s, e in zip(cu, ends)]
+
+
+def _flat_from_hook(flag: str, path: str, data: dict, key: str, where: list) -> list[torch.Tensor]:
+    """A hook's per-sample list data[key] (one tensor of each sample's response length, the samples of `where`'s
+    micro-batches in order) back into one flat [T] tensor per micro-batch (0 off the responses); a wrong shape,
+    NaN or Inf is a HookError naming the key."""
+    import torch
+
+    from engine.rollout.hooks import HookError
+
+    lens = [r for _, _, ls in where for r in ls]
+    got = data.get(key)
+    if not isinstance(got, (list, tuple)) or len(got) != len(lens) or not all(
+            torch.is_tensor(v) and v.numel() == r for v, r in zip(got, lens)):
+        shape = [tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for v in got][:8] \
+            if isinstance(got, (list, tuple)) else type(got).__name__
+        raise HookError.of(flag, path, f"set rollout_data[{key!r}] to {shape}; expected a list of {len(lens)} "
+                                       f"tensors of the response lengths {lens[:8]}")
+    out, i = [], 0
+    for mb, spans, _ in where:
+        flat = torch.zeros(mb.num_tokens)
+        for a, b in spans:
+            flat[a:b] = got[i].detach().float().reshape(-1).cpu()
+            i += 1
+        if not torch.isfinite(flat).all():
+            raise HookError.of(flag, path, f"set rollout_data[{key!r}] with a NaN or Inf")
+        out.append(flat)
+    return out
