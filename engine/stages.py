@@ -1073,7 +1073,8 @@ def old_log_probs_source(run: Run, first: bool) -> str:
         return "rollout"
     if (cfg.train_backend == "torch" and run.plan.num_steps_per_rollout == 1 and not cfg.use_mis
             and cfg.kl_coef == 0 and not cfg.custom_advantage_function_path  # that function reads them first
-            and not cfg.use_opd and not cfg.rollout_data_postprocess_path):  # so do these two
+            and not cfg.use_opd and not cfg.rollout_data_postprocess_path  # so do these
+            and not cfg.use_rollout_entropy):
         return "train"
     return "forward"
 

@@ -188,6 +188,24 @@ def mask_confident_tokens(args, rollout_id: int, rollout_data: dict) -> None:
                                   zip(rollout_data["loss_masks"], rollout_data["log_probs"])]
 
 
+# --rollout-data-postprocess-path examples/hooks.py:keep_high_entropy_tokens --use-rollout-entropy
+HIGH_ENTROPY_SHARE = 0.2  # the share of the trained tokens that keeps its loss
+
+
+def keep_high_entropy_tokens(args, rollout_id: int, rollout_data: dict) -> None:
+    """Train only on the highest-entropy ("forking") tokens, the top HIGH_ENTROPY_SHARE of this rank's trained
+    tokens by the old policy's entropy (Wang et al. 2025, "Beyond the 80/20 rule"); needs --use-rollout-entropy,
+    which puts the entropies in rollout_data["entropy"]."""
+    import torch
+
+    masks, entropy = rollout_data["loss_masks"], rollout_data["entropy"]
+    trained = torch.cat([e[m > 0] for e, m in zip(entropy, masks)])
+    if trained.numel() == 0:
+        return
+    cut = torch.quantile(trained.float(), 1 - HIGH_ENTROPY_SHARE)
+    rollout_data["loss_masks"] = [m * (e >= cut) for m, e in zip(masks, entropy)]
+
+
 # --custom-advantage-function-path examples/hooks.py:rloo_advantages
 def rloo_advantages(args, rollout_data: dict) -> None:
     """RLOO as an advantage function (slime's contract): each sample's advantage is its reward minus the mean of

@@ -212,3 +212,8 @@ def double_advantages(args, rollout_id, rollout_data):
 
 def raise_masks(args, rollout_id, rollout_data):
     rollout_data["loss_masks"] = [m + 1 for m in rollout_data["loss_masks"]]  # above the rollout's own
+
+
+def record_only(args, rollout_id, rollout_data):
+    """--rollout-data-postprocess-path that changes nothing and keeps what it was given."""
+    POSTPROCESS_CALLS.append((rollout_id, dict(rollout_data)))

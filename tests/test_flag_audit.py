@@ -156,6 +156,7 @@ FLAG_TESTS = {
         "test_train_backend.py::test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step",
     "rollout_all_samples_process_path":
         "test_hooks.py::test_the_all_samples_hook_sees_the_groups_the_dynamic_filter_dropped",
+    "use_rollout_entropy": "test_train_backend.py::test_use_rollout_entropy_hands_the_old_policys_entropy_to_the_hooks",
     "custom_tis_function_path": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
     "get_mismatch_metrics": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
     "custom_advantage_function_path":

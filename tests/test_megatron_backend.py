@@ -145,7 +145,7 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     tokens it masks), --use-opd --opd-type megatron (the teacher's log-probs; the policy's unchanged after),
     --ref-update-interval (update_ref; the moved reference saved and loaded with the checkpoint),
     --reset-optimizer-states (Adam's moments zero; the next steps as torch's) and
-    --custom-pg-loss-reducer-function-path (Dr.GRPO)."""
+    --custom-pg-loss-reducer-function-path (Dr.GRPO) and --use-rollout-entropy (the forward's entropies)."""
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.torch_backend import TorchBackend
 
@@ -201,6 +201,11 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     old = tb.compute_log_probs(mbs)
     _agree(mg.train_step(mbs, old, None, 8), tb.train_step(mbs, old, None, 8), ("loss_total", "grad_norm"),
            "dr.grpo reducer")
+    # --use-rollout-entropy: the no-grad forward's per-token entropies
+    (m_lp, m_ent), (t_lp, t_ent) = mg.compute_log_probs(mbs, with_entropy=True), tb.compute_log_probs(
+        mbs, with_entropy=True)
+    assert max(float((a - b).abs().max()) for a, b in zip(m_ent, t_ent)) < 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(m_lp, t_lp)) < 1e-5 and float(m_ent[0].sum()) > 0
     del mg, tb
 
     # --use-opd --opd-type megatron: the teacher (same architecture, other weights) swapped in and out

@@ -758,3 +758,44 @@ def test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_th
                    logprob_mismatch_threshold=1e3)
     out = train(stage_run(cfg, make_worker(cfg)), packed_rollout())
     assert 0.3 < out["train/postprocess_masked_share"] < 0.7
+
+
+def test_use_rollout_entropy_hands_the_old_policys_entropy_to_the_hooks(tiny_model):
+    """--use-rollout-entropy: rollout_data["entropy"] holds the old policy's per-token entropy, the one the
+    on-policy step's own forward sees (their sums over the trained tokens agree); examples/hooks.py's
+    keep_high_entropy_tokens keeps the top 20% of the trained tokens; without a function reading it the flag is
+    refused; with --use-rollout-logprobs the forward still runs for it."""
+    import hook_fakes
+    from engine.stages import train
+
+    def step(**over):
+        w = make_worker(make_cfg(tiny_model, use_rollout_entropy=True, **over))
+        steps, rewards = one_rollout()
+        w.set_rollout(steps, rewards, need_ref=False, old_from="rollout" if over.get("use_rollout_logprobs")
+                      else "forward")
+        return w.train_step(0, 8)
+
+    hook_fakes.POSTPROCESS_CALLS.clear()
+    plain = make_worker(make_cfg(tiny_model))
+    steps, rewards = one_rollout()
+    plain.set_rollout(steps, rewards, need_ref=False)
+    reference = plain.train_step(0, 8)
+    out = step(rollout_data_postprocess_path="hook_fakes:record_only")
+    [(_, data)] = hook_fakes.POSTPROCESS_CALLS
+    assert [len(e) for e in data["entropy"]] == data["response_lengths"]
+    total = sum(float((e * m).sum()) for e, m in zip(data["entropy"], data["loss_masks"]))
+    assert total == pytest.approx(reference["entropy_sum"], rel=1e-5) and total > 0
+    assert out["loss_total"] == pytest.approx(reference["loss_total"], rel=1e-6, abs=1e-9)
+
+    hook_fakes.POSTPROCESS_CALLS.clear()
+    step(rollout_data_postprocess_path="hook_fakes:record_only", use_rollout_logprobs=True,
+         logprob_mismatch_threshold=1e3)
+    [(_, data)] = hook_fakes.POSTPROCESS_CALLS
+    assert sum(float(e.sum()) for e in data["entropy"]) == pytest.approx(total, rel=1e-5)
+
+    cfg = make_cfg(tiny_model, use_rollout_entropy=True, logprob_mismatch_threshold=1e3,
+                   rollout_data_postprocess_path="examples/hooks.py:keep_high_entropy_tokens")
+    metrics = train(stage_run(cfg, make_worker(cfg)), packed_rollout())
+    assert metrics["train/postprocess_masked_share"] == pytest.approx(0.8, abs=0.05)
+    with pytest.raises(ConfigError, match="--use-rollout-entropy computes the old policy's entropies"):
+        make_cfg(tiny_model, use_rollout_entropy=True)

@@ -27,6 +27,9 @@ class AlgorithmArgs(Section):
     rollout_data_postprocess_path: Optional[str] = None
     """After the log-probs and advantages, before the rollout's first update (slime's flag and contract): `fn(args, rollout_id, rollout_data)`, once per train rank and rollout, e.g. to mask tokens by their log-probs. rollout_data holds the rank's samples as per-sample lists over their response tokens — loss_masks, log_probs (the old policy's), ref_log_probs and values (None when not computed), rollout_log_probs, advantages, returns — plus tokens (each whole sequence), rewards, response_lengths, total_lengths and sample_ids. It may rewrite loss_masks (only lower: 0 takes a token out of the loss and the token counts; a token the rollout left out cannot be put in), advantages and returns; the share of trained tokens it takes out is logged as train/postprocess_masked_share. The old log-probs are then always computed before the step (no reuse of the step's own forward). Not with --loss-type sft_loss. module:function or path/to/file.py:function."""
 
+    use_rollout_entropy: bool = False
+    """The old policy's forward before the update also gives each trained token's entropy (slime's flag), handed to --rollout-data-postprocess-path and --custom-advantage-function-path as rollout_data["entropy"] (per-sample [R_i] tensors), e.g. to train only on high-entropy tokens. That forward then always runs (with --use-rollout-logprobs too, where it is otherwise skipped). Needs one of those two functions: nothing else reads it."""
+
     use_opd: bool = False
     """On-policy distillation (slime's flag): on top of --advantage-estimator, every trained token's advantage gets −opd_kl_coef × (log π_old − log π_teacher), the reverse KL to a teacher on the student's own samples, logged as train/opd_reverse_kl. Needs --opd-type; with task rewards all equal (e.g. 0) it is pure distillation. Torch backend; not with --loss-type sft_loss / custom_loss. docs/algorithms.md, "On-policy distillation"."""
 
@@ -242,6 +245,12 @@ class AlgorithmArgs(Section):
                       + " it would do nothing", "add --use-tis (with --loss-type policy_loss), or drop "
                       "--custom-tis-function-path", field="custom_tis_function_path",
                       value=self.custom_tis_function_path)
+        if self.use_rollout_entropy and not (self.rollout_data_postprocess_path
+                                             or self.custom_advantage_function_path):
+            raise err("--use-rollout-entropy computes the old policy's entropies for rollout_data['entropy'], and "
+                      "no function reads it", "add --rollout-data-postprocess-path (or "
+                      "--custom-advantage-function-path) that uses rollout_data['entropy'], or drop "
+                      "--use-rollout-entropy", field="use_rollout_entropy", value=True)
         if self.custom_pg_loss_reducer_function_path and self.loss_type != "policy_loss":
             raise err(f"--custom-pg-loss-reducer-function-path aggregates the policy loss, which --loss-type "
                       f"{self.loss_type} does not compute", "--loss-type policy_loss, or drop "

@@ -55,10 +55,11 @@ class TrainBackend(Protocol):
     def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Σ ("sum") or max ("max") of a CPU tensor over the data-parallel ranks, returned on the CPU."""
 
-    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False
-                          ) -> list[torch.Tensor]:
+    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
+                          with_entropy: bool = False):
         """Per-token log-probs [T] of each micro-batch under the policy (or the frozen reference, or the
-        --use-opd --opd-type megatron teacher), no grad, at the rollout temperature."""
+        --use-opd --opd-type megatron teacher), no grad, at the rollout temperature; with_entropy
+        (--use-rollout-entropy): (those, the per-token entropies [T] of the same forward), 0 off the loss mask."""
 
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor],
                    ref_log_probs: list[torch.Tensor] | None, global_batch_size: int, *,

@@ -325,22 +325,24 @@ class MegatronBackend:
 
     @_on_own_stream
     @torch.no_grad()
-    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False
-                          ) -> list[torch.Tensor]:
+    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
+                          with_entropy: bool = False):
         with torch.enable_grad():  # a capture records the backward too
             self._prepare_graphs(mbs)
         for m in self.model:
             m.eval()
         other = self._teacher() if teacher else self.ref_weights if ref else None
         with self._swapped_in(other) if other is not None else nullcontext():
-            outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp}), forward_only=True,
-                             entropy_grad=False)
+            outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp, "entropy": ent.detach()}),
+                             forward_only=True, entropy_grad=False)
         for m in self.model:
             m.train()
         if not self.is_last_stage:  # only the last stage computes the loss; it is the only user of these
-            return [torch.zeros(mb.num_tokens) for mb in mbs]
+            zeros = [torch.zeros(mb.num_tokens) for mb in mbs]
+            return (zeros, [z.clone() for z in zeros]) if with_entropy else zeros
         # 0 where loss_mask is 0, as the torch backend (engine.train.forward.packed_forward)
-        return [o["log_probs"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]
+        lps = [o["log_probs"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]
+        return (lps, [o["entropy"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]) if with_entropy else lps
 
     @_on_own_stream
     def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:

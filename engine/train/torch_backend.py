@@ -153,13 +153,16 @@ class TorchBackend:
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False
-                          ) -> list[torch.Tensor]:
+    def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
+                          with_entropy: bool = False):
         """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy, the reference or
-        the --use-opd teacher, on the CPU."""
+        the --use-opd teacher, on the CPU; with_entropy: (those, the per-token entropies [T] of the same forward)."""
         model = self._teacher_model() if teacher else self._ref_model() if ref else self.model
-        return [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
-                               share_prefix=self.share_prefix)[0].cpu() for mb in mbs]
+        outs = [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
+                               share_prefix=self.share_prefix) for mb in mbs]
+        lps = [lp.cpu() for lp, _ in outs]
+        return (lps, [ent.detach().float().cpu() * mb.loss_mask for (_, ent), mb in zip(outs, mbs)]) \
+            if with_entropy else lps
 
     # ---- one optimizer step -------------------------------------------------------------------------------
     def train_step(self, mbs: list[MicroBatch], old_log_probs: list[torch.Tensor] | None,

@@ -63,6 +63,7 @@ class TrainWorker:
         self._sender = None  # rank 0's weight-update group with the engines (--weight-sync-method distributed)
         self.custom_advantages = None  # --custom-advantage-function-path's function
         self.data_postprocess = None  # --rollout-data-postprocess-path's function
+        self.entropy: list[list[torch.Tensor]] | None = None  # --use-rollout-entropy: the old policy's, per step / mb
         if not lazy:
             self.setup(master)
 
@@ -158,9 +159,9 @@ class TrainWorker:
         from engine.algorithms import compute_advantages, kl, masked_whiten, whiten_stats
 
         cfg = self.cfg
-        if old_from == "train" and self.data_postprocess is not None:
-            raise ValueError("--rollout-data-postprocess-path is given the old log-probs: old_from 'train' has none "
-                             "before the step")
+        if old_from == "train" and (self.data_postprocess is not None or cfg.use_rollout_entropy):
+            raise ValueError("--rollout-data-postprocess-path and --use-rollout-entropy need the old policy's forward "
+                             "before the step: old_from 'train' has none")
         self.backend_onload()
         if cfg.reset_optimizer_states:  # before this rollout's first step (slime resets at the start of train)
             from engine.train.optim import reset_state
@@ -186,8 +187,17 @@ class TrainWorker:
         if old_from == "train" and not records:
             raise ValueError(f"old_from 'train' needs a backend that keeps its train-step log-probs "
                              f"({type(self.backend).__name__} does not)")
+        # the policy's no-grad forward: the old log-probs, or (--use-rollout-logprobs) only for the mismatch on a
+        # backend that does not keep its step's log-probs, or for --use-rollout-entropy's entropies
+        forward, self.entropy = None, None
+        if old_from == "forward" or (old_from == "rollout" and (not records or cfg.use_rollout_entropy)):
+            if cfg.use_rollout_entropy:
+                pairs = [self.backend.compute_log_probs(mbs, with_entropy=True) for mbs in steps]
+                forward, self.entropy = [p[0] for p in pairs], [p[1] for p in pairs]
+            else:
+                forward = [self.backend.compute_log_probs(mbs) for mbs in steps]
         if old_from == "forward":
-            self.old = [self.backend.compute_log_probs(mbs) for mbs in steps]
+            self.old = forward
         elif old_from == "rollout":
             self.old = [[mb.rollout_log_probs * (mb.loss_mask > 0) for mb in mbs] for mbs in steps]
         else:
@@ -196,7 +206,7 @@ class TrainWorker:
         # forward, train_step(0) reports it from its forward (the same weights, before the update)
         self.mismatch_deferred = old_from != "forward" and records
         if old_from == "rollout" and not records:
-            mismatch = self._mismatch(steps, [self.backend.compute_log_probs(mbs) for mbs in steps])
+            mismatch = self._mismatch(steps, forward)
         else:
             mismatch = {} if self.mismatch_deferred else self._mismatch(steps, self.old)
         mis_masked = 0.0
@@ -221,7 +231,8 @@ class TrainWorker:
                 if self.custom_advantages is not None:
                     adv, ret = self._custom_advantages(mb, reward_t, self.old[k][j],
                                                        self.ref[k][j] if self.ref else None,
-                                                       self.values[k][j] if self.critic else None, kl_t)
+                                                       self.values[k][j] if self.critic else None, kl_t,
+                                                       self.entropy[k][j] if self.entropy else None)
                     mb.advantages = adv
                     rets.append(ret)
                     continue
@@ -287,7 +298,8 @@ class TrainWorker:
                 if self.reports else 0.0}
 
     def _custom_advantages(self, mb: MicroBatch, rewards: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
-                           values: torch.Tensor | None, kl_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           values: torch.Tensor | None, kl_t: torch.Tensor, entropy: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """--custom-advantage-function-path on one micro-batch: slime's per-sample `rollout_data` in, its
         "advantages" / "returns" (one value per response token) back into flat [T] tensors (0 off the loss mask)."""
         from engine.rollout.hooks import call_hook
@@ -300,6 +312,7 @@ class TrainWorker:
 
         data = {"log_probs": per_sample(old), "ref_log_probs": per_sample(ref), "values": per_sample(values),
                 "kl": per_sample(kl_t), "rollout_log_probs": per_sample(mb.rollout_log_probs),
+                "entropy": per_sample(entropy),
                 "loss_masks": per_sample(mb.loss_mask), "rewards": [float(rewards[i]) for i in mb.sample_ids],
                 "response_lengths": list(lens), "total_lengths": totals,
                 "sample_ids": list(mb.sample_ids), "all_rewards": rewards.tolist()}
@@ -341,6 +354,7 @@ class TrainWorker:
             "log_probs": per_sample(lambda k, j, mb: self.old[k][j] if self.old is not None else None),
             "ref_log_probs": per_sample(lambda k, j, mb: self.ref[k][j] if self.ref else None),
             "rollout_log_probs": per_sample(lambda k, j, mb: mb.rollout_log_probs),
+            "entropy": per_sample(lambda k, j, mb: self.entropy[k][j] if self.entropy else None),
             "advantages": per_sample(lambda k, j, mb: mb.advantages),
             "returns": per_sample(lambda k, j, mb: self.returns[k][j]),
             "values": per_sample(lambda k, j, mb: self.values[k][j] if self.critic else None),
