@@ -804,7 +804,9 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                     **({"rollout/removed_samples": float(removed)} if hooks.sample_filter is not None else {}),
                     **({f"rollout/pass_at_{k}": v for k, v in pass_rates(
                         [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {}),
-                    **(reward_categories(samples) if cfg.log_reward_category else {}), **teacher}
+                    **(reward_categories(samples) if cfg.log_reward_category else {}),
+                    **(multi_turn_metrics(samples, cfg.rollout_max_response_len) if cfg.log_multi_turn else {}),
+                    **teacher}
     metrics = {**rollout_metrics(result, time.perf_counter() - t0), **gpu_memory_metrics(run, "rollout"),
                **hook_metrics}
     taken = hooks.rollout_log is not None and logged_by_hook(
@@ -853,6 +855,28 @@ def logged_by_hook(fn: Callable, flag: str, path: str, *args: Any) -> bool:
     from engine.rollout.hooks import call_hook
 
     return bool(call_hook(flag, path, fn, *args))
+
+
+def multi_turn_metrics(samples: list[Sample], max_response_len: int) -> dict[str, float]:
+    """--log-multi-turn (slime's log_multi_turn_data): the responses' model tokens (loss mask 1) and tool or
+    environment tokens (mask 0), the shortest response, the share cut at the length limit, and the rounds of the
+    conversation where the generate function recorded them (metadata["round_number"])."""
+    if not samples:
+        return {}
+    lens = [s.response_length for s in samples]
+    trained = [float(sum(s.loss_mask)) for s in samples]
+    out = {"rollout/multi_turn_trained_len_mean": sum(trained) / len(trained),
+           "rollout/multi_turn_trained_len_max": max(trained), "rollout/multi_turn_trained_len_min": min(trained),
+           "rollout/multi_turn_observation_len_mean": sum(n - t for n, t in zip(lens, trained)) / len(lens),
+           "rollout/multi_turn_response_len_min": float(min(lens)),
+           "rollout/multi_turn_clip_ratio": sum(n >= max_response_len for n in lens) / len(lens)}
+    rounds = [float(s.metadata["round_number"]) for s in samples
+              if isinstance(s.metadata.get("round_number"), (int, float))]
+    if rounds:
+        out.update({"rollout/multi_turn_round_number_mean": sum(rounds) / len(rounds),
+                    "rollout/multi_turn_round_number_max": max(rounds),
+                    "rollout/multi_turn_round_number_min": min(rounds)})
+    return out
 
 
 def reward_categories(samples: list[Sample]) -> dict[str, float]:

@@ -80,6 +80,7 @@ async def generate(args, sample, sampling_params):
     sample.loss_mask, sample.rollout_log_probs, sample.response = mask, logps, text
     sample.status = Status(status)
     sample.metadata["tool_calls"] = text.count(OUT_OPEN)
+    sample.metadata["round_number"] = turn + 1  # the model's turns (slime's key, read by --log-multi-turn)
     return sample
 
 

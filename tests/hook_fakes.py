@@ -28,6 +28,7 @@ async def two_turns(args, sample, sampling_params):
     sample.response = tok.decode(t1) + TOOL_TEXT + tok.decode(t2)
     sample.status = Status.COMPLETED
     sample.metadata["turns"] = (len(t1), len(tool), len(t2))
+    sample.metadata["round_number"] = 2
     return sample
 
 

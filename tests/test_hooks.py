@@ -88,6 +88,26 @@ def test_multi_turn_sample_masks_the_tool_and_keeps_the_engines_logprobs(tmp_pat
     assert float(lp[~trained].abs().sum()) == 0.0  # tool and prompt tokens: no log-prob, no loss
 
 
+def test_log_multi_turn_counts_model_and_tool_tokens_and_rounds(tmp_path, engine_url):
+    """--log-multi-turn (slime's flag) on the two-turn generate hook: trained tokens are the model's two turns,
+    observation tokens the tool's, rounds the metadata's; off, none of these metrics is logged."""
+    run = make_run(tmp_path, engine_url, custom_generate_function_path="hook_fakes:two_turns", log_multi_turn=True,
+                   rollout_batch_size=2, n_samples_per_prompt=3)
+    batch = rollout(run)
+    samples = [s for g in batch.groups for s in g]
+    turns = [s.metadata["turns"] for s in samples]
+    m = batch.metrics
+    assert m["rollout/multi_turn_trained_len_mean"] == pytest.approx(sum(a + c for a, _, c in turns) / len(turns))
+    assert m["rollout/multi_turn_trained_len_max"] == max(a + c for a, _, c in turns)
+    obs = sum(b for _, b, _ in turns) / len(turns)
+    assert m["rollout/multi_turn_observation_len_mean"] == pytest.approx(obs) and obs > 0
+    assert m["rollout/multi_turn_response_len_min"] == min(s.response_length for s in samples)
+    assert m["rollout/multi_turn_round_number_mean"] == m["rollout/multi_turn_round_number_max"] == 2
+    assert 0 <= m["rollout/multi_turn_clip_ratio"] <= 1
+    off = rollout(make_run(tmp_path, engine_url, custom_generate_function_path="hook_fakes:two_turns"))
+    assert not [k for k in off.metrics if "multi_turn" in k]
+
+
 def test_generate_hook_failures_name_the_hook_and_are_not_retried(tmp_path, engine_url):
     from plumbing.policy import retry_unless_config_error
 

@@ -63,6 +63,9 @@ class TrackingArgs(Section):
     log_passrate: bool = False
     """Also log pass@k for k = 1, 2, 4, … up to the samples per prompt (slime's flag): rollout/pass_at_<k> over each rollout's groups, eval/<set>_pass_at_<k> over an eval set's prompts (with more than one sample per prompt). The unbiased estimator 1 − C(n−c, k) / C(n, k) of n samples with c correct, where a reward of 1 is correct, as slime counts."""
 
+    log_multi_turn: bool = False
+    """Also log multi-turn rollout metrics (slime's flag): rollout/multi_turn_trained_len_{mean,max,min} (each response's model tokens, loss mask 1), rollout/multi_turn_observation_len_mean (its tool or environment tokens, loss mask 0), rollout/multi_turn_response_len_min and rollout/multi_turn_clip_ratio (share at --rollout-max-response-len), and rollout/multi_turn_round_number_{mean,max,min} from each sample's metadata["round_number"] where the generate function sets it (examples/tool_calc.py does)."""
+
     system_metrics_interval: float = Field(10.0, ge=0)
     """Seconds between system metric samples (CPU, memory; GPU when present) logged to MLflow (0 = off)."""
 

@@ -35,6 +35,19 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/reward_std", None, "standard deviation of those rewards (0 → GRPO has no signal)"),
     MetricDoc("rollout/pass_at_<k>", "max", "--log-passrate: pass@k over the rollout's groups (k = 1, 2, 4, … ≤ "
                                             "--n-samples-per-prompt; unbiased estimator, a reward of 1 is correct)"),
+    MetricDoc("rollout/multi_turn_trained_len_mean", None, "`--log-multi-turn`: mean model tokens of a response "
+                                                          "(loss mask 1; also _max, _min)"),
+    MetricDoc("rollout/multi_turn_trained_len_max", None, "`--log-multi-turn`: the most model tokens of a response"),
+    MetricDoc("rollout/multi_turn_trained_len_min", None, "`--log-multi-turn`: the fewest model tokens of a response"),
+    MetricDoc("rollout/multi_turn_observation_len_mean", None, "`--log-multi-turn`: mean tool / environment tokens "
+                                                              "of a response (loss mask 0)"),
+    MetricDoc("rollout/multi_turn_response_len_min", None, "`--log-multi-turn`: the shortest response, all tokens"),
+    MetricDoc("rollout/multi_turn_clip_ratio", "min", "`--log-multi-turn`: share of responses at "
+                                                     "--rollout-max-response-len"),
+    MetricDoc("rollout/multi_turn_round_number_mean", None, "`--log-multi-turn`: mean conversation rounds, from the "
+                                                           "samples' metadata[\"round_number\"] (also _max, _min)"),
+    MetricDoc("rollout/multi_turn_round_number_max", None, "`--log-multi-turn`: the most rounds of a sample"),
+    MetricDoc("rollout/multi_turn_round_number_min", None, "`--log-multi-turn`: the fewest rounds of a sample"),
     MetricDoc("rollout/reward_category/<key>", None, "`--log-reward-category`: share of the rollout's samples "
                                                      "whose reward dict named this category (\"none\": no "
                                                      "category)"),
