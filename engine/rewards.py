@@ -191,9 +191,61 @@ SAMPLE_RM_TYPES = sorted([*BUILTIN, *(f"boxed_{k}" for k in BUILTIN)])
 
 
 # ---- custom functions ------------------------------------------------------------------------------------------
+#: How each hook flag's function is called (engine/rollout/hooks.py, the train workers): alternatives of
+#: (positional arguments, keyword arguments, the call as the docs write it). load_function checks that the function
+#: accepts one of them, so a wrong signature fails at start, naming the flag, not at the first call, hours in.
+HOOK_CALLS: dict[str, list[tuple[int, tuple[str, ...], str]]] = {
+    "--rollout-function-path": [(3, ("evaluation",), "fn(args, rollout_id, data_source, evaluation=False)")],
+    "--custom-generate-function-path": [(3, (), "async fn(args, sample, sampling_params)")],
+    "--custom-reward-post-process-path": [(2, (), "fn(args, samples)")],
+    "--dynamic-sampling-filter-path": [(2, (), "fn(args, group)"), (1, (), "fn(group)")],
+    "--rollout-sample-filter-path": [(2, (), "fn(args, groups)")],
+    "--rollout-all-samples-process-path": [(3, (), "fn(args, all_samples, data_source)")],
+    "--data-source-path": [(1, (), "cls(args)")],
+    "--eval-function-path": [(3, ("evaluation",), "fn(args, rollout_id, data_source, evaluation=True)")],
+    "--custom-rollout-log-function-path": [(5, (), "fn(rollout_id, args, samples, rollout_extra_metrics, "
+                                                   "rollout_time)")],
+    "--custom-eval-rollout-log-function-path": [(4, (), "fn(rollout_id, args, data, extra_metrics)")],
+    "--custom-rm-path": [(2, (), "fn(args, sample)"), (1, (), "fn(sample)")],
+    "--custom-advantage-function-path": [(2, (), "fn(args, rollout_data)")],
+    "--custom-loss-function-path": [(3, (), "fn(args, batch, sum_of_sample_mean)")],
+    "--custom-tis-function-path": [(1, ("pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks",
+                                        "total_lengths", "response_lengths"),
+                                    "fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+                                    "total_lengths, response_lengths)")],
+    "--custom-pg-loss-reducer-function-path": [(4, (), "fn(total_lengths, response_lengths, loss_masks, "
+                                                       "calculate_per_token_loss)")],
+    "--rollout-data-postprocess-path": [(3, (), "fn(args, rollout_id, rollout_data)")],
+}
+
+
+def check_call(fn: Callable, flag: str, path: str) -> None:
+    """A ConfigError unless `fn` accepts one of the calls HOOK_CALLS lists for `flag` (a signature Python cannot
+    inspect passes: it is checked when called)."""
+    calls = HOOK_CALLS.get(flag)
+    if not calls:
+        return
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    for n, kws, _ in calls:
+        try:
+            sig.bind(*([None] * n), **{k: None for k in kws})
+            return
+        except TypeError:
+            continue
+    raise ConfigError(Diagnosis(
+        code="CONFIG", severity="error",
+        what=f"{flag} {path!r} has the signature {getattr(fn, '__name__', path)}{sig}, but rollflow calls it as "
+             + " or ".join(c for _, _, c in calls),
+        fix=f"give it that signature (slime's contract for {flag}; docs/hooks.md)",
+        facts={"flag": flag, "path": path, "signature": str(sig)}))
+
+
 def load_function(path: str, flag: str) -> Callable:
-    """`pkg.module:function`, slime's `pkg.module.function`, or `path/to/file.py:function`; a bad path is a
-    ConfigError naming `flag`."""
+    """`pkg.module:function`, slime's `pkg.module.function`, or `path/to/file.py:function`; a bad path, or a
+    function that cannot take the flag's call (check_call), is a ConfigError naming `flag`."""
     mod_name, sep, fn_name = path.rpartition(":")
     if not sep and not path.endswith(".py"):
         mod_name, sep, fn_name = path.rpartition(".")
@@ -217,6 +269,7 @@ def load_function(path: str, flag: str) -> Callable:
     if not callable(fn):
         raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{flag} {path!r} is not callable",
                                     fix="point it at a function"))
+    check_call(fn, flag, path)
     return fn
 
 

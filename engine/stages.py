@@ -275,7 +275,7 @@ def load_hooks(run: Run) -> None:
     from engine.rewards import load_function
 
     for flag in ("--custom-loss-function-path", "--custom-advantage-function-path", "--custom-tis-function-path",
-                 "--custom-pg-loss-reducer-function-path"):  # called on the train workers:
+                 "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path"):  # on the train workers:
         if path := getattr(cfg, flag[2:].replace("-", "_")):  # a bad path fails here, before any rollout
             load_function(path, flag)
     run.sample_filter = (load_filter(cfg.dynamic_sampling_filter_path, hook_args(run, -1))

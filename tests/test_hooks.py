@@ -137,6 +137,39 @@ def test_a_hook_path_that_does_not_load_fails_at_start(tmp_path):
                   custom_generate_function_path="hook_fakes:two_turns")
 
 
+def test_a_hook_with_the_wrong_signature_fails_when_it_is_loaded():
+    """Every hook flag's function is checked against how rollflow calls it when it is loaded (at start), not at its
+    first call: a wrong arity is a ConfigError naming the flag, the function's signature and the expected call;
+    every example of examples/hooks.py passes for the flag its comment names; each checked flag is a real flag."""
+    import re
+    from pathlib import Path
+
+    from engine.rewards import HOOK_CALLS, load_function
+
+    with pytest.raises(ConfigError, match=r"--rollout-data-postprocess-path 'hook_fakes:slime_filter' has the "
+                                          r"signature slime_filter\(args, samples\), but rollflow calls it as "
+                                          r"fn\(args, rollout_id, rollout_data\)"):
+        load_function("hook_fakes:slime_filter", "--rollout-data-postprocess-path")
+    with pytest.raises(ConfigError, match="--custom-tis-function-path .* calls it as fn\\(args, \\*, pg_loss"):
+        load_function("hook_fakes:slime_filter", "--custom-tis-function-path")
+    with pytest.raises(ConfigError, match="--rollout-sample-filter-path"):
+        make_run_cfg = RunConfig(rollout_sample_filter_path="hook_fakes:record_all_samples")
+        from engine.rollout.hooks import Hooks
+
+        Hooks.load(make_run_cfg)
+    assert load_function("hook_fakes:slime_filter", "--dynamic-sampling-filter-path")  # fn(args, group)
+    assert load_function("engine.rollout.filters:check_reward_nonzero_std", "--dynamic-sampling-filter-path")
+
+    ex = Path(__file__).parent.parent / "examples" / "hooks.py"
+    named = re.findall(r"^# (?:--loss-type custom_loss |--use-tis )?(--[a-z-]+) examples/hooks.py:(\w+)",
+                       ex.read_text(), flags=re.M)
+    assert len(named) >= 14
+    for flag, name in named:
+        load_function(f"{ex}:{name}", flag)
+    fields = set(RunConfig.model_fields)
+    assert all(f[2:].replace("-", "_") in fields for f in HOOK_CALLS)
+
+
 def test_slime_dotted_paths_load():
     from engine.rewards import load_function
 
