@@ -57,6 +57,7 @@ class Run:
         self.eval_datasets: dict[str, Any] = {}  # name → its resolved EvalDataset (keys, reward, sampling)
         self.reward_model = None
         self.engines = None  # engine.rollout.engines.EngineGroup
+        self.served_versions: set[str] = set()  # every weight_version this process pushed (stages.shared_server)
         self.placement = None  # engine.cluster.placement.Placement
         self.train_placement = None  # CPU train workers over several nodes (stages.place_train_workers)
         self.ports = None  # the cluster's port registry (engine/rollout/ports.py: in its key-value store)

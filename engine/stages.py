@@ -779,6 +779,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
         for smp in samples:
             if smp.metadata.get("weight_version") in (None, ""):
                 smp.metadata["weight_version"] = str(version)
+        if cfg.rollout_external_engine_addrs:
+            shared_server(run, rollout_id, samples)
         removed = (apply_sample_filter(hooks.sample_filter, cfg.rollout_sample_filter_path, args, result.groups)
                    if hooks.sample_filter is not None else 0)
         if hooks.all_samples is not None:  # slime: every finished group, the dynamic filter's dropped ones too
@@ -820,6 +822,32 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
     if cfg.save_debug_rollout_data:
         save_rollout(run, rollout_id, result.groups, metrics, version)
     return RolloutBatch(rollout_id, result.groups, metrics)
+
+
+def shared_server(run: Run, rollout_id: int, samples: list[Sample]) -> None:
+    """External engines: every sample must come from weights this run pushed (the weight_version each response
+    reports, every segment's with --partial-rollout). A version it never pushed means another process updated the
+    server's weights — a second run sharing it, each overwriting the other's: a CONFIG error, not a retry. A
+    second run that happens to push the same version numbers is not told apart by this check."""
+    if not run.served_versions:
+        return
+    foreign = sorted({str(v) for s in samples
+                      for v in (list(s.metadata.get("weight_versions") or []) or [s.metadata.get("weight_version")])
+                      if v is not None and str(v) not in run.served_versions})
+    if foreign:
+        raise ConfigError(Diagnosis(
+            code="CONFIG", severity="error",
+            what=f"rollout {rollout_id}: the external engines answered with weight_version {', '.join(foreign[:3])}, "
+                 f"which this run never pushed (it pushed {', '.join(sorted(run.served_versions, key=_num)[-3:])}): "
+                 "another process updated their weights, e.g. a second run on the same servers",
+            fix="give every run its own servers (--rollout-external-engine-addrs): two runs on one server each "
+                "overwrite the other's weights",
+            facts={"field": "rollout_external_engine_addrs", "value": run.cfg.rollout_external_engine_addrs,
+                   "foreign_versions": foreign}))
+
+
+def _num(v: str) -> tuple:
+    return (0, int(v)) if v.isdigit() else (1, v)
 
 
 def teacher_scores(run: Run, samples: list[Sample], batch: int = 64) -> dict[str, float]:
@@ -1571,6 +1599,7 @@ def sync(run: Run, rollout_id: int, pause: bool = False, exported: Any = None, l
         try:
             out = push_weights(run, run.engines.serving_slots(), version, exported=handoff, probe_scores=scored)
             run.state.weight_version = version
+            run.served_versions.add(str(version))
         finally:
             if pause:
                 run.engines.continue_generation()

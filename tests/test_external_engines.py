@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.config import RunConfig
 from engine.diagnosis import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +170,49 @@ def test_gpu_memory_metrics_skip_an_external_engine(server):
     assert gpu_memory_metrics(run, "sync") == {"memory/sync_peak_gib": 1.5, "memory/sync_train_gib": 1.5,
                                                "memory/sync_engine_gib": 0.0}
     engines.stop()
+
+
+def test_a_server_whose_weights_another_process_updated_stops_the_rollout(tiny_model, tmp_path, server):
+    """Two runs on one server overwrite each other's weights. The rollout stage checks that every sample came from
+    weights this run pushed (the weight_version each response reports): after another client pushes version 77,
+    the next rollout fails with a CONFIG error naming it, and gives its prompts back; before, it passes."""
+    from safetensors.torch import load_file
+
+    from engine.config.data import BUNDLED_TRAIN
+    from engine.data import PromptDataset, load_prompts
+    from engine.modeling import eos_token_ids, load_tokenizer
+    from engine.rewards import RewardModel
+    from engine.rollout.loop import StaticEngines
+    from engine.run import Run
+    from engine.stages import load_hooks, rollout
+    from engine.weights.sync import push_tensors
+
+    cfg = RunConfig(**ext(addrs=[server.url]), prompt_data=BUNDLED_TRAIN, eval_prompt_data="",
+                    work_dir=str(tmp_path / "w"), rollout_batch_size=2, n_samples_per_prompt=2,
+                    rollout_max_response_len=8, apply_chat_template=True)
+    run = Run(cfg)
+    run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
+    run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
+    run.dataset = PromptDataset(load_prompts(cfg.prompt_data, input_key="prompt", label_key="label"), shuffle=False,
+                                seed=0)
+    run.reward_model = RewardModel.of(cfg)
+    run.engines = StaticEngines([server.url], api_key=KEY)
+    load_hooks(run)
+    weights = load_file(str(Path(tiny_model) / "model.safetensors"))
+
+    def push(version: int) -> None:  # the same weights, under another version name
+        push_tensors([server.url], weights, version, bucket_bytes=1 << 24, timeout_s=60, api_key=KEY)
+
+    push(5)
+    run.served_versions.add("5")
+    run.state.weight_version = 5
+    batch = rollout(run, 0)
+    assert {s.metadata["weight_version"] for g in batch.groups for s in g} == {"5"}
+    push(77)  # another run's sync
+    position = run.dataset.state()
+    with pytest.raises(ConfigError, match="weight_version 77, which this run never pushed .*another process"):
+        rollout(run, 1)
+    assert run.dataset.state() == position
 
 
 def test_the_doctor_warns_of_a_server_that_does_not_answer(small_cfg, server):
