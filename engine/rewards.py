@@ -216,6 +216,10 @@ HOOK_CALLS: dict[str, list[tuple[int, tuple[str, ...], str]]] = {
     "--custom-pg-loss-reducer-function-path": [(4, (), "fn(total_lengths, response_lengths, loss_masks, "
                                                        "calculate_per_token_loss)")],
     "--rollout-data-postprocess-path": [(3, (), "fn(args, rollout_id, rollout_data)")],
+    "--custom-megatron-init-path": [(1, (), "fn(args)")],
+    "--custom-megatron-before-log-prob-hook-path": [(3, (), "fn(args, model, store_prefix)")],
+    "--custom-megatron-before-train-step-hook-path": [(6, (), "fn(args, rollout_id, step_id, model, optimizer, "
+                                                              "opt_param_scheduler)")],
 }
 
 

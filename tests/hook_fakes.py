@@ -218,3 +218,21 @@ def raise_masks(args, rollout_id, rollout_data):
 def record_only(args, rollout_id, rollout_data):
     """--rollout-data-postprocess-path that changes nothing and keeps what it was given."""
     POSTPROCESS_CALLS.append((rollout_id, dict(rollout_data)))
+
+
+MEGATRON_CALLS: list = []
+
+
+def megatron_init(args):
+    """--custom-megatron-init-path."""
+    MEGATRON_CALLS.append(("init", args.train_backend))
+
+
+def megatron_before_log_prob(args, model, store_prefix):
+    """--custom-megatron-before-log-prob-hook-path."""
+    MEGATRON_CALLS.append(("log_prob", len(model), store_prefix))
+
+
+def megatron_before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    """--custom-megatron-before-train-step-hook-path."""
+    MEGATRON_CALLS.append(("train_step", rollout_id, step_id, len(model), optimizer is not None, opt_param_scheduler))

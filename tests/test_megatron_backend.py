@@ -145,7 +145,8 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     tokens it masks), --use-opd --opd-type megatron (the teacher's log-probs; the policy's unchanged after),
     --ref-update-interval (update_ref; the moved reference saved and loaded with the checkpoint),
     --reset-optimizer-states (Adam's moments zero; the next steps as torch's) and
-    --custom-pg-loss-reducer-function-path (Dr.GRPO) and --use-rollout-entropy (the forward's entropies)."""
+    --custom-pg-loss-reducer-function-path (Dr.GRPO), --use-rollout-entropy (the forward's entropies) and the
+    --custom-megatron-*-path hooks."""
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.torch_backend import TorchBackend
 
@@ -201,6 +202,21 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
     old = tb.compute_log_probs(mbs)
     _agree(mg.train_step(mbs, old, None, 8), tb.train_step(mbs, old, None, 8), ("loss_total", "grad_norm"),
            "dr.grpo reducer")
+    del mg, tb
+    # slime's Megatron hooks: called after set-up, before each log-prob forward (with its store prefix) and, by
+    # the worker, before each optimizer step
+    import hook_fakes
+
+    hook_fakes.MEGATRON_CALLS.clear()
+    mg, tb = both(custom_megatron_init_path="hook_fakes:megatron_init",
+                  custom_megatron_before_log_prob_hook_path="hook_fakes:megatron_before_log_prob",
+                  custom_megatron_before_train_step_hook_path="hook_fakes:megatron_before_train_step",
+                  use_kl_loss=True, kl_loss_coef=0.1)
+    mg.compute_log_probs(mbs)
+    mg.compute_log_probs(mbs, ref=True)
+    mg.before_train_step(4, 1)
+    assert hook_fakes.MEGATRON_CALLS == [("init", "megatron"), ("log_prob", 1, ""), ("log_prob", 1, "ref_"),
+                                         ("train_step", 4, 1, 1, True, None)]
     # --use-rollout-entropy: the no-grad forward's per-token entropies
     (m_lp, m_ent), (t_lp, t_ent) = mg.compute_log_probs(mbs, with_entropy=True), tb.compute_log_probs(
         mbs, with_entropy=True)

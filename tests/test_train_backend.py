@@ -799,3 +799,21 @@ def test_use_rollout_entropy_hands_the_old_policys_entropy_to_the_hooks(tiny_mod
     assert metrics["train/postprocess_masked_share"] == pytest.approx(0.8, abs=0.05)
     with pytest.raises(ConfigError, match="--use-rollout-entropy computes the old policy's entropies"):
         make_cfg(tiny_model, use_rollout_entropy=True)
+
+
+def test_the_worker_calls_the_backends_before_train_step_hook_and_megatron_hooks_need_megatron(tiny_model):
+    """--custom-megatron-before-train-step-hook-path: the worker calls the backend's before_train_step(rollout_id,
+    step) before every optimizer step (the megatron backend runs the user's function there: its GPU test); the
+    three --custom-megatron-*-path flags are refused with another backend, where they would never be called."""
+    w = make_worker(make_cfg(tiny_model, global_batch_size=4))
+    calls = []
+    w.backend.before_train_step = lambda rollout_id, step_id: calls.append((rollout_id, step_id))
+    steps, rewards = one_rollout(steps=2)
+    w.set_rollout(steps, rewards, need_ref=False, rollout_id=9)
+    w.train_step(0, 4)
+    w.train_step(1, 4)
+    assert calls == [(9, 0), (9, 1)]
+    for flag in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
+                 "custom_megatron_before_train_step_hook_path"):
+        with pytest.raises(ConfigError, match="hook into the megatron backend, and --train-backend is torch"):
+            make_cfg(tiny_model, **{flag: "hook_fakes:megatron_init"})

@@ -1,9 +1,10 @@
 """Training flags: backend, batch sizes, optimizer."""
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.config.base import Section
+from engine.diagnosis import ConfigError, Diagnosis
 
 
 class TrainArgs(Section):
@@ -28,6 +29,15 @@ class TrainArgs(Section):
     """Megatron backend: replay the decoder from CUDA graphs, one per micro-batch shape (bf16/fp16, TP = PP = 1,
     without Transformer Engine; micro-batches are padded to 1,024-token buckets). --no-megatron-cuda-graphs runs
     every layer eagerly."""
+
+    custom_megatron_init_path: Optional[str] = None
+    """Megatron backend (slime's hook): fn(args), called on every train rank once the model, its DDP wrapper and the optimizer are built and the weights loaded. module:function or path/to/file.py:function."""
+
+    custom_megatron_before_log_prob_hook_path: Optional[str] = None
+    """Megatron backend (slime's hook): fn(args, model, store_prefix) before every no-grad log-prob forward, on every train rank: model is the list of Megatron model chunks, store_prefix "" for the policy, "ref_" for the reference, "teacher_" for the --use-opd teacher."""
+
+    custom_megatron_before_train_step_hook_path: Optional[str] = None
+    """Megatron backend (slime's hook): fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) before every optimizer step, on every train rank (step_id: the step within the rollout). opt_param_scheduler is None: the backend sets the learning rate itself each step (--lr-decay-style)."""
 
     bf16: bool = False
     """Train in bf16: bf16 matrix products and activations, fp32 master weights, gradients and optimizer state (torch:
@@ -117,3 +127,16 @@ class TrainArgs(Section):
             except re.error as e:
                 raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
         return v
+
+    @model_validator(mode="after")
+    def _megatron_hooks(self) -> "TrainArgs":
+        on = [f"--{f.replace('_', '-')}" for f in ("custom_megatron_init_path",
+                                                   "custom_megatron_before_log_prob_hook_path",
+                                                   "custom_megatron_before_train_step_hook_path") if getattr(self, f)]
+        if on and self.train_backend != "megatron":
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"{', '.join(on)} hook into the megatron backend, and --train-backend is {self.train_backend}: "
+                     "they would never be called", fix="--train-backend megatron, or drop " + ", ".join(on),
+                facts={"field": on[0][2:].replace("-", "_"), "value": self.train_backend}))
+        return self

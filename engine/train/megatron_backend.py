@@ -178,6 +178,30 @@ class MegatronBackend:
         self.teacher_weights = None  # --use-opd --opd-type megatron: the teacher's shards, read at first use
         self.steps_done = 0
         self.skipped_steps = 0
+        # slime's Megatron hooks (--custom-megatron-*-path): {flag: (function, path)}
+        self.megatron_hooks = {}
+        for field in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
+                      "custom_megatron_before_train_step_hook_path"):
+            if path := getattr(cfg, field, None):
+                from engine.rewards import load_function
+
+                flag = "--" + field.replace("_", "-")
+                self.megatron_hooks[flag] = (load_function(path, flag), path)
+        self._megatron_hook("--custom-megatron-init-path", cfg)
+
+    def _megatron_hook(self, flag: str, *args: Any) -> None:
+        """Call a --custom-megatron-*-path function where its flag is set (a failure is a HookError naming it)."""
+        if flag in self.megatron_hooks:
+            from engine.rollout.hooks import call_hook
+
+            fn, path = self.megatron_hooks[flag]
+            call_hook(flag, path, fn, *args)
+
+    def before_train_step(self, rollout_id: int, step_id: int) -> None:
+        """--custom-megatron-before-train-step-hook-path, before optimizer step `step_id` of rollout `rollout_id`
+        (the worker calls it; the learning-rate schedule is the backend's own, so opt_param_scheduler is None)."""
+        self._megatron_hook("--custom-megatron-before-train-step-hook-path", self.cfg, rollout_id, step_id,
+                            self.model, self.optimizer, None)
 
     # ---- parallel layout -----------------------------------------------------------------------------------
     #: the weights are sharded over ranks: model_state / save / export are collectives every rank joins
@@ -331,6 +355,8 @@ class MegatronBackend:
             self._prepare_graphs(mbs)
         for m in self.model:
             m.eval()
+        self._megatron_hook("--custom-megatron-before-log-prob-hook-path", self.cfg, self.model,
+                            "teacher_" if teacher else "ref_" if ref else "")
         other = self._teacher() if teacher else self.ref_weights if ref else None
         with self._swapped_in(other) if other is not None else nullcontext():
             outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp, "entropy": ent.detach()}),

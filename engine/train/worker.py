@@ -63,6 +63,7 @@ class TrainWorker:
         self._sender = None  # rank 0's weight-update group with the engines (--weight-sync-method distributed)
         self.custom_advantages = None  # --custom-advantage-function-path's function
         self.data_postprocess = None  # --rollout-data-postprocess-path's function
+        self.rollout_id = -1  # the rollout set_rollout was given (the Megatron before-train-step hook's argument)
         self.entropy: list[list[torch.Tensor]] | None = None  # --use-rollout-entropy: the old policy's, per step / mb
         if not lazy:
             self.setup(master)
@@ -159,6 +160,7 @@ class TrainWorker:
         from engine.algorithms import compute_advantages, kl, masked_whiten, whiten_stats
 
         cfg = self.cfg
+        self.rollout_id = rollout_id
         if old_from == "train" and (self.data_postprocess is not None or cfg.use_rollout_entropy):
             raise ValueError("--rollout-data-postprocess-path and --use-rollout-entropy need the old policy's forward "
                              "before the step: old_from 'train' has none")
@@ -421,6 +423,8 @@ class TrainWorker:
             return self.critic.train_step(self.steps[k], self.values[k], self.returns[k], global_batch_size,
                                           global_tokens=self.step_tokens[k])
         deferred = self.old is None  # old_from "train" (the step's own forward gives them) or "none" (not needed)
+        if hasattr(self.backend, "before_train_step"):  # the megatron backend's --custom-megatron-before-train-step
+            self.backend.before_train_step(self.rollout_id, k)
         out = self.backend.train_step(self.steps[k], None if deferred else self.old[k],
                                       self.ref[k] if self.ref else None, global_batch_size,
                                       global_tokens=self.step_tokens[k])
