@@ -808,6 +808,7 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                         [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {}),
                     **(reward_categories(samples) if cfg.log_reward_category else {}),
                     **(multi_turn_metrics(samples, cfg.rollout_max_response_len) if cfg.log_multi_turn else {}),
+                    **(offpolicy_masked(samples) if cfg.mask_offpolicy_in_partial_rollout else {}),
                     **teacher}
     metrics = {**rollout_metrics(result, time.perf_counter() - t0), **gpu_memory_metrics(run, "rollout"),
                **hook_metrics}
@@ -883,6 +884,16 @@ def logged_by_hook(fn: Callable, flag: str, path: str, *args: Any) -> bool:
     from engine.rollout.hooks import call_hook
 
     return bool(call_hook(flag, path, fn, *args))
+
+
+def offpolicy_masked(samples: list[Sample]) -> dict[str, float]:
+    """--mask-offpolicy-in-partial-rollout: rollout/offpolicy_masked_share, the share of the response tokens left
+    out of the loss because an older weight version generated them (every segment of a continued sample but its
+    last)."""
+    total = sum(s.response_length for s in samples)
+    masked = sum(sum((s.metadata.get("segment_lengths") or [0])[:-1]) for s in samples
+                 if len(s.metadata.get("weight_versions") or []) > 1)
+    return {"rollout/offpolicy_masked_share": masked / total if total else 0.0}
 
 
 def multi_turn_metrics(samples: list[Sample], max_response_len: int) -> dict[str, float]:
@@ -998,6 +1009,7 @@ def partial_buffer(run: Run, rollout_id: int, position: Any):
     if buf is not None:
         log.info("rollout %d: continuing %d samples kept by the checkpoint (--partial-rollout)", rollout_id, len(buf))
     run.state.partial[rollout_id] = buf = buf or PartialBuffer(rollout_id)
+    buf.mask_offpolicy = run.cfg.mask_offpolicy_in_partial_rollout
     if run.tokenizer is not None:  # the engines' decode (skip_special_tokens, SamplingParams.to_sglang)
         skip = run.cfg.rollout_skip_special_tokens
         buf.decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=skip)

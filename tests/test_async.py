@@ -343,7 +343,8 @@ def _scored(state, sample, temperature: float) -> torch.Tensor:
 def test_partial_rollout_continues_paused_samples_under_the_new_weights(keyed_engine):
     """A weight sync in the middle of a rollout: the engine aborts, the loop keeps each sample's tokens and
     continues it under the new weights; every token's log-prob is the one of the weights that generated it, the
-    length budget holds across segments, and the buffer records where every sample got."""
+    length budget holds across segments, and the buffer records where every sample got. With
+    --mask-offpolicy-in-partial-rollout a continued sample trains on its last segment only."""
     import threading
 
     from engine.rollout.client import EngineClient
@@ -366,6 +367,7 @@ def test_partial_rollout_continues_paused_samples_under_the_new_weights(keyed_en
         client.continue_generation()
 
     buf = PartialBuffer(5)
+    buf.mask_offpolicy = True  # --mask-offpolicy-in-partial-rollout
     syncer = threading.Thread(target=sync_in_the_middle)
     syncer.start()
     try:
@@ -380,11 +382,15 @@ def test_partial_rollout_continues_paused_samples_under_the_new_weights(keyed_en
         new_scores = {}
         assert continued and result.stats["continued"] >= len(continued)
         for s in samples:
+            if s not in continued:
+                assert s.loss_mask == [1] * s.response_length
             assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.response_length <= max_new
             assert len(s.rollout_log_probs) == s.response_length == len(s.tokens) - len(prompts_ids(state, s))
         for s in continued:
             assert s.metadata["weight_versions"][0] == "default" and s.metadata["weight_versions"][-1] == "1"
             assert sum(s.metadata["segment_lengths"]) == s.response_length
+            last = s.metadata["segment_lengths"][-1]  # only the newest weights' tokens are trained on
+            assert s.loss_mask == [0] * (s.response_length - last) + [1] * last
             first = s.metadata["segment_lengths"][0]
             got = torch.tensor(s.rollout_log_probs)
             new_scores[id(s)] = _scored(state, s, T)

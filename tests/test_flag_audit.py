@@ -164,6 +164,8 @@ FLAG_TESTS = {
         "test_megatron_backend.py::test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_reset",
     "custom_megatron_before_train_step_hook_path":
         "test_megatron_backend.py::test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_reset",
+    "mask_offpolicy_in_partial_rollout":
+        "test_rollout_loop.py::test_mask_offpolicy_in_partial_rollout_reaches_the_buffer_and_is_counted",
     "custom_tis_function_path": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
     "get_mismatch_metrics": "test_train_backend.py::test_a_custom_tis_function_weights_the_step_and_logs_its_metrics",
     "custom_advantage_function_path":

@@ -296,3 +296,32 @@ def test_a_context_cap_asks_each_group_for_what_its_prompt_leaves(engine, draw):
                 assert s.response_length == room
     assert any(s.status == Status.TRUNCATED for g in res.groups for s in g)
     assert SamplingParams(max_new_tokens=8).budget(100) == 8  # no cap: max_new_tokens
+
+
+def test_mask_offpolicy_in_partial_rollout_reaches_the_buffer_and_is_counted(tiny_model, tmp_path):
+    """--mask-offpolicy-in-partial-rollout (slime's flag): stages.partial_buffer turns it on in the buffer (the
+    loop then masks the older segments: tests/test_async.py, under a real pause), also in a restored one; the
+    share it masked is logged; without --partial-rollout the flag is refused."""
+    from engine import stages
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+    from engine.rollout.loop import PartialBuffer, offpolicy_mask
+    from engine.run import Run
+    from engine.samples import Sample
+
+    cfg = dict(hf_checkpoint=tiny_model, work_dir=str(tmp_path), async_mode="one-step", partial_rollout=True)
+    assert stages.partial_buffer(Run(RunConfig(**cfg)), 0, None).mask_offpolicy is False
+    run = Run(RunConfig(**cfg, mask_offpolicy_in_partial_rollout=True))
+    assert stages.partial_buffer(run, 0, None).mask_offpolicy is True
+    run.state.resume_partial[1] = ({"next": 0}, PartialBuffer(1))
+    assert stages.partial_buffer(run, 1, {"next": 0}).mask_offpolicy is True
+    assert offpolicy_mask([3, 2], 5) == [0, 0, 0, 1, 1] and offpolicy_mask([4, 0], 4) == [0] * 4
+
+    def sample(lengths):
+        meta = {"weight_versions": [str(i) for i in range(len(lengths))], "segment_lengths": lengths} \
+            if len(lengths) > 1 else {}
+        return Sample(index=0, group_index=0, rollout_id=0, prompt="", response_length=sum(lengths), metadata=meta)
+
+    assert stages.offpolicy_masked([sample([3, 2]), sample([5])]) == {"rollout/offpolicy_masked_share": 0.3}
+    with pytest.raises(ConfigError, match="without --partial-rollout no sample has them"):
+        RunConfig(hf_checkpoint=tiny_model, mask_offpolicy_in_partial_rollout=True)

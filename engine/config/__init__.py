@@ -369,6 +369,14 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                      "is in flight at a sync",
                 fix="--async-mode one-step (or bounded) --partial-rollout, or drop --partial-rollout",
                 facts={"field": "partial_rollout", "value": True}))
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what="--mask-offpolicy-in-partial-rollout masks the segments older weights generated in samples "
+                     "that --partial-rollout continued; without --partial-rollout no sample has them",
+                fix="--partial-rollout --mask-offpolicy-in-partial-rollout (with --async-mode), or drop "
+                    "--mask-offpolicy-in-partial-rollout",
+                facts={"field": "mask_offpolicy_in_partial_rollout", "value": True}))
         hooked = [f for f in ("rollout_function_path", "custom_generate_function_path") if getattr(self, f)]
         if self.partial_rollout and hooked:
             flag = "--" + hooked[0].replace("_", "-")

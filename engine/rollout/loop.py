@@ -133,6 +133,13 @@ class Partial:
                        list(self.lengths))
 
 
+def offpolicy_mask(segment_lengths: list[int], response_length: int) -> list[int]:
+    """The loss mask of a continued sample under --mask-offpolicy-in-partial-rollout (slime's flag): 0 on every
+    segment but the last, which the current weights generated. [3, 2] → [0, 0, 0, 1, 1]."""
+    last = segment_lengths[-1] if segment_lengths else response_length
+    return [0] * (response_length - last) + [1] * last
+
+
 class PartialBuffer:
     """A rollout's samples as far as they got, by (draw index, j): shared by the rollout's thread, which updates
     it as requests return, and the driver, which writes a snapshot into the checkpoint taken while the rollout is
@@ -146,6 +153,9 @@ class PartialBuffer:
         # response ids → text as the engines decode them (skip_special_tokens): finds a stop string that spans the
         # pause between two segments, which neither segment's engine saw whole (`stop_across_segments`)
         self.decode = decode
+        # --mask-offpolicy-in-partial-rollout: a continued sample trains on its last segment only (the tokens of
+        # the weights that finished it); the earlier segments get loss mask 0
+        self.mask_offpolicy = False
 
     def get(self, draw: int, j: int) -> Partial:
         with self._lock:
@@ -444,7 +454,9 @@ class _Round:
             group.append(Sample(
                 index=gi * self.n + j, group_index=gi, rollout_id=self.rollout_id, prompt=p.row.prompt,
                 tokens=list(p.ids) + row.ids, response_length=len(row.ids), response=row.text,
-                label=p.row.label, loss_mask=[1] * len(row.ids), rollout_log_probs=list(row.logprobs),
+                label=p.row.label, loss_mask=offpolicy_mask(row.lengths, len(row.ids)) if len(row.versions) > 1
+                and self.partial is not None and self.partial.mask_offpolicy else [1] * len(row.ids),
+                rollout_log_probs=list(row.logprobs),
                 status=status,
                 metadata={**p.row.metadata, "row": p.row.row, "draw_index": self.first_draw + gi,
                           "finish_reason": fr, "weight_version": row.versions[0] if row.versions else None,

@@ -35,6 +35,8 @@ METRICS: list[MetricDoc] = [
     MetricDoc("rollout/reward_std", None, "standard deviation of those rewards (0 → GRPO has no signal)"),
     MetricDoc("rollout/pass_at_<k>", "max", "--log-passrate: pass@k over the rollout's groups (k = 1, 2, 4, … ≤ "
                                             "--n-samples-per-prompt; unbiased estimator, a reward of 1 is correct)"),
+    MetricDoc("rollout/offpolicy_masked_share", None, "`--mask-offpolicy-in-partial-rollout`: share of the "
+                                                     "response tokens masked because older weights generated them"),
     MetricDoc("rollout/multi_turn_trained_len_mean", None, "`--log-multi-turn`: mean model tokens of a response "
                                                           "(loss mask 1; also _max, _min)"),
     MetricDoc("rollout/multi_turn_trained_len_max", None, "`--log-multi-turn`: the most model tokens of a response"),
