@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.config import RunConfig
 from engine.diagnosis import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,27 +176,14 @@ def test_a_server_whose_weights_another_process_updated_stops_the_rollout(tiny_m
     weights this run pushed (the weight_version each response reports): after another client pushes version 77,
     the next rollout fails with a CONFIG error naming it, and gives its prompts back; before, it passes."""
     from safetensors.torch import load_file
+    from test_hooks import make_run
 
-    from engine.config.data import BUNDLED_TRAIN
-    from engine.data import PromptDataset, load_prompts
-    from engine.modeling import eos_token_ids, load_tokenizer
-    from engine.rewards import RewardModel
     from engine.rollout.loop import StaticEngines
-    from engine.run import Run
-    from engine.stages import load_hooks, rollout
+    from engine.stages import rollout
     from engine.weights.sync import push_tensors
 
-    cfg = RunConfig(**ext(addrs=[server.url]), prompt_data=BUNDLED_TRAIN, eval_prompt_data="",
-                    work_dir=str(tmp_path / "w"), rollout_batch_size=2, n_samples_per_prompt=2,
-                    rollout_max_response_len=8, apply_chat_template=True)
-    run = Run(cfg)
-    run.tokenizer = load_tokenizer(cfg.hf_checkpoint)
-    run.eos_ids = eos_token_ids(cfg.hf_checkpoint, run.tokenizer)
-    run.dataset = PromptDataset(load_prompts(cfg.prompt_data, input_key="prompt", label_key="label"), shuffle=False,
-                                seed=0)
-    run.reward_model = RewardModel.of(cfg)
+    run = make_run(tmp_path, None, **ext(addrs=[server.url]), rollout_max_response_len=8)
     run.engines = StaticEngines([server.url], api_key=KEY)
-    load_hooks(run)
     weights = load_file(str(Path(tiny_model) / "model.safetensors"))
 
     def push(version: int) -> None:  # the same weights, under another version name
