@@ -130,6 +130,7 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
                                             rollout_log_probs=rollout_log_probs, loss_mask=m, cu_seqlens=cu_seqlens,
                                             response_lengths=response_lengths)
         stats.update(tis_stats)
+        pg_mask = pg_mask * m  # never a token the loss mask leaves out
     elif spec.use_tis:
         w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip)
         pg = pg * w  # [T]
