@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from engine.algorithms.losses import cispo_policy_loss, gspo_policy_loss, kl, policy_loss, tis_weights, value_loss
-from engine.algorithms.packed import per_sample_mean, segment_ids
+from engine.algorithms.packed import per_sample_mean, response_spans, segment_ids
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,13 @@ class StepHooks:
     pg_reducer: Optional[Hook] = None
 
 
-def response_spans(cu_seqlens: torch.Tensor, response_lengths: list[int] | None, flag: str
+def response_index(cu_seqlens: torch.Tensor, response_lengths: list[int] | None, flag: str
                    ) -> tuple[list[tuple[int, int]], torch.Tensor]:
     """Each sample's response tokens in a packed micro-batch: their (start, end) spans and their flat index [ΣR]
     (slime's hooks see the response tokens only, concatenated)."""
     if response_lengths is None:
         raise ValueError(f"{flag} needs the micro-batch's response lengths")
-    ends = cu_seqlens[1:].tolist()
-    spans = [(int(e) - r, int(e)) for e, r in zip(ends, response_lengths)]
+    spans = response_spans(cu_seqlens, response_lengths)
     idx = torch.cat([torch.arange(a, b, device=cu_seqlens.device) for a, b in spans]) if spans else \
         torch.zeros(0, dtype=torch.long, device=cu_seqlens.device)
     return spans, idx
@@ -169,7 +168,7 @@ def custom_tis(tis: Hook, *, pg_loss: torch.Tensor, old_log_probs: torch.Tensor,
 
     flag = "--custom-tis-function-path"
     fn, path, args = tis
-    spans, idx = response_spans(cu_seqlens, response_lengths, flag)
+    spans, idx = response_index(cu_seqlens, response_lengths, flag)
     ends = cu_seqlens[1:].tolist()
 
     def per_sample(x: torch.Tensor) -> list[torch.Tensor]:
@@ -213,7 +212,7 @@ def reduced_pg(hook: Hook, spec: LossSpec, pg: torch.Tensor, loss_mask: torch.Te
 
     flag = "--custom-pg-loss-reducer-function-path"
     fn, path, _args = hook
-    spans, idx = response_spans(cu_seqlens, response_lengths, flag)
+    spans, idx = response_index(cu_seqlens, response_lengths, flag)
     reducer = call_hook(flag, path, fn, [int(b - a) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())],
                         list(response_lengths or []), [loss_mask[a:b] for a, b in spans], spec.per_token_loss)
     if not callable(reducer):

@@ -41,3 +41,9 @@ def from_rows(rows: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     seg = segment_ids(cu_seqlens)
     col = torch.arange(seg.numel(), device=rows.device) - cu_seqlens[:-1].long()[seg]  # [T]
     return rows[seg, col]
+
+
+def response_spans(cu_seqlens: torch.Tensor, response_lengths: list[int]) -> list[tuple[int, int]]:
+    """Each sample's response tokens, (start, end) in the flat row: its last R_i tokens. cu = [0, 3, 5], R = [2, 1]
+    → [(1, 3), (4, 5)]."""
+    return [(int(e) - r, int(e)) for e, r in zip(cu_seqlens[1:].tolist(), response_lengths)]

@@ -333,7 +333,8 @@ class TrainWorker:
         from engine.rollout.hooks import HookError, call_hook
 
         flag, path = "--rollout-data-postprocess-path", self.cfg.rollout_data_postprocess_path
-        where = [(mb, *_response_spans(mb)[:2]) for mbs in steps for mb in mbs]
+        views = [_response_spans(mb) for mbs in steps for mb in mbs]
+        where = [(mb, spans, lens) for mb, (spans, lens, _) in zip((mb for mbs in steps for mb in mbs), views)]
         flat = [(k, j) for k, mbs in enumerate(steps) for j in range(len(mbs))]
 
         def per_sample(get) -> list | None:
@@ -349,7 +350,7 @@ class TrainWorker:
             "sample_ids": [i for mb, _, _ in where for i in mb.sample_ids],
             "rewards": [float(rewards[i]) for mb, _, _ in where for i in mb.sample_ids],
             "response_lengths": [r for _, _, lens in where for r in lens],
-            "total_lengths": [t for mb, _, _ in where for t in _response_spans(mb)[2]],
+            "total_lengths": [t for _, _, totals in views for t in totals],
             "tokens": [mb.tokens[a:b].clone() for mb, _, _ in where for a, b in zip(
                 mb.cu_seqlens[:mb.num_samples].tolist(), mb.cu_seqlens[1:mb.num_samples + 1].tolist())],
             "loss_masks": per_sample(lambda k, j, mb: mb.loss_mask),
@@ -692,9 +693,11 @@ class TrainWorker:
 def _response_spans(mb: MicroBatch) -> tuple[list[tuple[int, int]], list[int], list[int]]:
     """Each sample's response tokens in the micro-batch's flat row: (start, end) spans, response lengths, total
     lengths (slime's per-sample views)."""
+    from engine.algorithms.packed import response_spans
+
     cu = mb.cu_seqlens.long().tolist()
-    ends, lens = cu[1:mb.num_samples + 1], list(mb.response_lengths[:mb.num_samples])
-    return [(e - r, e) for e, r in zip(ends, lens)], lens, [e - s for s, e in zip(cu, ends)]
+    lens = list(mb.response_lengths[:mb.num_samples])
+    return response_spans(mb.cu_seqlens, lens), lens, [e - s for s, e in zip(cu, cu[1:mb.num_samples + 1])]
 
 
 def _flat_from_hook(flag: str, path: str, data: dict, key: str, where: list) -> list[torch.Tensor]:
