@@ -3,7 +3,7 @@
 #   bash bench/gpu_flow_device.sh STEP...
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | external
 #          | parallel
-#          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side
+#          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -52,6 +52,11 @@ for step in "$@"; do
       python3 bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out "$OUT" --timeout 540 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --out "$OUT" --timeout 400
       wait; tail -5 "$OUT/pytest_gpu.txt" ;;
+    chunk)  # --log-probs-chunk-size: its GPU tests (both backends), then bench/log_probs_chunk.py's memory and time
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_backend.py tests/test_gpu_flow.py \
+        -k "chunk" --timeout 280 > "$OUT/pytest_chunk.txt" 2>&1; tail -8 "$OUT/pytest_chunk.txt"
+      python3 bench/log_probs_chunk.py all --out "$OUT/chunk" --tokens 16384 > "$OUT/log_probs_chunk.txt" 2>&1
+      tail -12 "$OUT/log_probs_chunk.txt"; cp "$OUT/chunk/log_probs_chunk."* "$OUT/"; rm -rf "$OUT/chunk" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -117,6 +117,8 @@ FLAG_TESTS = {
     "megatron_cuda_graphs": "test_flag_wiring.py::test_megatron_cuda_graphs_flag_reaches_the_kernels",
     "bf16": "test_train_backend.py::test_bf16_computes_in_bf16_over_fp32_master_weights",
     "model_impl": "test_native_model.py::test_model_impl_reaches_the_trainer_and_the_engine",
+    "log_probs_chunk_size":
+        "test_train_backend.py::test_log_probs_chunk_size_takes_the_same_step_with_the_head_run_in_chunks",
     "train_share_prefix":
         "test_train_backend.py::test_train_share_prefix_runs_each_prompt_once_and_takes_the_same_step",
     "recompute_activations":

@@ -183,3 +183,84 @@ def test_no_shared_prompt_keeps_the_plain_layout():
 
     (mb,) = pack(fake_samples(LENGTHS, n=1, seed=9), [list(range(len(LENGTHS)))])  # every prompt different
     assert shared_layout(mb, (mb.loss_mask > 0).nonzero().squeeze(-1)) is None
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_chunked_log_probs_give_the_whole_heads_values_and_gradients(family, share, request):
+    """--log-probs-chunk-size: the head and log-softmax run 5 positions at a time (recomputed in the backward);
+    values, entropies and every gradient match the whole head's, with the chunked head's own forward restored."""
+    _, packed = request.getfixturevalue(family)
+    samples = grpo_samples(seed=10)
+    (mb,) = pack(samples, [list(range(len(samples)))])
+    w = torch.randn(mb.num_tokens, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for chunk in (0, 5):
+        packed.zero_grad()
+        lp, ent = packed_forward(packed, mb, share_prefix=share, chunk=chunk, temperature=0.8)
+        ((lp * w).sum() + 0.3 * ent.sum()).backward()
+        runs.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in packed.named_parameters()}))
+    assert int((mb.loss_mask > 0).sum()) > 3 * 5  # several chunks, the last one partial
+    (lp0, ent0, g0), (lp5, ent5, g5) = runs
+    torch.testing.assert_close(lp5, lp0, rtol=1e-6, atol=1e-5)  # the matrix product's rounding only
+    torch.testing.assert_close(ent5, ent0, rtol=1e-6, atol=1e-5)
+    assert (lp5[mb.loss_mask > 0] < 0).all() and float((lp5 * (1 - mb.loss_mask)).abs().max()) == 0.0
+    for name in g0:
+        # the weight gradients sum the chunks' shares in another order: rounding, |g| up to ~11 here
+        torch.testing.assert_close(g5[name], g0[name], rtol=1e-4, atol=5e-5, msg=name)
+    assert "forward" not in vars(packed.lm_head)  # the head's own forward is back
+    with torch.no_grad():
+        assert packed(input_ids=mb.tokens[None], position_ids=mb.position_ids[None], use_cache=False,
+                      cu_seq_lens_q=mb.cu_seqlens.int(), cu_seq_lens_k=mb.cu_seqlens.int(),
+                      max_length_q=mb.max_seqlen, max_length_k=mb.max_seqlen).logits.shape[-1] == 259
+
+
+def test_chunked_log_probs_hold_one_chunks_logits_at_a_time():
+    """The memory the flag is for: the largest tensor autograd saves for the backward of the head is a chunk's
+    hidden states, never [K, V] logits (counted with saved-tensor hooks)."""
+    from engine.train.forward import chunked_log_probs
+
+    torch.manual_seed(0)
+    K, H, V = 64, 16, 1000
+    hidden = torch.randn(K, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    targets = torch.randint(0, V, (K,))
+    sizes = []
+
+    def pack_hook(t):
+        sizes.append(t.numel())
+        return t
+
+    from engine.train.forward import token_log_probs
+
+    for chunk in (None, 8):  # None: the whole head, as without the flag
+        sizes.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+            if chunk is None:
+                lp, ent = token_log_probs(torch.nn.functional.linear(hidden, weight), targets, temperature=1.0,
+                                          fused=False)
+            else:
+                lp, ent = chunked_log_probs(hidden, weight, targets, chunk=chunk, temperature=1.0, fused=False)
+        biggest = max(s for s in sizes if s != V * H)  # the weight itself is saved either way
+        if chunk is None:
+            whole = biggest
+        (lp.sum() + ent.sum()).backward()
+    assert whole >= K * V  # the whole head: the [K, V] logits (or their log-softmax) are kept
+    assert biggest <= 8 * H  # chunks of 8: only each chunk's [8, H] input is kept
+
+
+def test_the_flag_refuses_a_head_it_cannot_chunk_and_bad_sizes():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+    from engine.train.forward import check_chunkable
+
+    cfg = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0)
+    assert "final_logit_softcapping" in check_chunkable(Gemma2ForCausalLM(cfg))
+    for bad in (0, -2):
+        with pytest.raises(ConfigError, match="log-probs-chunk-size"):
+            RunConfig(log_probs_chunk_size=bad)
+    with pytest.raises(ConfigError, match="TP = 1"):
+        RunConfig(log_probs_chunk_size=1024, train_backend="megatron", tensor_model_parallel_size=2)

@@ -103,6 +103,24 @@ def test_bf16_recompute_and_offload_on_cuda(tiny_model):
     assert _share_equal(plain.named_parameters_full(), other.named_parameters_full(), 1e-6) > 0.99
 
 
+def test_log_probs_chunk_size_on_cuda_through_the_fused_kernel(tiny_model):
+    """--log-probs-chunk-size 4 on CUDA in bf16: the compiled log-softmax runs per chunk (also when recomputed in
+    the backward) and the step is the unchunked one (up to the sign of ~0 gradients, see above)."""
+    from engine.train.packed_logprobs import _FUSED
+
+    mbs = _mbs(_samples())
+    plain = _backend(tiny_model, "cuda", bf16=True)
+    chunked = _backend(tiny_model, "cuda", bf16=True, log_probs_chunk_size=4)
+    old, old_c = plain.compute_log_probs(mbs), chunked.compute_log_probs(mbs)
+    assert max(float((a - b).abs().max()) for a, b in zip(old, old_c)) < 2e-2  # bf16 products in other blocks
+    for mb in mbs:
+        mb.advantages = torch.linspace(-1, 1, mb.num_tokens) * mb.loss_mask
+    a, b = plain.train_step(mbs, old, None, 6), chunked.train_step(mbs, old, None, 6)
+    assert _FUSED["error"] is None  # the compiled kernel ran, chunks included
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2)
+    assert _share_equal(plain.named_parameters_full(), chunked.named_parameters_full(), 1e-5) > 0.99
+
+
 # ---- CUDA IPC ----------------------------------------------------------------------------------------------------
 def _open_and_sum(buckets, queue):  # in a child process (spawn): open the parent's buckets, sum every tensor
     from engine.weights import ipc

@@ -261,3 +261,39 @@ def test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_
                f"after reset {step}")
     mg.load(str(tmp_path / "ck"))  # the saved (moved) reference comes back with the checkpoint
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(mg.compute_log_probs(mbs, ref=True), now))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_megatron_log_probs_chunk_size_takes_the_plain_steps(tmp_path, small_cfg):
+    """--log-probs-chunk-size on the megatron backend (TP = 1, tied embeddings: the head's weight arrives as an
+    argument): fp32 against the torch backend with the same chunks, three steps; then bf16 with the default kernels
+    (decoder CUDA graphs, fused log-softmax) against the same backend without chunks."""
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.torch_backend import TorchBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    hf = _tiny_qwen2(tmp_path / "hf")
+    mbs = _micro_batches()
+    cfg = small_cfg(hf_checkpoint=hf, train_backend="megatron", lr=1e-3, log_probs_chunk_size=5, entropy_coef=0.01)
+    mg, tb = MegatronBackend(cfg, params_dtype="float32"), TorchBackend(cfg)
+    assert mg.head is not None and tb.chunk == 5
+    old = tb.compute_log_probs(mbs)
+    assert max(float((a - b).abs().max()) for a, b in zip(mg.compute_log_probs(mbs), old)) < 1e-5
+    for step in range(3):
+        _agree(mg.train_step(mbs, old, None, 8), tb.train_step(mbs, old, None, 8),
+               ("loss_total", "grad_norm", "entropy_sum"), f"chunked step {step}")
+    del mg, tb
+
+    out = {}
+    for chunk in (-1, 5):
+        mg = MegatronBackend(small_cfg(hf_checkpoint=hf, train_backend="megatron", lr=1e-3, bf16=True,
+                                       log_probs_chunk_size=chunk))
+        lp = mg.compute_log_probs(mbs)
+        out[chunk] = (lp, [mg.train_step(mbs, lp, None, 8)["grad_norm"] for _ in range(2)], mg.graphs is not None)
+        del mg
+    (lp0, g0, graphs0), (lp5, g5, graphs5) = out[-1], out[5]
+    assert graphs0 and graphs5
+    assert max(float((a - b).abs().max()) for a, b in zip(lp0, lp5)) < 2e-2  # bf16 products in other blocks
+    assert g5 == pytest.approx(g0, rel=2e-2)

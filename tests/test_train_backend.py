@@ -443,6 +443,36 @@ def test_recompute_activations_reruns_each_layer_in_the_backward_and_changes_not
     assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)  # names unchanged too
 
 
+def test_log_probs_chunk_size_takes_the_same_step_with_the_head_run_in_chunks(tiny_model, monkeypatch):
+    """--log-probs-chunk-size 4: the head runs on ≤ 4 positions at a time (again in the backward) and the
+    optimizer step, its loss and the weights after it are the plain run's up to float rounding."""
+    import engine.train.forward as fw
+
+    real, seen = fw.token_log_probs, []
+    monkeypatch.setattr(fw, "token_log_probs", lambda logits, *a, **k: (seen.append(logits.shape[0]),
+                                                                        real(logits, *a, **k))[1])
+    out, rows = {}, {}
+    for chunk in (-1, 4):
+        w = make_worker(make_cfg(tiny_model, log_probs_chunk_size=chunk))
+        steps, rewards = one_rollout()
+        w.set_rollout(steps, rewards, need_ref=False)
+        seen.clear()
+        out[chunk] = (w.train_step(0, 8), params(w.backend.model))
+        rows[chunk] = list(seen)
+    # plain: one head call per micro-batch (an on-policy step: its own forward gives the old log-probs), each on
+    # all its trained tokens; chunked: ≤ 4 positions a call, each chunk once more in the backward
+    assert len(rows[-1]) == 4 and max(rows[-1]) > 4
+    assert max(rows[4]) <= 4 and sum(rows[4]) == 2 * sum(rows[-1])
+    (a, pa), (b, pb) = out[-1], out[4]
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert b["loss_total"] == pytest.approx(a["loss_total"], rel=1e-5, abs=1e-7)
+    assert set(pa) == set(pb)
+    # AdamW's first step moves every weight by ≈ lr·sign(g) (1e-3): where |g| is at rounding level, the sign may
+    # differ between the two sums; elsewhere the weights agree
+    diff = torch.cat([(pb[k] - pa[k]).abs().flatten() for k in pa])
+    assert float(diff.max()) <= 1e-4 and int((diff > 1e-6).sum()) <= 1e-3 * diff.numel()
+
+
 def test_train_share_prefix_runs_each_prompt_once_and_takes_the_same_step(tiny_model):
     """--train-share-prefix: two GRPO groups (4 samples repeating a 12-token prompt) in one micro-batch each; on,
     the model sees each prompt once (fewer tokens) and the optimizer step is the same up to float rounding."""

@@ -48,6 +48,13 @@ class TrainArgs(Section):
     """Activation checkpointing: keep only each decoder layer's input and recompute the layer in the backward pass
     (~1/3 more compute, activation memory of one layer instead of all)."""
 
+    log_probs_chunk_size: int = -1
+    """Compute the LM head and the log-softmax this many trained positions at a time (slime's flag; -1 = all at
+    once), for memory: the [tokens, vocabulary] logits and their gradient are never held whole, each chunk's are
+    recomputed in the backward (one more LM-head product per chunk). Same log-probs and gradients up to the
+    matrix product's rounding. On a 151,936-token vocabulary a 16k-token micro-batch's bf16 logits alone are
+    4.9 GB. Torch backend; megatron backend with TP = 1."""
+
     train_share_prefix: Literal["auto", "on", "off"] = "auto"
     """Torch backend: samples of a micro-batch that share their prompt (a GRPO group) run it once — the prompt's forward
     and backward once per group, each response attending to it (the same log-probs and gradients up to float
@@ -127,6 +134,24 @@ class TrainArgs(Section):
             except re.error as e:
                 raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
         return v
+
+    @model_validator(mode="after")
+    def _log_probs_chunk(self) -> "TrainArgs":
+        n = self.log_probs_chunk_size
+        if n == 0 or n < -1:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error", what=f"--log-probs-chunk-size {n}: a chunk has ≥ 1 positions",
+                fix="a positive number of positions per chunk (e.g. 4096), or -1 for the whole micro-batch at once",
+                facts={"field": "log_probs_chunk_size", "value": n}))
+        if n > 0 and self.train_backend == "megatron" and self.tensor_model_parallel_size > 1:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--log-probs-chunk-size {n} with --train-backend megatron and --tensor-model-parallel-size "
+                     f"{self.tensor_model_parallel_size}: chunks are computed at TP = 1 only (each rank's vocabulary "
+                     "shard would need the sequence-parallel gather of the output layer)",
+                fix="--log-probs-chunk-size -1, or --tensor-model-parallel-size 1",
+                facts={"field": "log_probs_chunk_size", "value": n}))
+        return self
 
     @model_validator(mode="after")
     def _megatron_hooks(self) -> "TrainArgs":

@@ -30,6 +30,7 @@ and without shared prompts (values and gradients).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -228,14 +229,85 @@ def hidden_states(body, mb: MicroBatch) -> torch.Tensor:
     return out.last_hidden_state[0]
 
 
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, fused: bool,
+                    entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets) [K], entropy [K]) from logits [K, V] at the rollout temperature."""
+    if fused:
+        from engine.train.packed_logprobs import fused_log_probs
+
+        return fused_log_probs(logits, targets, temperature=temperature, entropy_grad=entropy_grad)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [K, V]
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)  # [K], [K]
+
+
+def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int,
+                      temperature: float, fused: bool, entropy_grad: bool = True,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """--log-probs-chunk-size: (log p(targets) [K], entropy [K]) from the hidden states [K, H] and the LM head's
+    weight [V, H], `chunk` positions at a time. The [chunk, V] logits of one chunk exist at a time: in a backward
+    each chunk's are recomputed from its hidden states (activation checkpointing), so the [K, V] logits and their
+    gradient are never held whole. Same numbers as the whole head up to the matrix product's rounding."""
+    from torch.utils.checkpoint import checkpoint
+
+    def part(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_log_probs(F.linear(h, weight, bias), t, temperature=temperature, fused=fused,
+                               entropy_grad=entropy_grad)
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    lps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s:s + chunk], targets[s:s + chunk]  # [c, H], [c]
+        lp, ent = checkpoint(part, h, t, use_reentrant=False) if grad else part(h, t)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), torch.cat(ents)
+
+
+def check_chunkable(model) -> str | None:
+    """Why --log-probs-chunk-size cannot run on this model (None: it can): the chunks apply the LM head's linear
+    map themselves, so a model whose logits are more than that map (softcapping, a logit scale) is refused."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear):
+        return f"{type(model).__name__} has no linear lm_head"
+    config = getattr(model, "config", None)
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return f"its config sets {key} = {getattr(config, key)!r}, which the LM head's linear map leaves out"
+    return None
+
+
+class _HeadAsLogProbs:
+    """While active, the model's lm_head returns [1, K, 2]: (log p(targets), entropy) per kept position, computed
+    chunk by chunk from its input (chunked_log_probs), instead of the [1, K, V] logits. It replaces the head's
+    forward only (an instance attribute), inside the model's own forward, so FSDP2's root hooks have gathered the
+    head's weight as for any forward."""
+
+    def __init__(self, head: torch.nn.Linear, targets: torch.Tensor, **kw):
+        self.head, self.targets, self.kw = head, targets, kw
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [1, K, H] → [1, K, 2]
+        lp, ent = chunked_log_probs(hidden[0], self.head.weight, self.targets, bias=self.head.bias, **self.kw)
+        return torch.stack([lp.float(), ent.float()], dim=-1)[None]
+
+    def __enter__(self):
+        self.head.forward = self.forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.head.forward  # the class's forward again
+
+
 def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bool = False,
-                   entropy_grad: bool = True, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   entropy_grad: bool = True, share_prefix: bool = False, chunk: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [T], entropy [T]) at the rollout temperature, on the model's device; 0 where loss_mask is 0.
 
     log π(tokens[t] | sample prefix) = log_softmax(logits[t−1] / temperature)[tokens[t]];
     entropy H_t = −Σ_v p_v log p_v of that same distribution. `fused` (CUDA): one compiled kernel over the
     model-precision logits; entropy_grad=False leaves the entropy out of the backward (a metric only).
     share_prefix: the samples' shared prompts run once (shared_layout), where any are shared.
+    chunk > 0 (--log-probs-chunk-size): the LM head and the log-softmax run `chunk` trained positions at a time
+    (chunked_log_probs), for memory; the model must pass check_chunkable.
     """
     keep = (mb.loss_mask > 0).nonzero().squeeze(-1)  # [K] entries whose token is trained
     if keep.numel() and bool((mb.position_ids[keep] == 0).any()):
@@ -247,27 +319,29 @@ def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bo
         return lp, ent
     layout = shared_layout(mb, keep) if share_prefix else None
     tokens = mb.tokens.to(dev)
+    head = (_HeadAsLogProbs(model.lm_head, tokens[keep.to(dev)], chunk=chunk, temperature=temperature, fused=fused,
+                            entropy_grad=entropy_grad) if chunk > 0 else nullcontext())
+    with head:
+        out = _run_model(model, mb, keep, layout, tokens, dev)
+    keep = keep.to(dev)
+    if chunk > 0:
+        tok_lp, tok_ent = out.logits[0, :, 0], out.logits[0, :, 1]  # [K] each
+    else:
+        tok_lp, tok_ent = token_log_probs(out.logits[0], tokens[keep], temperature=temperature, fused=fused,
+                                          entropy_grad=entropy_grad)  # [K] each: out.logits[0] predicts tokens[keep]
+    return lp.index_put((keep,), tok_lp.float()), ent.index_put((keep,), tok_ent.float())
+
+
+def _run_model(model, mb: MicroBatch, keep: torch.Tensor, layout: SharedLayout | None, tokens: torch.Tensor,
+               dev: torch.device):
+    """The model's output at the positions that predict tokens[keep] (packed, or with shared prompts)."""
     if layout is not None:
         cu = layout.cu.to(device=dev)
         lmax = int((layout.cu[1:] - layout.cu[:-1]).max())
-        out = model(input_ids=layout.tokens[None].to(dev), position_ids=layout.position_ids[None].to(dev),
-                    use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=lmax, max_length_k=lmax,
-                    logits_to_keep=layout.src.to(dev), rollflow_shared=layout)
-        keep = keep.to(dev)
-    else:
-        cu = mb.cu_seqlens.to(device=dev, dtype=torch.int32)
-        keep = keep.to(dev)
-        out = model(input_ids=tokens[None], position_ids=mb.position_ids[None].to(dev), use_cache=False,
-                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=mb.max_seqlen, max_length_k=mb.max_seqlen,
-                    logits_to_keep=keep - 1)
-    if fused:
-        from engine.train.packed_logprobs import fused_log_probs
-
-        tok_lp, tok_ent = fused_log_probs(out.logits[0], tokens[keep], temperature=temperature,
-                                          entropy_grad=entropy_grad)  # [K] each
-    else:
-        logits = out.logits[0].float() / temperature  # [K, V] predicts tokens[keep]
-        logp = torch.log_softmax(logits, dim=-1)  # [K, V]
-        tok_lp = logp.gather(-1, tokens[keep, None]).squeeze(-1)  # [K]
-        tok_ent = -(logp.exp() * logp).sum(-1)  # [K]
-    return lp.index_put((keep,), tok_lp.float()), ent.index_put((keep,), tok_ent.float())
+        return model(input_ids=layout.tokens[None].to(dev), position_ids=layout.position_ids[None].to(dev),
+                     use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=lmax, max_length_k=lmax,
+                     logits_to_keep=layout.src.to(dev), rollflow_shared=layout)
+    cu = mb.cu_seqlens.to(device=dev, dtype=torch.int32)
+    return model(input_ids=tokens[None], position_ids=mb.position_ids[None].to(dev), use_cache=False,
+                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=mb.max_seqlen, max_length_k=mb.max_seqlen,
+                 logits_to_keep=keep.to(dev) - 1)

@@ -103,6 +103,22 @@ def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: 
                            params_dtype="bfloat16" if cfg.bf16 else "float32", kernels=Kernels.of(cfg))
 
 
+class _OutputAsHidden:
+    """--log-probs-chunk-size: the GPTModel's output layer returns its input (the final hidden states) and keeps the
+    weight it was given (the embedding's, when tied), so the loss applies the head chunk by chunk. Autograd reaches
+    that weight through the chunks' products, and DDP's gradient hook adds its .grad into main_grad as for any
+    parameter that is not wgrad-fused."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer, self.weight = layer, layer.weight
+        layer.forward = self.forward
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None,
+                **_: Any) -> tuple[torch.Tensor, None]:
+        self.weight = self.layer.weight if weight is None else weight
+        return hidden, None
+
+
 class MegatronBackend:
     def __init__(self, cfg, *, rank: int | None = None, world_size: int | None = None, train_iters: int = 1,
                  master: str | None = None, params_dtype: str = "bfloat16", kernels: Kernels = Kernels()):
@@ -173,6 +189,10 @@ class MegatronBackend:
 
             self.graphs = DecoderGraphs(gpt.decoder, dtype=self.dtype, hidden_size=self.shape.hidden_size,
                                         fused_weights=fused_wgrad_weights(gpt.decoder))
+        # --log-probs-chunk-size (TP = 1, checked by the config): the output layer hands back its input, and the
+        # loss runs the head on it chunk by chunk (engine.train.forward.chunked_log_probs)
+        self.chunk = max(int(getattr(cfg, "log_probs_chunk_size", -1)), 0)
+        self.head = _OutputAsHidden(gpt.output_layer) if self.chunk and getattr(gpt, "post_process", True) else None
         # The frozen reference policy: the initial weights of this rank's shards, on the host.
         self.ref_weights = self._host_copy()
         self.teacher_weights = None  # --use-opd --opd-type megatron: the teacher's shards, read at first use
@@ -262,12 +282,18 @@ class MegatronBackend:
         reducers = self._vocab_reducers()
         # TP = 1 reads the model-precision logits in fused kernels; TP > 1 combines the vocabulary shards.
         fused = self.kernels.fused_log_probs and self.tp == 1
-        extra = {"fp32_output": False} if fused and self.dtype != torch.float32 else {}  # Float16Module's upcast
+        # Float16Module's upcast: the fused kernels read bf16 logits, the chunks the bf16 hidden states
+        extra = {"fp32_output": False} if (fused or self.head) and self.dtype != torch.float32 else {}
 
         def loss_on_logits(j, mb, tokens, cu, logits):  # logits [1, T, V/p]; position t predicts tokens[t+1]
             n = mb.num_tokens
             tokens, logits = tokens[:n], logits[:, :n]  # without a graph's padding
-            if fused:
+            if self.head is not None:  # logits are the output layer's input here: hidden states [1, T, h]
+                from engine.train.forward import chunked_log_probs
+
+                lp, ent = chunked_log_probs(logits[0], self.head.weight, shift_targets(tokens), chunk=self.chunk,
+                                            temperature=self.temperature, fused=fused, entropy_grad=entropy_grad)
+            elif fused:
                 lp, ent = fused_log_probs(logits[0], shift_targets(tokens), temperature=self.temperature,
                                           entropy_grad=entropy_grad)  # [T] each
             else:

@@ -76,6 +76,8 @@ class TorchBackend:
         model = load_causal_lm(cfg.hf_checkpoint, device=str(self.device), impl=cfg.model_impl)  # fp32
         self.model_impl = impl_of(model)  # native or transformers (the run's summary: placement.train)
         use_varlen_attention(model)
+        self.chunk = max(int(getattr(cfg, "log_probs_chunk_size", -1)), 0)  # 0: the whole head at once
+        self._check_chunkable(model, "the policy")
         if cfg.recompute_activations:
             recompute_decoder_layers(model)
         self.frozen = freeze_parameters(model, cfg.freeze_params_name_list, cfg.only_train_params_name_list)
@@ -144,9 +146,17 @@ class TorchBackend:
             self.teacher = self._placed_ref(load_teacher(self.cfg, int(self.model.config.vocab_size)))
         return self.teacher
 
+    def _check_chunkable(self, model, what: str) -> None:
+        from engine.train.forward import check_chunkable
+
+        if self.chunk and (why := check_chunkable(model)):
+            raise ValueError(f"--log-probs-chunk-size {self.chunk} cannot run on {what}: {why}; "
+                             "use --log-probs-chunk-size -1")
+
     def _placed_ref(self, model):
         """In the forward's dtype: the bf16 rounding of the same initial weights is what the policy computes with
         on the first step, so KL = 0 exactly there."""
+        self._check_chunkable(model, "the reference or teacher model")
         use_varlen_attention(model)
         cast_parameters(model.to(self.device), self.dtype)
         return model
@@ -159,7 +169,7 @@ class TorchBackend:
         the --use-opd teacher, on the CPU; with_entropy: (those, the per-token entropies [T] of the same forward)."""
         model = self._teacher_model() if teacher else self._ref_model() if ref else self.model
         outs = [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
-                               share_prefix=self.share_prefix) for mb in mbs]
+                               share_prefix=self.share_prefix, chunk=self.chunk) for mb in mbs]
         lps = [lp.cpu() for lp, _ in outs]
         return (lps, [ent.detach().float().cpu() * mb.loss_mask for (_, ent), mb in zip(outs, mbs)]) \
             if with_entropy else lps
@@ -192,7 +202,8 @@ class TorchBackend:
         seen: list[torch.Tensor] = []
         for j, mb in enumerate(mbs):
             lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
-                                     entropy_grad=entropy_grad, share_prefix=self.share_prefix)  # [T], [T]
+                                     entropy_grad=entropy_grad, share_prefix=self.share_prefix,
+                                     chunk=self.chunk)  # [T], [T]
             mask = mb.loss_mask.to(dev)
             old = old_log_probs[j].to(dev) if old_log_probs is not None else lp.detach()
             seen.append(lp.detach())
