@@ -249,6 +249,32 @@ def test_chunked_log_probs_hold_one_chunks_logits_at_a_time():
     assert biggest <= 8 * H  # chunks of 8: only each chunk's [8, H] input is kept
 
 
+def test_chunks_run_the_compiled_log_softmax_in_their_recomputation():
+    """The CUDA path's torch.compile'd kernel (here compiled for the CPU) inside the chunks' checkpoints: with
+    the checkpoint's early stop the recomputation raised through the compiled code (found on the H100)."""
+    from engine.train.forward import chunked_log_probs, token_log_probs
+    from engine.train.packed_logprobs import _FUSED
+
+    torch.manual_seed(0)
+    K, H, V = 40, 16, 300
+    hidden = torch.randn(K, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    targets = torch.randint(0, V, (K,))
+    grads = []
+    for chunked in (True, False):
+        hidden.grad = weight.grad = None
+        if chunked:
+            lp, ent = chunked_log_probs(hidden, weight, targets, chunk=16, temperature=0.7, fused=True)
+        else:
+            lp, ent = token_log_probs(torch.nn.functional.linear(hidden, weight), targets, temperature=0.7,
+                                      fused=False)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        grads.append((lp.detach(), hidden.grad.clone(), weight.grad.clone()))
+    assert _FUSED["error"] is None, _FUSED["error"]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_the_flag_refuses_a_head_it_cannot_chunk_and_bad_sizes():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 

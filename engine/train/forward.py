@@ -247,7 +247,7 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     weight [V, H], `chunk` positions at a time. The [chunk, V] logits of one chunk exist at a time: in a backward
     each chunk's are recomputed from its hidden states (activation checkpointing), so the [K, V] logits and their
     gradient are never held whole. Same numbers as the whole head up to the matrix product's rounding."""
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     def part(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return token_log_probs(F.linear(h, weight, bias), t, temperature=temperature, fused=fused,
@@ -257,7 +257,11 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     lps, ents = [], []
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s:s + chunk], targets[s:s + chunk]  # [c, H], [c]
-        lp, ent = checkpoint(part, h, t, use_reentrant=False) if grad else part(h, t)
+        if grad:  # the recomputation runs `part` whole: stopping it early raises through the compiled kernel
+            with set_checkpoint_early_stop(False):
+                lp, ent = checkpoint(part, h, t, use_reentrant=False)
+        else:
+            lp, ent = part(h, t)
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps), torch.cat(ents)
