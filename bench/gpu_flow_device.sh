@@ -3,7 +3,7 @@
 #   bash bench/gpu_flow_device.sh STEP...
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | external
 #          | parallel
-#          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk
+#          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -52,11 +52,20 @@ for step in "$@"; do
       python3 bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --out "$OUT" --timeout 540 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --out "$OUT" --timeout 400
       wait; tail -5 "$OUT/pytest_gpu.txt" ;;
-    chunk)  # --log-probs-chunk-size: its GPU tests (both backends), then bench/log_probs_chunk.py's memory and time
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_backend.py tests/test_gpu_flow.py \
-        -k "chunk" --timeout 280 > "$OUT/pytest_chunk.txt" 2>&1; tail -8 "$OUT/pytest_chunk.txt"
-      python3 bench/log_probs_chunk.py all --out "$OUT/chunk" --tokens 16384 > "$OUT/log_probs_chunk.txt" 2>&1
-      tail -12 "$OUT/log_probs_chunk.txt"; cp "$OUT/chunk/log_probs_chunk."* "$OUT/"; rm -rf "$OUT/chunk" ;;
+    chunk|chunk-bench)  # --log-probs-chunk-size: its GPU tests (both backends; not with chunk-bench), then
+                        # bench/log_probs_chunk.py's memory and time at 16k tokens, and Megatron's at 64k
+      if [ "$step" = chunk ]; then
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_backend.py tests/test_gpu_flow.py \
+          -k "chunk" --timeout 280 > "$OUT/pytest_chunk.txt" 2>&1; tail -8 "$OUT/pytest_chunk.txt"
+      fi
+      for spec in "16384 torch,megatron -1,4096,1024" "65536 megatron -1,1024"; do
+        set -- $spec
+        python3 bench/log_probs_chunk.py all --out "$OUT/chunk_$1" --tokens "$1" --backends "$2" --chunks "$3" \
+          > "$OUT/log_probs_chunk_$1.txt" 2>&1
+        tail -12 "$OUT/log_probs_chunk_$1.txt"
+        for ext in json md; do cp "$OUT/chunk_$1/log_probs_chunk.$ext" "$OUT/log_probs_chunk_$1.$ext"; done
+        rm -rf "$OUT/chunk_$1"
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done
