@@ -60,7 +60,7 @@ for step in "$@"; do
       fi
       for spec in "16384 torch,megatron -1,4096,1024" "65536 megatron -1,1024"; do
         set -- $spec
-        python3 bench/log_probs_chunk.py all --out "$OUT/chunk_$1" --tokens "$1" --backends "$2" --chunks "$3" \
+        python3 bench/log_probs_chunk.py all --out "$OUT/chunk_$1" --tokens "$1" --backends "$2" --chunks="$3" \
           > "$OUT/log_probs_chunk_$1.txt" 2>&1
         tail -12 "$OUT/log_probs_chunk_$1.txt"
         for ext in json md; do cp "$OUT/chunk_$1/log_probs_chunk.$ext" "$OUT/log_probs_chunk_$1.$ext"; done
