@@ -58,7 +58,9 @@ for step in "$@"; do
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_megatron_backend.py tests/test_gpu_flow.py \
           -k "chunk" --timeout 280 > "$OUT/pytest_chunk.txt" 2>&1; tail -8 "$OUT/pytest_chunk.txt"
       fi
-      for spec in "16384 torch,megatron -1,4096,1024" "65536 megatron -1,1024"; do
+      specs=("16384 torch,megatron -1,4096,1024" "65536 megatron -1,1024")
+      [ -n "$CHUNK_SPECS" ] && IFS=';' read -ra specs <<< "$CHUNK_SPECS"  # e.g. "16384 megatron -1,1024;..."
+      for spec in "${specs[@]}"; do
         set -- $spec
         python3 bench/log_probs_chunk.py all --out "$OUT/chunk_$1" --tokens "$1" --backends "$2" --chunks="$3" \
           > "$OUT/log_probs_chunk_$1.txt" 2>&1
