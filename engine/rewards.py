@@ -197,6 +197,7 @@ SAMPLE_RM_TYPES = sorted([*BUILTIN, *(f"boxed_{k}" for k in BUILTIN)])
 HOOK_CALLS: dict[str, list[tuple[int, tuple[str, ...], str]]] = {
     "--rollout-function-path": [(3, ("evaluation",), "fn(args, rollout_id, data_source, evaluation=False)")],
     "--custom-generate-function-path": [(3, (), "async fn(args, sample, sampling_params)")],
+    "--rollout-sample-hook-path": [(2, (), "fn(args, sample, *, rollout_id=None, evaluation=False)")],
     "--custom-reward-post-process-path": [(2, (), "fn(args, samples)")],
     "--dynamic-sampling-filter-path": [(2, (), "fn(args, group)"), (1, (), "fn(group)")],
     "--rollout-sample-filter-path": [(2, (), "fn(args, groups)")],

@@ -774,7 +774,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                                       concurrency=cfg.rollout_concurrency, timeout_s=cfg.rollout_timeout,
                                       max_prompts=len(run.dataset.rows) if keep and isinstance(src, PromptDataSource)
                                       else None, generate=hooks.generate, hook_args=args,
-                                      hook_path=cfg.custom_generate_function_path or "", partial=partial)
+                                      hook_path=cfg.custom_generate_function_path or "", partial=partial,
+                                      sample_hooks=hooks.sample_hooks)
         samples = [s for g in result.groups for s in g]
         for smp in samples:
             if smp.metadata.get("weight_version") in (None, ""):
@@ -1698,7 +1699,8 @@ def evaluate(run: Run, step: int) -> float | None:
                                   concurrency=run.cfg.rollout_concurrency, timeout_s=run.cfg.rollout_timeout,
                                   generate=getattr(getattr(run, "hooks", None), "generate", None),
                                   hook_args=hook_args(run, -1 - step, evaluation=True),
-                                  hook_path=run.cfg.custom_generate_function_path or "")
+                                  hook_path=run.cfg.custom_generate_function_path or "",
+                                  sample_hooks=getattr(getattr(run, "hooks", None), "sample_hooks", None))
         metrics.update(eval_metrics(name, [[s.scalar_reward for s in g] for g in result.groups],
                                     passrate=run.cfg.log_passrate))
         flat = [s for g in result.groups for s in g]

@@ -236,3 +236,36 @@ def megatron_before_log_prob(args, model, store_prefix):
 def megatron_before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
     """--custom-megatron-before-train-step-hook-path."""
     MEGATRON_CALLS.append(("train_step", rollout_id, step_id, len(model), optimizer is not None, opt_param_scheduler))
+
+
+# ---- --rollout-sample-hook-path --------------------------------------------------------------------------------
+SAMPLE_HOOKS: list[dict] = []
+
+
+def tag_sample(args, sample, *, rollout_id=None, evaluation=False):
+    """Sync, changes the sample in place, returns None: the sample is kept; records what it was given."""
+    SAMPLE_HOOKS.append({"hook": "tag", "rollout_id": rollout_id, "evaluation": evaluation, "index": sample.index,
+                         "reward": sample.reward, "response_length": sample.response_length})
+    sample.metadata["tagged"] = True
+
+
+async def truncate_to_two(args, sample):
+    """Async, without the keyword arguments, returns a new Sample: the response cut to 2 tokens."""
+    import copy
+
+    SAMPLE_HOOKS.append({"hook": "truncate", "tagged": sample.metadata.get("tagged", False)})
+    out = copy.deepcopy(sample)
+    cut = sample.response_length - min(sample.response_length, 2)
+    if cut:
+        out.tokens, out.response_length = out.tokens[:-cut], 2
+        out.loss_mask, out.rollout_log_probs = out.loss_mask[:2], out.rollout_log_probs[:2]
+        out.response = args.tokenizer.decode(out.tokens[-2:])
+    return out
+
+
+def returns_a_string(args, sample):
+    return "not a sample"
+
+
+def breaks_the_mask(args, sample):
+    sample.loss_mask = sample.loss_mask + [1]

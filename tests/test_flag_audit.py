@@ -156,6 +156,8 @@ FLAG_TESTS = {
     "custom_pg_loss_reducer_function_path": "test_train_backend.py::test_a_custom_pg_loss_reducer_reaches_the_step",
     "rollout_data_postprocess_path":
         "test_train_backend.py::test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step",
+    "rollout_sample_hook_path":
+        "test_hooks.py::test_sample_hooks_run_in_order_before_the_reward_and_in_the_evaluation",
     "rollout_all_samples_process_path":
         "test_hooks.py::test_the_all_samples_hook_sees_the_groups_the_dynamic_filter_dropped",
     "use_rollout_entropy": "test_train_backend.py::test_use_rollout_entropy_hands_the_old_policys_entropy_to_the_hooks",

@@ -519,3 +519,45 @@ def test_an_eval_function_that_breaks_the_contract_is_a_hook_error():
             eval_output_metrics(bad, "--eval-function-path", "m:f")
     with pytest.raises(ConfigError, match="the evaluation it replaces never runs"):
         RunConfig(eval_function_path="m:f", eval_prompt_data="")
+
+
+# ---- --rollout-sample-hook-path ----------------------------------------------------------------------------------
+def test_sample_hooks_run_in_order_before_the_reward_and_in_the_evaluation(tmp_path, engine_url):
+    from engine import stages
+
+    hook_fakes.SAMPLE_HOOKS.clear()
+    run = make_run(tmp_path, engine_url, rollout_sample_hook_path=["hook_fakes:tag_sample",
+                                                                   "hook_fakes:truncate_to_two"])
+    batch = rollout(run, rollout_id=4)
+    samples = [s for g in batch.groups for s in g]
+    tags = [c for c in hook_fakes.SAMPLE_HOOKS if c["hook"] == "tag"]
+    assert len(tags) == len(samples) == 4 and {c["rollout_id"] for c in tags} == {4}
+    assert not any(c["evaluation"] for c in tags) and all(c["reward"] is None for c in tags)  # before the reward
+    assert all(c["tagged"] for c in hook_fakes.SAMPLE_HOOKS if c["hook"] == "truncate")  # in order
+    assert any(c["response_length"] > 2 for c in tags)  # the cut below changed something
+    for s in samples:  # the second hook's Sample replaced the first's (which kept its metadata)
+        assert s.metadata["tagged"] and s.response_length <= 2 and len(s.loss_mask) == s.response_length
+        assert s.reward is not None  # scored after the hooks, on the cut responses
+    # the built-in evaluation runs them too, with evaluation=True
+    hook_fakes.SAMPLE_HOOKS.clear()
+    run.eval_sets = {"test": list(run.dataset.rows[:2])}
+    stages.evaluate(run, 0)
+    assert [c["evaluation"] for c in hook_fakes.SAMPLE_HOOKS if c["hook"] == "tag"] == [True, True]
+
+
+def test_a_sample_hook_that_breaks_its_contract_fails_the_rollout(tmp_path, engine_url):
+    with pytest.raises(HookError, match="--rollout-sample-hook-path 'hook_fakes:returns_a_string' returned str"):
+        rollout(make_run(tmp_path, engine_url, rollout_sample_hook_path=["hook_fakes:returns_a_string"]))
+    with pytest.raises(HookError, match=r"breaks_the_mask' returned sample \d+ with \d+ loss-mask entries"):
+        rollout(make_run(tmp_path, engine_url, rollout_sample_hook_path=["hook_fakes:breaks_the_mask"]))
+    with pytest.raises(ConfigError, match="rollout-sample-hook-path.*signature"):
+        make_run(tmp_path, engine_url, rollout_sample_hook_path=["hook_fakes:record_only"])  # 3 positional args
+    with pytest.raises(ConfigError, match="--rollout-sample-hook-path"):
+        RunConfig(rollout_function_path="hook_fakes:fixed_rollout", rollout_sample_hook_path=["hook_fakes:tag_sample"])
+
+
+def test_a_repeated_list_flag_adds_to_the_list():
+    from engine.config.cli import parse_args
+
+    cfg = parse_args(["--rollout-sample-hook-path", "a:f", "--rollout-sample-hook-path", "b:g", "c:h"])
+    assert cfg.rollout_sample_hook_path == ["a:f", "b:g", "c:h"]

@@ -48,7 +48,9 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field) -> None:
         kwargs["metavar"] = "{" + ",".join(map(str, kwargs["choices"])) + "}"
     elif origin is list:
         (item,) = typing.get_args(tp)
-        kwargs.update(nargs="*", type=item, metavar=item.__name__.upper())
+        # repeating the flag adds to the list (slime's append flags, e.g. --rollout-sample-hook-path A
+        # --rollout-sample-hook-path B) instead of keeping the last occurrence only
+        kwargs.update(nargs="*", type=item, metavar=item.__name__.upper(), action="extend")
     elif tp in (int, float, str):
         kwargs.update(type=tp, metavar=tp.__name__.upper())
     elif origin is dict and name != "sglang_args":

@@ -94,6 +94,9 @@ class RolloutArgs(Section):
     custom_generate_function_path: Optional[str] = None
     """Per-sample generation (slime's hook), e.g. multi-turn with tools: async fn(args, sample, sampling_params) -> Sample; may call args.engine several times; tool tokens get loss_mask 0."""
 
+    rollout_sample_hook_path: list[str] = []
+    """Per-sample hooks after generation, before the reward (slime's flag; repeatable, applied in order): fn(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None, sync or async. A Sample replaces the one passed; None keeps it (changed in place or not). rollout_id and evaluation are passed when the function takes them. Runs in the built-in rollout, after --custom-generate-function-path, and in the built-in evaluation (evaluation=True); what comes back is checked as a generate hook's Sample is."""
+
     custom_reward_post_process_path: Optional[str] = None
     """Reward post-processing (slime's hook): fn(args, samples) -> (raw_rewards, rewards); the rewards replace GRPO's group normalisation as the advantage estimator's input."""
 
@@ -214,6 +217,7 @@ class RolloutArgs(Section):
                 fix=f"--over-sampling-batch-size {2 * self.rollout_batch_size} (or drop it)"))
         if self.rollout_function_path:
             unused = [f for f, v in (("--custom-generate-function-path", self.custom_generate_function_path),
+                                     ("--rollout-sample-hook-path", self.rollout_sample_hook_path),
                                      ("--dynamic-sampling-filter-path", self.dynamic_sampling_filter_path),
                                      ("--over-sampling-batch-size", self.over_sampling_batch_size)) if v]
             if unused:
@@ -271,8 +275,8 @@ class RolloutArgs(Section):
                     facts={"field": flag[2:].replace("-", "_"), "value": pattern}))
         if self.load_debug_rollout_data:
             ignored = [f"--{f.replace('_', '-')}" for f in (
-                "rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
-                "over_sampling_batch_size", "custom_reward_post_process_path", "rollout_sample_filter_path",
+                "rollout_function_path", "custom_generate_function_path", "rollout_sample_hook_path",
+                "dynamic_sampling_filter_path", "over_sampling_batch_size", "custom_reward_post_process_path", "rollout_sample_filter_path",
                 "rollout_all_samples_process_path", "data_source_path", "save_debug_rollout_data", "eval_function_path",
                 "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path") if getattr(self, f)]
             ignored += ["--use-fault-tolerance"] if self.use_fault_tolerance else []

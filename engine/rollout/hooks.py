@@ -4,6 +4,7 @@
 |--------------------------------------|-----------------------------------------------------------|--------------------------------------------------|
 | `--rollout-function-path`            | `fn(args, rollout_id, data_source, evaluation=False)`     | `RolloutFnTrainOutput(samples, metrics)` or `[[Sample] × n] × B` |
 | `--custom-generate-function-path`    | `async fn(args, sample, sampling_params[, evaluation])`   | the `Sample`, its response filled in             |
+| `--rollout-sample-hook-path` (repeatable) | `fn(args, sample[, rollout_id, evaluation])` per sample, before its reward | the `Sample`, or `None` to keep it |
 | `--custom-reward-post-process-path`  | `fn(args, samples)` (all samples of the rollout)          | `(raw_rewards, rewards)`: `rewards` replace GRPO's group normalisation |
 | `--dynamic-sampling-filter-path`     | `fn(args, group)` (or `fn(group)`)                        | `bool` or `DynamicFilterOutput(keep, reason)`    |
 | `--rollout-sample-filter-path`       | `fn(args, groups)` after the rollout                      | `None`; sets `sample.remove_sample = True` to keep a sample out of the loss |
@@ -396,6 +397,31 @@ def apply_reward_post_process(fn: Callable, path: str, args: HookArgs, samples: 
         s.advantage_reward = r
 
 
+async def apply_sample_hooks(hooks: list[tuple[str, Callable]], args: HookArgs, sample: Sample) -> Sample:
+    """--rollout-sample-hook-path, in order: each returns the Sample that replaces the one it got, or None to keep
+    it; rollout_id and evaluation are passed to a function that takes them (slime's contract). The result is
+    checked as a generate hook's (check_sample: prompt unchanged, one mask entry and log-prob per response
+    token)."""
+    flag = "--rollout-sample-hook-path"
+    prompt = list(sample.tokens[:len(sample.tokens) - sample.response_length])
+    for path, fn in hooks:
+        kw = {k: v for k, v in (("rollout_id", args.rollout_id), ("evaluation", args.evaluation)) if accepts(fn, k)}
+        out = await call_async_hook(flag, path, fn, args, sample, **kw)
+        if out is not None:
+            if not isinstance(out, Sample):
+                raise HookError.of(flag, path, f"returned {type(out).__name__}; expected the Sample or None")
+            sample = out
+        check_sample(sample, flag, path, prompt_ids=prompt)
+    return sample
+
+
+def load_sample_hooks(cfg: Any) -> list[tuple[str, Callable]]:
+    from engine.rewards import load_function
+
+    return [(path, load_function(path, "--rollout-sample-hook-path"))
+            for path in getattr(cfg, "rollout_sample_hook_path", None) or []]
+
+
 @dataclass
 class Hooks:
     """The run's hooks, loaded once (a bad path is a ConfigError at start, naming the flag)."""
@@ -407,6 +433,7 @@ class Hooks:
     evaluate: Callable | None = None
     rollout_log: Callable | None = None
     eval_log: Callable | None = None
+    sample_hooks: list[tuple[str, Callable]] = field(default_factory=list)  # (path, fn) per --rollout-sample-hook-path
     paths: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -419,6 +446,7 @@ class Hooks:
                    evaluate=load_hook(cfg, "eval_function_path"),
                    rollout_log=load_hook(cfg, "custom_rollout_log_function_path"),
                    eval_log=load_hook(cfg, "custom_eval_rollout_log_function_path"),
+                   sample_hooks=load_sample_hooks(cfg),
                    paths={k: getattr(cfg, k) for k in HOOK_FLAGS if getattr(cfg, k, None)})
 
 

@@ -236,8 +236,9 @@ class _Round:
                  params: SamplingParams, seed: int, engines: EnginePool, reward_model: RewardModel,
                  keep: Callable[[list[Sample]], bool] | None, concurrency: int,
                  generate: Callable | None = None, hook_args: Any = None, hook_path: str = "",
-                 partial: PartialBuffer | None = None):
+                 partial: PartialBuffer | None = None, sample_hooks: list[tuple[str, Callable]] | None = None):
         self.prompts, self.first_draw, self.needed, self.n = prompts, first_draw, needed, n
+        self.sample_hooks = sample_hooks or []
         self.partial, self.continued = partial, 0
         self.generate, self.hook_args, self.hook_path = generate, hook_args, hook_path
         self.rollout_id, self.nonce, self.params, self.seed = rollout_id, nonce, params, seed
@@ -279,12 +280,31 @@ class _Round:
     def _urls(self, gi: int) -> set[str]:
         return ({self.inflight[gi]} if gi in self.inflight else set()) | self.hook_urls.get(gi, set())
 
+    def _engine_client(self, client: httpx.AsyncClient, gi: int):
+        """The engines for a hook working on group gi: its requests carry the group's rid prefix (a cut round
+        aborts them) and count in the load balance."""
+        from engine.rollout.hooks import EngineClient
+
+        return EngineClient(client, self.engines, self.outstanding, rid_prefix=self.rid(gi),
+                            on_send=lambda url: self.hook_urls.setdefault(gi, set()).add(url))
+
+    async def _sample_hooks(self, client: httpx.AsyncClient, gi: int, group: list[Sample]) -> list[Sample]:
+        """--rollout-sample-hook-path on each sample of the group, concurrently (hooks.apply_sample_hooks)."""
+        from engine.rollout.hooks import apply_sample_hooks
+
+        engine = self._engine_client(client, gi)
+        args = self.hook_args.with_engine(engine)
+        try:
+            return list(await asyncio.gather(*(apply_sample_hooks(self.sample_hooks, args, s) for s in group)))
+        finally:
+            self.retries += engine.retries
+
     async def _hooked(self, client: httpx.AsyncClient, gi: int) -> list[Sample]:
         """The group through --custom-generate-function-path: one call per sample, concurrently (the engine
         batches them), each with its own sampling seed; what comes back is checked (hooks.check_sample)."""
         import copy
 
-        from engine.rollout.hooks import EngineClient, accepts, call_async_hook, check_sample, new_samples
+        from engine.rollout.hooks import accepts, call_async_hook, check_sample, new_samples
 
         flag, fn, p = "--custom-generate-function-path", self.generate, self.prompts[gi]
         draw = self.first_draw + gi
@@ -294,8 +314,7 @@ class _Round:
                 s.tokens = s.tokens or list(p.ids)
         else:
             group = new_samples(p.ids, p.row, n=self.n, group_index=gi, rollout_id=self.rollout_id, draw_index=draw)
-        engine = EngineClient(client, self.engines, self.outstanding, rid_prefix=self.rid(gi),
-                              on_send=lambda url: self.hook_urls.setdefault(gi, set()).add(url))
+        engine = self._engine_client(client, gi)
         args = self.hook_args.with_engine(engine)
         kw = {"evaluation": args.evaluation} if accepts(fn, "evaluation") else {}
         prompt_ids = [list(s.tokens) for s in group]
@@ -474,6 +493,8 @@ class _Round:
                 group = await self._hooked(client, gi)
             else:
                 group = self._samples(gi, await self._post(client, gi))
+            if self.sample_hooks and gi < self.cutoff:
+                group = await self._sample_hooks(client, gi, group)
             if gi >= self.cutoff:  # the round was cut while this group ran
                 return
             loop = asyncio.get_running_loop()
@@ -537,11 +558,13 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
                      round_size: int | None = None, keep: Callable[[list[Sample]], bool] | None = None,
                      concurrency: int = 64, timeout_s: float = 600.0, max_prompts: int | None = None,
                      generate: Callable | None = None, hook_args: Any = None, hook_path: str = "",
-                     partial: PartialBuffer | None = None) -> RolloutResult:
+                     partial: PartialBuffer | None = None,
+                     sample_hooks: list[tuple[str, Callable]] | None = None) -> RolloutResult:
     """`batch_size` kept groups of n samples, in draw order. `draw(k)` returns the next k prompts of the data.
     `generate`: a --custom-generate-function-path hook called per sample with `hook_args` (engine/rollout/hooks.py).
     `partial` (--partial-rollout): samples aborted by a pause are continued, and the buffer records how far every
-    sample got (it may start non-empty: a resumed run's samples from the checkpoint)."""
+    sample got (it may start non-empty: a resumed run's samples from the checkpoint). `sample_hooks`
+    (--rollout-sample-hook-path): (path, fn) applied to each generated sample before its reward, with `hook_args`."""
     round_size = round_size or batch_size
     nonce = uuid.uuid4().hex[:6]  # rids of a redone rollout never collide with a previous attempt's
     deadline = time.monotonic() + timeout_s
@@ -562,7 +585,7 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
         rnd = _Round(prompts, first_draw=stats["drawn"], needed=batch_size - len(kept), rollout_id=rollout_id,
                      nonce=nonce, n=n, params=params, seed=seed, engines=engines, reward_model=reward_model,
                      keep=keep, concurrency=concurrency, generate=generate, hook_args=hook_args, hook_path=hook_path,
-                     partial=partial)
+                     partial=partial, sample_hooks=sample_hooks)
         left = deadline - time.monotonic()
         run_on_rollout_loop(lambda client: rnd.run(client, left), getattr(engines, "api_key", None))
         finished = [g for g in range(rnd.cutoff) if rnd.done[g] is not None]
