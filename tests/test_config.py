@@ -145,3 +145,17 @@ def test_num_epoch_makes_num_rollout_from_the_rows_of_the_data(tmp_path):
                       (dict(rollout_batch_size=16), "has 10 rows, fewer than one rollout's --rollout-batch-size 16")):
         with pytest.raises(ConfigError, match=msg):
             RunConfig(**{**dict(prompt_data=str(data), rollout_batch_size=4, num_epoch=3), **over})
+
+
+def test_train_env_vars_take_json_and_refuse_what_is_not_an_environment():
+    from engine.config.cli import parse_args
+
+    cfg = parse_args(["--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_DEBUG": 1}'])
+    assert cfg.train_env_vars == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_DEBUG": "1"}
+    for bad, why in (('{"OMP_NUM_THREADS": 4}', "--train-threads"), ('{"1BAD": "x"}', "not an environment variable"),
+                     ("[1]", "JSON object"), ("{x", "not JSON"), ('{"A": {"b": 1}}', "text or a number")):
+        with pytest.raises(ConfigError, match="train.env.vars") as e:
+            parse_args(["--train-env-vars", bad])
+        assert why in str(e.value), (bad, str(e.value))
+    # not part of what is trained: the config hash and a resume ignore it
+    assert parse_args([]).config_hash() == cfg.config_hash()

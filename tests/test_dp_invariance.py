@@ -197,3 +197,19 @@ def test_log_probs_chunk_size_under_fsdp2_takes_the_dp_1_step(ray_cluster, small
     assert float(d.max()) <= 2e-4 and int((d > 1e-6).sum()) <= 1e-4 * d.numel()
     assert chunked["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
     assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_train_env_vars_reach_every_train_rank_before_torch(ray_cluster, small_cfg):
+    """--train-env-vars: each rank's process has them (set by Ray when it starts the process) and reports them for
+    the summary's placement, a secret-looking one redacted; the run's thread settings stay rollflow's."""
+    from engine.cluster import TrainGroup
+
+    cfg = small_cfg(actor_num_gpus_per_node=2, train_env_vars={"ROLLFLOW_TEST_MARK": "on", "HF_TOKEN": "hf_x",
+                                                               "TORCH_SHOW_CPP_STACKTRACES": 1})
+    group = TrainGroup(cfg, train_iters=1, timeout_s=600, threads=1)
+    try:
+        assert [n["env"] for n in group.nodes] == [{"ROLLFLOW_TEST_MARK": "on", "HF_TOKEN": "<redacted>",
+                                                    "TORCH_SHOW_CPP_STACKTRACES": "1"}] * 2
+        assert len({n["pid"] for n in group.nodes}) == 2
+    finally:
+        group.shutdown()

@@ -33,11 +33,13 @@ def worker_env() -> dict[str, str]:
             **{k: os.environ[k] for k in FORWARDED if k in os.environ}}
 
 
-def _threads_env(threads: int) -> dict[str, Any]:
+def _threads_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, Any]:
     """OpenMP/MKL threads are fixed before torch is imported in the worker (set_num_threads later is not enough).
-    The train worker's start-up runs without the cyclic collector until its setup returns (engine/startgc.py)."""
+    The train worker's start-up runs without the cyclic collector until its setup returns (engine/startgc.py).
+    `extra`: --train-env-vars (train workers only)."""
     t = str(max(1, threads))
-    return {"env_vars": {**worker_env(), "OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, startgc.DEFER_ENV: "1"}}
+    return {"env_vars": {**worker_env(), **(extra or {}), "OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t,
+                         startgc.DEFER_ENV: "1"}}
 
 
 def check_reachable(address: str, timeout_s: float = 10.0) -> None:
@@ -259,7 +261,7 @@ def prestart_train_worker(cfg, *, train_iters: int, threads: int, log_dir: str |
     if (cfg.train_world_size != 1 or cfg.actor_num_nodes != 1 or not cfg.trains
             or ray.cluster_resources().get("GPU", 0)):
         return False
-    w = _worker_class(cfg).options(runtime_env=_threads_env(threads)).remote(
+    w = _worker_class(cfg).options(runtime_env=_threads_env(threads, cfg.train_env_vars)).remote(
         cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=train_iters, threads=threads, lazy=True)
     _prestarted_worker = {"key": _worker_key(cfg, train_iters, threads), "worker": w, "ready": w.setup.remote(None),
                           "engine": None}
@@ -385,7 +387,7 @@ class TrainGroup:
             return {"num_gpus": lay.train_gpu_fraction, "num_cpus": lay.train_cpu,
                     "scheduling_strategy": placement.strategy(lay.train_bundles[r])}
 
-        self.workers = [cls.options(runtime_env=_threads_env(threads), **where(r)).remote(
+        self.workers = [cls.options(runtime_env=_threads_env(threads, cfg.train_env_vars), **where(r)).remote(
             cfg_dict, rank=r, world_size=world, master=None, train_iters=train_iters, threads=threads, lazy=True)
             for r in range(world)]
         # The rendezvous is rank 0's node address and a port of that node from the cluster's one allocator (RF08):

@@ -56,7 +56,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
-                "log_probs_chunk_size",
+                "log_probs_chunk_size", "train_env_vars",
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
                 "save_debug_train_data",

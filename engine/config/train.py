@@ -123,6 +123,36 @@ class TrainArgs(Section):
     train_threads: int = Field(0, ge=0)
     """torch CPU threads per train worker (0 = the cores shared by the processes running at once: (cores - 1) / max(workers, engines) in a synchronous run, whose trainer and engines take turns while the driver keeps one core for its bookkeeping; cores / (workers + engines) with --async-mode)."""
 
+    train_env_vars: dict[str, str] = {}
+    """Extra environment variables of every train worker process (slime's flag), a JSON object, e.g. '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}' or NCCL settings; set when Ray starts the process, before torch is imported. OMP_NUM_THREADS and MKL_NUM_THREADS are refused (--train-threads sets them). The run's summary lists what each rank saw (placement.train[].env, secret-looking values redacted)."""
+
+    @field_validator("train_env_vars", mode="before")
+    @classmethod
+    def _env_json(cls, v):
+        """The flag's JSON text → {name: value as text}; names must be environment variable names."""
+        import json
+        import re
+
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not JSON ({e.msg}); pass an object such as "
+                                 "'{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'") from None
+        if not isinstance(v, dict):
+            raise ValueError(f"a JSON object of variable names to values is needed, got {type(v).__name__}")
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"{k!r} is not an environment variable name (letters, digits and _, not starting "
+                                 "with a digit)")
+            if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                raise ValueError(f"{k} is set per process from --train-threads; use --train-threads N instead")
+            if isinstance(x, (dict, list)) or x is None:
+                raise ValueError(f"{k}: a value is text or a number, got {type(x).__name__}")
+            out[k] = str(x).lower() if isinstance(x, bool) else str(x)
+        return out
+
     @field_validator("freeze_params_name_list", "only_train_params_name_list")
     @classmethod
     def _patterns_compile(cls, v: list[str]) -> list[str]:

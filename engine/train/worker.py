@@ -103,7 +103,14 @@ class TrainWorker:
 
             self.critic = TorchCritic(self.cfg, rank=self.rank, world_size=self.world_size,
                                       train_iters=self.train_iters, device=self.device)
-        return {**self.where(), "model_impl": getattr(self.backend, "model_impl", None)}
+        out = {**self.where(), "model_impl": getattr(self.backend, "model_impl", None)}
+        if self.cfg.train_env_vars:  # what this process sees of --train-env-vars (the summary's placement.train)
+            import os
+
+            from engine.tracking.secrets import redact
+
+            out["env"] = redact({k: os.environ.get(k) for k in self.cfg.train_env_vars})
+        return out
 
     @staticmethod
     def where() -> dict[str, Any]:
