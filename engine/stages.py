@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -168,6 +169,24 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     return run
 
 
+def dump_run_details(run: Run) -> None:
+    """--dump-details DIR: the tokenizer (DIR/tokenizer) and the run's flags (DIR/config.yaml, secrets redacted)
+    beside the rollout and train data the two debug patterns write there; rewritten at each start."""
+    import yaml
+
+    from engine.tracking.secrets import redact
+
+    d = Path(run.cfg.dump_details)
+    (d / "tokenizer").mkdir(parents=True, exist_ok=True)
+    run.tokenizer.save_pretrained(str(d / "tokenizer"))
+    text = yaml.safe_dump(redact(run.cfg.model_dump(mode="json")), sort_keys=False)
+    tmp = d / ".config.yaml.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, d / "config.yaml")
+    log.info("--dump-details: tokenizer and flags in %s; rollouts in %s, train data in %s", d,
+             run.cfg.save_debug_rollout_data, run.cfg.save_debug_train_data)
+
+
 def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     """The driver's part of place: tokenizer, prompts, eval sets, reward model, hooks, the RF14 probe prompts, the
     tracker (and, for a fresh lineage, the run file naming its MLflow run)."""
@@ -189,6 +208,8 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     run.reward_model = RewardModel.of(cfg)
     load_hooks(run)
     run.probe = probe_prompts(run)
+    if cfg.dump_details:
+        dump_run_details(run)
 
     run.tracker = tracker or track(cfg, flow_run_id=run.flow_run_id, flow_run_url=run.flow_run_url)
     if run.store and run.start.next_rollout_id == 0 and run.tracker.run_id:  # a fresh lineage: remember its run

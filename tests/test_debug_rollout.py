@@ -160,7 +160,7 @@ def test_a_replay_places_the_train_ranks_only():
 
 @pytest.mark.slow
 def test_a_replayed_run_trains_exactly_what_was_recorded(prefect_harness, shared_ray, small_cfg, tmp_path):
-    """Record 3 rollouts, replay them: the same metrics and, on the CPU, the same weights bit for bit; no engine,
+    """Record 3 rollouts (--dump-details), replay them: the same metrics and, on the CPU, the same weights bit for bit; no engine,
     no sync. A replay with another lr moves away from the recording (train/mismatch ≫ RF14's threshold) and is not
     stopped for it."""
     from safetensors.torch import load_file
@@ -168,9 +168,17 @@ def test_a_replayed_run_trains_exactly_what_was_recorded(prefect_harness, shared
     from engine import checkpoint
     from flows.train import rl_train
 
-    pattern = str(tmp_path / "debug" / "rollout_{rollout_id}.json")
-    rec = rl_train(small_cfg(num_rollout=3, eval_prompt_data=[], save_debug_rollout_data=pattern))
-    assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == [f"rollout_{i}.json" for i in range(3)]
+    # recorded with --dump-details: rollouts, train data, tokenizer and flags in one directory
+    dump = tmp_path / "dump"
+    rec = rl_train(small_cfg(num_rollout=3, eval_prompt_data=[], dump_details=str(dump)))
+    pattern = str(dump / "rollout_data" / "{rollout_id}.json.gz")
+    assert sorted(p.name for p in (dump / "rollout_data").iterdir()) == [f"{i}.json.gz" for i in range(3)]
+    assert sorted(p.name for p in (dump / "train_data").iterdir()) == [f"{i}_0.pt" for i in range(3)]
+    assert (dump / "tokenizer" / "tokenizer_config.json").is_file()
+    import yaml
+
+    flags = yaml.safe_load((dump / "config.yaml").read_text())
+    assert flags["dump_details"] == str(dump) and flags["save_debug_rollout_data"] == pattern
 
     rep = rl_train(small_cfg(num_rollout=3, save=str(tmp_path / "replay"), work_dir=str(tmp_path / "w2"),
                              load_debug_rollout_data=pattern))
@@ -264,3 +272,17 @@ def test_a_replay_may_train_on_another_key_of_the_recorded_dict_rewards(tmp_path
     batch = stages.replayed(SimpleNamespace(cfg=cfg, tracker=None), 0)
     assert published["rollout/reward_mean"] == 0.5 and published["rollout/reward_std"] == 0.0
     assert all(s.reward_key == "format" for g in batch.groups for s in g)
+
+
+def test_dump_details_sets_the_debug_paths_and_refuses_others():
+    from engine.config import RunConfig
+
+    cfg = RunConfig(dump_details="/tmp/d/")
+    assert cfg.save_debug_rollout_data == "/tmp/d/rollout_data/{rollout_id}.json.gz"
+    assert cfg.save_debug_train_data == "/tmp/d/train_data/{rollout_id}_{rank}.pt"
+    assert RunConfig.from_dump(cfg.model_dump()) == cfg  # a resumed run's recorded flags pass as they are
+    assert RunConfig(dump_details="/tmp/d", debug_rollout_only=True, save=None).save_debug_train_data is None
+    replay = RunConfig(dump_details="/tmp/d", load_debug_rollout_data="/tmp/r/{rollout_id}.json")
+    assert replay.save_debug_rollout_data is None and replay.save_debug_train_data.startswith("/tmp/d/")
+    with pytest.raises(ConfigError, match="--dump-details /tmp/d writes --save-debug-train-data"):
+        RunConfig(dump_details="/tmp/d", save_debug_train_data="/x/{rollout_id}.pt")

@@ -1,5 +1,5 @@
 """Rollout flags: how many samples, how they are generated, by which engine."""
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -163,6 +163,37 @@ class RolloutArgs(Section):
 
     save_debug_train_data: Optional[str] = None
     """Also write what each train rank trained on, per rollout (slime's flag): a torch.save file at this path, `{rollout_id}` and `{rank}` replaced, holding per-sample lists over the response tokens — tokens, loss masks, advantages, returns, old / reference / engine log-probs, critic values — plus the sample ids, rewards and response lengths (engine/train/worker.py: save_train_data). Written on the rank's own node after the rollout's steps. `{rank}` is needed when there is more than one train rank."""
+
+    dump_details: Optional[str] = None
+    """Dump everything for post-hoc analysis into this directory (slime's flag): each rollout's samples and metrics
+    (--save-debug-rollout-data DIR/rollout_data/{rollout_id}.json.gz), what each train rank trained on
+    (--save-debug-train-data DIR/train_data/{rollout_id}_{rank}.pt), the tokenizer (DIR/tokenizer) and the run's
+    flags (DIR/config.yaml, secrets redacted). Not with those two flags set to other paths. With
+    --debug-rollout-only no train data is written; with --load-debug-rollout-data no rollout data."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dump_details_paths(cls, data: Any) -> Any:
+        """--dump-details DIR sets the two debug patterns under DIR (a config dump that already holds them, e.g. a
+        resumed run's, passes as it is)."""
+        if not isinstance(data, dict) or not data.get("dump_details"):
+            return data
+        d = str(data["dump_details"]).rstrip("/") or "/"
+        want = {}
+        if not data.get("load_debug_rollout_data"):
+            want["save_debug_rollout_data"] = f"{d}/rollout_data/{{rollout_id}}.json.gz"
+        if not data.get("debug_rollout_only"):
+            want["save_debug_train_data"] = f"{d}/train_data/{{rollout_id}}_{{rank}}.pt"
+        clash = [k for k, v in want.items() if data.get(k) not in (None, "", v)]
+        if clash:
+            flag = "--" + clash[0].replace("_", "-")
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--dump-details {d} writes {flag} {want[clash[0]]!r}, and {flag} {data[clash[0]]!r} is set "
+                     "too: one of them would be ignored",
+                fix=f"drop {flag} (--dump-details sets it), or drop --dump-details",
+                facts={"field": clash[0], "value": data[clash[0]]}))
+        return {**data, **want}
 
     load_debug_rollout_data: Optional[str] = None
     """Train on the rollouts --save-debug-rollout-data wrote, `{rollout_id}` replaced by the rollout id (slime's
