@@ -211,6 +211,11 @@ def double_advantages(args, rollout_id, rollout_data):
     rollout_data["advantages"] = [2 * a for a in rollout_data["advantages"]]
 
 
+def scale_advantages(args, rollout_id, rollout_data):
+    """Reads a --custom-config argument (args.adv_scale) on the train worker."""
+    rollout_data["advantages"] = [args.adv_scale * a for a in rollout_data["advantages"]]
+
+
 def raise_masks(args, rollout_id, rollout_data):
     rollout_data["loss_masks"] = [m + 1 for m in rollout_data["loss_masks"]]  # above the rollout's own
 
@@ -269,3 +274,13 @@ def returns_a_string(args, sample):
 
 def breaks_the_mask(args, sample):
     sample.loss_mask = sample.loss_mask + [1]
+
+
+def cut_to_custom_length(args, sample):
+    """Reads a --custom-config-path argument (args.cut_to) in the rollout."""
+    SAMPLE_HOOKS.append({"hook": "cut", "cut_to": args.cut_to})
+    keep = min(sample.response_length, args.cut_to)
+    cut = sample.response_length - keep
+    if cut:
+        sample.tokens, sample.response_length = sample.tokens[:-cut], keep
+        sample.loss_mask, sample.rollout_log_probs = sample.loss_mask[:keep], sample.rollout_log_probs[:keep]

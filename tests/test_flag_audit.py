@@ -117,6 +117,9 @@ FLAG_TESTS = {
     "megatron_cuda_graphs": "test_flag_wiring.py::test_megatron_cuda_graphs_flag_reaches_the_kernels",
     "bf16": "test_train_backend.py::test_bf16_computes_in_bf16_over_fp32_master_weights",
     "model_impl": "test_native_model.py::test_model_impl_reaches_the_trainer_and_the_engine",
+    "custom_config_path": "test_hooks.py::test_custom_config_path_arguments_reach_the_hooks_args",
+    "custom_config":
+        "test_train_backend.py::test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step",
     "dump_details": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
     "train_env_vars": "test_dp_invariance.py::test_train_env_vars_reach_every_train_rank_before_torch",
     "log_probs_chunk_size":

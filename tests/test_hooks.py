@@ -561,3 +561,23 @@ def test_a_repeated_list_flag_adds_to_the_list():
 
     cfg = parse_args(["--rollout-sample-hook-path", "a:f", "--rollout-sample-hook-path", "b:g", "c:h"])
     assert cfg.rollout_sample_hook_path == ["a:f", "b:g", "c:h"]
+
+
+def test_custom_config_path_arguments_reach_the_hooks_args(tmp_path, engine_url):
+    """--custom-config-path (slime's flag): the YAML's keys are attributes of every hook's args; the values are kept
+    in the run's flags (a dumped config needs no file); a key that is a flag is refused."""
+    hook_fakes.SAMPLE_HOOKS.clear()
+    (tmp_path / "custom.yaml").write_text("cut_to: 1\nnote: short answers\n")
+    run = make_run(tmp_path, engine_url, rollout_sample_hook_path=["hook_fakes:cut_to_custom_length"],
+                   custom_config_path=str(tmp_path / "custom.yaml"))
+    assert run.cfg.custom_config == {"cut_to": 1, "note": "short answers"}
+    batch = rollout(run)
+    assert {c["cut_to"] for c in hook_fakes.SAMPLE_HOOKS} == {1}
+    assert all(s.response_length == 1 for g in batch.groups for s in g)
+    (tmp_path / "custom.yaml").unlink()
+    assert RunConfig.from_dump(run.cfg.model_dump()).cut_to == 1  # another node: from the recorded values
+    (tmp_path / "bad.yaml").write_text("lr: 0.1\n")
+    with pytest.raises(ConfigError, match="sets lr, which are rollflow flags"):
+        RunConfig(custom_config_path=str(tmp_path / "bad.yaml"))
+    with pytest.raises(ConfigError, match="no such file"):
+        RunConfig(custom_config_path=str(tmp_path / "missing.yaml"))

@@ -775,6 +775,9 @@ def test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_th
     plain = step()
     doubled = step(rollout_data_postprocess_path="hook_fakes:double_advantages")
     assert doubled["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-5)
+    # a --custom-config argument reaches the train worker's hooks as args.<key>
+    tripled = step(rollout_data_postprocess_path="hook_fakes:scale_advantages", custom_config={"adv_scale": 3.0})
+    assert tripled["grad_norm"] == pytest.approx(3 * plain["grad_norm"], rel=1e-5)
     with pytest.raises(HookError, match="--rollout-data-postprocess-path.*a mask can only take tokens out"):
         step(rollout_data_postprocess_path="hook_fakes:raise_masks")
 

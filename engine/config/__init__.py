@@ -59,7 +59,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "log_probs_chunk_size", "train_env_vars",
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
-                "save_debug_train_data", "dump_details",
+                "save_debug_train_data", "dump_details", "custom_config_path",
                 "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
                 "wandb_host", "wandb_run_id", "log_passrate", "log_multi_turn", "use_tensorboard", "tb_project_name",
                 "tb_experiment_name"}
@@ -171,6 +171,65 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         node): what was resolved from files then (--num-epoch's --num-rollout, --eval-config's sets) is not
         re-read from them."""
         return cls.model_validate(data, context={"dumped": True})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_custom_config(cls, data: Any, info: ValidationInfo) -> Any:
+        """--custom-config-path: its YAML mapping into --custom-config (read once, on the driver; a dumped config
+        carries the values). Keys that are rollflow flags or `args`' own attributes are refused."""
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        if not isinstance(data, dict):
+            return data
+        path = data.get("custom_config_path")
+
+        def error(what: str, fix: str, field: str = "custom_config_path") -> ConfigError:
+            return ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix,
+                                         facts={"field": field, "value": path or data.get("custom_config")}))
+
+        if path and not (info.context or {}).get("dumped"):
+            if data.get("custom_config"):
+                raise error(f"--custom-config-path {path} and --custom-config both give custom arguments",
+                            "keep one: the file, or the inline JSON")
+            import yaml
+            from pathlib import Path
+
+            p = Path(path)
+            if not p.is_file():
+                raise error(f"--custom-config-path {path}: no such file", "pass the path of a YAML file of "
+                            "arguments for your functions, e.g. `max_turns: 4`")
+            try:
+                loaded = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise error(f"--custom-config-path {path}: invalid YAML: {e}", "fix the YAML syntax") from None
+            if not isinstance(loaded, dict):
+                raise error(f"--custom-config-path {path} holds a {type(loaded).__name__}, not a mapping",
+                            "top-level `key: value` lines, one per argument")
+            data = {**data, "custom_config": loaded}
+        return data
+
+    @model_validator(mode="after")
+    def _custom_config_keys(self) -> "RunConfig":
+        """A --custom-config key may not shadow a flag or what hooks' args hold besides the flags."""
+        from engine.rollout.hooks import HOOK_ARGS_OWN
+
+        taken = sorted(k for k in self.custom_config if k in type(self).model_fields or k in HOOK_ARGS_OWN)
+        if taken:
+            src = f"--custom-config-path {self.custom_config_path}" if self.custom_config_path else "--custom-config"
+            raise config_error(f"{src} sets {', '.join(taken)}, which " + (
+                "are rollflow flags: a custom argument cannot change them" if taken[0] in type(self).model_fields
+                else "hooks' args already hold (engine, tokenizer, …)"),
+                "rename them, or set flags in --config / on the command line", field="custom_config",
+                value=taken)
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        """--custom-config's arguments as attributes (`cfg.max_turns`), as slime's args carry them: the train-side
+        hooks get the config itself as `args`."""
+        custom = self.__dict__.get("custom_config") or {}
+        if name in custom:
+            return custom[name]
+        return super().__getattr__(name)
 
     @model_validator(mode="before")
     @classmethod

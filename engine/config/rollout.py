@@ -123,6 +123,27 @@ class RolloutArgs(Section):
     data_source_path: Optional[str] = None
     """Where prompts come from (slime's hook): a class built as cls(args) with get_samples(num_prompts) -> list of groups of n Samples; state_dict() / load_state_dict(d) make it resumable. Default: --prompt-data."""
 
+    custom_config_path: Optional[str] = None
+    """A YAML file of arguments for your own functions (slime's flag): each top-level key becomes an attribute of the `args` every hook gets (rollout hooks, reward, loss, advantage and Megatron hooks), e.g. `max_turns: 4` → args.max_turns. Read once when the run's flags are, on the driver; the values travel in the run's config (--custom-config). A key that is a rollflow flag is refused (set flags in --config or on the command line)."""
+
+    custom_config: dict[str, Any] = {}
+    """The same arguments given inline as a JSON object (or filled from --custom-config-path); recorded with the run's flags, so a resume or another node sees the values the run started with."""
+
+    @field_validator("custom_config", mode="before")
+    @classmethod
+    def _custom_config_json(cls, v: Any) -> Any:
+        import json
+
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not JSON ({e.msg}); pass an object such as '{{\"max_turns\": 4}}'") from None
+        if not isinstance(v, dict) or not all(isinstance(k, str) and k.isidentifier() for k in v):
+            raise ValueError("a mapping whose keys are Python identifiers is needed (they become attributes: "
+                             "args.<key>)")
+        return v
+
     rollout_max_truncated_share: float = Field(0.9, ge=0.0, le=1.0)
     """A rollout where more than this share of samples hit --rollout-max-response-len fails with RF10 (1 = never)."""
 

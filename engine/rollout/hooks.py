@@ -161,6 +161,11 @@ class EngineClient:
         return out[0] if isinstance(out, list) else out
 
 
+#: what a HookArgs holds besides the run's flags (a --custom-config key may not take these names)
+HOOK_ARGS_OWN = frozenset({"cfg", "tokenizer", "sampling_params", "rollout_id", "engine", "evaluation", "eval_sets",
+                           "tracker", "with_engine"})
+
+
 class HookArgs:
     """`args` of every hook: the run's flags as attributes, plus the engine client, the tokenizer, the sampling
     params and the rollout id (see the module docstring)."""
@@ -178,7 +183,8 @@ class HookArgs:
         if cfg is not None and hasattr(cfg, name):
             return getattr(cfg, name)
         raise AttributeError(f"hook args have no {name!r}: they hold every `rollflow train` flag (e.g. "
-                             "args.rollout_max_response_len) plus engine, tokenizer, sampling_params, rollout_id")
+                             "args.rollout_max_response_len), --custom-config-path's arguments, plus engine, "
+                             "tokenizer, sampling_params, rollout_id")
 
     def with_engine(self, engine: EngineClient) -> "HookArgs":
         return HookArgs(self.cfg, tokenizer=self.tokenizer, sampling_params=self.sampling_params,
