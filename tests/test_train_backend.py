@@ -850,3 +850,45 @@ def test_the_worker_calls_the_backends_before_train_step_hook_and_megatron_hooks
                  "custom_megatron_before_train_step_hook_path"):
         with pytest.raises(ConfigError, match="hook into the megatron backend, and --train-backend is torch"):
             make_cfg(tiny_model, **{flag: "hook_fakes:megatron_init"})
+
+
+def _wait_in_all_reduce(rank: int, port: int, queue) -> None:  # a spawned DP rank (test below)
+    import time
+
+    import torch.distributed as dist
+
+    from engine.config import RunConfig
+    from engine.train.torch_backend import join_group
+
+    join_group(RunConfig(distributed_timeout_minutes=0.05), rank=rank, world_size=2, master=f"127.0.0.1:{port}",
+               device="cpu")
+    if rank == 1:
+        time.sleep(20)  # never joins the collective
+        return
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        queue.put(("returned", time.monotonic() - t0))
+    except Exception as e:  # gloo's timeout
+        queue.put((type(e).__name__, time.monotonic() - t0))
+
+
+def test_distributed_timeout_minutes_bounds_a_collective_a_rank_never_joins():
+    """--distributed-timeout-minutes 0.05 (3 s) on the DP group: rank 0's all-reduce fails after ~3 s instead of
+    waiting for rank 1 (torch's default: 30 minutes for gloo)."""
+    import torch.multiprocessing as mp
+
+    from engine.rollout.ports import free_loopback_port
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_loopback_port()
+    procs = [ctx.Process(target=_wait_in_all_reduce, args=(r, port, queue), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        what, seconds = queue.get(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    assert what != "returned" and 2.5 <= seconds <= 15, (what, seconds)

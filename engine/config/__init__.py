@@ -60,6 +60,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
                 "save_debug_train_data", "dump_details", "custom_config_path",
+                "distributed_timeout_minutes",
                 "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
                 "wandb_host", "wandb_run_id", "log_passrate", "log_multi_turn", "use_tensorboard", "tb_project_name",
                 "tb_experiment_name"}

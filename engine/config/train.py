@@ -111,6 +111,9 @@ class TrainArgs(Section):
     check_for_nan_in_loss_and_grad: bool = True
     """Fail a step whose loss or gradients are NaN/Inf, naming its samples (RF13); --no-… skips such steps instead."""
 
+    distributed_timeout_minutes: float = Field(10.0, gt=0)
+    """Timeout of the train ranks' process groups (slime's flag and default): a collective that waits longer for a rank (e.g. one rank saving or stuck) fails instead of hanging (torch.distributed's `timeout`, both backends and Megatron's model-parallel groups). Raise it when a rank may legitimately lag, e.g. a slow checkpoint write on rank 0. DP > 1 or Megatron only."""
+
     train_step_timeout: float = Field(1800.0, gt=0)
     """Seconds one train call (log-probs or an optimizer step) may take on the workers before it fails."""
 

@@ -64,8 +64,11 @@ def require_megatron() -> None:
         raise RuntimeError(f"--train-backend megatron needs megatron-core ({e}); {INSTALL_HINT}") from None
 
 
-def init_distributed(rank: int, world_size: int, master: str | None) -> None:
-    """One NCCL process group over all train ranks; one GPU per rank (LOCAL_RANK, else rank mod GPUs)."""
+def init_distributed(rank: int, world_size: int, master: str | None, timeout_minutes: float = 10.0) -> None:
+    """One NCCL process group over all train ranks; one GPU per rank (LOCAL_RANK, else rank mod GPUs);
+    collectives time out after `timeout_minutes` (--distributed-timeout-minutes)."""
+    from datetime import timedelta
+
     local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
     torch.cuda.set_device(local)
     if dist.is_initialized():
@@ -75,7 +78,8 @@ def init_distributed(rank: int, world_size: int, master: str | None) -> None:
             s.bind(("127.0.0.1", 0))
             master = f"127.0.0.1:{s.getsockname()[1]}"
     init = f"tcp://{master}" if master else "env://"
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=timeout_minutes))
 
 
 def _on_own_stream(method):
@@ -138,7 +142,8 @@ class MegatronBackend:
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
         self.pp = getattr(cfg, "pipeline_model_parallel_size", 1)
-        init_distributed(self.rank, self.world_size, master)
+        minutes = getattr(cfg, "distributed_timeout_minutes", 10.0)
+        init_distributed(self.rank, self.world_size, master, minutes)
         self.dtype = getattr(torch, params_dtype)
         # Decoder CUDA graphs are captured on this backend's own stream, and DDP's gradient accumulators must
         # be made on it (megatron_graphs): everything from here on runs there.
@@ -150,7 +155,8 @@ class MegatronBackend:
         if self.rank == 0:
             log.info("megatron backend: decoder CUDA graphs %s", "on" if off is None else f"off ({off})")
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(self.tp, self.pp)
+            parallel_state.initialize_model_parallel(self.tp, self.pp,
+                                                     distributed_timeout_minutes=max(1, math.ceil(minutes)))
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed + self.rank)
 

@@ -52,12 +52,20 @@ SUMMED = (*TOKEN_METRICS, "nll", "opsm_masked")
 
 def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: int, device: str) -> "TorchBackend":
     """The torch backend of one rank: joins the process group (NCCL on CUDA, gloo on CPU) when DP > 1."""
+    if world_size > 1:
+        join_group(cfg, rank=rank, world_size=world_size, master=master, device=device)
+    return TorchBackend(cfg, rank=rank, world_size=world_size, train_iters=train_iters, device=device)
+
+
+def join_group(cfg, *, rank: int, world_size: int, master: str, device: str) -> None:
+    """The DP ranks' process group at tcp://master; a collective waiting longer than --distributed-timeout-minutes
+    for another rank fails."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    if world_size > 1:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master}", rank=rank,
-                                world_size=world_size)
-    return TorchBackend(cfg, rank=rank, world_size=world_size, train_iters=train_iters, device=device)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master}", rank=rank,
+                            world_size=world_size, timeout=timedelta(minutes=cfg.distributed_timeout_minutes))
 
 
 class TorchBackend:
