@@ -215,16 +215,20 @@ def test_chunked_log_probs_give_the_whole_heads_values_and_gradients(family, sha
                       max_length_q=mb.max_seqlen, max_length_k=mb.max_seqlen).logits.shape[-1] == 259
 
 
+def _head_inputs(K: int, H: int, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random hidden states [K, H] and head weight [V, H] (both trained) and targets [K]."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(K, H, generator=g).requires_grad_(), torch.randn(V, H, generator=g).requires_grad_(),
+            torch.randint(0, V, (K,), generator=g))
+
+
 def test_chunked_log_probs_hold_one_chunks_logits_at_a_time():
     """The memory the flag is for: the largest tensor autograd saves for the backward of the head is a chunk's
     hidden states, never [K, V] logits (counted with saved-tensor hooks)."""
     from engine.train.forward import chunked_log_probs
 
-    torch.manual_seed(0)
     K, H, V = 64, 16, 1000
-    hidden = torch.randn(K, H, requires_grad=True)
-    weight = torch.randn(V, H, requires_grad=True)
-    targets = torch.randint(0, V, (K,))
+    hidden, weight, targets = _head_inputs(K, H, V)
     sizes = []
 
     def pack_hook(t):
@@ -255,11 +259,7 @@ def test_chunks_run_the_compiled_log_softmax_in_their_recomputation():
     from engine.train.forward import chunked_log_probs, token_log_probs
     from engine.train.packed_logprobs import _FUSED
 
-    torch.manual_seed(0)
-    K, H, V = 40, 16, 300
-    hidden = torch.randn(K, H, requires_grad=True)
-    weight = torch.randn(V, H, requires_grad=True)
-    targets = torch.randint(0, V, (K,))
+    hidden, weight, targets = _head_inputs(40, 16, 300)
     grads = []
     for chunked in (True, False):
         hidden.grad = weight.grad = None

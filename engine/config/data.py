@@ -166,14 +166,9 @@ class DataArgs(Section):
     @classmethod
     def _template_kwargs_json(cls, v: Any) -> Any:
         """The flag's JSON text (the command line gives a string) → a dict; a YAML file may give the dict."""
-        if isinstance(v, str):
-            try:
-                v = json.loads(v) if v.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"not JSON ({e.msg}); pass an object such as '{{\"enable_thinking\": false}}'") \
-                    from None
-        if not isinstance(v, dict):
-            raise ValueError(f"a JSON object is needed, got {type(v).__name__}")
+        from engine.config.base import json_object
+
+        v = json_object(v, '{"enable_thinking": false}')
         taken = sorted(set(v) & TEMPLATE_ARGS_SET)
         if taken:
             raise ValueError(f"{', '.join(taken)} are set by rollflow itself (the messages, tokenize=False, "

@@ -132,14 +132,10 @@ class RolloutArgs(Section):
     @field_validator("custom_config", mode="before")
     @classmethod
     def _custom_config_json(cls, v: Any) -> Any:
-        import json
+        from engine.config.base import json_object
 
-        if isinstance(v, str):
-            try:
-                v = json.loads(v) if v.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"not JSON ({e.msg}); pass an object such as '{{\"max_turns\": 4}}'") from None
-        if not isinstance(v, dict) or not all(isinstance(k, str) and k.isidentifier() for k in v):
+        v = json_object(v, '{"max_turns": 4}')
+        if not all(isinstance(k, str) and k.isidentifier() for k in v):
             raise ValueError("a mapping whose keys are Python identifiers is needed (they become attributes: "
                              "args.<key>)")
         return v
@@ -207,13 +203,13 @@ class RolloutArgs(Section):
             want["save_debug_train_data"] = f"{d}/train_data/{{rollout_id}}_{{rank}}.pt"
         clash = [k for k, v in want.items() if data.get(k) not in (None, "", v)]
         if clash:
+            from engine.config.base import config_error
+
             flag = "--" + clash[0].replace("_", "-")
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"--dump-details {d} writes {flag} {want[clash[0]]!r}, and {flag} {data[clash[0]]!r} is set "
-                     "too: one of them would be ignored",
-                fix=f"drop {flag} (--dump-details sets it), or drop --dump-details",
-                facts={"field": clash[0], "value": data[clash[0]]}))
+            raise config_error(f"--dump-details {d} writes {flag} {want[clash[0]]!r}, and {flag} "
+                               f"{data[clash[0]]!r} is set too: one of them would be ignored",
+                               f"drop {flag} (--dump-details sets it), or drop --dump-details", field=clash[0],
+                               value=data[clash[0]])
         return {**data, **want}
 
     load_debug_rollout_data: Optional[str] = None

@@ -133,17 +133,11 @@ class TrainArgs(Section):
     @classmethod
     def _env_json(cls, v):
         """The flag's JSON text → {name: value as text}; names must be environment variable names."""
-        import json
         import re
 
-        if isinstance(v, str):
-            try:
-                v = json.loads(v) if v.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"not JSON ({e.msg}); pass an object such as "
-                                 "'{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'") from None
-        if not isinstance(v, dict):
-            raise ValueError(f"a JSON object of variable names to values is needed, got {type(v).__name__}")
+        from engine.config.base import json_object
+
+        v = json_object(v, '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}')
         out = {}
         for k, x in v.items():
             if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
@@ -170,20 +164,19 @@ class TrainArgs(Section):
 
     @model_validator(mode="after")
     def _log_probs_chunk(self) -> "TrainArgs":
+        from engine.config.base import config_error
+
         n = self.log_probs_chunk_size
         if n == 0 or n < -1:
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error", what=f"--log-probs-chunk-size {n}: a chunk has ≥ 1 positions",
-                fix="a positive number of positions per chunk (e.g. 4096), or -1 for the whole micro-batch at once",
-                facts={"field": "log_probs_chunk_size", "value": n}))
+            raise config_error(f"--log-probs-chunk-size {n}: a chunk has ≥ 1 positions",
+                               "a positive number of positions per chunk (e.g. 4096), or -1 for the whole "
+                               "micro-batch at once", field="log_probs_chunk_size", value=n)
         if n > 0 and self.train_backend == "megatron" and self.tensor_model_parallel_size > 1:
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"--log-probs-chunk-size {n} with --train-backend megatron and --tensor-model-parallel-size "
-                     f"{self.tensor_model_parallel_size}: chunks are computed at TP = 1 only (each rank's vocabulary "
-                     "shard would need the sequence-parallel gather of the output layer)",
-                fix="--log-probs-chunk-size -1, or --tensor-model-parallel-size 1",
-                facts={"field": "log_probs_chunk_size", "value": n}))
+            raise config_error(f"--log-probs-chunk-size {n} with --train-backend megatron and "
+                               f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: chunks are computed "
+                               "at TP = 1 only (each rank's vocabulary shard would need the sequence-parallel gather "
+                               "of the output layer)", "--log-probs-chunk-size -1, or --tensor-model-parallel-size 1",
+                               field="log_probs_chunk_size", value=n)
         return self
 
     @model_validator(mode="after")
