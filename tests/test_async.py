@@ -471,3 +471,19 @@ def test_update_weights_interval_refuses_what_it_cannot_keep(kw, says):
         RunConfig(update_weights_interval=2, **kw)
     assert says in str(e.value), str(e.value)
     assert RunConfig(update_weights_interval=2, save="ck", save_interval=4).staleness_bound == 1
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(), "no older weights to keep"),
+    (dict(async_mode="one-step", partial_rollout=True), "--partial-rollout"),
+    (dict(async_mode="one-step", use_rollout_logprobs=True), "--use-rollout-logprobs"),
+    (dict(update_weights_interval=2, loss_type="sft_loss"), "sft_loss"),
+])
+def test_keep_old_actor_refuses_runs_where_it_would_change_nothing(kw, says):
+    from engine.config import RunConfig
+    from engine.diagnosis import ConfigError
+
+    with pytest.raises(ConfigError, match="--keep-old-actor") as e:
+        RunConfig(keep_old_actor=True, **kw)
+    assert says in str(e.value)
+    assert RunConfig(keep_old_actor=True, async_mode="bounded").keep_old_actor

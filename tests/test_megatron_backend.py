@@ -297,3 +297,24 @@ def test_gpu_megatron_log_probs_chunk_size_takes_the_plain_steps(tmp_path, small
     assert graphs0 and graphs5
     assert max(float((a - b).abs().max()) for a, b in zip(lp0, lp5)) < 2e-2  # bf16 products in other blocks
     assert g5 == pytest.approx(g0, rel=2e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_megatron_scores_with_kept_weights_and_restores_its_own(tmp_path, small_cfg):
+    """--keep-old-actor on the megatron backend: a snapshot of this rank's shards, two updates later, gives the
+    log-probs of before the updates (bit for bit, fp32), and the policy's own weights are back afterwards."""
+    from engine.train.megatron_backend import MegatronBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = small_cfg(hf_checkpoint=_tiny_qwen2(tmp_path / "hf"), train_backend="megatron", lr=1e-3,
+                    keep_old_actor=True, async_mode="one-step")
+    mbs = _micro_batches()
+    mg = MegatronBackend(cfg, params_dtype="float32")
+    before, kept = mg.compute_log_probs(mbs), mg.snapshot_weights()
+    for _ in range(2):
+        mg.train_step(mbs, before, None, 8)
+    now = mg.compute_log_probs(mbs)
+    assert max(float((a - b).abs().max()) for a, b in zip(now, before)) > 1e-4  # the updates moved the policy
+    assert all(torch.equal(a, b) for a, b in zip(mg.compute_log_probs(mbs, weights=kept), before))
+    assert all(torch.equal(a, b) for a, b in zip(mg.compute_log_probs(mbs), now))

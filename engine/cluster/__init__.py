@@ -418,10 +418,10 @@ class TrainGroup:
 
     def set_rollout(self, per_rank_steps: list[list[list[Any]]], rewards: list[float],
                     need_ref: bool, normalized: bool = False, old_from: str = "forward",
-                    rollout_id: int = -1) -> list[dict[str, float]]:
+                    rollout_id: int = -1, old_version: int | None = None) -> list[dict[str, float]]:
         """per_rank_steps: one entry per DP replica; every TP / PP rank of a replica gets the same micro-batches.
         Every rank also gets the rewards of the whole rollout (see engine.train.worker)."""
-        return self._all(lambda w: w.set_rollout, rewards, need_ref, normalized, old_from, rollout_id,
+        return self._all(lambda w: w.set_rollout, rewards, need_ref, normalized, old_from, rollout_id, old_version,
                          per_rank=[per_rank_steps[d] for d in self.dp_rank_of])
 
     def set_rollout_and_step(self, per_rank_steps: list[list[list[Any]]], rewards: list[float], need_ref: bool,

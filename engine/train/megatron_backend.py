@@ -379,17 +379,21 @@ class MegatronBackend:
         """The backend's own stream (with decoder graphs), whatever stream the caller left current."""
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
+    def snapshot_weights(self) -> dict[str, torch.Tensor]:
+        """--keep-old-actor: this rank's shards as they are now, on the host."""
+        return self._host_copy()
+
     @_on_own_stream
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
-                          with_entropy: bool = False):
+                          with_entropy: bool = False, weights: dict[str, torch.Tensor] | None = None):
         with torch.enable_grad():  # a capture records the backward too
             self._prepare_graphs(mbs)
         for m in self.model:
             m.eval()
         self._megatron_hook("--custom-megatron-before-log-prob-hook-path", self.cfg, self.model,
                             "teacher_" if teacher else "ref_" if ref else "")
-        other = self._teacher() if teacher else self.ref_weights if ref else None
+        other = self._teacher() if teacher else self.ref_weights if ref else weights  # weights: --keep-old-actor
         with self._swapped_in(other) if other is not None else nullcontext():
             outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp, "entropy": ent.detach()}),
                              forward_only=True, entropy_grad=False)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,11 @@ def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: 
     if world_size > 1:
         join_group(cfg, rank=rank, world_size=world_size, master=master, device=device)
     return TorchBackend(cfg, rank=rank, world_size=world_size, train_iters=train_iters, device=device)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's tensor on this rank: its shard when FSDP2 made it a DTensor."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def join_group(cfg, *, rank: int, world_size: int, master: str, device: str) -> None:
@@ -169,15 +175,40 @@ class TorchBackend:
         cast_parameters(model.to(self.device), self.dtype)
         return model
 
+    # ---- kept weights (--keep-old-actor) -------------------------------------------------------------------
+    def snapshot_weights(self) -> list[torch.Tensor]:
+        """The policy's weights as they are now (this rank's shards under FSDP2), copied to the host."""
+        return [_local(p).detach().to("cpu", copy=True) for p in self.model.parameters()]
+
+    @contextmanager
+    def _swapped_in(self, weights: list[torch.Tensor] | None):
+        """`weights` (a snapshot_weights copy) in the policy for the duration, then its own again."""
+        if weights is None:
+            yield
+            return
+        params = [_local(p) for p in self.model.parameters()]
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        with torch.no_grad():
+            for p, w in zip(params, weights):
+                p.copy_(w)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, w in zip(params, current):
+                    p.copy_(w)
+
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
-                          with_entropy: bool = False):
+                          with_entropy: bool = False, weights: list[torch.Tensor] | None = None):
         """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy, the reference or
-        the --use-opd teacher, on the CPU; with_entropy: (those, the per-token entropies [T] of the same forward)."""
+        the --use-opd teacher, on the CPU; with_entropy: (those, the per-token entropies [T] of the same forward).
+        weights: a snapshot_weights copy the policy computes with instead of its own (--keep-old-actor)."""
         model = self._teacher_model() if teacher else self._ref_model() if ref else self.model
-        outs = [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
-                               share_prefix=self.share_prefix, chunk=self.chunk) for mb in mbs]
+        with self._swapped_in(weights if model is self.model else None):
+            outs = [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
+                                   share_prefix=self.share_prefix, chunk=self.chunk) for mb in mbs]
         lps = [lp.cpu() for lp, _ in outs]
         return (lps, [ent.detach().float().cpu() * mb.loss_mask for (_, ent), mb in zip(outs, mbs)]) \
             if with_entropy else lps
