@@ -120,6 +120,8 @@ FLAG_TESTS = {
     "custom_config_path": "test_hooks.py::test_custom_config_path_arguments_reach_the_hooks_args",
     "custom_config":
         "test_train_backend.py::test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step",
+    "keep_old_actor":
+        "test_async.py::test_update_weights_interval_syncs_every_n_rollouts_and_reports_the_staleness",
     "distributed_timeout_minutes":
         "test_train_backend.py::test_distributed_timeout_minutes_bounds_a_collective_a_rank_never_joins",
     "dump_details": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
