@@ -180,9 +180,11 @@ class InProcessGroup:
         self.worker = worker
         self.calls: list[str] = []  # the worker calls the stage made, in order (each a Ray round trip in a run)
 
-    def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False, old_from="forward", rollout_id=-1):
+    def set_rollout(self, per_rank_steps, rewards, need_ref, normalized=False, old_from="forward", rollout_id=-1,
+                    old_version=None):
         self.calls.append("set_rollout")
-        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized, old_from, rollout_id)]
+        return [self.worker.set_rollout(per_rank_steps[0], rewards, need_ref, normalized, old_from, rollout_id,
+                                        old_version)]
 
     def set_rollout_and_step(self, per_rank_steps, rewards, need_ref, normalized, old_from, global_batch_size,
                              rollout_id=-1):
