@@ -854,8 +854,7 @@ def shared_server(run: Run, rollout_id: int, samples: list[Sample]) -> None:
     second run that happens to push the same version numbers is not told apart by this check."""
     if not run.served_versions:
         return
-    foreign = sorted({str(v) for s in samples
-                      for v in (list(s.metadata.get("weight_versions") or []) or [s.metadata.get("weight_version")])
+    foreign = sorted({str(v) for s in samples for v in reported_versions(s)
                       if v is not None and str(v) not in run.served_versions})
     if foreign:
         raise ConfigError(Diagnosis(
@@ -1117,12 +1116,17 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     return packed
 
 
+def reported_versions(s: Sample) -> list:
+    """The weight versions the engines reported for a sample's tokens, as they reported them: every segment's with
+    --partial-rollout, else the one."""
+    return list(s.metadata.get("weight_versions") or []) or [s.metadata.get("weight_version")]
+
+
 def sample_version(s: Sample) -> int:
     """The oldest weight version that generated a sample's tokens (SGLang's weight_version: "default" = the
     starting weights, 0; a partial rollout continued under newer weights lists each in `weight_versions`)."""
-    vs = list(s.metadata.get("weight_versions") or []) or [s.metadata.get("weight_version")]
     out = []
-    for v in vs:
+    for v in reported_versions(s):
         try:
             out.append(int(v))
         except (TypeError, ValueError):

@@ -178,15 +178,12 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     def _read_custom_config(cls, data: Any, info: ValidationInfo) -> Any:
         """--custom-config-path: its YAML mapping into --custom-config (read once, on the driver; a dumped config
         carries the values). Keys that are rollflow flags or `args`' own attributes are refused."""
-        from engine.diagnosis import ConfigError, Diagnosis
-
         if not isinstance(data, dict):
             return data
         path = data.get("custom_config_path")
 
-        def error(what: str, fix: str, field: str = "custom_config_path") -> ConfigError:
-            return ConfigError(Diagnosis(code="CONFIG", severity="error", what=what, fix=fix,
-                                         facts={"field": field, "value": path or data.get("custom_config")}))
+        def error(what: str, fix: str):
+            return config_error(what, fix, field="custom_config_path", value=path)
 
         if path and not (info.context or {}).get("dumped"):
             if data.get("custom_config"):
