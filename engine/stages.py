@@ -10,8 +10,9 @@ import os
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from engine import checkpoint, faults
 from engine.config import RunConfig
@@ -572,7 +573,11 @@ def convert(run: Run) -> int:
     if run.ref_dir and not moved_ref:  # (a checkpoint's moved reference was loaded with it: --ref-update-interval)
         run.train_group.load_weights(run.ref_dir, ref=True)
     run.state.start_rollout_id = s.next_rollout_id
-    if run.cfg.external_engines and run.cfg.trains:
+    if run.cfg.check_weight_update_equal:  # the engines hold the trainer's starting weights after it
+        check_weight_update_equal(run)
+        if run.cfg.offload_train:
+            run.train_group.offload()
+    elif run.cfg.external_engines and run.cfg.trains:
         # a server started with weights of its own gets the trainer's before rollout 0 too
         first_external_sync(run, s.next_rollout_id - 1)
     elif s.kind != "fresh":
@@ -581,6 +586,60 @@ def convert(run: Run) -> int:
         run.train_group.offload()
     shutil.rmtree(run.staging / "load", ignore_errors=True)  # loaded everywhere; S3 downloads are not needed
     return run.state.start_rollout_id
+
+
+def check_weight_update_equal(run: Run) -> None:
+    """--check-weight-update-equal (slime's flag): before the first rollout, prove that the weight sync writes every
+    weight of every engine, bit for bit. Each engine keeps a snapshot of what it serves, overwrites all of it with
+    random values (SGLang's /weights_checker reset_tensors: a weight the sync misses cannot pass for right), takes the
+    trainer's weights through the run's own sync path, and must then equal its snapshot (compare). On a fresh start
+    the snapshot is --hf-checkpoint's weights as the engines loaded them, so the trainer's own load is checked too;
+    on a resume, a --load or with external engines the engines first get the trainer's weights once (a normal sync
+    with its RF14 probe), and the snapshot is of those."""
+    from engine.diagnosis import DiagnosisError
+
+    cfg, s = run.cfg, run.start
+    rid = s.next_rollout_id - 1
+    if s.kind == "fresh" and not cfg.external_engines:
+        source = f"--hf-checkpoint's weights as the engines loaded them ({cfg.hf_checkpoint})"
+    else:
+        (first_external_sync if cfg.external_engines else sync)(run, rid)
+        source = "the trainer's starting weights, synced to them once first"
+    t0 = time.perf_counter()
+
+    def checker(action: str) -> None:
+        answers = run.engines.check_weights(action)
+        bad = {url: a.get("message") for url, a in answers.items() if a.get("success") is False}
+        if bad:
+            url, message = next(iter(bad.items()))
+            lines = str(message).splitlines()
+            if len(lines) > 21:  # a sync that missed everything lists every weight: the first ones say enough
+                message = "\n".join(lines[:21] + [f"… and {len(lines) - 21} more"])
+            raise DiagnosisError(Diagnosis(
+                code="RF14", severity="error",
+                what=f"--check-weight-update-equal: {action} failed on {len(bad)} of {len(answers)} engine(s)"
+                     + (": after the trainer's weights were synced to version "
+                        f"{rid + 1}, the engines do not serve what they held before ({source})"
+                        if action == "compare" else "") + f". {url}: {message}",
+                fix="the weight sync drops or changes the weights listed (a name mapping, a dtype read wrongly, a "
+                    "missing shard): fix that path before training on it; on a fresh start the trainer's own "
+                    "load of --hf-checkpoint may differ from the engines' instead"
+                    if action == "compare" else
+                    "the engines must serve SGLang's /weights_checker (the built-in engine does; SGLang since it "
+                    "added the endpoint); or drop --check-weight-update-equal",
+                facts={"field": "check_weight_update_equal", "action": action, "engines": sorted(bad)}))
+
+    checker("snapshot")
+    checker("reset_tensors")
+    version = s.next_rollout_id
+    with run.engines.lock:
+        push_weights(run, run.engines.serving_slots(), version)
+        run.state.weight_version = version
+        run.served_versions.add(str(version))
+        forget_handed(run)
+    checker("compare")
+    log.info("--check-weight-update-equal: after the sync to version %d every weight of %d engine(s) equals %s "
+             "(%.1f s)", version, len(run.engines.serving()), source, time.perf_counter() - t0)
 
 
 def first_external_sync(run: Run, rollout_id: int) -> None:
@@ -1308,6 +1367,13 @@ def should_save(cfg: RunConfig, rollout_id: int) -> bool:
 
 def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
     """iter_%07d (backend state + hf_config/ [+ hf/]) with its manifest, then the marker, then retention."""
+    return commit_save(run, stage_save(run, rollout_id))
+
+
+def stage_save(run: Run, rollout_id: int) -> checkpoint.Staged:
+    """A save's first half: the trainer's state (+ hf_config/, partial rollouts, hf/) written into the iteration's
+    temp location, with the manifest's facts as of now. `commit_save` finishes it (--async-save: in the background
+    while the next rollouts train)."""
     from engine.convert import copy_hf_config
 
     cfg = run.cfg
@@ -1333,19 +1399,34 @@ def save(run: Run, rollout_id: int) -> checkpoint.SaveReport:
     if run.tracker is not None:  # MLflow has every step up to this one before the marker names it (a kill after
         run.tracker.drain()  # the marker must not lose data of a step the resume does not redo)
     free_before = run.store.free_bytes()
-    try:
-        report = checkpoint.save_iteration(run.store, rollout_id, write_state, manifest,
-                                           staging=run.staging / "save", keep_last_n=cfg.keep_last_n)
-    except Exception as e:
-        if (full := disk_full(run, rollout_id, e, free_before)) is not None:
-            raise full from None  # the diagnosis, not 200 lines of a Ray worker's safetensors traceback
-        raise
+    with _disk_full_as_diagnosis(run, rollout_id, free_before):
+        staged = checkpoint.stage_iteration(run.store, rollout_id, write_state, manifest,
+                                            staging=run.staging / "save")
+    staged.free_before = free_before  # for the commit's disk-full diagnosis
+    return staged
+
+
+def commit_save(run: Run, staged: checkpoint.Staged) -> checkpoint.SaveReport:
+    """A save's second half (engine/checkpoint/save.py: commit_iteration), then its metrics and MLflow record."""
+    cfg, rollout_id = run.cfg, staged.iteration
+    with _disk_full_as_diagnosis(run, rollout_id, staged.free_before):
+        report = checkpoint.commit_iteration(run.store, staged, keep_last_n=cfg.keep_last_n)
     publish(run, rollout_id, report.metrics)
     if run.tracker is not None:
         from engine.tracking.record import log_checkpoint
 
         log_checkpoint(run.tracker, cfg, rollout_id, report.uri, run.flow_run_id)
     return report
+
+
+@contextmanager
+def _disk_full_as_diagnosis(run: Run, rollout_id: int, free_before: int | None) -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:
+        if (full := disk_full(run, rollout_id, e, free_before)) is not None:
+            raise full from None  # the diagnosis, not 200 lines of a Ray worker's safetensors traceback
+        raise
 
 
 def disk_full(run: Run, rollout_id: int, e: BaseException, free_before: int | None) -> Exception | None:

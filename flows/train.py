@@ -5,6 +5,7 @@ policy, limits, SIGTERM, UI).
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -27,6 +28,8 @@ from flows.params import CfgParam, SecretSafeFlow, flow_run_name, run_config
 def _rl_train(cfg: CfgParam = None, config: str | None = None) -> dict[str, Any]:
     """RL post-training. `config`: a RunConfig YAML file; `cfg`: a RunConfig, or flags overriding the file."""
     cfg = run_config(cfg, config)
+    if logging.getLogger("rollflow").level == logging.NOTSET:  # Prefect gives its extra loggers no level, so the
+        logging.getLogger("rollflow").setLevel(logging.INFO)  # root's WARNING hid the engine's INFO from the UI too
     ui.background_ephemeral_api()  # its event bookkeeping yields the cores to the engines and the trainer
     ui.diagnosis_first(not cfg.debug)  # the terminal shows a diagnosed failure as its diagnosis; the UI keeps all
     policy.set_flow_retries(cfg.flow_retries, cfg.flow_retry_delay)
@@ -46,7 +49,53 @@ rl_train = SecretSafeFlow(_rl_train, name="rl-train", flow_run_name=flow_run_nam
                           validate_parameters=True)
 
 
-def _async_loop(t, r, run, start: int, progress) -> None:
+class _Saves:
+    """The loop's checkpoints: the save task, and with --async-save its commit task running while the loop goes on.
+
+    At most one commit is in flight: a save first waits for the one before (save/wait_seconds), so commits land in
+    order and one temp iteration exists at a time. `check` raises a commit's failure at the next step rather than
+    at the next save; `drain` waits for the last commit before the run ends; `settle` lets it finish when a later
+    stage failed (its checkpoint is then the resume point), within what is left of a SIGTERM's grace period.
+    """
+
+    def __init__(self, t, r, run) -> None:
+        self.t, self.r, self.run = t, r, run
+        self.pending = None  # (rollout id, the commit task's future)
+
+    def save(self, rollout_id: int) -> None:
+        waited = self.drain()
+        if self.run.cfg.async_save:  # before the save, whose MLflow drain then carries it past a kill
+            stages.publish(self.run, rollout_id, {"save/wait_seconds": waited})
+        out = self.t.save(self.r, rollout_id)
+        if self.run.cfg.async_save:
+            self.pending = (rollout_id, self.t.commit.submit(self.r, rollout_id, quote(out)))
+
+    def check(self) -> None:
+        if self.pending and self.pending[1].state.is_final():
+            self.drain()
+
+    def drain(self) -> float:
+        """Seconds waited for the commit in flight (its failure raised)."""
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        (_, fut), self.pending = self.pending, None
+        fut.result()
+        return time.perf_counter() - t0
+
+    def settle(self) -> None:
+        if self.pending is None:
+            return
+        (rollout_id, fut), self.pending = self.pending, None
+        logger = logging.getLogger("rollflow.checkpoint")
+        logger.warning("rollflow: waiting for the checkpoint of rollout %d to commit (--async-save)", rollout_id)
+        try:
+            fut.result(timeout=stopping.time_left(3600.0))
+        except Exception as e:  # noqa: BLE001 — the stage's own error is the one the run reports
+            logger.error("rollflow: the checkpoint of rollout %d did not commit: %s", rollout_id, e)
+
+
+def _async_loop(t, r, run, start: int, progress, saves: _Saves) -> None:
     """--async-mode one-step / bounded: rollouts run ahead of training on the engines while the trainer trains.
 
     K = the staleness bound (one-step 1, bounded --max-staleness). Rollout j may start once the engines serve
@@ -160,8 +209,9 @@ def _async_loop(t, r, run, start: int, progress) -> None:
             if cfg.partial_rollout and rollout_id + 1 < N:
                 sync_now(rollout_id + 1)
             stopping.check()
+            saves.check()
             if stages.should_save(cfg, rollout_id):
-                t.save(r, rollout_id)
+                saves.save(rollout_id)
             progress.done(rollout_id)
         sync_if_idle(N)
         settle()
@@ -176,7 +226,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     tracker = stages.track(cfg, flow_run_id=str(flow_run.id), flow_run_url=prefect_ui_url(flow_run.id, flow_run.ui_url),
                            run_name=flow_run.name)  # one name in Prefect and MLflow
     ui.mlflow_link(cfg, tracker)
-    run = progress = None
+    run = progress = saves = None
     try:
         t.preflight(cfg)
         run = t.place(cfg, tracker)
@@ -190,8 +240,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         startgc.ready()  # the collector back on, start-up's objects frozen out of its walks
         run.state.loop_started = time.perf_counter()
         run.state.loop_started_unix = time.time()
+        saves = _Saves(t, r, run)
         if cfg.async_mode != "off":
-            _async_loop(t, r, run, start, progress)
+            _async_loop(t, r, run, start, progress, saves)
         for rollout_id in range(start, cfg.num_rollout) if cfg.async_mode == "off" else ():
             stopping.check()  # a SIGTERM stops the run here, between stages
             batch = t.rollout(r, rollout_id)
@@ -203,8 +254,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             packed = t.pack(r, batch)
             t.train(r, packed)
             stopping.check()
+            saves.check()
             if stages.should_save(cfg, rollout_id):
-                t.save(r, rollout_id)
+                saves.save(rollout_id)
             stopping.check()
             # --load-debug-rollout-data, --debug-train-only: no engine to send weights to; --update-weights-interval
             if not cfg.no_engines and stages.should_sync(cfg, rollout_id):
@@ -215,10 +267,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         run.state.loop_seconds = time.perf_counter() - run.state.loop_started
         if cfg.trains:  # --debug-rollout-only: the same weights as the evaluation before the loop
             t.evaluate(r, cfg.num_rollout)
+        saves.drain()  # --async-save: the last checkpoint's commit ran during the evaluation
         progress.close("finished")
         finish(tracker, run.history)
         return stages.summary(run)
     except BaseException as e:
+        if saves is not None:
+            saves.settle()
         if progress is not None:
             progress.close(f"stopped ({type(e).__name__})")
         finish(tracker, run.history if run else {}, e)

@@ -9,7 +9,7 @@ from tasks.pack import pack
 from tasks.place import configured as place_for, place
 from tasks.preflight import preflight
 from tasks.rollout import rollout
-from tasks.save import save
+from tasks.save import commit, save
 from tasks.sync import sync
 from tasks.train import train
 
@@ -19,8 +19,8 @@ def for_run(cfg: RunConfig) -> SimpleNamespace:
     --rollout-retries; the others as defined."""
     return SimpleNamespace(preflight=preflight, place=place_for(cfg), convert=convert, evaluate=evaluate,
                            rollout=rollout.with_options(retries=cfg.rollout_retries), pack=pack, train=train,
-                           save=save, sync=sync)
+                           save=save, commit=commit, sync=sync)
 
 
-__all__ = ["convert", "evaluate", "for_run", "pack", "place", "place_for", "preflight", "rollout", "save", "sync",
+__all__ = ["commit", "convert", "evaluate", "for_run", "pack", "place", "place_for", "preflight", "rollout", "save", "sync",
            "train"]

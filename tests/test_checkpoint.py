@@ -127,6 +127,51 @@ def test_a_failing_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert checkpoint.read_marker(tmp_path) == 0 and start(tmp_path).iteration == 0
 
 
+# ---- a save in two halves (--async-save commits in the background) ----------------------------------------------
+def test_a_staged_iteration_changes_nothing_a_resume_reads_until_its_commit(tmp_path):
+    from ckpt_fakes import fake_state
+
+    save(tmp_path, 0)
+    store = Store(tmp_path)
+    staged = checkpoint.stage_iteration(store, 1, fake_state(1), {"data_state": {"epoch": 0, "offset": 2}})
+    assert staged.tmp == tmp_path / "iter_0000001.tmp" and (staged.tmp / "optim" / "state.pt").is_file()
+    assert checkpoint.read_marker(tmp_path) == 0 and checkpoint.list_iterations(tmp_path) == [0]
+    assert start(tmp_path).iteration == 0  # a kill now resumes from iteration 0 (and cleans the temp dir)
+    rep = checkpoint.commit_iteration(store, staged, keep_last_n=1)
+    assert checkpoint.read_marker(tmp_path) == 1 and checkpoint.list_iterations(tmp_path) == [1]
+    assert rep.deleted == [0] and rep.commit_seconds <= rep.seconds
+    m = checkpoint.load_manifest(tmp_path, 1)
+    assert m["data_state"] == {"epoch": 0, "offset": 2} and m["files"]["optim/state.pt"]["size"] == len(b"optim-1")
+    assert start(tmp_path).iteration == 1 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_commit_that_failed_after_the_move_goes_on_from_the_marker_when_repeated(tmp_path, monkeypatch):
+    from ckpt_fakes import fake_state
+
+    from engine.checkpoint import save as save_mod
+
+    store = Store(tmp_path)
+    save(tmp_path, 0)
+    staged = checkpoint.stage_iteration(store, 1, fake_state(1), {})
+    real = save_mod.write_marker
+
+    def flaky(store_, it):
+        monkeypatch.setattr(save_mod, "write_marker", real)
+        raise OSError("the marker's rename failed")
+
+    monkeypatch.setattr(save_mod, "write_marker", flaky)
+    with pytest.raises(OSError):
+        checkpoint.commit_iteration(store, staged)
+    assert not staged.tmp.exists() and checkpoint.read_marker(tmp_path) == 0  # moved, not committed
+    rep = checkpoint.commit_iteration(store, staged)  # the task's retry
+    assert checkpoint.read_marker(tmp_path) == 1 and rep.bytes == 4096 + len(b"optim-1")
+    assert start(tmp_path).iteration == 1
+    staged.iteration = 2  # nothing of iteration 2 was ever written: no commit can make one up
+    with pytest.raises(FileNotFoundError, match="save the rollout again"):
+        checkpoint.commit_iteration(store, staged)
+    assert checkpoint.read_marker(tmp_path) == 1
+
+
 # ---- SIGKILL inside a save (the fault hooks in engine/checkpoint/save.py) --------------------------------------
 _SAVE_SCRIPT = """
 import sys

@@ -2,6 +2,7 @@
 for --no-save-optim / --save-hf, and what a resumed, HF-started or --ref-load run loads."""
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -131,3 +132,74 @@ def test_hf_load_sets_policy_and_reference_and_ref_load_overrides(small_cfg, tmp
     b = run.train_group.backend
     assert all(torch.equal(want[k], b._ref_model().state_dict()[k]) for k in want)
     assert not torch.equal(want["model.norm.weight"], b.model.state_dict()["model.norm.weight"])  # policy: HF init
+
+
+def test_async_save_commits_the_state_of_the_save_not_of_the_commit(small_cfg):
+    """--async-save: the trainer trains on while the commit runs, so what lands must be the state when the save
+    stage wrote it; the resume point moves only at the commit."""
+    run = make_run(small_cfg, async_save=True)
+    perturb(run, 0.01)
+    staged = stages.stage_save(run, 0)
+    saved = params(run.train_group.backend.model)
+    assert checkpoint.read_marker(run.cfg.save) is None  # nothing to resume from until the commit
+    perturb(run, 0.5)  # the next step trains while the commit runs
+    rep = stages.commit_save(run, staged)
+    assert checkpoint.read_marker(run.cfg.save) == 0 and rep.metrics["save/commit_seconds"] > 0
+    again = make_run(small_cfg)
+    assert stages.convert(again) == 1
+    got = params(again.train_group.backend.model)
+    assert all(torch.equal(saved[k], got[k]) for k in saved)
+
+
+class _Future:
+    def __init__(self, log, rollout_id, error=None):
+        self.log, self.rollout_id, self.error, self.done = log, rollout_id, error, False
+        self.state = type("S", (), {"is_final": lambda s: self.done})()
+
+    def result(self, timeout=None):
+        self.log.append(f"waited commit-{self.rollout_id}")
+        if self.error:
+            raise self.error
+        return "uri"
+
+
+def test_async_saves_commit_one_at_a_time_in_order_and_a_failed_commit_stops_the_loop():
+    from types import SimpleNamespace
+
+    from flows.train import _Saves
+
+    log, futures = [], {}
+
+    def submit(r, rollout_id, staged):
+        log.append(f"commit-{rollout_id} of {staged.unquote()}")  # quoted: Prefect does not walk it
+        futures[rollout_id] = _Future(log, rollout_id, OSError("upload failed") if rollout_id == 2 else None)
+        return futures[rollout_id]
+
+    t = SimpleNamespace(save=lambda r, i: log.append(f"save-{i}") or f"staged-{i}",
+                        commit=SimpleNamespace(submit=submit))
+    run = SimpleNamespace(cfg=SimpleNamespace(async_save=True), tracker=None,
+                          record=lambda m, step: log.append(f"{sorted(m)} at {step}"))
+    saves = _Saves(t, None, run)
+    saves.save(0)
+    saves.check()  # commit 0 still running: the loop goes on without waiting
+    saves.save(1)  # ... but the next save waits for it first
+    assert log == ["['save/wait_seconds'] at 0", "save-0", "commit-0 of staged-0", "waited commit-0",
+                   "['save/wait_seconds'] at 1", "save-1", "commit-1 of staged-1"]
+    futures[1].done = True
+    saves.check()  # a landed commit is collected at the next step
+    assert log[-1] == "waited commit-1" and saves.pending is None
+    saves.save(2)
+    futures[2].done = True
+    with pytest.raises(OSError, match="upload failed"):  # a failed commit fails the run at the next step
+        saves.check()
+    saves.save(3)
+    futures[3].error = RuntimeError("killed")
+    said, handler = [], logging.Handler()
+    handler.emit = lambda rec: said.append(rec.getMessage())
+    logging.getLogger("rollflow.checkpoint").addHandler(handler)
+    try:
+        saves.settle()  # a later stage failed: the commit is waited for, its own failure logged, not raised
+    finally:
+        logging.getLogger("rollflow.checkpoint").removeHandler(handler)
+    assert "rollflow: the checkpoint of rollout 3 did not commit: killed" in said and saves.pending is None
+    assert saves.drain() == 0.0

@@ -159,3 +159,10 @@ def test_train_env_vars_take_json_and_refuse_what_is_not_an_environment():
         assert why in str(e.value), (bad, str(e.value))
     # not part of what is trained: the config hash and a resume ignore it
     assert parse_args([]).config_hash() == cfg.config_hash()
+
+
+def test_async_save_needs_a_save_to_commit():
+    with pytest.raises(ConfigError, match="--async-save with no --save") as e:
+        parse_args(["--async-save"])
+    assert "--save DIR" in str(e.value) and e.value.diagnoses[0].facts["field"] == "async_save"
+    assert parse_args(["--async-save", "--save", "/tmp/x"]).async_save is True

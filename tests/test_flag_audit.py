@@ -236,6 +236,9 @@ FLAG_TESTS = {
     "load_optim": "test_checkpoint.py::test_weights_only_checkpoint_needs_no_load_optim",
     "save_hf": "test_checkpoint_stages.py::test_no_save_optim_and_save_hf",
     "keep_last_n": "test_checkpoint.py::test_keep_last_n_deletes_only_after_the_new_marker",
+    "async_save": "test_checkpoint_stages.py::test_async_save_commits_the_state_of_the_save_not_of_the_commit",
+    "check_weight_update_equal":
+        "test_weight_sync.py::test_check_weight_update_equal_passes_a_faithful_sync_and_stops_a_wrong_one",
     "wait_for_save_lock": "test_limits.py::test_a_run_waits_for_the_writer_lock_as_long_as_asked",
     "allow_config_change": "test_hostile_inputs.py::test_a_resume_that_changes_kept_settings_fails_listing_them",
     # cluster

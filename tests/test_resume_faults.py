@@ -91,9 +91,9 @@ def test_sigkill_during_an_s3_save_then_same_weights(launch_env, baseline, tmp_p
 
 
 def test_async_sigkill_at_every_boundary_then_every_rollout_trained_once(launch_env, tmp_path):
-    """--async-mode one-step --partial-rollout under the same five SIGKILLs: rollout i+1 is in flight while step i
-    trains and saves, so a resume redraws it from where it started (the checkpoint's data position) and continues
-    what the checkpoint kept of it. Weights differ from a synchronous run by design (staleness); what must hold:
+    """--async-mode one-step --partial-rollout --async-save under the same five SIGKILLs: rollout i+1 is in flight
+    while step i trains and saves, so a resume redraws it from where it started (the checkpoint's data position) and
+    continues what the checkpoint kept of it; the save faults fire in the commit task, while the next step trains. Weights differ from a synchronous run by design (staleness); what must hold:
     every launch but the last killed, every iteration complete, each rollout id trained exactly once in the final
     lineage (the optimizer's step count), one MLflow run."""
     import torch
@@ -101,7 +101,7 @@ def test_async_sigkill_at_every_boundary_then_every_rollout_trained_once(launch_
     env, extra = launch_env
     save = tmp_path / "ckpt"
     run = faulted_run("async", CHAIN, N, tmp_path, str(save), env,
-                      [*extra, "--async-mode", "one-step", "--partial-rollout"])
+                      [*extra, "--async-mode", "one-step", "--partial-rollout", "--async-save"])
     fired = CHAIN.split(",")
     assert sorted(run["fired"]) == sorted(fired) and [x["rc"] for x in run["launches"]] == [-9] * len(fired) + [0]
     its = run["fingerprint"]["iterations"]
@@ -117,5 +117,13 @@ def test_async_sigkill_at_every_boundary_then_every_rollout_trained_once(launch_
     assert sorted(map(int, manifest["history"]["async/staleness_max"])) == list(range(N))
     assert all(v <= 1 for v in manifest["history"]["async/staleness_max"].values())
     assert "sync/paused_requests" in manifest["history"]  # --partial-rollout: syncs pause the rollout in flight
+    # --async-save: every save went through _Saves, which logs save/wait_seconds before the save (so its drain keeps
+    # it past any of the kills)
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "async" / "work" / "mlflow.db")
+    steps = {s for (s,) in db.execute("SELECT DISTINCT step FROM metrics WHERE key = 'save/wait_seconds'")}
+    db.close()
+    assert steps == set(range(N)), steps
     summary = json.loads((tmp_path / "async" / "work" / "summary.json").read_text())
     assert summary["rollouts"] == N and summary["async_mode"] == "one-step"

@@ -5,7 +5,7 @@ tests/data/sglang_schema.json:
 - python/sglang/srt/managers/io_struct.py at 001067fffe33427bee0ed2f007fb7551a1d76b44: GenerateReqInput,
   UpdateWeightsFromTensorReqInput, UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
   UpdateWeightsFromDistributedReqInput, DestroyWeightsUpdateGroupReqInput, Release/ResumeMemoryOccupationReqInput,
-  FlushCacheReqInput, AbortReq, PauseGenerationReqInput, ContinueGenerationReqInput;
+  FlushCacheReqInput, AbortReq, PauseGenerationReqInput, ContinueGenerationReqInput, CheckWeightsReqInput;
 - python/sglang/srt/sampling/sampling_params.py at 00c17cafcb9e289d5ca97c50e44ada54e4fd5b03: SamplingParams.
 
 Every JSON body the client side sends (rollout loop, scoring, weight updates by tensor, disk and broadcast, the
@@ -143,12 +143,13 @@ def test_every_body_the_client_side_sends_is_sglangs(recorded_engine, tiny_model
     c.flush_cache()
     c.release_memory()
     c.resume_memory()
+    c.check_weights("checksum")
 
     posted = [(p, t, b) for p, t, b in rec.seen if b]
     paths = {p for p, _, _ in posted}
     assert paths >= {"/generate", "/update_weights_from_tensor", "/update_weights_from_disk",
                      "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-                     "/abort_request", "/pause_generation"}, paths
+                     "/abort_request", "/pause_generation", "/weights_checker"}, paths
     problems = []
     for path, ctype, body in posted:
         assert ctype.startswith("application/json"), (path, ctype)

@@ -351,3 +351,77 @@ def test_distributed_is_refused_where_it_cannot_work_and_picks_nccl_only_on_gpus
     assert backend(sglang, True, {"external": True, "kind": "sglang"}) == "nccl"
     with pytest.raises(ConfigError, match="SGLang engines needs NCCL"):
         backend(sglang, False, {"external": True, "kind": "sglang"})
+
+
+def test_weights_checker_catches_a_weight_the_sync_did_not_write(setup):
+    """SGLang's /weights_checker on the built-in engine: after reset_tensors every weight is random, so a compare
+    passes only once a sync has written all of them again."""
+    from engine.weights.sync import push_tensors
+
+    state, url, trainer, _ = setup
+    check = lambda action: httpx.post(url + "/weights_checker", headers=AUTH, json={"action": action}, timeout=60)  # noqa: E731
+    assert httpx.post(url + "/weights_checker", json={"action": "snapshot"}).status_code == 401  # it can wipe weights
+    push_tensors([url], trainer.model_state(), 20, bucket_bytes=2**30, timeout_s=60, api_key=KEY)
+    assert check("snapshot").json()["success"] is True
+    sums = check("checksum").json()["checksums"]
+    assert check("reset_tensors").json()["success"] is True
+    assert check("checksum").json()["checksums"].keys() == sums.keys() != set()
+    assert all(check("checksum").json()["checksums"][k] != v for k, v in sums.items())  # every weight overwritten
+    every = trainer.model_state()
+    partial = {k: v for k, v in every.items() if k != "model.norm.weight"}
+    push_tensors([url], partial, 21, bucket_bytes=2**30, timeout_s=60, api_key=KEY)  # a sync that forgot one
+    r = check("compare")
+    assert r.status_code == 400 and "1 of" in r.json()["message"] and "model.norm.weight" in r.json()["message"]
+    push_tensors([url], every, 22, bucket_bytes=2**30, timeout_s=60, api_key=KEY)
+    assert check("compare").json()["success"] is True and check("checksum").json()["checksums"] == sums
+    assert check("nonsense").status_code == 400
+
+
+def test_check_weight_update_equal_passes_a_faithful_sync_and_stops_a_wrong_one(setup):
+    """The stage with the run's own sync (disk here): a sync that writes every weight right passes; one that hands
+    over a weight transposed (same shape: the kind of mapping bug no name or shape check sees) stops the run with
+    RF14 naming it, before any rollout."""
+    import threading
+    from types import SimpleNamespace
+
+    from engine import stages
+    from engine.config import RunConfig
+    from engine.diagnosis import DiagnosisError
+    from engine.rollout.client import EngineClient
+    from engine.rollout.engines import EngineGroup
+    from engine.weights import save_weights_dir
+    from engine.weights.sync import push_tensors
+
+    state, url, trainer, work = setup
+    group = SimpleNamespace(serving=lambda: [url], client=lambda u: EngineClient(u, api_key=KEY))
+    wrong = "model.layers.0.self_attn.q_proj.weight"
+    assert trainer.model_state()[wrong].shape[0] == trainer.model_state()[wrong].shape[1]
+    mangle = {"on": False}
+
+    class TrainGroup:
+        def save_weights(self, path: str) -> str:
+            st = dict(trainer.model_state())
+            if mangle["on"]:
+                st[wrong] = st[wrong].t().contiguous()
+            save_weights_dir(st, path)
+            return path
+
+    def run_for():
+        return SimpleNamespace(
+            cfg=RunConfig(weight_sync_method="disk", check_weight_update_equal=True), work_dir=work,
+            train_group=TrainGroup(), sync_transport="disk", handed_over={}, served_versions=set(),
+            state=SimpleNamespace(weight_version=None), start=SimpleNamespace(kind="fresh", next_rollout_id=0),
+            engines=SimpleNamespace(api_key=KEY, lock=threading.RLock(), serving=lambda: [url],
+                                    serving_slots=lambda: [SimpleNamespace(url=url)],
+                                    check_weights=lambda a: EngineGroup.check_weights(group, a)))
+
+    push_tensors([url], trainer.model_state(), 30, bucket_bytes=2**30, timeout_s=60, api_key=KEY)  # = its HF load
+    run = run_for()
+    stages.check_weight_update_equal(run)
+    assert run.state.weight_version == 0 and state.weight_version == "0"
+    mangle["on"] = True
+    with pytest.raises(DiagnosisError) as e:
+        stages.check_weight_update_equal(run_for())
+    (d,) = e.value.diagnoses
+    assert d.code == "RF14" and "compare failed on 1 of 1 engine" in d.what and wrong in d.what
+    assert d.facts["field"] == "check_weight_update_equal" and d.facts["engines"] == [url]

@@ -20,7 +20,8 @@ from engine.checkpoint.layout import MANIFEST, MARKER, RUN_FILE, file_table, hf_
     write_run_file
 from engine.checkpoint.resolve import StartPoint, complete_iterations, describe_dir, materialize, origin_of, \
     peek_start, problem_with, resolve_ref, resolve_start, rf01
-from engine.checkpoint.save import SaveReport, apply_retention, clean_leftovers, retention_plan, save_iteration
+from engine.checkpoint.save import SaveReport, Staged, apply_retention, clean_leftovers, commit_iteration, \
+    retention_plan, save_iteration, stage_iteration
 from engine.checkpoint.storage import Store, is_remote, normalize
 
 
@@ -32,9 +33,9 @@ def load_manifest(save, iteration: int) -> dict:
     return m
 
 
-__all__ = ["MANIFEST", "MARKER", "RUN_FILE", "SaveReport", "StartPoint", "Store", "apply_retention",
-           "clean_leftovers", "complete_iterations", "describe_dir", "file_table", "hf_files", "is_hf_dir",
+__all__ = ["MANIFEST", "MARKER", "RUN_FILE", "SaveReport", "Staged", "StartPoint", "Store", "apply_retention",
+           "clean_leftovers", "commit_iteration", "complete_iterations", "describe_dir", "file_table", "hf_files", "is_hf_dir",
            "is_remote", "iter_dir", "iter_name", "list_iterations", "load_manifest", "marker_text", "materialize",
            "normalize", "origin_of", "peek_start", "problem_with", "read_manifest", "read_marker", "read_run_file",
-           "resolve_ref", "resolve_start", "retention_plan", "rf01", "save_iteration", "sha256_file",
+           "resolve_ref", "resolve_start", "retention_plan", "rf01", "save_iteration", "sha256_file", "stage_iteration",
            "write_marker", "write_run_file"]

@@ -234,6 +234,23 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         return self
 
     @model_validator(mode="after")
+    def _check_weight_update(self) -> "RunConfig":
+        if self.check_weight_update_equal and (self.no_engines or not self.trains):
+            why = "--debug-rollout-only has no trainer to sync from" if not self.trains else \
+                "this run starts no rollout engine (--load-debug-rollout-data / --debug-train-only)"
+            raise config_error(f"--check-weight-update-equal checks the trainer → engine weight sync, but {why}",
+                               "drop --check-weight-update-equal", field="check_weight_update_equal", value=True)
+        return self
+
+    @model_validator(mode="after")
+    def _async_save(self) -> "RunConfig":
+        if self.async_save and not self.save:
+            raise config_error("--async-save with no --save: there is no checkpoint to commit in the background",
+                               "--save DIR (or s3://bucket/prefix), or drop --async-save", field="async_save",
+                               value=True)
+        return self
+
+    @model_validator(mode="after")
     def _custom_config_keys(self) -> "RunConfig":
         """A --custom-config key may not shadow a flag or what hooks' args hold besides the flags."""
         from engine.rollout.hooks import HOOK_ARGS_OWN

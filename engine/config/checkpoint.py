@@ -34,6 +34,9 @@ class CheckpointArgs(Section):
     save_hf: bool = False
     """Also write a Hugging Face export of the weights into every iteration (iter_%07d/hf/)."""
 
+    async_save: bool = False
+    """Commit checkpoints in the background (slime's flag): the save stage writes the trainer's state into the iteration's temp location and returns; a commit-<id> task then checksums (and locally fsyncs) the files, moves or uploads them into iter_%07d/, writes the marker and applies --keep-last-n while the next rollouts train. One commit at a time: the next save waits for the one before (save/wait_seconds), and the run waits for the last one before it ends, also when a later stage fails. A kill before a commit's marker leaves the previous checkpoint as the resume point, as with a plain save. The backend's files themselves are written before the loop goes on. Needs --save."""
+
     keep_last_n: Optional[int] = Field(None, ge=1)
     """Keep only the N newest complete checkpoints; older ones are deleted after the new marker is written (never the marker's)."""
 

@@ -173,6 +173,9 @@ class RolloutArgs(Section):
     weight_sync_timeout: float = Field(600.0, gt=0)
     """Seconds one weight sync (all engines) may take before it fails."""
 
+    check_weight_update_equal: bool = False
+    """Before the first rollout, prove that the weight sync writes every weight of every engine bit for bit (slime's flag): each engine snapshots what it serves, overwrites all of it with random values and takes the trainer's weights through the run's own --weight-sync-method; every weight must then equal the snapshot, or the run stops (RF14) listing the ones that differ. On a fresh start the snapshot is --hf-checkpoint's weights as the engines loaded them (so the trainer's load is checked too); on a resume or another --load the engines get the trainer's weights once first. Uses SGLang's /weights_checker (the built-in engine serves it). Costs one extra sync and a host copy of the engine's weights, once."""
+
     save_debug_rollout_data: Optional[str] = None
     """Also write each rollout's scored samples (tokens, rewards, the engine's log-probs, loss masks, metadata) and
     its metrics to this path, `{rollout_id}` replaced by the rollout id (slime's flag), e.g.

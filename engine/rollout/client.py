@@ -266,6 +266,20 @@ class EngineClient:
     def continue_generation(self) -> dict:
         return self._post("/continue_generation", {})
 
+    def check_weights(self, action: str, timeout_s: float = 600.0) -> dict:
+        """SGLang's /weights_checker: snapshot, reset_tensors, compare or checksum. Its answer, {"success": …,
+        "message": …} — a compare that finds differences says success false (listing them), with an HTTP error
+        status — or an EngineError when the server gave no such answer."""
+        r = shared_http().post(self.url + "/weights_checker", json={"action": action}, timeout=timeout_s,
+                               headers=self.headers)
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "success" in body:
+            return body
+        raise EngineError(f"{self.url}/weights_checker → HTTP {r.status_code}: {r.text[:500]}")
+
     def release_memory(self) -> dict:
         return self._post("/release_memory_occupation", {})
 

@@ -222,6 +222,21 @@ class EngineGroup:
         for url in self.serving():
             self.client(url).continue_generation()
 
+    def check_weights(self, action: str) -> dict[str, dict]:
+        """/weights_checker `action` on every serving engine: its answer by URL (--check-weight-update-equal); an
+        engine that gave none answers success false with the error."""
+        import httpx
+
+        from engine.rollout.client import EngineError
+
+        out = {}
+        for url in self.serving():
+            try:
+                out[url] = self.client(url).check_weights(action)
+            except (EngineError, httpx.HTTPError) as e:
+                out[url] = {"success": False, "message": f"{type(e).__name__}: {e}"}
+        return out
+
     # ---- memory (colocated runs) -----------------------------------------------------------------------------
     def release_memory(self) -> None:
         with self.lock:

@@ -320,6 +320,7 @@ class EngineState:
         self.batch_gap_s, self.max_total_tokens = batch_gap_s, max_total_tokens
         self.scheduler: BatchingScheduler | None = None
         self.groups: dict[str, tuple[Any, str]] = {}  # group_name → (process group, backend): /init_weights_update_group
+        self._snapshot: dict[str, Any] | None = None  # /weights_checker snapshot: weight name → host copy
 
     @property
     def weight_version(self) -> str:
@@ -445,6 +446,62 @@ class EngineState:
                 self.weight_version = version
         return n
 
+    # ---- SGLang's /weights_checker (slime's --check-weight-update-equal) ------------------------------------------
+    def _checked_tensors(self) -> dict[str, Any]:
+        """The served weights by name: parameters and persistent buffers (a tied tensor under each of its names);
+        computed buffers (rotary frequencies) are not weights and no sync sends them."""
+        return dict(self.generator.model.state_dict(keep_vars=True))
+
+    def check_weights(self, action: str, skip: list[str] | None = None) -> dict[str, Any]:
+        """snapshot: keep a host copy of every weight; reset_tensors: overwrite every weight with random values, so
+        that one a weight sync misses cannot pass for right; compare: every weight equal to the snapshot (the
+        weight sync in between must have written all of them, bit for bit); checksum: sha256 per weight (this
+        engine's own names). Names containing a `skip` entry are left out of all four."""
+        import hashlib
+
+        import torch
+
+        skip = list(skip or [])
+        named = {k: v for k, v in self._checked_tensors().items() if not any(s in k for s in skip)}
+        with self.generator.exclusive(), torch.no_grad():
+            if action == "snapshot":
+                self._snapshot = {k: v.detach().to("cpu", copy=True) for k, v in named.items()}
+                return {"success": True, "message": f"snapshot of {len(named)} tensors"}
+            if action == "reset_tensors":
+                gen = torch.Generator(device="cpu").manual_seed(0)
+                for t in {id(v): v for v in named.values()}.values():
+                    if t.dtype.is_floating_point:
+                        t.copy_(torch.rand(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+                    else:
+                        t.zero_()
+                return {"success": True, "message": f"reset {len(named)} tensors to random values"}
+            if action == "compare":
+                snap = self._snapshot
+                if snap is None:
+                    raise ValueError("compare before snapshot: POST {\"action\": \"snapshot\"} first")
+                bad = [f"{k}: missing" for k in sorted(set(snap) - set(named))]
+                bad += [f"{k}: not in the snapshot" for k in sorted(set(named) - set(snap))]
+                for k in sorted(set(snap) & set(named)):
+                    now = named[k].detach().cpu()
+                    if now.shape != snap[k].shape or now.dtype != snap[k].dtype:
+                        bad.append(f"{k}: {tuple(now.shape)} {now.dtype}, snapshot {tuple(snap[k].shape)} "
+                                   f"{snap[k].dtype}")
+                    elif not torch.equal(now, snap[k]):
+                        diff = (now.double() - snap[k].double()).abs()
+                        bad.append(f"{k}: max_abs_err={diff.max().item():.3g} mean_abs_err={diff.mean().item():.3g} "
+                                   f"num_diff={int((diff > 0).sum())}/{diff.numel()}")
+                if bad:
+                    return {"success": False, "message": f"check tensor equality failed: {len(bad)} of {len(snap)} "
+                                                         "tensors differ:\n" + "\n".join(bad)}
+                return {"success": True, "message": f"all {len(snap)} tensors equal the snapshot"}
+            if action == "checksum":
+                sums = {k: hashlib.sha256(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                        .hexdigest() for k, v in named.items()}
+                overall = hashlib.sha256("".join(k + sums[k] for k in sorted(sums)).encode()).hexdigest()
+                return {"success": True, "message": f"checksums of {len(sums)} tensors", "checksums": sums,
+                        "per_gpu_checksum": overall}
+        raise ValueError(f"action {action!r}: one of snapshot, reset_tensors, compare, checksum")
+
     def stalled_s(self) -> float | None:
         """Seconds the generator has been inside a batch without a decode step, when that exceeds watchdog_s."""
         g = self.generator
@@ -516,7 +573,7 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
 #: endpoints that replace the served weights or free its memory (need the admin key, else the API key)
 ADMIN = ("/update_weights_from_disk", "/update_weights_from_tensor", "/release_memory_occupation",
          "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/init_weights_update_group",
-         "/update_weights_from_distributed", "/destroy_weights_update_group")
+         "/update_weights_from_distributed", "/destroy_weights_update_group", "/weights_checker")
 PUBLIC = ("/health", "/health_generate")
 WEIGHTS_BODY_BYTES = 8 * 2**30  # a raw safetensors update may carry a whole model
 
@@ -771,6 +828,20 @@ def create_app(state: EngineState):
         if state.groups.pop(name, None) is None:
             return _err(400, f"group_name {name!r} is not joined")
         return {"success": True, "message": f"left weight-update group {name!r}"}
+
+    @app.post("/weights_checker")
+    async def weights_checker(request: Request):
+        """SGLang's weight checker: {"action": "snapshot" | "reset_tensors" | "compare" | "checksum",
+        "skip_tensor_list": [name parts]}; a compare that finds differences answers success false, listing them."""
+        body = await small_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(
+                None, state.check_weights, str(body.get("action") or "checksum"), body.get("skip_tensor_list"))
+        except Exception as e:
+            return _err(400, f"{type(e).__name__}: {e}")
+        return out if out["success"] else _err(400, out["message"])
 
     @app.post("/release_memory_occupation")
     async def release():

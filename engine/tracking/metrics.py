@@ -148,9 +148,13 @@ METRICS: list[MetricDoc] = [
                                                "RF09, reported with the step's sample ids)"),
     MetricDoc("train/seconds", "min", "train stage wall time (log-probs + optimizer steps)"),
     MetricDoc("train/tokens_per_s", "max", "packed tokens per second in the train stage"),
-    MetricDoc("save/seconds", "min", "checkpoint save wall time (rollouts that save)"),
-    MetricDoc("save/state_seconds", "min", "of which the backend writing its state (the rest: sha256, fsync or upload, "
-              "manifest, marker, retention)"),
+    MetricDoc("save/seconds", "min", "checkpoint save wall time (rollouts that save), from the state's write to the "
+                                     "marker"),
+    MetricDoc("save/state_seconds", "min", "of which the backend writing its state"),
+    MetricDoc("save/commit_seconds", "min", "of which the commit: sha256, fsync or upload, manifest, marker, retention "
+                                            "(`--async-save`: while the next rollouts train)"),
+    MetricDoc("save/wait_seconds", "min", "`--async-save`: how long this save waited for the previous checkpoint's "
+                                          "commit (0 when it had already landed)"),
     MetricDoc("save/mb", None, "MiB in the saved iteration"),
     MetricDoc("save/mb_per_s", "max", "save/mb / save/seconds"),
     MetricDoc("sync/seconds", "min", "weight sync to every engine, wall time"),
