@@ -2,7 +2,8 @@
 
 `path@[a:b]` slices rows a..b-1 (Python slice semantics: negative ends count from the end). A row is an object
 with the prompt under `--input-key` (text, or chat messages for `--apply-chat-template`), the label under
-`--label-key` and optionally a metadata object under `--metadata-key`; a bad row is an error naming its line
+`--label-key`, optionally a metadata object under `--metadata-key` and a list of tools under `--tool-key`
+(rendered by the chat template, kept in the metadata as `tools`); a bad row is an error naming its line
 (JSONL) or row (Parquet, 1-based). The dataset walks epochs in order (or shuffled per epoch by the seed); its
 `state()` (epoch, offset) goes into checkpoints so a resumed run continues with the next unseen prompts.
 """
@@ -26,6 +27,7 @@ class PromptRow:
     prompt: str | list[dict[str, Any]]
     label: Any
     metadata: dict[str, Any]
+    tools: list | None = None  # --tool-key: the row's tool schemas (also in metadata["tools"])
 
 
 def _data_error(what: str, fix: str, **facts) -> ConfigError:
@@ -58,7 +60,7 @@ def _read_rows(path: Path, flag: str) -> list[tuple[int, Any]]:
 
 
 def load_prompts(spec: str, *, input_key: str, label_key: str | None, metadata_key: str | None = None,
-                 flag: str = "--prompt-data") -> list[PromptRow]:
+                 flag: str = "--prompt-data", tool_key: str | None = None) -> list[PromptRow]:
     """Read and validate every row; a bad row is an error naming its line number and the key."""
     from engine.cluster.nodes import local_file
 
@@ -103,11 +105,38 @@ def load_prompts(spec: str, *, input_key: str, label_key: str | None, metadata_k
             raise _data_error(f"{flag} {name}: line {lineno} has {input_key!r} = {str(prompt)[:60]!r}: neither text "
                               "nor a list of chat messages ({\"role\", \"content\"})",
                               f"fix line {lineno}", path=str(path), line=lineno)
-        out.append(PromptRow(lineno, prompt, obj.get(label_key) if label_key else None, dict(meta or {})))
+        meta = dict(meta or {})
+        tools = _row_tools(obj, tool_key, flag, name, lineno)
+        if tools is not None:
+            meta["tools"] = tools  # where slime's custom functions find them
+        out.append(PromptRow(lineno, prompt, obj.get(label_key) if label_key else None, meta, tools))
     if not out:
         raise _data_error(f"{flag} {spec}: no rows", "point it at a file (or slice) with at least one row",
                           path=str(path))
     return out
+
+
+def _row_tools(obj: dict, tool_key: str | None, flag: str, name: str, lineno: int) -> list | None:
+    """--tool-key: the row's tools, a list (of tool schemas) or its JSON text (as Parquet often stores it); None
+    when the row has no such key (or it is null)."""
+    if not tool_key or obj.get(tool_key) is None:
+        return None
+    tools = obj[tool_key]
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise _data_error(f"{flag} {name}: line {lineno} has {tool_key!r} = {tools[:60]!r}, text that is not "
+                              f"JSON ({e})", f"a list of tool schemas (or its JSON text), or --tool-key '' to read "
+                              "no tools", path=name, line=lineno) from None
+    elif hasattr(tools, "tolist"):  # a Parquet list column read through numpy
+        tools = tools.tolist()
+    if not isinstance(tools, list):
+        raise _data_error(f"{flag} {name}: line {lineno} has {tool_key!r} = {str(tools)[:60]!r}, a "
+                          f"{type(tools).__name__}, not a list of tools",
+                          f"a list of tool schemas (e.g. [{{\"type\": \"function\", \"function\": {{...}}}}]), "
+                          f"or --tool-key '' to read no tools", path=name, line=lineno)
+    return tools
 
 
 class PromptDataset:

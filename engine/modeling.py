@@ -138,8 +138,15 @@ def eos_token_ids(path: str, tokenizer=None) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
+def render_row(tokenizer, row: Any, cfg: Any) -> list[int]:
+    """A prompt row's token ids as the run renders it everywhere (rollout, evaluation, the length checks, the
+    doctor): --apply-chat-template with --apply-chat-template-kwargs and the row's tools (--tool-key)."""
+    return render_prompt(tokenizer, row.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs,
+                         tools=getattr(row, "tools", None))
+
+
 def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool,
-                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                  template_kwargs: dict[str, Any] | None = None, tools: list | None = None) -> list[int]:
     """Token ids of a prompt: chat messages (or a string as one user message) through the template, or raw text.
 
     Raw text is encoded as the tokenizer encodes text by default, so a tokenizer that prepends a BOS (Llama,
@@ -148,11 +155,13 @@ def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool,
     this measured greedy accuracy 0.172 with the BOS and 0.024 without on a Llama-family model. The chat
     template's text is encoded as is: the template writes the special tokens it wants (the doctor warns when a
     tokenizer adds a BOS to text and the template's prompts lack it). template_kwargs: --apply-chat-template-kwargs,
-    passed to the template (e.g. enable_thinking)."""
+    passed to the template (e.g. enable_thinking). tools (--tool-key): the row's tool schemas, the template's
+    `tools` (a raw-text prompt has no place for them: they stay in the sample's metadata only)."""
     if apply_chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        extra = {"tools": tools} if tools is not None else {}
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
+                                             **extra, **(template_kwargs or {}))
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if isinstance(prompt, list):
         raise ValueError("a chat-message prompt needs --apply-chat-template")

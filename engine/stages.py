@@ -199,7 +199,7 @@ def load_driver_side(run: Run, tracker: Tracker | None) -> None:
     run.tokenizer = load_tokenizer(cfg.model_dir)
     run.eos_ids = eos_token_ids(cfg.model_dir, run.tokenizer)
     rows = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
-                        metadata_key=cfg.metadata_key)
+                        metadata_key=cfg.metadata_key, tool_key=cfg.tool_key)
     cap, cap_flag = cfg.prompt_cap()
     if cap:
         rows = short_prompts(run, rows, cap, cap_flag)
@@ -230,7 +230,7 @@ def eval_rows(d, limit: int, run: Run | None = None) -> list:
 
     flag = "--eval-config" if run is not None and run.cfg.eval_config else "--eval-prompt-data"  # errors name it
     rows = load_prompts(d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                        flag=flag)
+                        flag=flag, tool_key=d.tool_key)
     cap, cap_flag = run.cfg.prompt_cap(evaluation=True) if run is not None else (None, "")
     if cap:
         rows = short_prompts(run, rows, cap, cap_flag, f"eval set {d.name!r}")
@@ -246,7 +246,7 @@ def short_prompts(run: Run, rows: list, limit: int | None = None, flag: str = "-
     has at most `limit` tokens (slime drops the others when it loads the data); the dropped ones are logged; none
     left is a DATA error."""
     from engine.diagnosis import DiagnosisError
-    from engine.modeling import render_prompt
+    from engine.modeling import render_row
 
     cfg = run.cfg
     limit = cfg.rollout_max_prompt_len if limit is None else limit
@@ -257,7 +257,7 @@ def short_prompts(run: Run, rows: list, limit: int | None = None, flag: str = "-
         if not cfg.apply_chat_template and isinstance(r.prompt, str) and len(r.prompt.encode()) + 2 <= limit:
             kept.append(r)
             continue
-        n = len(render_prompt(run.tokenizer, r.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs))
+        n = len(render_row(run.tokenizer, r, cfg))
         if n <= limit:
             kept.append(r)
         else:
@@ -535,11 +535,10 @@ def probe_prompts(run: Run, k: int = 4) -> list[list[int]]:
     answer to each and the trainer scores those answers (RF14, `probe_engines`). Four answers of ≤ 16 tokens are
     ~60 log-probs: a wrong mapping or a half-loaded sync moves them by O(0.1–10), far above the thresholds;
     16 prompts cost 0.06 s more per sync on the CPU demo for no added detection (issue 18)."""
-    from engine.modeling import render_prompt
+    from engine.modeling import render_row
 
     rows = (next(iter(run.eval_sets.values()), None) or run.dataset.rows)[:k]
-    return [render_prompt(run.tokenizer, row.prompt, run.cfg.apply_chat_template,
-                          run.cfg.apply_chat_template_kwargs) for row in rows]
+    return [render_row(run.tokenizer, row, run.cfg) for row in rows]
 
 
 def watch_rollout_engines(run: Run) -> None:
@@ -727,23 +726,21 @@ def eval_sampling_params(run: Run, d=None):
 
 
 def _prompts(run: Run, rows: list):
-    from engine.modeling import render_prompt
+    from engine.modeling import render_row
     from engine.rollout.loop import Prompt
 
     cfg = run.cfg
-    return [Prompt(r, render_prompt(run.tokenizer, r.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs))
-            for r in rows]
+    return [Prompt(r, render_row(run.tokenizer, r, cfg)) for r in rows]
 
 
 def data_source(run: Run):
     """--data-source-path's object, else the prompt file's rows (slime's data source interface: get_samples)."""
-    from engine.modeling import render_prompt
+    from engine.modeling import render_row
     from engine.rollout.hooks import PromptDataSource
 
     if getattr(run, "data_source", None) is None:
         run.data_source = PromptDataSource(
-            run.dataset, lambda r: render_prompt(run.tokenizer, r.prompt, run.cfg.apply_chat_template,
-                                                 run.cfg.apply_chat_template_kwargs),
+            run.dataset, lambda r: render_row(run.tokenizer, r, run.cfg),
             run.cfg.n_samples_per_prompt)
     return run.data_source
 

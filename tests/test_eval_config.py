@@ -66,7 +66,7 @@ eval:
     ("eval: {datasets: []}", "needs `datasets:`, a non-empty list"),
     ("eval: {datasets: [{name: a, path: p}], extra: 1}", "keys rollflow does not read: extra"),
     ("eval: {datasets: [{name: a, path: p, temprature: 0.5}]}", "dataset 'a': temprature = 0.5: Extra inputs"),
-    ("eval: {datasets: [{name: a, path: p, tool_key: tools}]}", "sets tool_key, which rollflow does not support"),
+    ("eval: {datasets: [{name: a, path: p, min_new_tokens: 4}]}", "sets min_new_tokens, which rollflow does not support"),
     ("eval: {datasets: [{name: a, path: p, rm_type: judge}]}", "rm_type = 'judge'"),
     ("eval: {datasets: [{name: a, path: p, top_p: 2}]}", "top_p = 2"),
     ("eval: {datasets: [{name: a, path: p}, {name: a, path: q}]}", "names a dataset twice"),

@@ -32,6 +32,8 @@ FLAG_TESTS = {
     "input_key": "test_data.py::test_row_without_input_key_names_line",
     "label_key": "test_data.py::test_row_without_input_key_names_line",
     "metadata_key": "test_data.py::test_parquet_with_metadata_and_row_numbers",
+    "tool_key": "test_flag_wiring.py::test_tool_key_puts_each_rows_tools_into_its_prompt_and_metadata",
+    "eval_tool_key": "test_flag_wiring.py::test_tool_key_puts_each_rows_tools_into_its_prompt_and_metadata",
     "apply_chat_template": "test_doctor.py::test_rf09_templating_twice",
     "apply_chat_template_kwargs":
         "test_flag_wiring.py::test_apply_chat_template_kwargs_reach_every_rendering_of_a_prompt",

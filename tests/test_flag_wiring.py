@@ -588,3 +588,58 @@ def test_freeze_and_only_train_params_leave_the_matching_weights_untouched():
     with pytest.raises(ConfigError, match="--only-train-params-name-list with --train-backend megatron: only the "
                                           "torch backend has it"):
         RunConfig(only_train_params_name_list=["mlp"], train_backend="megatron")
+
+
+TOOLS_TEMPLATE = ("{%- if tools %}{{- '<|im_start|>system\\nTools: ' }}{%- for t in tools %}{{- t['function']['name'] + ' ' }}"
+                  "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{{- '<|im_start|>' + "
+                  "message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}{%- if "
+                  "add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_tool_key_puts_each_rows_tools_into_its_prompt_and_metadata(tmp_path):
+    """slime's --tool-key: a row's tools (a list, or its JSON text) reach the chat template as `tools` and the
+    sample's metadata; the eval sets read them with --eval-tool-key (default --tool-key); the doctor's length check
+    counts them; '' reads none; a value that is not a list is a DATA error naming the line."""
+    import json
+    import shutil
+
+    from engine import stages
+    from engine.data import load_prompts
+    from engine.doctor.checks import Environment, prompts_fit_context
+
+    model = tmp_path / "m"
+    shutil.copytree(BUNDLED_MODEL, model)
+    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)  # lists the tools, as Qwen's template does
+    fn = lambda name: {"type": "function", "function": {"name": name, "parameters": {}}}  # noqa: E731
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "1+1=", "label": "2", "tools": [fn("calc")]},
+        {"prompt": "2+2=", "label": "4", "tools": json.dumps([fn("adder"), fn("mul")])},
+        {"prompt": "3+3=", "label": "6"}]))
+    run = _run(tmp_path, hf_checkpoint=str(model), prompt_data=str(p), apply_chat_template=True)
+    stages.load_driver_side(run, SimpleNamespace(run_id=None))
+    rows = run.dataset.rows
+    assert [r.tools and [t["function"]["name"] for t in r.tools] for r in rows] == [["calc"], ["adder", "mul"], None]
+    assert rows[1].metadata["tools"] == rows[1].tools and "tools" not in rows[2].metadata
+    texts = [run.tokenizer.decode(pr.ids) for pr in stages._prompts(run, rows)]
+    assert "Tools: calc <|im_end|>" in texts[0] and "Tools: adder mul <|im_end|>" in texts[1]
+    assert "Tools" not in texts[2]
+    assert texts[0].endswith("<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n")
+
+    assert [d.tool_key for d in RunConfig().eval_datasets()] == ["tools"]
+    assert [d.tool_key for d in RunConfig(eval_tool_key="fns").eval_datasets()] == ["fns"]
+    assert load_prompts(str(p), input_key="prompt", label_key="label", tool_key=None)[0].tools is None
+    assert RunConfig(tool_key="").tool_key == ""  # '' reads none (load_prompts skips a falsy key)
+
+    long = tmp_path / "long.jsonl"  # tools of ~2,100 characters: past the tiny model's 2,048-token context
+    long.write_text(json.dumps({"prompt": "1+1=", "label": "2", "tools": [fn("f" * 2100)]}) + "\n")
+    cfg = dict(hf_checkpoint=str(model), prompt_data=str(long), apply_chat_template=True, eval_prompt_data="",
+               rollout_max_response_len=8)
+    assert [d.code for d in prompts_fit_context(RunConfig(**cfg), Environment())] == ["DATA"]
+    assert prompts_fit_context(RunConfig(**cfg, tool_key=""), Environment()) == []
+
+    for bad, why in (({"calc": 1}, "a dict, not a list of tools"), ("[oops", "text that is not JSON")):
+        p.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n" + json.dumps(
+            {"prompt": "1+1=", "label": "2", "tools": bad}) + "\n")
+        with pytest.raises(ConfigError, match=f"line 2 has 'tools' = .*{why}"):
+            load_prompts(str(p), input_key="prompt", label_key="label", tool_key="tools")

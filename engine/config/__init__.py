@@ -70,8 +70,8 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
 #: differences (--allow-config-change FIELD… accepts named ones). Each changes what the resumed run means: another
 #: model or dataset, another batch arithmetic (data position, steps, lr schedule), other sampling seeds or an
 #: optimizer state another backend or estimator wrote.
-RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "rollout_batch_size", "n_samples_per_prompt",
-                "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
+RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "tool_key", "rollout_batch_size",
+                "n_samples_per_prompt", "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
                 "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed",
                 "rollout_max_context_len")
 

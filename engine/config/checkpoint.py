@@ -41,7 +41,7 @@ class CheckpointArgs(Section):
     """Keep only the N newest complete checkpoints; older ones are deleted after the new marker is written (never the marker's)."""
 
     allow_config_change: list[str] = []
-    """Settings a resume may change from what the checkpoint recorded, by field name: any of hf_checkpoint, prompt_data, input_key, label_key, rollout_batch_size, n_samples_per_prompt, global_batch_size, num_steps_per_rollout, rollout_shuffle, seed, train_backend, advantage_estimator, rollout_max_prompt_len, rollout_seed, rollout_max_context_len. A resume that changes one of them without naming it here fails (RF05) and lists the differences; other flags (num_rollout, lr, …) may change freely."""
+    """Settings a resume may change from what the checkpoint recorded, by field name: any of hf_checkpoint, prompt_data, input_key, label_key, tool_key, rollout_batch_size, n_samples_per_prompt, global_batch_size, num_steps_per_rollout, rollout_shuffle, seed, train_backend, advantage_estimator, rollout_max_prompt_len, rollout_seed, rollout_max_context_len. A resume that changes one of them without naming it here fails (RF05) and lists the differences; other flags (num_rollout, lr, …) may change freely."""
 
     wait_for_save_lock: float = Field(0.0, ge=0)
     """Seconds to wait when another run holds --save's writer lock (0: fail at once, naming that run)."""

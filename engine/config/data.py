@@ -96,12 +96,15 @@ class DataArgs(Section):
     eval_label_key: Optional[str] = None
     """Row key of the eval answers (slime's flag). Default: --label-key."""
 
+    eval_tool_key: Optional[str] = None
+    """Row key of the eval prompts' tools (slime's flag), read as --tool-key reads the training data's. Default: --tool-key."""
+
     skip_eval_before_train: bool = False
     """Do not evaluate before the first rollout (slime's flag), e.g. to start training sooner: the summary's accuracy
     before training is then unknown; the evaluations every --eval-interval and after training still run."""
 
     eval_config: Optional[str] = None
-    """A YAML file of eval sets, each with its own keys, reward and sampling (slime's flag): `eval: {defaults: {...}, datasets: [{name, path, rm_type, prompt_key/input_key, label_key, metadata_key, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, stop, stop_token_ids, metadata_overrides}]}`. A field set neither by the dataset nor by `defaults` comes from the flags (--eval-temperature, …). Replaces --eval-prompt-data (setting both is an error). Format: docs/engines.md, "Evaluation"; the flags stay the default of every field."""
+    """A YAML file of eval sets, each with its own keys, reward and sampling (slime's flag): `eval: {defaults: {...}, datasets: [{name, path, rm_type, prompt_key/input_key, label_key, metadata_key, tool_key, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, stop, stop_token_ids, metadata_overrides}]}`. A field set neither by the dataset nor by `defaults` comes from the flags (--eval-temperature, …). Replaces --eval-prompt-data (setting both is an error). Format: docs/engines.md, "Evaluation"; the flags stay the default of every field."""
 
     @property
     def eval_sets(self) -> list[tuple[str, str]]:
@@ -130,6 +133,9 @@ class DataArgs(Section):
 
     metadata_key: Optional[str] = None
     """Row key holding a dict copied into each sample's metadata."""
+
+    tool_key: Optional[str] = "tools"
+    """Row key holding the prompt's tools (slime's flag): a list of tool schemas, or its JSON text. --apply-chat-template passes them to the chat template as `tools` (so the prompt lists them, and the length checks count them); every sample also carries them as metadata["tools"] for custom generate and reward functions. A row without the key (or null) has none; anything but a list is a DATA error naming the line. '' reads no tools."""
 
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (a string prompt becomes one user message)."""

@@ -25,8 +25,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 #: slime's dataset fields that rollflow has no counterpart for: refused, never silently ignored
-UNSUPPORTED = {"tool_key": "rollflow renders tools through a --custom-generate-function-path hook, not a row key",
-               "min_new_tokens": "the engines stop at EOS; rollflow has no minimum answer length"}
+UNSUPPORTED = {"min_new_tokens": "the engines stop at EOS; rollflow has no minimum answer length"}
 
 
 class EvalDataset(BaseModel):
@@ -40,6 +39,7 @@ class EvalDataset(BaseModel):
     input_key: Optional[str] = Field(None, alias="prompt_key")  # slime's name; input_key (rollflow's flag) too
     label_key: Optional[str] = None
     metadata_key: Optional[str] = None
+    tool_key: Optional[str] = None
     n_samples_per_eval_prompt: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
@@ -62,6 +62,7 @@ class EvalDataset(BaseModel):
         """Every field given: this dataset's value, else the run's flag."""
         flags = {"input_key": cfg.eval_input_key or cfg.input_key,
                  "label_key": cfg.eval_label_key or cfg.label_key, "metadata_key": cfg.metadata_key,
+                 "tool_key": cfg.tool_key if cfg.eval_tool_key is None else cfg.eval_tool_key,
                  "n_samples_per_eval_prompt": cfg.n_samples_per_eval_prompt, "temperature": cfg.eval_temperature,
                  "top_p": cfg.eval_top_p or cfg.rollout_top_p,
                  "top_k": cfg.rollout_top_k if cfg.eval_top_k is None else cfg.eval_top_k,

@@ -334,7 +334,7 @@ def resume_guard(cfg, where: str, manifest: dict) -> Diagnosis | None:
 def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
     """--hf-checkpoint has a readable config.json and a tokenizer, a chat template when one is applied, and its
     prompts start with the BOS the tokenizer would add to text (a warning)."""
-    from engine.modeling import load_tokenizer, read_model_json, render_prompt
+    from engine.modeling import load_tokenizer, read_model_json, render_row
 
     path = Path(cfg.model_dir)
     if read_model_json(path, "config.json") is None:  # (raises for invalid JSON, naming the file)
@@ -369,8 +369,9 @@ def model_dir_usable(cfg, env: Environment) -> list[Diagnosis]:
     if adds_bos and cfg.apply_chat_template:
         from engine.data import load_prompts
 
-        row = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)[0]
-        ids = render_prompt(tok, row.prompt, True, cfg.apply_chat_template_kwargs)
+        row = load_prompts(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
+                           tool_key=cfg.tool_key)[0]
+        ids = render_row(tok, row, cfg)
         if ids[:1] != [bos]:
             out.append(Diagnosis(code="MODEL", severity="warning",
                                  what=f"the tokenizer in {path} starts text with BOS {tok.bos_token!r} (id {bos}), but "
@@ -500,11 +501,13 @@ def data_readable(cfg, env: Environment) -> list[Diagnosis]:
     from engine.data import load_prompts
 
     files = [("--prompt-data", cfg.prompt_data, load_prompts(cfg.prompt_data, input_key=cfg.input_key,
-                                                             label_key=cfg.label_key, metadata_key=cfg.metadata_key))]
+                                                             label_key=cfg.label_key, metadata_key=cfg.metadata_key,
+                                                             tool_key=cfg.tool_key))]
     for d in [] if cfg.no_engines else cfg.eval_datasets():  # no engine: nothing is evaluated
         flag = "--eval-config" if cfg.eval_config else "--eval-prompt-data"
         files.append((flag, d.path, [dataclasses.replace(r, metadata=d.row_metadata(r.metadata)) for r in load_prompts(
-            d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key, flag=flag)]))
+            d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key, flag=flag,
+            tool_key=d.tool_key)]))
     return [d for flag, path, rows in files if (d := _sample_rm_types(cfg, flag, path, rows))]
 
 
@@ -673,21 +676,22 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
     every row: a prompt whose rendered text has fewer bytes than the room left cannot have more tokens (a token is
     at least one byte, + 2 for special tokens a tokenizer adds); only the others are tokenized."""
     from engine.data import load_prompts
-    from engine.modeling import load_tokenizer, read_model_json, render_prompt
+    from engine.modeling import load_tokenizer, read_model_json, render_row
 
     ctx = (read_model_json(cfg.model_dir, "config.json") or {}).get("max_position_embeddings")
     if not isinstance(ctx, int):
         return []
     eval_len_flag = "--eval-max-response-len" if cfg.eval_max_response_len else "--rollout-max-response-len"
     # (flag, path, input_key, flag naming the answer length, answer length) of the training data and every eval set
-    files = [("--prompt-data", cfg.prompt_data, cfg.input_key, "--rollout-max-response-len",
+    files = [("--prompt-data", cfg.prompt_data, (cfg.input_key, cfg.tool_key), "--rollout-max-response-len",
               0 if cfg.debug_train_only else cfg.rollout_max_response_len)]  # no engine: the rows are all there is
     for d in [] if cfg.no_engines else cfg.eval_datasets():  # no engine: nothing is evaluated
         if cfg.eval_config:
-            files.append(("--eval-config", d.path, d.input_key, f"--eval-config {d.name}'s max_response_len",
-                          d.max_response_len))
+            files.append(("--eval-config", d.path, (d.input_key, d.tool_key),
+                          f"--eval-config {d.name}'s max_response_len", d.max_response_len))
         else:
-            files.append(("--eval-prompt-data", d.path, d.input_key, eval_len_flag, d.max_response_len))
+            files.append(("--eval-prompt-data", d.path, (d.input_key, d.tool_key), eval_len_flag,
+                          d.max_response_len))
     # a context cap (--rollout-max-context-len, --eval-max-context-len) bounds prompt + answer by construction:
     # it must fit the model, and then the file's prompts need no count (the longer ones are dropped at load)
     capped = []
@@ -721,17 +725,17 @@ def prompts_fit_context(cfg, env: Environment) -> list[Diagnosis]:
                                                add_generation_prompt=True,
                                                **cfg.apply_chat_template_kwargs).encode())
     out = []
-    for flag, path, input_key, len_flag, new in files:
+    for flag, path, (input_key, tool_key), len_flag, new in files:
         if not path:
             continue
         room = ctx - new
-        rows = load_prompts(path, input_key=input_key, label_key=None, flag=flag)
+        rows = load_prompts(path, input_key=input_key, label_key=None, flag=flag, tool_key=tool_key)
         long: list[tuple[int, int]] = []  # (line, tokens)
         for r in rows:
-            if isinstance(r.prompt, str) and len(r.prompt.encode()) + overhead + 2 <= room:
+            if isinstance(r.prompt, str) and r.tools is None and len(r.prompt.encode()) + overhead + 2 <= room:
                 continue
             try:
-                n = len(render_prompt(tok, r.prompt, cfg.apply_chat_template, cfg.apply_chat_template_kwargs))
+                n = len(render_row(tok, r, cfg))
             except Exception:  # noqa: BLE001 — a prompt the template refuses: the rollout reports it
                 continue
             cap = cfg.rollout_max_prompt_len if flag == "--prompt-data" else cfg.eval_max_prompt_len
