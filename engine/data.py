@@ -127,15 +127,15 @@ def _row_tools(obj: dict, tool_key: str | None, flag: str, name: str, lineno: in
             tools = json.loads(tools)
         except ValueError as e:
             raise _data_error(f"{flag} {name}: line {lineno} has {tool_key!r} = {tools[:60]!r}, text that is not "
-                              f"JSON ({e})", f"a list of tool schemas (or its JSON text), or --tool-key '' to read "
+                              f"JSON ({e})", "a list of tool schemas (or its JSON text), or --tool-key '' to read "
                               "no tools", path=name, line=lineno) from None
     elif hasattr(tools, "tolist"):  # a Parquet list column read through numpy
         tools = tools.tolist()
     if not isinstance(tools, list):
         raise _data_error(f"{flag} {name}: line {lineno} has {tool_key!r} = {str(tools)[:60]!r}, a "
                           f"{type(tools).__name__}, not a list of tools",
-                          f"a list of tool schemas (e.g. [{{\"type\": \"function\", \"function\": {{...}}}}]), "
-                          f"or --tool-key '' to read no tools", path=name, line=lineno)
+                          'a list of tool schemas (e.g. [{"type": "function", "function": {...}}]), '
+                          "or --tool-key '' to read no tools", path=name, line=lineno)
     return tools
 
 
