@@ -886,6 +886,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                         [[s.scalar_reward for s in g] for g in result.groups]).items()} if cfg.log_passrate else {}),
                     **(reward_categories(samples) if cfg.log_reward_category else {}),
                     **(multi_turn_metrics(samples, cfg.rollout_max_response_len) if cfg.log_multi_turn else {}),
+                    **(correct_sample_metrics(samples, cfg.rollout_max_response_len)
+                       if cfg.log_correct_samples else {}),
                     **(offpolicy_masked(samples) if cfg.mask_offpolicy_in_partial_rollout else {}),
                     **teacher}
     metrics = {**rollout_metrics(result, time.perf_counter() - t0), **gpu_memory_metrics(run, "rollout"),
@@ -992,6 +994,32 @@ def multi_turn_metrics(samples: list[Sample], max_response_len: int) -> dict[str
         out.update({"rollout/multi_turn_round_number_mean": sum(rounds) / len(rounds),
                     "rollout/multi_turn_round_number_max": max(rounds),
                     "rollout/multi_turn_round_number_min": min(rounds)})
+    return out
+
+
+def correct_sample_metrics(samples: list[Sample], max_response_len: int) -> dict[str, float]:
+    """--log-correct-samples (slime's flag): the samples whose reward is 1 (correct, as slime counts): how many, the
+    share of their responses in each quarter of --rollout-max-response-len (correct_length_p25 … p100, summing to
+    1), and their mean per-token negative log-likelihood under the engine (slime's correct_entropy: each
+    sample's mean −log p over its trained tokens, averaged over the samples). Nothing but the count when none is
+    correct."""
+    import math
+
+    correct = [s for s in samples if s.scalar_reward == 1]
+    out = {"rollout/correct_samples": float(len(correct))}
+    if not correct:
+        return out
+    quarters = [0] * 4
+    for s in correct:  # quarter q holds lengths in ((q)/4 · L, (q + 1)/4 · L]
+        quarters[min(3, max(0, math.ceil(4 * s.response_length / max_response_len) - 1))] += 1
+    out.update({f"rollout/correct_length_p{25 * (q + 1)}": k / len(correct) for q, k in enumerate(quarters)})
+    nll = []
+    for s in correct:
+        lps = [-lp for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m]
+        if lps:
+            nll.append(sum(lps) / len(lps))
+    if nll:
+        out["rollout/correct_entropy"] = sum(nll) / len(nll)
     return out
 
 

@@ -173,6 +173,7 @@ FLAG_TESTS = {
         "test_hooks.py::test_the_all_samples_hook_sees_the_groups_the_dynamic_filter_dropped",
     "use_rollout_entropy": "test_train_backend.py::test_use_rollout_entropy_hands_the_old_policys_entropy_to_the_hooks",
     "log_multi_turn": "test_hooks.py::test_log_multi_turn_counts_model_and_tool_tokens_and_rounds",
+    "log_correct_samples": "test_hooks.py::test_log_correct_samples_describes_the_rollouts_correct_answers",
     "custom_megatron_init_path":
         "test_megatron_backend.py::test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_reset",
     "custom_megatron_before_log_prob_hook_path":

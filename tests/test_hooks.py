@@ -424,6 +424,25 @@ def test_log_passrate_logs_pass_at_k_of_the_rollout(tmp_path, engine_url):
     assert not [k for k in rollout(make_run(tmp_path, engine_url)).metrics if "pass_at" in k]
 
 
+def test_log_correct_samples_describes_the_rollouts_correct_answers(tmp_path, engine_url):
+    """slime's --log-correct-samples: how many samples have reward 1, where their lengths fall among the quarters
+    of the length limit (slime's cut points L/4, L/2, 3L/4, L), and their mean −log p under the engine."""
+    run = make_run(tmp_path, engine_url, log_correct_samples=True, n_samples_per_prompt=8, rollout_batch_size=4)
+    batch = rollout(run)
+    m, L = batch.metrics, run.cfg.rollout_max_response_len
+    correct = [s for g in batch.groups for s in g if s.scalar_reward == 1]
+    assert 0 < len(correct) < 32 and m["rollout/correct_samples"] == len(correct)  # the tiny model: some right
+    cuts = [L / 4, L / 2, 3 * L / 4, L]
+    where = [next(i for i, c in enumerate(cuts) if s.response_length <= c) for s in correct]
+    assert [m[f"rollout/correct_length_p{q}"] for q in (25, 50, 75, 100)] == [
+        where.count(i) / len(correct) for i in range(4)]
+    per_sample = [sum(-lp for lp, k in zip(s.rollout_log_probs, s.loss_mask) if k) / sum(s.loss_mask)
+                  for s in correct]
+    assert abs(m["rollout/correct_entropy"] - sum(per_sample) / len(per_sample)) < 1e-12
+    assert m["rollout/correct_entropy"] > 0
+    assert not [k for k in rollout(make_run(tmp_path, engine_url)).metrics if "correct_" in k]
+
+
 def test_rollout_seed_seeds_the_sampling_apart_from_seed(tmp_path, engine_url):
     """slime's --rollout-seed: the engines' sampling follows it, not --seed (which still seeds the trainer); a
     resume keeps it."""

@@ -56,14 +56,14 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
-                "log_probs_chunk_size", "train_env_vars",
+                "log_probs_chunk_size", "train_env_vars", "async_save", "check_weight_update_equal",
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
                 "save_debug_train_data", "dump_details", "custom_config_path",
                 "distributed_timeout_minutes",
                 "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
-                "wandb_host", "wandb_run_id", "log_passrate", "log_multi_turn", "use_tensorboard", "tb_project_name",
-                "tb_experiment_name"}
+                "wandb_host", "wandb_run_id", "log_passrate", "log_multi_turn", "log_correct_samples",
+                "use_tensorboard", "tb_project_name", "tb_experiment_name"}
 
 
 #: Settings a resume keeps: the checkpoint's manifest records them, and a resume that changes one fails with the

@@ -66,6 +66,9 @@ class TrackingArgs(Section):
     log_multi_turn: bool = False
     """Also log multi-turn rollout metrics (slime's flag): rollout/multi_turn_trained_len_{mean,max,min} (each response's model tokens, loss mask 1), rollout/multi_turn_observation_len_mean (its tool or environment tokens, loss mask 0), rollout/multi_turn_response_len_min and rollout/multi_turn_clip_ratio (share at --rollout-max-response-len), and rollout/multi_turn_round_number_{mean,max,min} from each sample's metadata["round_number"] where the generate function sets it (examples/tool_calc.py does)."""
 
+    log_correct_samples: bool = False
+    """Also log metrics of each rollout's correct samples, those with reward 1 (slime's flag): rollout/correct_samples (how many), rollout/correct_length_p25, _p50, _p75, _p100 (the share of their responses whose length falls in each quarter of --rollout-max-response-len) and rollout/correct_entropy (their mean per-token −log p under the engine, over trained tokens). Only the count when no sample is correct."""
+
     system_metrics_interval: float = Field(10.0, ge=0)
     """Seconds between system metric samples (CPU, memory; GPU when present) logged to MLflow (0 = off)."""
 

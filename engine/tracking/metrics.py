@@ -50,6 +50,12 @@ METRICS: list[MetricDoc] = [
                                                            "samples' metadata[\"round_number\"] (also _max, _min)"),
     MetricDoc("rollout/multi_turn_round_number_max", None, "`--log-multi-turn`: the most rounds of a sample"),
     MetricDoc("rollout/multi_turn_round_number_min", None, "`--log-multi-turn`: the fewest rounds of a sample"),
+    MetricDoc("rollout/correct_samples", "max", "`--log-correct-samples`: samples of the rollout with reward 1"),
+    *(MetricDoc(f"rollout/correct_length_p{q}", None, f"`--log-correct-samples`: share of the correct responses "
+                f"whose length is in the {['first', 'second', 'third', 'last'][q // 25 - 1]} quarter of "
+                "`--rollout-max-response-len`") for q in (25, 50, 75, 100)),
+    MetricDoc("rollout/correct_entropy", None, "`--log-correct-samples`: the correct samples' mean per-token −log p "
+                                               "under the engine (each sample's mean over its trained tokens)"),
     MetricDoc("rollout/reward_category/<key>", None, "`--log-reward-category`: share of the rollout's samples "
                                                      "whose reward dict named this category (\"none\": no "
                                                      "category)"),
