@@ -1243,9 +1243,9 @@ def old_log_probs_source(run: Run, first: bool) -> str:
     the engine's ("rollout"); a rollout trained by one optimizer step on the torch backend, whose old log-probs
     are used only inside that step (no --use-mis, no --kl-coef), takes them from the step's own forward
     ("train": the same weights, no update before it, so the same numbers without the extra forward).
-    --loss-type sft_loss needs none of them ("none")."""
+    --loss-type sft_loss needs none of them ("none"), nor does --disable-compute-advantages-and-returns."""
     cfg = run.cfg
-    if cfg.loss_type == "sft_loss":
+    if cfg.loss_type == "sft_loss" or cfg.disable_compute_advantages_and_returns:
         return "none"
     if first:
         return "forward"
@@ -1570,7 +1570,7 @@ def push_weights(run: Run, slots: list, version: int, exported: Callable[[], Non
         nbytes = mb * 2**20
     else:
         path = _weights_dir(run, version)
-        handed(run, version, "weights", lambda: _save_weights(run, path))
+        handed(run, version, "weights", lambda: _save_weights(run, path, [s.url for s in slots]))
         exported()
         nbytes = sum(f.stat().st_size for f in path.glob("*"))
         push_disk([s.url for s in slots], str(path.resolve()), version, timeout_s=cfg.weight_sync_timeout,
@@ -1605,11 +1605,11 @@ def group_backend(run: Run) -> str:
     return "gloo"
 
 
-def _save_weights(run: Run, path: Path) -> str:
+def _save_weights(run: Run, path: Path, engines: list[str]) -> str:
     import shutil
 
     try:
-        return run.train_group.save_weights(str(path))
+        return run.train_group.save_weights(str(path), engines)
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)  # half written: the retry writes it again
         raise

@@ -45,7 +45,7 @@ class InProcessGroup:
     def export_hf(self, path):
         self.backend.export_hf(path)
 
-    def save_weights(self, path):
+    def save_weights(self, path, engines=None):
         from engine.weights import save_weights_dir
 
         save_weights_dir(self.backend.model_state(), path)

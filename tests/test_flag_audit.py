@@ -164,6 +164,8 @@ FLAG_TESTS = {
     # algorithm
     "loss_type": "test_sft.py::test_sft_loss_is_the_answers_negative_log_likelihood",
     "custom_loss_function_path": "test_sft.py::test_a_custom_loss_gets_the_packed_batch_and_its_metrics_are_step_values",
+    "disable_compute_advantages_and_returns":
+        "test_sft.py::test_disable_compute_advantages_and_returns_runs_no_forward_before_a_custom_loss",
     "custom_pg_loss_reducer_function_path": "test_train_backend.py::test_a_custom_pg_loss_reducer_reaches_the_step",
     "rollout_data_postprocess_path":
         "test_train_backend.py::test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step",
@@ -240,6 +242,8 @@ FLAG_TESTS = {
     "save_hf": "test_checkpoint_stages.py::test_no_save_optim_and_save_hf",
     "keep_last_n": "test_checkpoint.py::test_keep_last_n_deletes_only_after_the_new_marker",
     "async_save": "test_checkpoint_stages.py::test_async_save_commits_the_state_of_the_save_not_of_the_commit",
+    "custom_update_weight_post_write_path":
+        "test_weight_sync.py::test_the_post_write_hook_runs_on_rank_0_after_a_disk_syncs_files_and_before_the_engines",
     "check_weight_update_equal":
         "test_weight_sync.py::test_check_weight_update_equal_passes_a_faithful_sync_and_stops_a_wrong_one",
     "wait_for_save_lock": "test_limits.py::test_a_run_waits_for_the_writer_lock_as_long_as_asked",

@@ -68,6 +68,24 @@ def test_the_sft_rollout_trains_each_assistant_turn_and_nothing_else():
             fill(args, sample)
 
 
+def test_a_conversations_tools_are_rendered_and_never_trained():
+    """--tool-key with the SFT rollout: the row's tools (its metadata["tools"]) reach the template, as in the RL
+    rollout, and their tokens are masked like every non-assistant part."""
+    from test_flag_wiring import TOOLS_TEMPLATE
+
+    from engine.rollout.sft import fill
+
+    tok = _tok()
+    tok.chat_template = TOOLS_TEMPLATE  # lists the tools in a system block, as Qwen's template does
+    msgs = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    sample = _sample(msgs, template=False)
+    sample.metadata["tools"] = [{"type": "function", "function": {"name": "calc"}}]
+    s = fill(_args(tokenizer=tok), sample)
+    assert tok.decode(s.tokens).startswith("<|im_start|>system\nTools: calc <|im_end|>\n<|im_start|>user\n1+2=")
+    assert tok.decode([t for t, m in zip(s.tokens[s.prompt_length:], s.loss_mask) if m]) == "3<|im_end|>"
+    assert "Tools" not in tok.decode(fill(_args(tokenizer=tok), _sample(msgs, template=False)).tokens)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_turn_named():
     from engine.rollout.sft import conversation_tokens
 
@@ -192,6 +210,45 @@ def test_a_custom_loss_gets_the_packed_batch_and_its_metrics_are_step_values():
 
 def a_number_is_not_a_loss(args, batch, sum_of_sample_mean):
     return 0.5
+
+
+def nll_without_advantages(args, batch, sum_of_sample_mean):
+    """A custom supervised loss that reads no advantage or old log-prob (and checks none was computed)."""
+    if not (batch["advantages"] is None and batch["old_log_probs"] is None and batch["ref_log_probs"] is None):
+        raise AssertionError("advantages or old log-probs were computed")
+    return -sum_of_sample_mean(batch["log_probs"]), {}
+
+
+def test_disable_compute_advantages_and_returns_runs_no_forward_before_a_custom_loss():
+    """slime's --disable-compute-advantages-and-returns: a custom loss that needs neither advantages nor old
+    log-probs gets None for them and nothing is computed before the step; here it is sft_loss's NLL, so the step's
+    loss and weights are sft_loss's. Refused where the loss would need what it turns off."""
+    from engine import stages
+
+    def step(**over):
+        samples, steps = _batch(seed=2)
+        w = _worker(lr=1e-3, **over)
+        w.backend.compute_log_probs = lambda *a, **k: pytest.fail("no forward before the step")
+        facts = w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False, old_from="none")
+        assert "mismatch_sum" not in facts
+        return w.train_step(0, 8), w.backend.model_state()
+
+    custom, w_custom = step(loss_type="custom_loss", disable_compute_advantages_and_returns=True,
+                            custom_loss_function_path="tests/test_sft.py:nll_without_advantages")
+    sft, w_sft = step(loss_type="sft_loss")
+    assert custom["loss_total"] == pytest.approx(sft["loss_total"], rel=1e-6)
+    assert all(torch.allclose(w_custom[k], w_sft[k], atol=1e-7) for k in w_sft)
+    cfg = RunConfig(loss_type="custom_loss", custom_loss_function_path="m:f",
+                    disable_compute_advantages_and_returns=True)
+    assert stages.old_log_probs_source(SimpleNamespace(cfg=cfg), first=True) == "none"
+    for over, says in ((dict(), "with --loss-type policy_loss: the policy loss is made of"),
+                       (dict(loss_type="sft_loss"), "sft_loss computes none of them anyway"),
+                       (dict(loss_type="custom_loss", custom_loss_function_path="m:f", use_kl_loss=True,
+                             kl_loss_coef=0.1), "--use-kl-loss would do nothing"),
+                       (dict(loss_type="custom_loss", custom_loss_function_path="m:f", advantage_estimator="ppo"),
+                        "--advantage-estimator ppo would do nothing")):
+        with pytest.raises(ConfigError, match=says):
+            RunConfig(disable_compute_advantages_and_returns=True, **over)
 
 
 @pytest.mark.slow

@@ -85,9 +85,12 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
     _train_a_little(trainer, 2)
     written = []
 
+    told = []
+
     class FakeTrainGroup:  # the one train worker, in-process
-        def save_weights(self, path: str) -> str:
+        def save_weights(self, path: str, engines=None) -> str:
             written.append(Path(path))
+            told.append(engines)  # for --custom-update-weight-post-write-path
             save_weights_dir(trainer.model_state(), path)
             return path
 
@@ -108,7 +111,7 @@ def test_disk_sync_through_the_stage_is_versioned_and_deleted_after_use(setup, t
     after, version = _engine_logprobs(url, seq)
     assert version == "8" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
     stages.push_weights(run, [SimpleNamespace(url=url)], 8)  # a retry: the directory already handed over
-    assert written == [work / "weights" / "v000008"] and written[0].exists()
+    assert written == [work / "weights" / "v000008"] and written[0].exists() and told == [[url]]
     stages.forget_handed(run)  # the sync is done (stages.sync, after its probe)
     assert not written[0].exists() and not (work / "weights" / "v000003").exists()  # deleted after use
 
@@ -399,7 +402,7 @@ def test_check_weight_update_equal_passes_a_faithful_sync_and_stops_a_wrong_one(
     mangle = {"on": False}
 
     class TrainGroup:
-        def save_weights(self, path: str) -> str:
+        def save_weights(self, path: str, engines=None) -> str:
             st = dict(trainer.model_state())
             if mangle["on"]:
                 st[wrong] = st[wrong].t().contiguous()
@@ -425,3 +428,47 @@ def test_check_weight_update_equal_passes_a_faithful_sync_and_stops_a_wrong_one(
     (d,) = e.value.diagnoses
     assert d.code == "RF14" and "compare failed on 1 of 1 engine" in d.what and wrong in d.what
     assert d.facts["field"] == "check_weight_update_equal" and d.facts["engines"] == [url]
+
+
+def publish_weights(args, version_dir, rollout_engines):
+    """A --custom-update-weight-post-write-path function: copies the written directory where "remote" engines
+    would read it, and records what it was told."""
+    import json
+    import shutil
+
+    assert (Path(version_dir) / "model.safetensors").is_file()  # called after the files are written
+    dest = Path(args.work_dir) / "published" / Path(version_dir).name
+    shutil.copytree(version_dir, dest)
+    (dest / "told.json").write_text(json.dumps({"engines": rollout_engines, "sync": args.weight_sync_method}))
+
+
+def test_the_post_write_hook_runs_on_rank_0_after_a_disk_syncs_files_and_before_the_engines(tmp_path):
+    """slime's --custom-update-weight-post-write-path: train rank 0 calls it with the version directory it has just
+    written and the engines' URLs (a disk sync's save_weights); not for other writes; a failing function fails
+    the sync naming the flag; refused without --weight-sync-method disk."""
+    import json
+
+    from engine.config import RunConfig
+    from engine.config.data import BUNDLED_MODEL
+    from engine.diagnosis import ConfigError, DiagnosisError
+    from engine.train.worker import TrainWorker
+    from engine.weights import load_weights_dir
+
+    def worker(fn: str):
+        cfg = RunConfig(hf_checkpoint=BUNDLED_MODEL, weight_sync_method="disk", work_dir=str(tmp_path),
+                        custom_update_weight_post_write_path=f"tests/test_weight_sync.py:{fn}")
+        return TrainWorker(cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=1, threads=1)
+
+    w = worker("publish_weights")
+    w.save_weights(str(tmp_path / "weights" / "v000003"), ["http://10.0.0.7:30000"])
+    pub = tmp_path / "published" / "v000003"
+    assert json.loads((pub / "told.json").read_text()) == {"engines": ["http://10.0.0.7:30000"], "sync": "disk"}
+    want = w.backend.model_state()
+    got = load_weights_dir(pub)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    w.save_weights(str(tmp_path / "weights" / "v000004"))  # not a sync: an export, no engines to tell
+    assert not (tmp_path / "published" / "v000004").exists()
+    with pytest.raises(DiagnosisError, match="--custom-update-weight-post-write-path"):
+        worker("no_such_function").save_weights(str(tmp_path / "weights" / "v000005"), ["http://e"])
+    with pytest.raises(ConfigError, match="--weight-sync-method is tensor: it would never be called"):
+        RunConfig(custom_update_weight_post_write_path="m:f")

@@ -44,6 +44,7 @@ class LossSpec:
     opsm_delta: float = 1e-4
     per_token_loss: bool = False
     value_clip: float = 0.2
+    advantages: bool = True  # False: --disable-compute-advantages-and-returns (a custom loss gets None for them)
 
     @classmethod
     def of(cls, cfg: Any) -> "LossSpec":
@@ -55,7 +56,8 @@ class LossSpec:
                    unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip,
                    tis_clip_low=cfg.tis_clip_low, mismatch_metrics=cfg.get_mismatch_metrics,
                    use_opsm=cfg.use_opsm, opsm_delta=cfg.opsm_delta,
-                   per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip)
+                   per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip,
+                   advantages=not cfg.disable_compute_advantages_and_returns)
 
 
 Hook = tuple[Callable, str, Any]  # a user function, the path its flag gave, the args it is called with
@@ -291,12 +293,14 @@ def step_objective(spec: LossSpec, *, hooks: StepHooks | None, sample_ids: list[
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The --loss-type's (loss share, stats, per-sample losses) of one packed micro-batch: the one dispatch every
     train backend calls, with the run's StepHooks (None: none set); old_log_probs may be None only for sft_loss,
-    which reads none of them."""
+    which reads none of them, and with --disable-compute-advantages-and-returns (the custom loss gets None)."""
     hooks = hooks or StepHooks()
     if spec.loss_type == "sft_loss":
         return sft_objective(spec, log_probs=log_probs, entropy=entropy, loss_mask=loss_mask, cu_seqlens=cu_seqlens,
                              denominator=denominator)
-    if old_log_probs is None:
+    if not spec.advantages:  # --disable-compute-advantages-and-returns (custom_loss only): none was computed
+        old_log_probs = ref_log_probs = advantages = None
+    elif old_log_probs is None:
         raise ValueError(f"--loss-type {spec.loss_type} needs the old log-probs of the micro-batch")
     tensors = dict(log_probs=log_probs, entropy=entropy, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
                    rollout_log_probs=rollout_log_probs, advantages=advantages, loss_mask=loss_mask,

@@ -494,8 +494,10 @@ class TrainGroup:
         """Policy (ref=False) or reference weights from an HF dir or a checkpoint iteration, on every rank."""
         self._all(lambda w: w.load_weights_from, path, ref, per_rank=self._files_for(path))
 
-    def save_weights(self, path: str) -> str:
-        self._all(lambda w: w.save_weights, path)
+    def save_weights(self, path: str, engines: list[str] | None = None) -> str:
+        """The policy's weights as a safetensors directory at `path` (rank 0 writes; every rank joins a sharded
+        gather); `engines` (their URLs): a disk sync's, for --custom-update-weight-post-write-path."""
+        self._all(lambda w: w.save_weights, path, engines)
         return path
 
     def weights_ref(self) -> tuple[Any, float]:

@@ -224,13 +224,26 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             why = "--use-rollout-logprobs takes the engine's log-probs as the old ones: no trainer forward to run " \
                   "with the kept weights"
             fix = "drop --use-rollout-logprobs or --keep-old-actor"
-        elif self.loss_type == "sft_loss":
-            why, fix = "--loss-type sft_loss uses no old log-probs", "drop --keep-old-actor"
+        elif self.loss_type == "sft_loss" or self.disable_compute_advantages_and_returns:
+            why = ("--loss-type sft_loss" if self.loss_type == "sft_loss" else
+                   "--disable-compute-advantages-and-returns") + " uses no old log-probs"
+            fix = "drop --keep-old-actor"
         elif self.load_debug_rollout_data:
             why = "a replay trains on recorded samples whose generating weights this run never had"
             fix = "drop --keep-old-actor (or --load-debug-rollout-data)"
         if why:
             raise config_error(f"--keep-old-actor: {why}", fix, field="keep_old_actor", value=True)
+        return self
+
+    @model_validator(mode="after")
+    def _post_write_hook(self) -> "RunConfig":
+        if self.custom_update_weight_post_write_path and self.weight_sync_method != "disk":
+            raise config_error(f"--custom-update-weight-post-write-path {self.custom_update_weight_post_write_path!r} "
+                               f"runs after a disk weight sync writes its files, and --weight-sync-method is "
+                               f"{self.weight_sync_method}: it would never be called",
+                               "--weight-sync-method disk, or drop the flag",
+                               field="custom_update_weight_post_write_path",
+                               value=self.custom_update_weight_post_write_path)
         return self
 
     @model_validator(mode="after")

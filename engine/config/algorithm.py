@@ -14,8 +14,11 @@ class AlgorithmArgs(Section):
     loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
     """The trainer's loss (slime's flag). policy_loss: the RL objective of --advantage-estimator. sft_loss: supervised fine-tuning, the negative log-likelihood of the trained tokens (loss mask 1), aggregated as the policy loss is (per-sample token mean, or --calculate-per-token-loss); no old-log-prob, reference or advantage computation, no mismatch check. With engine.rollout.sft:generate_rollout and --debug-train-only it fine-tunes on the prompt file's answers or conversations (docs/algorithms.md, "SFT"). custom_loss: --custom-loss-function-path's. Both train backends."""
 
+    disable_compute_advantages_and_returns: bool = False
+    """With --loss-type custom_loss: compute no advantages, returns, old or reference log-probs before the steps (slime's flag), for a loss that reads none of them (a supervised or distillation loss of your own): the rollout's no-grad forwards are skipped, and the function's batch carries old_log_probs, ref_log_probs and advantages as None. As with sft_loss there is then no per-rollout train/mismatch check (the probe after each weight sync still runs). Refused with the flags that would read them (KL, TIS/MIS, OPD, a custom advantage function, ppo's critic, …)."""
+
     custom_loss_function_path: Optional[str] = None
-    """--loss-type custom_loss: `module:function` or `path/to/file.py:function`, called per micro-batch as fn(args, batch, sum_of_sample_mean) -> (loss, metrics). batch holds [T] tensors of the packed micro-batch: log_probs and entropy (with gradients), old_log_probs, ref_log_probs (None without KL), rollout_log_probs, advantages, loss_mask, plus cu_seqlens and sample_ids; sum_of_sample_mean(x) is this micro-batch's share of the step's aggregate of x (what the loss must return; slime's reducer). Each metric (a scalar, reduced the same way by the function) is logged as train/custom_<key>. Differs from slime's contract: batch carries the log-probs, not the logits."""
+    """--loss-type custom_loss: `module:function` or `path/to/file.py:function`, called per micro-batch as fn(args, batch, sum_of_sample_mean) -> (loss, metrics). batch holds [T] tensors of the packed micro-batch: log_probs and entropy (with gradients), old_log_probs, ref_log_probs (None without KL), rollout_log_probs, advantages (the three None with --disable-compute-advantages-and-returns), loss_mask, plus cu_seqlens and sample_ids; sum_of_sample_mean(x) is this micro-batch's share of the step's aggregate of x (what the loss must return; slime's reducer). Each metric (a scalar, reduced the same way by the function) is logged as train/custom_<key>. Differs from slime's contract: batch carries the log-probs, not the logits."""
 
     advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                  "ppo"] = "grpo"
@@ -161,6 +164,21 @@ class AlgorithmArgs(Section):
                                         fix="--opd-teacher-url HOST:PORT, e.g. 10.0.0.7:30000",
                                         facts={"field": "opd_teacher_url", "value": url})) from None
 
+    def _reads_advantages(self) -> list[str]:
+        """The flags set that read advantages, old or reference log-probs, or an importance weight: with
+        --loss-type sft_loss or --disable-compute-advantages-and-returns they would do nothing."""
+        return [f for f, on in (
+            ("--custom-advantage-function-path", self.custom_advantage_function_path),
+            ("--rollout-data-postprocess-path", self.rollout_data_postprocess_path),
+            (f"--advantage-estimator {self.advantage_estimator}", self.advantage_estimator == "ppo"),
+            ("--use-kl-loss", self.use_kl_loss), ("--kl-coef", self.kl_coef > 0), ("--log-kl", self.log_kl),
+            ("--use-tis", self.use_tis), ("--use-mis", self.use_mis),
+            ("--use-rollout-logprobs", self.use_rollout_logprobs),
+            ("--normalize-advantages", self.normalize_advantages),
+            ("--disable-grpo-std-normalization", self.disable_grpo_std_normalization),
+            ("--disable-rewards-normalization", self.disable_rewards_normalization),
+            ("--use-unbiased-kl", self.use_unbiased_kl)) if on]
+
     @model_validator(mode="after")
     def _algorithm_consistent(self) -> "AlgorithmArgs":
         def err(what: str, fix: str, **facts) -> ConfigError:
@@ -198,18 +216,24 @@ class AlgorithmArgs(Section):
                            f"--loss-type custom_loss (now {self.loss_type})",
                       "--loss-type custom_loss --custom-loss-function-path module:function",
                       field="loss_type", value=self.loss_type)
+        if self.disable_compute_advantages_and_returns:
+            if self.loss_type != "custom_loss":
+                raise err(f"--disable-compute-advantages-and-returns with --loss-type {self.loss_type}: "
+                          + ("the policy loss is made of the advantages and old log-probs it turns off"
+                             if self.loss_type == "policy_loss" else "sft_loss computes none of them anyway"),
+                          "--loss-type custom_loss --custom-loss-function-path module:function (a loss that reads "
+                          "neither), or drop the flag", field="disable_compute_advantages_and_returns", value=True)
+            unused = self._reads_advantages() + [f for f, on in (
+                ("--use-opd", self.use_opd), ("--use-rollout-entropy", self.use_rollout_entropy),
+                ("--get-mismatch-metrics", self.get_mismatch_metrics),
+                ("--custom-tis-function-path", self.custom_tis_function_path)) if on]
+            if unused:
+                raise err(f"--disable-compute-advantages-and-returns computes no advantage, old or reference "
+                          f"log-prob: {', '.join(unused)} would do nothing", f"drop "
+                          f"{', '.join(u.split(' ')[0] for u in unused)}, or the flag",
+                          field="disable_compute_advantages_and_returns", value=True, unused=unused)
         if self.loss_type == "sft_loss":
-            unused = [f for f, on in (
-                ("--custom-advantage-function-path", self.custom_advantage_function_path),
-                ("--rollout-data-postprocess-path", self.rollout_data_postprocess_path),
-                (f"--advantage-estimator {self.advantage_estimator}", self.advantage_estimator == "ppo"),
-                ("--use-kl-loss", self.use_kl_loss), ("--kl-coef", self.kl_coef > 0), ("--log-kl", self.log_kl),
-                ("--use-tis", self.use_tis), ("--use-mis", self.use_mis),
-                ("--use-rollout-logprobs", self.use_rollout_logprobs), ("--entropy-coef", self.entropy_coef > 0),
-                ("--normalize-advantages", self.normalize_advantages),
-                ("--disable-grpo-std-normalization", self.disable_grpo_std_normalization),
-                ("--disable-rewards-normalization", self.disable_rewards_normalization),
-                ("--use-unbiased-kl", self.use_unbiased_kl)) if on]
+            unused = self._reads_advantages() + (["--entropy-coef"] if self.entropy_coef > 0 else [])
             if unused:
                 raise err(f"--loss-type sft_loss is the negative log-likelihood of the trained tokens: "
                           f"{', '.join(unused)} would do nothing (no advantage, reference, KL or importance weight "

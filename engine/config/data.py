@@ -135,7 +135,7 @@ class DataArgs(Section):
     """Row key holding a dict copied into each sample's metadata."""
 
     tool_key: Optional[str] = "tools"
-    """Row key holding the prompt's tools (slime's flag): a list of tool schemas, or its JSON text. --apply-chat-template passes them to the chat template as `tools` (so the prompt lists them, and the length checks count them); every sample also carries them as metadata["tools"] for custom generate and reward functions. A row without the key (or null) has none; anything but a list is a DATA error naming the line. '' reads no tools."""
+    """Row key holding the prompt's tools (slime's flag): a list of tool schemas, or its JSON text. --apply-chat-template passes them to the chat template as `tools` wherever a prompt is rendered (rollout, evaluation, the SFT rollout's conversations, where they are never trained on; the length checks count them); every sample also carries them as metadata["tools"] for custom generate and reward functions. A row without the key (or null) has none; anything but a list is a DATA error naming the line. '' reads no tools."""
 
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (a string prompt becomes one user message)."""

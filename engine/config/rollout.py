@@ -173,6 +173,9 @@ class RolloutArgs(Section):
     weight_sync_timeout: float = Field(600.0, gt=0)
     """Seconds one weight sync (all engines) may take before it fails."""
 
+    custom_update_weight_post_write_path: Optional[str] = None
+    """Called on train rank 0 after a disk weight sync has written <work_dir>/weights/vN, before the engines load it (slime's flag and contract): `fn(args, version_dir, rollout_engines)`, the engines' URLs last, e.g. to publish the directory where engines on other machines read it (a copy to a shared or object store, an explicit sync of a non-POSIX filesystem). An exception fails the sync (retried like any sync failure). `module:function` or `path/to/file.py:function`. Needs --weight-sync-method disk."""
+
     check_weight_update_equal: bool = False
     """Before the first rollout, prove that the weight sync writes every weight of every engine bit for bit (slime's flag): each engine snapshots what it serves, overwrites all of it with random values and takes the trainer's weights through the run's own --weight-sync-method; every weight must then equal the snapshot, or the run stops (RF14) listing the ones that differ. On a fresh start the snapshot is --hf-checkpoint's weights as the engines loaded them (so the trainer's load is checked too); on a resume or another --load the engines get the trainer's weights once first. Uses SGLang's /weights_checker (the built-in engine serves it). Costs one extra sync and a host copy of the engine's weights, once."""
 

@@ -7,7 +7,8 @@ trainable samples without generating (slime's `slime.rollout.sft_rollout.generat
 A row is either
 - a conversation (`--input-key messages`, a list of chat messages; needs --apply-chat-template): every assistant
   message is trained on — its content and the template's end-of-turn marker — and everything else is masked
-  (system and user turns, the template's role headers, whitespace after an end of turn); or
+  (system and user turns, the template's role headers, whitespace after an end of turn, the row's tools under
+  --tool-key); or
 - a prompt and its answer (`--label-key`): the prompt rendered as the RL rollout renders it, the answer trained
   on, ended by the template's end of turn (--apply-chat-template: the row becomes [user, assistant]) or by the
   tokenizer's EOS (raw text).
@@ -73,7 +74,8 @@ def fill(args: Any, sample: Sample) -> Sample:
         answer = tok(str(sample.label), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         ids, mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
     else:
-        ids, mask = conversation_tokens(tok, messages, args.apply_chat_template_kwargs, row=row)
+        ids, mask = conversation_tokens(tok, messages, args.apply_chat_template_kwargs, row=row,
+                                        tools=sample.metadata.get("tools"))
     start = mask.index(1)  # the response starts with the first trained token
     sample.tokens = ids
     sample.response_length = len(ids) - start
@@ -86,9 +88,12 @@ def fill(args: Any, sample: Sample) -> Sample:
 
 
 def conversation_tokens(tok: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None, *,
-                        row: Any = "?") -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of a whole conversation: 1 on each assistant turn's tokens (see the module doc)."""
+                        row: Any = "?", tools: list | None = None) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a whole conversation: 1 on each assistant turn's tokens (see the module doc).
+    tools (--tool-key): the row's tool schemas, rendered by the template and never trained on."""
     kw = dict(template_kwargs or {})
+    if tools is not None:
+        kw["tools"] = tools
     turns = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
     if not turns:
         raise ValueError(f"row {row}: the conversation has no assistant message to train on")

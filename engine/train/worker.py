@@ -205,8 +205,9 @@ class TrainWorker:
         if old_from not in ("forward", "rollout", "train", "none"):
             raise ValueError(f"old_from {old_from!r}: forward, rollout, train or none")
         if old_from == "none":  # supervised: nothing to compute before the steps
-            if cfg.loss_type != "sft_loss":
-                raise ValueError("old_from 'none' is for --loss-type sft_loss")
+            if cfg.loss_type != "sft_loss" and not cfg.disable_compute_advantages_and_returns:
+                raise ValueError("old_from 'none' is for --loss-type sft_loss (or "
+                                 "--disable-compute-advantages-and-returns)")
             return self._set_supervised(steps)
         if old_from == "train" and (len(steps) != 1 or cfg.use_mis or cfg.kl_coef > 0
                                     or cfg.custom_advantage_function_path):
@@ -416,7 +417,8 @@ class TrainWorker:
                 "postprocess_masked_share_count": before if self.reports else 0.0}
 
     def _set_supervised(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
-        """set_rollout for --loss-type sft_loss: the micro-batches and the steps' token counts only."""
+        """set_rollout for --loss-type sft_loss (and --disable-compute-advantages-and-returns): the micro-batches
+        and the steps' token counts only."""
         import torch
 
         self.old_from, self.old, self.ref, self.values, self.returns = "none", None, None, [], []
@@ -598,12 +600,20 @@ class TrainWorker:
             return state if self.rank == 0 else {}
         return {}
 
-    def save_weights(self, path: str) -> str:
+    def save_weights(self, path: str, engines: list[str] | None = None) -> str:
+        """Rank 0 writes the policy's weights to `path`; with `engines` (a disk sync's URLs) it then calls
+        --custom-update-weight-post-write-path's function, before any engine reads them."""
         from engine.weights import save_weights_dir
 
         state = self._state()
         if self.rank == 0:
             save_weights_dir(state, path)
+            if engines is not None and self.cfg.custom_update_weight_post_write_path:
+                from engine.rewards import load_function
+                from engine.rollout.hooks import call_hook
+
+                flag, where = "--custom-update-weight-post-write-path", self.cfg.custom_update_weight_post_write_path
+                call_hook(flag, where, load_function(where, flag), self.cfg, path, list(engines))
         return path
 
     def numpy_state(self) -> tuple[Any, float]:
