@@ -711,7 +711,7 @@ def sampling_params(run: Run, *, greedy: bool = False):
 def eval_sampling_params(run: Run, d=None):
     """The evaluation's sampling for eval set `d` (a resolved EvalDataset; None: the first): its temperature
     (--eval-temperature; default greedy for one sample per prompt, else --rollout-temperature), top-p, top-k,
-    answer length and stops (--eval-config's per set; else the flags)."""
+    answer length, minimum answer length and stops (--eval-config's per set; else the flags)."""
     from engine.config.eval_config import EvalDataset
     from engine.rollout.loop import SamplingParams
 
@@ -722,7 +722,8 @@ def eval_sampling_params(run: Run, d=None):
     temperature = 0.0 if greedy else cfg.rollout_temperature if d.temperature is None else d.temperature
     return SamplingParams(max_new_tokens=d.max_response_len, temperature=temperature, top_p=d.top_p, top_k=d.top_k,
                           stop=list(d.stop), stop_token_ids=sorted(set(run.eos_ids) | set(d.stop_token_ids)),
-                          skip_special_tokens=cfg.rollout_skip_special_tokens, max_context_len=cfg.eval_context_len)
+                          skip_special_tokens=cfg.rollout_skip_special_tokens, max_context_len=cfg.eval_context_len,
+                          min_new_tokens=d.min_new_tokens or 0)
 
 
 def _prompts(run: Run, rows: list):

@@ -131,6 +131,36 @@ def test_length_finish_and_stop_token_ids(engine):
     assert r3["text"] == state.tokenizer.decode([first]) != ""
 
 
+def test_min_new_tokens_keeps_stops_from_ending_the_answer_early(engine):
+    """SGLang's min_new_tokens: neither EOS, a stop token id nor a stop string ends the answer before it has that
+    many tokens (the stop tokens' logits are masked, so greedy decoding picks the next best); after that they end
+    it as before. More than max_new_tokens is refused, naming the field."""
+    state, url = engine
+    ids = _prompt_ids(state)
+
+    def gen(**sp):
+        return httpx.post(url + "/generate", json={"input_ids": ids, "return_logprob": True, "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 8, **sp}}, timeout=60).json()
+
+    base = gen()["output_ids"]
+    eos = set(state.generator.eos_ids)
+    k = len(base)
+    assert k < 8 and base[-1] in eos  # the greedy answer ends with EOS early ("85<|im_end|>")
+    r = gen(min_new_tokens=k + 2)
+    out = r["output_ids"]
+    assert len(out) >= k + 2 and not eos & set(out[:k + 1]) and out[:k - 1] == base[:k - 1], (base, out)
+    assert all(lp <= 0 for lp, _, _ in r["meta_info"]["output_token_logprobs"])
+    first = base[0]
+    r = gen(stop_token_ids=[first], min_new_tokens=2)
+    assert r["output_ids"][0] != first and len(r["output_ids"]) >= 2
+    text = state.tokenizer.decode(base[:1])  # the answer's first character as a stop string
+    assert gen(stop=[text])["output_ids"] == base[:1]
+    assert len(gen(stop=[text], min_new_tokens=3)["output_ids"]) >= 3
+    bad = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 4, "min_new_tokens": 5}}, timeout=60)
+    assert bad.status_code == 400 and "min_new_tokens=5" in bad.json()["message"]
+
+
 def test_skip_special_tokens_decides_whether_special_tokens_reach_the_text(engine):
     """SGLang's `skip_special_tokens` (--rollout-skip-special-tokens): the EOS that ended a response leaves its text
     either way (trimmed); kept with no_stop_trim, it shows only when special tokens are not skipped."""

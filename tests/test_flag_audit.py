@@ -29,6 +29,7 @@ FLAG_TESTS = {
     "eval_temperature": "test_flag_wiring.py::test_eval_sampling_flags_reach_the_evaluation",
     "eval_top_p": "test_flag_wiring.py::test_eval_sampling_flags_reach_the_evaluation",
     "eval_max_response_len": "test_flag_wiring.py::test_eval_sampling_flags_reach_the_evaluation",
+    "eval_min_new_tokens": "test_flag_wiring.py::test_eval_sampling_flags_reach_the_evaluation",
     "input_key": "test_data.py::test_row_without_input_key_names_line",
     "label_key": "test_data.py::test_row_without_input_key_names_line",
     "metadata_key": "test_data.py::test_parquet_with_metadata_and_row_numbers",

@@ -78,6 +78,15 @@ def test_eval_sampling_flags_reach_the_evaluation(tmp_path, monkeypatch):
     params, hooked = evaluated_with(eval_temperature=0.6, eval_top_p=0.95, eval_max_response_len=64)
     assert (params.temperature, params.top_p, params.max_new_tokens) == (0.6, 0.95, 64)
     assert (hooked["temperature"], hooked["top_p"], hooked["max_new_tokens"]) == (0.6, 0.95, 64)
+    assert params.min_new_tokens == 0 and "min_new_tokens" not in params.to_sglang(None)
+    # --eval-min-new-tokens (slime's): sent as SGLang's min_new_tokens, within each request's max_new_tokens
+    params, hooked = evaluated_with(eval_min_new_tokens=5)
+    assert params.min_new_tokens == 5 and hooked["min_new_tokens"] == 5
+    assert loop.SamplingParams.fit({"max_new_tokens": 3, "min_new_tokens": 5}) == {"max_new_tokens": 3,
+                                                                                  "min_new_tokens": 3}
+    assert loop.SamplingParams.fit({"max_new_tokens": 30, "min_new_tokens": 5}, done=4)["min_new_tokens"] == 1
+    with pytest.raises(ConfigError, match="--eval-min-new-tokens 40: eval set 'test'.s min_new_tokens 40 is more"):
+        RunConfig(eval_min_new_tokens=40, rollout_max_response_len=33)
 
 
 def _fake_generate(captured: dict, truncated: int, total: int = 4):

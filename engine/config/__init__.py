@@ -113,6 +113,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 what="--skip-eval-before-train with no eval sets (--eval-prompt-data '' and no --eval-config): there "
                      "is no evaluation to skip", fix="drop --skip-eval-before-train",
                 facts={"field": "skip_eval_before_train", "value": True}))
+        if self.has_eval() and (over := [d for d in self.eval_datasets()
+                                         if (d.min_new_tokens or 0) > d.max_response_len]):
+            d = over[0]
+            src = f"--eval-config {self.eval_config}" if self.eval_config else \
+                f"--eval-min-new-tokens {self.eval_min_new_tokens}"
+            raise config_error(f"{src}: eval set {d.name!r}'s min_new_tokens {d.min_new_tokens} is more than its "
+                               f"answer length {d.max_response_len}", "a min_new_tokens (--eval-min-new-tokens, or "
+                               "--eval-config's per set) at most the answer length (--eval-max-response-len)",
+                               field="eval_config" if self.eval_config else "eval_min_new_tokens",
+                               value=d.min_new_tokens)
         if not self.eval_config:
             return
         if self.eval_prompt_data and self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:

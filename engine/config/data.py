@@ -86,6 +86,9 @@ class DataArgs(Section):
     """Drop eval prompts of more tokens than this (after the chat template) when an eval set is loaded (slime's
     flag), before --eval-max-samples are taken; the dropped lines are logged, and a set left empty is a DATA error."""
 
+    eval_min_new_tokens: Optional[int] = Field(None, ge=0)
+    """The fewest tokens an eval answer has (slime's flag, SGLang's min_new_tokens): EOS, --rollout-stop-token-ids and stop strings cannot end it earlier (the engine masks the stop tokens until then). At most the answer length; default 0. --eval-config's per-set `min_new_tokens` overrides it."""
+
     eval_top_k: Optional[int] = None
     """Top-k of the evaluation (slime's flag); -1 = off. Default: --rollout-top-k."""
 
@@ -104,7 +107,7 @@ class DataArgs(Section):
     before training is then unknown; the evaluations every --eval-interval and after training still run."""
 
     eval_config: Optional[str] = None
-    """A YAML file of eval sets, each with its own keys, reward and sampling (slime's flag): `eval: {defaults: {...}, datasets: [{name, path, rm_type, prompt_key/input_key, label_key, metadata_key, tool_key, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, stop, stop_token_ids, metadata_overrides}]}`. A field set neither by the dataset nor by `defaults` comes from the flags (--eval-temperature, …). Replaces --eval-prompt-data (setting both is an error). Format: docs/engines.md, "Evaluation"; the flags stay the default of every field."""
+    """A YAML file of eval sets, each with its own keys, reward and sampling (slime's flag): `eval: {defaults: {...}, datasets: [{name, path, rm_type, prompt_key/input_key, label_key, metadata_key, tool_key, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, min_new_tokens, stop, stop_token_ids, metadata_overrides}]}`. A field set neither by the dataset nor by `defaults` comes from the flags (--eval-temperature, …). Replaces --eval-prompt-data (setting both is an error). Format: docs/engines.md, "Evaluation"; the flags stay the default of every field."""
 
     @property
     def eval_sets(self) -> list[tuple[str, str]]:

@@ -24,10 +24,6 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-#: slime's dataset fields that rollflow has no counterpart for: refused, never silently ignored
-UNSUPPORTED = {"min_new_tokens": "the engines stop at EOS; rollflow has no minimum answer length"}
-
-
 class EvalDataset(BaseModel):
     """One eval set. None: not set here (`defaults`, then the run's flags decide)."""
 
@@ -45,6 +41,7 @@ class EvalDataset(BaseModel):
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = None
     max_response_len: Optional[int] = Field(None, ge=1)
+    min_new_tokens: Optional[int] = Field(None, ge=0)
     stop: Optional[list[str]] = None
     stop_token_ids: Optional[list[int]] = None
     metadata_overrides: dict[str, Any] = Field(default_factory=dict)
@@ -67,6 +64,7 @@ class EvalDataset(BaseModel):
                  "top_p": cfg.eval_top_p or cfg.rollout_top_p,
                  "top_k": cfg.rollout_top_k if cfg.eval_top_k is None else cfg.eval_top_k,
                  "max_response_len": cfg.eval_max_response_len or cfg.rollout_max_response_len,
+                 "min_new_tokens": cfg.eval_min_new_tokens or 0,
                  "stop": list(cfg.rollout_stop), "stop_token_ids": list(cfg.rollout_stop_token_ids)}
         return self.model_copy(update={k: v for k, v in flags.items() if getattr(self, k) is None})
 
@@ -134,9 +132,6 @@ def _read(path: str) -> list[EvalDataset]:
         fields = {**{k: v for k, v in defaults.items() if k not in ("name", "path")},
                   **{k: v for k, v in entry.items() if v is not None}}
         where = f"dataset {entry.get('name', i + 1)!r}"
-        for key, why in UNSUPPORTED.items():
-            if key in fields:
-                raise error(f"{where} sets {key}, which rollflow does not support: {why}", f"drop {key}")
         try:
             out.append(EvalDataset.model_validate(fields))
         except ValidationError as e:

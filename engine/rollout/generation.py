@@ -8,7 +8,9 @@ returns by default (post-temperature, before top-k / top-p filtering).
 
 Invariants (tests/test_engine_server.py):
 - a row stops at the first token in its stop set (EOS ∪ stop_token_ids, EOS left out with ignore_eos) or at the
-  first token whose decoded output contains a stop string; the stopping token stays in `output_ids`;
+  first token whose decoded output contains a stop string; the stopping token stays in `output_ids`; with
+  min_new_tokens (SGLang's) neither can end it earlier: the stop set's logits are masked until then (on the eager
+  path: such a batch does not use the CUDA graphs, nor joins a running one);
 - `max_new_tokens = 0` runs the prefill only (scoring: `input_logprobs` from `logprob_start_len`);
 - an aborted rid (exact or by prefix, as SGLang's `/abort_request`) stops at the next step with what it has.
 
@@ -61,6 +63,7 @@ class GenRequest:
     skip_special_tokens: bool = True
     seed: int | None = None
     logprob_start_len: int = -1  # ≥ 0: also return log-probs of the prompt tokens from this position
+    min_new_tokens: int = 0  # SGLang's: no stop token or stop string ends the answer before this many tokens
 
 
 @dataclass
@@ -283,7 +286,8 @@ class Generator:
         # every prompt position's logits only when prompt log-probs are asked (on a GPU: [b, P, V] fp32 would be
         # 10 GB at b = 512, P = 32, V = 151,936); the CPU computes them all, as it always has
         prompt_lps = any(r.logprob_start_len >= 0 for r in reqs)
-        graphs = self.graphs if self.graphs is not None and not prompt_lps else None
+        hold = [r.min_new_tokens for r in reqs]  # min_new_tokens: the stop tokens' logits masked until then
+        graphs = self.graphs if self.graphs is not None and not prompt_lps and not any(hold) else None
         if graphs is not None:  # prefill into the graph's cache and draw step 0; later steps replay the graph
             return self._decode_graphs(reqs, ids, mask, pos, seeds, knobs, stop_ids, finish, feed, deliver)
         keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
@@ -311,6 +315,10 @@ class Generator:
         last_pos = pos[:, -1]
         step = 0
         while not all(f is not None for f in finish):
+            if any(hold):
+                for i in range(b):
+                    if finish[i] is None and len(out_ids[i]) < hold[i] and stop_ids[i]:
+                        logits[i, sorted(stop_ids[i])] = float("-inf")  # the log-probs follow the masked logits
             toks, lps = draw(logits, uniforms=counter_uniform(seeds, step), **knobs)  # [b], [b]
             step += 1
             self.last_step = time.monotonic()
@@ -343,7 +351,7 @@ class Generator:
         lps.append(lp)
         if t in stop_ids:
             return {"type": "stop", "matched": t}
-        if r.stop and (hit := self._stop_string(ids, r)):
+        if r.stop and len(ids) >= r.min_new_tokens and (hit := self._stop_string(ids, r)):
             return {"type": "stop", "matched": hit}
         if len(ids) >= r.max_new_tokens:
             return {"type": "length", "length": r.max_new_tokens}
@@ -422,7 +430,7 @@ class Generator:
         free = [row for row in range(graphs.rows) if row not in at_row]
         taken: list[GenRequest] = []
         while (head := feed.peek()) is not None and len(taken) + len(head) <= len(free):
-            if not all(r.max_new_tokens > 0 and r.logprob_start_len < 0 and
+            if not all(r.max_new_tokens > 0 and r.logprob_start_len < 0 and r.min_new_tokens == 0 and
                        graphs.can_join(len(r.input_ids), r.max_new_tokens, r.top_k, r.top_p) for r in head):
                 break
             taken += feed.pop()

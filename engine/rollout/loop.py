@@ -44,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     skip_special_tokens: bool = True  # --rollout-skip-special-tokens (SGLang's default)
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response; not sent (budget())
+    min_new_tokens: int = 0  # --eval-min-new-tokens (SGLang's; at most each request's max_new_tokens)
 
     def budget(self, prompt_len: int) -> int:
         """New tokens a sample of this prompt may have: max_new_tokens, less what the context cap leaves (≥ 1)."""
@@ -61,6 +62,16 @@ class SamplingParams:
             d["stop_token_ids"] = list(self.stop_token_ids)
         if seed is not None:
             d["sampling_seed"] = seed
+        if self.min_new_tokens:
+            d["min_new_tokens"] = self.min_new_tokens
+        return d
+
+    @staticmethod
+    def fit(d: dict[str, Any], done: int = 0) -> dict[str, Any]:
+        """A request's params once its max_new_tokens is set for it (a context cap, a continued segment that has
+        `done` tokens already): min_new_tokens what is left of it, within max_new_tokens (SGLang refuses more)."""
+        if "min_new_tokens" in d:
+            d["min_new_tokens"] = max(0, min(d["min_new_tokens"] - done, d["max_new_tokens"]))
         return d
 
 
@@ -320,7 +331,8 @@ class _Round:
         prompt_ids = [list(s.tokens) for s in group]
 
         async def one(j: int, s: Sample) -> Sample:
-            params = {**self.params.to_sglang(seeds[j]), "max_new_tokens": self.params.budget(len(prompt_ids[j]))}
+            params = SamplingParams.fit({**self.params.to_sglang(seeds[j]),
+                                         "max_new_tokens": self.params.budget(len(prompt_ids[j]))})
             out = await call_async_hook(flag, self.hook_path, fn, args, s, params, **kw)
             return check_sample(out, flag, self.hook_path, prompt_ids=prompt_ids[j])
 
@@ -342,7 +354,7 @@ class _Round:
             sample_seed(self.seed, self.rollout_id, ((self.first_draw + gi) * self.n + j) * MAX_SEGMENTS + segment)
         d = self.params.to_sglang(seed)
         d["max_new_tokens"] = self.params.budget(len(self.prompts[gi].ids)) - len(row.ids)
-        return d
+        return SamplingParams.fit(d, done=len(row.ids))
 
     def _extend(self, row: Partial, o: dict, budget: int | None = None) -> None:
         """Append one /generate answer to the sample's row; budget: the new tokens its group may have (default

@@ -5,7 +5,8 @@ sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
 - request: `text` or `input_ids` (one prompt or a list), `sampling_params` (one dict or one per prompt), `rid`
   (str or list), `return_logprob`, `logprob_start_len` (-1 = output tokens only), `stream`;
 - sampling params: `max_new_tokens` (SGLang's default 128), `temperature`, `top_p`, `top_k`, `stop`,
-  `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `sampling_seed`; other SGLang params are
+  `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `sampling_seed`, `min_new_tokens`; other
+  SGLang params are
   accepted at their neutral value and refused (HTTP 400, naming the param) otherwise — never silently ignored;
 - response: `text`, `output_ids`, `meta_info` with `id`, `finish_reason` ({"type": "stop", "matched": id | str},
   {"type": "length", "length": n}, {"type": "abort", "message": …}), `prompt_tokens`, `completion_tokens`,
@@ -37,10 +38,11 @@ from typing import Any
 from engine.rollout.generation import GenRequest, GenResult
 
 SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-             "skip_special_tokens", "no_stop_trim", "sampling_seed", "spaces_between_special_tokens"}
+             "skip_special_tokens", "no_stop_trim", "sampling_seed", "spaces_between_special_tokens",
+             "min_new_tokens"}
 #: SGLang sampling params the built-in engine does not implement: accepted only at these neutral values.
 NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-           "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+           "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
            "stop_regex": None, "logit_bias": None, "custom_params": None, "stream_interval": None}
 
 
@@ -99,6 +101,9 @@ def _sampling(p: dict[str, Any], default_max_new: int, prompt_len: int = 0, limi
     if temperature < 0 or not 0 < top_p <= 1 or (top_k == 0 or top_k < -1) or max_new < 0:
         raise ProtocolError(f"bad sampling params: temperature={temperature} (≥ 0), top_p={top_p} (0, 1], "
                             f"top_k={top_k} (-1 or ≥ 1), max_new_tokens={max_new} (≥ 0)")
+    min_new = _int(p.get("min_new_tokens", 0), "min_new_tokens")
+    if not 0 <= min_new <= max_new:
+        raise ProtocolError(f"min_new_tokens={min_new} must be between 0 and max_new_tokens={max_new}")
     if max_new > room:
         raise ProtocolError(f"Requested token count exceeds the model's maximum context length of "
                             f"{limits.context_len} tokens: {prompt_len} tokens of input and max_new_tokens={max_new} "
@@ -116,7 +121,8 @@ def _sampling(p: dict[str, Any], default_max_new: int, prompt_len: int = 0, limi
                 stop_token_ids=[_token_id(t, "stop_token_ids", limits) for t in stop_ids],
                 ignore_eos=bool(p.get("ignore_eos", False)), no_stop_trim=bool(p.get("no_stop_trim", False)),
                 skip_special_tokens=bool(p.get("skip_special_tokens", True)),
-                seed=None if p.get("sampling_seed") is None else _int(p["sampling_seed"], "sampling_seed"))
+                seed=None if p.get("sampling_seed") is None else _int(p["sampling_seed"], "sampling_seed"),
+                min_new_tokens=min_new)
 
 
 def _token_id(t: Any, field: str, limits: Limits) -> int:
