@@ -85,7 +85,8 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
           "sync each engine scores fixed prompts like the trainer; every rollout, before the update, the trainer's "
           "log-probs of the sampled tokens are compared with the engine's (`train/mismatch`, mean and max). A mean "
           "above `--logprob-mismatch-threshold` (0.05 bf16, 1e-3 fp32) stops the run naming the likely causes and "
-          "`--use-tis`"),
+          "`--use-tis`; `--check-weight-update-equal` proves, before the first rollout, that the sync writes every weight "
+          "of every engine bit for bit (SGLang's `/weights_checker`)"),
 ]}
 
 
