@@ -4,6 +4,7 @@
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | external
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
+#          | new-flags
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -68,6 +69,17 @@ for step in "$@"; do
         for ext in json md; do cp "$OUT/chunk_$1/log_probs_chunk.$ext" "$OUT/log_probs_chunk_$1.$ext"; done
         rm -rf "$OUT/chunk_$1"
       done ;;
+    new-flags)  # 2026-12-05's flags on the GPU: --check-weight-update-equal and --async-save in both colocated demos
+                # (CUDA IPC sync; Megatron bf16), min_new_tokens on the GPU engine, and the GPU tests beside them
+      (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py tests/test_megatron_backend.py \
+         --timeout 500 > "$OUT/pytest_gpu.txt" 2>&1) &
+      python3 bench/gpu_min_new_tokens.py --out "$OUT" > "$OUT/gpu_min_new_tokens.txt" 2>&1 &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 \
+        --extra "--check-weight-update-equal --async-save" &
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500 \
+        --extra "--check-weight-update-equal --async-save"
+      wait; tail -n 4 "$OUT/pytest_gpu.txt"; tail -c 1500 "$OUT/gpu_min_new_tokens.txt"
+      grep -h "check-weight-update-equal\|RF14\|commit-" "$OUT"/gpu_flow_demo_*.log | tail -12 ;;
     *) echo "unknown step $step" ;;
   esac
 done
