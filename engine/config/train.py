@@ -97,7 +97,7 @@ class TrainArgs(Section):
     """AdamW beta2."""
 
     freeze_params_name_list: list[str] = []
-    """Regular expressions (Python `re.search`) of the policy's parameter names (Hugging Face names, e.g. `embed_tokens` or `layers\.[0-3]\.`) to freeze (slime's flag): they get no gradient and no update; the others train. A tied embedding / LM head is one parameter: frozen when either name matches. A pattern that matches no parameter is an error. Torch backend; the critic is not affected."""
+    """Regular expressions (Python `re.search`) of the policy's parameter names (Hugging Face names, e.g. `embed_tokens` or `layers\\.[0-3]\\.`) to freeze (slime's flag): they get no gradient and no update; the others train. A tied embedding / LM head is one parameter: frozen when either name matches. A pattern that matches no parameter is an error. Torch backend; the critic is not affected."""
 
     only_train_params_name_list: list[str] = []
     """Regular expressions of the policy's parameter names to train (slime's flag); every other parameter is frozen. With --freeze-params-name-list, a parameter matching both is frozen."""
