@@ -6,8 +6,8 @@ sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
   (str or list), `return_logprob`, `logprob_start_len` (-1 = output tokens only), `stream`;
 - sampling params: `max_new_tokens` (SGLang's default 128), `temperature`, `top_p`, `top_k`, `stop`,
   `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `sampling_seed`, `min_new_tokens`; other
-  SGLang params are
-  accepted at their neutral value and refused (HTTP 400, naming the param) otherwise — never silently ignored;
+  SGLang params are accepted at their neutral value and refused (HTTP 400, naming the param) otherwise — never
+  silently ignored;
 - response: `text`, `output_ids`, `meta_info` with `id`, `finish_reason` ({"type": "stop", "matched": id | str},
   {"type": "length", "length": n}, {"type": "abort", "message": …}), `prompt_tokens`, `completion_tokens`,
   `cached_tokens`, `weight_version`, `e2e_latency`, and with `return_logprob` `output_token_logprobs` /
