@@ -140,6 +140,9 @@ def digest(s: dict) -> dict:
         "sync_gb_per_s": mean("sync/gb_per_s"), "sync_mb": mean("sync/mb"),
         "rollout_tokens_per_s": mean("rollout/tokens_per_s"), "train_tokens_per_s": mean("train/tokens_per_s"),
         "response_len_mean": mean("rollout/response_len_mean"), "reward_mean": per("rollout/reward_mean"),
+        "loop_wall_s": s.get("loop_wall_s"),
+        "save_per_rollout": {k: per(f"save/{k}") for k in ("seconds", "state_seconds", "commit_seconds",
+                                                            "wait_seconds", "mb")},
         **({"tool_calls_mean": per("rollout/reward_tool_calls_mean")} if "rollout/reward_tool_calls_mean" in h else {}),
     }
 

@@ -4,7 +4,7 @@
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | external
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
-#          | new-flags
+#          | new-flags | async-save-0.5b
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -80,6 +80,21 @@ for step in "$@"; do
         --extra "--check-weight-update-equal --async-save"
       wait; tail -n 4 "$OUT/pytest_gpu.txt"; tail -c 1500 "$OUT/gpu_min_new_tokens.txt"
       grep -h "check-weight-update-equal\|RF14\|commit-" "$OUT"/gpu_flow_demo_*.log | tail -12 ;;
+    async-save-0.5b)  # --async-save on the Qwen2.5-0.5B shape (torch, bf16), a checkpoint after every rollout,
+                      # without then with the flag, one after the other (each from a fresh --save)
+      for mode in plain async; do
+        rm -rf "$BENCH_WORK/ck_05b_torch_bf16"
+        extra="--save-interval 1"; [ $mode = async ] && extra="$extra --async-save"
+        python3 bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --num-rollout 4 --out "$OUT" \
+          --timeout 280 --part "_$mode" --extra "$extra"
+      done
+      python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+for f in sorted(pathlib.Path(sys.argv[1]).glob("gpu_flow_05b_*.json")):
+    d = json.loads(f.read_text())
+    print(f.name, d.get("state"), "loop", d.get("loop_wall_s"), json.dumps(d.get("save_per_rollout")))
+PY
+      ;;
     *) echo "unknown step $step" ;;
   esac
 done
