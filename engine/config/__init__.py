@@ -113,8 +113,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 what="--skip-eval-before-train with no eval sets (--eval-prompt-data '' and no --eval-config): there "
                      "is no evaluation to skip", fix="drop --skip-eval-before-train",
                 facts={"field": "skip_eval_before_train", "value": True}))
-        if self.has_eval() and (over := [d for d in self.eval_datasets()
-                                         if (d.min_new_tokens or 0) > d.max_response_len]):
+        if self.eval_config and self.eval_prompt_data and \
+                self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
+            raise ConfigError(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--eval-config {self.eval_config} and --eval-prompt-data {' '.join(self.eval_prompt_data)} "
+                     "both name eval sets",
+                fix="keep one: list every set in the --eval-config file, or drop --eval-config",
+                facts={"field": "eval_config", "value": self.eval_config}))
+        sets = self.eval_datasets() if self.has_eval() else []  # --eval-config's file: read once, here
+        if over := [d for d in sets if (d.min_new_tokens or 0) > d.max_response_len]:
             d = over[0]
             src = f"--eval-config {self.eval_config}" if self.eval_config else \
                 f"--eval-min-new-tokens {self.eval_min_new_tokens}"
@@ -125,14 +133,6 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                value=d.min_new_tokens)
         if not self.eval_config:
             return
-        if self.eval_prompt_data and self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
-            raise ConfigError(Diagnosis(
-                code="CONFIG", severity="error",
-                what=f"--eval-config {self.eval_config} and --eval-prompt-data {' '.join(self.eval_prompt_data)} "
-                     "both name eval sets",
-                fix="keep one: list every set in the --eval-config file, or drop --eval-config",
-                facts={"field": "eval_config", "value": self.eval_config}))
-        sets = self.eval_datasets()
         named = [d.name for d in sets if d.rm_type is not None]
         if named and self.custom_rm_path:
             raise ConfigError(Diagnosis(
