@@ -4,7 +4,7 @@
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | external
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
-#          | new-flags | async-save-0.5b
+#          | new-flags | async-save-0.5b | profiling
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -80,6 +80,32 @@ for step in "$@"; do
         --extra "--check-weight-update-equal --async-save"
       wait; tail -n 4 "$OUT/pytest_gpu.txt"; tail -c 1500 "$OUT/gpu_min_new_tokens.txt"
       grep -h "check-weight-update-equal\|RF14\|commit-" "$OUT"/gpu_flow_demo_*.log | tail -12 ;;
+    profiling)  # --use-pytorch-profiler / --record-memory-history on the GPU: the CUDA test, then both colocated
+                # demos (torch fp32: train_overall + the allocator's history; megatron bf16: train_actor and
+                # train_log_probs) with the profiled rollouts' files listed and the traces' kernel counts
+      (timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_profiling.py --timeout 280 \
+         > "$OUT/pytest_profiling.txt" 2>&1) &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --out "$OUT" --timeout 400 \
+        --extra "--use-pytorch-profiler --profile-step-start 3 --profile-step-end 5 --record-memory-history
+                 --memory-snapshot-num-steps 4" &
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 450 \
+        --extra "--use-pytorch-profiler --profile-step-start 3 --profile-step-end 5 --profile-target train_actor
+                 train_log_probs --log-kl"
+      wait; tail -n 4 "$OUT/pytest_profiling.txt"
+      python3 - "$BENCH_WORK" <<'PY' | tee "$OUT/profiling_files.txt"
+import gzip, json, pathlib, pickle, sys
+for d in sorted(pathlib.Path(sys.argv[1]).glob("demo_*/w/profile")):
+    for f in sorted(d.iterdir()):
+        if f.name.endswith(".json.gz"):
+            ev = json.loads(gzip.decompress(f.read_bytes()))["traceEvents"]
+            kinds = {c: sum(e.get("cat") == c for e in ev) for c in ("kernel", "cpu_op", "gpu_memcpy")}
+            print(d.parent.parent.name, f.name, f.stat().st_size, kinds)
+        else:
+            snap = pickle.loads(f.read_bytes())
+            print(d.parent.parent.name, f.name, f.stat().st_size, "segments", len(snap["segments"]),
+                  "trace entries", sum(map(len, snap["device_traces"])))
+PY
+      grep -h "wrote \|Completed\|Failed" "$OUT"/gpu_flow_demo_*.log | tail -16 ;;
     async-save-0.5b)  # --async-save on the Qwen2.5-0.5B shape (torch, bf16), a checkpoint after every rollout,
                       # without then with the flag, one after the other (each from a fresh --save)
       for mode in plain async; do

@@ -70,6 +70,7 @@ class Run:
         self.ref_dir: str | None = None  # reference weights to load (None: --hf-checkpoint's)
         self.store = None  # checkpoint.Store of --save (local or s3://)
         self.staging = self.work_dir / "ckpt-staging"  # local scratch for S3 uploads / downloads
+        self.memory_dumped = False  # --record-memory-history: the snapshot --memory-snapshot-num-steps asks for is out
         self.flow_run_id: str | None = None
         self.flow_run_url: str | None = None
         self.cluster: dict[str, Any] = {}

@@ -164,10 +164,20 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         if run.train_group is not None:
             run.train_group.wait_ready()
             check_disk_sync(run)
+            if cfg.use_pytorch_profiler or cfg.record_memory_history:
+                run.train_group.profile_setup(*profile_dirs(run))
     except BaseException:
         run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
         raise
     return run
+
+
+def profile_dirs(run: Run) -> tuple[str, str]:
+    """--use-pytorch-profiler's and --record-memory-history's directories, absolute as the driver sees them (a
+    worker's working directory may be another): <work_dir>/profile, and --memory-snapshot-dir when set."""
+    traces = run.work_dir / "profile"
+    return str(traces), str(Path(run.cfg.memory_snapshot_dir).resolve()) if run.cfg.memory_snapshot_dir \
+        else str(traces)
 
 
 def dump_run_details(run: Run) -> None:
@@ -1365,9 +1375,18 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
 
 
 def after_train(run: Run, rollout_id: int) -> dict[str, float]:
-    """After a rollout's steps: --save-debug-train-data's files, then --ref-update-interval's move."""
-    if run.cfg.save_debug_train_data:  # before the reference moves: what the steps were computed with
-        for path in run.train_group.save_train_data(run.cfg.save_debug_train_data, rollout_id):
+    """After a rollout's steps: the profiler's files, --save-debug-train-data's files, then --ref-update-interval's
+    move."""
+    cfg = run.cfg
+    if (cfg.use_pytorch_profiler and cfg.profile_step_start <= rollout_id < cfg.profile_step_end) or \
+            (cfg.record_memory_history and cfg.memory_snapshot_num_steps is not None and not run.memory_dumped
+             and rollout_id >= cfg.memory_snapshot_num_steps - 1):
+        for rank, paths in enumerate(run.train_group.profile_end(rollout_id)):
+            for path in paths:
+                log.info("rollout %d: train rank %d wrote %s", rollout_id, rank, path)
+                run.memory_dumped = run.memory_dumped or path.endswith(cfg.memory_snapshot_path)
+    if cfg.save_debug_train_data:  # before the reference moves: what the steps were computed with
+        for path in run.train_group.save_train_data(cfg.save_debug_train_data, rollout_id):
             log.info("rollout %d: train data saved to %s", rollout_id, path)
     return move_ref(run, rollout_id)
 

@@ -55,6 +55,19 @@ FLAG_TESTS = {
     "use_tensorboard": "test_tensorboard.py::test_a_run_and_its_resume_write_every_metric_to_tensorboard",
     "tb_project_name": "test_tensorboard.py::test_tensorboard_flags_and_where_the_files_go",
     "tb_experiment_name": "test_tensorboard.py::test_tensorboard_flags_and_where_the_files_go",
+    "use_pytorch_profiler": "test_profiling.py::test_the_profiler_records_the_window_and_the_targets_asked_for",
+    "profile_step_start": "test_profiling.py::test_the_profiler_records_the_window_and_the_targets_asked_for",
+    "profile_step_end": "test_profiling.py::test_the_profiler_records_the_window_and_the_targets_asked_for",
+    "profile_target": "test_profiling.py::test_the_profiler_records_the_window_and_the_targets_asked_for",
+    "profile_ranks": "test_profiling.py::test_a_rank_outside_profile_ranks_writes_nothing",
+    "record_memory_history":
+        "test_profiling.py::test_on_cuda_the_trace_has_the_kernels_and_the_memory_snapshot_its_allocations",
+    "memory_snapshot_dir":
+        "test_profiling.py::test_the_files_go_under_the_work_dir_and_memory_snapshot_dir_as_the_driver_resolves_them",
+    "memory_snapshot_num_steps":
+        "test_profiling.py::test_on_cuda_the_trace_has_the_kernels_and_the_memory_snapshot_its_allocations",
+    "memory_snapshot_path":
+        "test_profiling.py::test_on_cuda_the_trace_has_the_kernels_and_the_memory_snapshot_its_allocations",
     "use_wandb": "test_wandb.py::test_a_run_and_its_resume_mirror_every_metric_into_one_wandb_run",
     "wandb_project": "test_wandb.py::test_wandb_flags_need_use_wandb_and_reach_wandb_init",
     "wandb_team": "test_wandb.py::test_wandb_flags_need_use_wandb_and_reach_wandb_init",

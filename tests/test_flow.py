@@ -20,10 +20,14 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
 
     from engine.config.data import BUNDLED_TEST
 
-    # evals after 0, 1 and 2 rollouts, 2 samples each, on two named sets (the second: 8 rows of the same file)
+    # evals after 0, 1 and 2 rollouts, 2 samples each, on two named sets (the second: 8 rows of the same file);
+    # rollout 1's training profiled (--use-pytorch-profiler: the train worker, in Ray, writes under <work_dir>)
     cfg = small_cfg(eval_interval=1, n_samples_per_eval_prompt=2,
-                    eval_prompt_data=["arith", BUNDLED_TEST, "arith8", f"{BUNDLED_TEST}@[0:8]"])
+                    eval_prompt_data=["arith", BUNDLED_TEST, "arith8", f"{BUNDLED_TEST}@[0:8]"],
+                    use_pytorch_profiler=True, profile_step_start=1, profile_step_end=2)
     result = rl_train(cfg)
+    assert [p.name for p in (tmp_path / "work" / "profile").iterdir()] == [
+        "train_overall_rollout1_rank0.pt.trace.json.gz"]
 
     assert result["rollouts"] == 2
     assert 0.0 <= result["reward_first"] <= 1.0 and result["test_accuracy_after"] is not None
@@ -47,16 +51,16 @@ def test_two_rollouts_end_to_end(prefect_harness, shared_ray, small_cfg, tmp_pat
             return fr, trs, arts
 
     # task runs reach the API through its event pipeline, a moment after the flow returns
+    expected = ["preflight", "place", "convert", "eval-0", "eval-1", "eval-2"] + [
+        f"{stage}-{i}" for i in range(2) for stage in ("rollout", "pack", "train", "sync")] + ["save-1"]
     deadline = time.monotonic() + 30
     while True:
         fr, trs, arts = asyncio.run(read())
-        if (len(trs) == 14 and all(t.state.is_final() for t in trs)) or time.monotonic() > deadline:
+        if (len(trs) == len(expected) and all(t.state.is_final() for t in trs)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert fr.state.is_completed()
     names = sorted(t.name for t in trs)
-    expected = ["preflight", "place", "convert", "eval-0", "eval-1", "eval-2"] + [
-        f"{stage}-{i}" for i in range(2) for stage in ("rollout", "pack", "train", "sync")] + ["save-1"]
     assert names == sorted(expected)
     assert all(t.state.is_completed() for t in trs)
     # the graph draws the iteration's data: rollout → pack → train, and no edge from `place` to every task

@@ -205,6 +205,10 @@ class InProcessGroup:
         self.calls.append("save_train_data")
         return [self.worker.save_train_data(pattern, rollout_id)]
 
+    def profile_end(self, rollout_id):
+        self.calls.append("profile_end")
+        return [self.worker.profile_end(rollout_id)]
+
 
 def stage_run(cfg, worker):
     from engine.run import Run

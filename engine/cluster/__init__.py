@@ -487,6 +487,14 @@ class TrainGroup:
     def update_ref(self) -> None:
         self._all(lambda w: w.update_ref)
 
+    def profile_setup(self, directory: str, memory_dir: str) -> None:
+        """--use-pytorch-profiler / --record-memory-history on every rank (engine/train/profiling.py)."""
+        self._all(lambda w: w.profile_setup, directory, memory_dir)
+
+    def profile_end(self, rollout_id: int) -> list[list[str]]:
+        """After a rollout's last step: per rank, the profile / snapshot files written for it."""
+        return self._all(lambda w: w.profile_end, rollout_id)
+
     def save_train_data(self, pattern: str, rollout_id: int) -> list[str]:
         return self._all(lambda w: w.save_train_data, pattern, rollout_id)
 

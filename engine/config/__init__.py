@@ -63,7 +63,9 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "distributed_timeout_minutes",
                 "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
                 "wandb_host", "wandb_run_id", "log_passrate", "log_multi_turn", "log_correct_samples",
-                "use_tensorboard", "tb_project_name", "tb_experiment_name"}
+                "use_tensorboard", "tb_project_name", "tb_experiment_name", "use_pytorch_profiler",
+                "profile_step_start", "profile_step_end", "profile_ranks", "profile_target", "record_memory_history",
+                "memory_snapshot_dir", "memory_snapshot_num_steps", "memory_snapshot_path"}
 
 
 #: Settings a resume keeps: the checkpoint's manifest records them, and a resume that changes one fails with the
@@ -263,6 +265,35 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 "this run starts no rollout engine (--load-debug-rollout-data / --debug-train-only)"
             raise config_error(f"--check-weight-update-equal checks the trainer → engine weight sync, but {why}",
                                "drop --check-weight-update-equal", field="check_weight_update_equal", value=True)
+        return self
+
+    @model_validator(mode="after")
+    def _profiling_run(self) -> "RunConfig":
+        """--use-pytorch-profiler / --record-memory-history against the run: a trainer, a window and ranks that
+        exist."""
+        on = [f for f in ("use_pytorch_profiler", "record_memory_history") if getattr(self, f)]
+        if on and not self.trains:
+            raise config_error(f"--{on[0].replace('_', '-')} profiles the train ranks, and --debug-rollout-only "
+                               "starts none", f"drop --{on[0].replace('_', '-')}", field=on[0], value=True)
+        if self.use_pytorch_profiler:
+            if self.profile_step_start >= self.num_rollout:
+                raise config_error(f"--profile-step-start {self.profile_step_start}: the run's rollout ids are "
+                                   f"0..{self.num_rollout - 1} (--num-rollout {self.num_rollout}), so nothing would be "
+                                   "profiled", f"e.g. --profile-step-start {max(0, self.num_rollout - 2)} "
+                                   f"--profile-step-end {self.num_rollout}", field="profile_step_start",
+                                   value=self.profile_step_start)
+            if (bad := [r for r in self.profile_ranks if r >= self.train_world_size]):
+                raise config_error(f"--profile-ranks {' '.join(map(str, self.profile_ranks))}: rank(s) "
+                                   f"{', '.join(map(str, bad))} do not exist; the run has {self.train_world_size} "
+                                   f"train rank(s), 0..{self.train_world_size - 1}", "e.g. --profile-ranks 0",
+                                   field="profile_ranks", value=self.profile_ranks)
+        if self.record_memory_history and self.memory_snapshot_num_steps is not None and \
+                self.memory_snapshot_num_steps > self.num_rollout:
+            raise config_error(f"--memory-snapshot-num-steps {self.memory_snapshot_num_steps}: the run trains "
+                               f"{self.num_rollout} rollouts (--num-rollout), so the snapshot would only be written "
+                               "on an out-of-memory error", f"a value ≤ {self.num_rollout}, or leave it unset (the "
+                               "snapshot on out-of-memory only)", field="memory_snapshot_num_steps",
+                               value=self.memory_snapshot_num_steps)
         return self
 
     @model_validator(mode="after")

@@ -50,7 +50,12 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field) -> None:
         (item,) = typing.get_args(tp)
         # repeating the flag adds to the list (slime's append flags, e.g. --rollout-sample-hook-path A
         # --rollout-sample-hook-path B) instead of keeping the last occurrence only
-        kwargs.update(nargs="*", type=item, metavar=item.__name__.upper(), action="extend")
+        if typing.get_origin(item) is Literal:  # e.g. --profile-target train_actor train_log_probs
+            choices = list(typing.get_args(item))
+            kwargs.update(nargs="*", choices=choices, metavar="{" + ",".join(map(str, choices)) + "}",
+                          action="extend")
+        else:
+            kwargs.update(nargs="*", type=item, metavar=item.__name__.upper(), action="extend")
     elif tp in (int, float, str):
         kwargs.update(type=tp, metavar=tp.__name__.upper())
     elif origin is dict and name != "sglang_args":

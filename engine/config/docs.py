@@ -11,7 +11,7 @@ START, END = "<!-- flags:start -->", "<!-- flags:end -->"
 
 def _default(field) -> str:
     d = field.default
-    if (isinstance(d, str) and "/examples/" in d) or (isinstance(d, list) and any("/examples/" in x for x in d)):
+    if (isinstance(d, str) and "/examples/" in d) or (isinstance(d, list) and any("/examples/" in str(x) for x in d)):
         return "bundled (`examples/…`)"
     return f"`{d!r}`" if d not in (None, [], {}) else ("—" if d is None else f"`{d!r}`")
 

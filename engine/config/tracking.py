@@ -3,7 +3,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from engine.config.base import Section
+from engine.config.base import Section, config_error
 
 
 class TrackingArgs(Section):
@@ -90,6 +90,69 @@ class TrackingArgs(Section):
 
     tb_experiment_name: Optional[str] = None
     """--use-tensorboard with --tb-project-name: the directory under it (slime's flag). Default: the date and time."""
+
+    use_pytorch_profiler: bool = False
+    """Profile the train ranks with torch.profiler (Megatron's and slime's flag): rollouts --profile-step-start ≤ id < --profile-step-end, ranks --profile-ranks, regions --profile-target. Each profile is written as a Chrome trace, `<target>_rollout<id>[_step<k>]_rank<r>.pt.trace.json.gz` in <work_dir>/profile/ on the rank's node (open it in ui.perfetto.dev, chrome://tracing or TensorBoard's profiler plugin); the run's log names each file. Profiled rollouts run slower: shapes, stacks, memory and FLOPs are recorded (as slime does), and writing a trace takes about a second per step of the bundled model on the CPU. Both backends, CPU and CUDA."""
+
+    profile_step_start: int = Field(10, ge=0)
+    """--use-pytorch-profiler: the first rollout id profiled (Megatron's flag and default)."""
+
+    profile_step_end: int = Field(12, ge=1)
+    """--use-pytorch-profiler: the rollout id the profiling stops before (Megatron's flag and default)."""
+
+    profile_ranks: list[int] = [0]
+    """--use-pytorch-profiler: the train ranks profiled (Megatron's flag and default)."""
+
+    profile_target: list[Literal["train_overall", "train_actor", "train_log_probs"]] = ["train_overall"]
+    """--use-pytorch-profiler: what is profiled (slime's flag and default). train_overall: the whole of a rollout's training on the rank, from its log-prob forwards to the end of its last optimizer step (other threads of the process included); train_log_probs: the no-grad forwards before the steps (old log-probs, reference, values; no trace where none runs, e.g. --use-rollout-logprobs with one step); train_actor: each optimizer step (forward, backward, update), a trace per step. train_overall contains the others and is not combined with them (torch.profiler runs one profile at a time)."""
+
+    record_memory_history: bool = False
+    """Record the CUDA caching allocator's history (every allocation with its stack; Megatron's and slime's flag) on every train rank from its start, and write the snapshot after the rollout --memory-snapshot-num-steps − 1 is trained, and on an out-of-memory error (`.oom` appended), to --memory-snapshot-dir/rank<r>_<--memory-snapshot-path>: drag it into pytorch.org/memory_viz. CUDA only (a CPU rank fails at its start, naming the flag); slows allocation."""
+
+    memory_snapshot_dir: Optional[str] = None
+    """--record-memory-history: where the snapshots go on each rank's node (slime's flag). Default: <work_dir>/profile."""
+
+    memory_snapshot_num_steps: Optional[int] = Field(None, ge=1)
+    """--record-memory-history: write the snapshot (and stop recording) once rollout id N − 1 is trained (slime's flag). Unset: only on an out-of-memory error."""
+
+    memory_snapshot_path: str = "snapshot.pickle"
+    """--record-memory-history: the snapshot's file name after rank<r>_ (Megatron's flag and default)."""
+
+    @model_validator(mode="after")
+    def _profiling(self) -> "TrackingArgs":
+        """Profiler and memory-history settings without their switch would do nothing; the window must be one."""
+        fields = type(self).model_fields
+
+        def changed(names):
+            return [f"--{k.replace('_', '-')}" for k in names if getattr(self, k) != fields[k].default]
+
+        for switch, names in (("use_pytorch_profiler", ("profile_step_start", "profile_step_end", "profile_ranks",
+                                                        "profile_target")),
+                              ("record_memory_history", ("memory_snapshot_dir", "memory_snapshot_num_steps",
+                                                         "memory_snapshot_path"))):
+            if (set_ := changed(names)) and not getattr(self, switch):
+                raise config_error(f"{', '.join(set_)} without --{switch.replace('_', '-')}: they would do nothing",
+                                   f"add --{switch.replace('_', '-')}, or drop them", field=switch, value=False)
+        if self.use_pytorch_profiler:
+            if self.profile_step_end <= self.profile_step_start:
+                raise config_error(f"--profile-step-end {self.profile_step_end} ≤ --profile-step-start "
+                                   f"{self.profile_step_start}: no rollout would be profiled",
+                                   "a --profile-step-end above --profile-step-start (rollouts start ≤ id < end)",
+                                   field="profile_step_end", value=self.profile_step_end)
+            if not self.profile_ranks or min(self.profile_ranks) < 0:
+                raise config_error(f"--profile-ranks {self.profile_ranks}: train ranks are numbered from 0",
+                                   "e.g. --profile-ranks 0 1", field="profile_ranks", value=self.profile_ranks)
+            if "train_overall" in self.profile_target and len(set(self.profile_target)) > 1:
+                raise config_error(f"--profile-target {' '.join(self.profile_target)}: train_overall contains the "
+                                   "other targets, and torch.profiler runs one profile at a time",
+                                   "--profile-target train_overall, or train_actor and/or train_log_probs",
+                                   field="profile_target", value=self.profile_target)
+        if self.memory_snapshot_path != fields["memory_snapshot_path"].default and \
+                ("/" in self.memory_snapshot_path or not self.memory_snapshot_path.strip()):
+            raise config_error(f"--memory-snapshot-path {self.memory_snapshot_path!r} is a file name (the directory "
+                               "is --memory-snapshot-dir)", "e.g. --memory-snapshot-path snapshot.pickle",
+                               field="memory_snapshot_path", value=self.memory_snapshot_path)
+        return self
 
     @model_validator(mode="after")
     def _tensorboard(self) -> "TrackingArgs":

@@ -66,6 +66,7 @@ class TrainWorker:
         self.rollout_id = -1  # the rollout set_rollout was given (the Megatron before-train-step hook's argument)
         self.entropy: list[list[torch.Tensor]] | None = None  # --use-rollout-entropy: the old policy's, per step / mb
         self.old_actors: dict[int, Any] = {}  # --keep-old-actor: weight version → the backend's host copy
+        self.profiler = None  # --use-pytorch-profiler / --record-memory-history (engine/train/profiling.py)
         if not lazy:
             self.setup(master)
 
@@ -191,6 +192,8 @@ class TrainWorker:
 
         cfg = self.cfg
         self.rollout_id = rollout_id
+        if self.profiler is not None:
+            self.profiler.begin(rollout_id)
         if old_from == "train" and (self.data_postprocess is not None or cfg.use_rollout_entropy):
             raise ValueError("--rollout-data-postprocess-path and --use-rollout-entropy need the old policy's forward "
                              "before the step: old_from 'train' has none")
@@ -222,43 +225,47 @@ class TrainWorker:
                              f"({type(self.backend).__name__} does not)")
         # the policy's no-grad forward: the old log-probs, or (--use-rollout-logprobs) only for the mismatch on a
         # backend that does not keep its step's log-probs, or for --use-rollout-entropy's entropies
-        forward, self.entropy = None, None
+        policy_forward = old_from == "forward" or (old_from == "rollout" and (not records or cfg.use_rollout_entropy))
+        need_ref = need_ref or cfg.use_kl_loss or cfg.kl_coef > 0
         kept = self._old_actor(rollout_id, old_version)
         if kept is not None and old_from != "forward":
             raise ValueError(f"--keep-old-actor: a stale rollout's old log-probs come from a forward with the kept "
                              f"weights, not old_from {old_from!r}")
         weights = {"weights": kept} if kept is not None else {}
-        if old_from == "forward" or (old_from == "rollout" and (not records or cfg.use_rollout_entropy)):
-            if cfg.use_rollout_entropy:
-                pairs = [self.backend.compute_log_probs(mbs, with_entropy=True, **weights) for mbs in steps]
-                forward, self.entropy = [p[0] for p in pairs], [p[1] for p in pairs]
+        # the no-grad forwards before the steps, where any runs (--profile-target train_log_probs)
+        with self._profiled("train_log_probs", f"rollout{rollout_id}",
+                            when=policy_forward or need_ref or self.critic is not None):
+            forward, self.entropy = None, None
+            if policy_forward:
+                if cfg.use_rollout_entropy:
+                    pairs = [self.backend.compute_log_probs(mbs, with_entropy=True, **weights) for mbs in steps]
+                    forward, self.entropy = [p[0] for p in pairs], [p[1] for p in pairs]
+                else:
+                    forward = [self.backend.compute_log_probs(mbs, **weights) for mbs in steps]
+            if old_from == "forward":
+                self.old = forward
+            elif old_from == "rollout":
+                self.old = [[mb.rollout_log_probs * (mb.loss_mask > 0) for mb in mbs] for mbs in steps]
             else:
-                forward = [self.backend.compute_log_probs(mbs, **weights) for mbs in steps]
-        if old_from == "forward":
-            self.old = forward
-        elif old_from == "rollout":
-            self.old = [[mb.rollout_log_probs * (mb.loss_mask > 0) for mb in mbs] for mbs in steps]
-        else:
-            self.old = None
-        # over every trained token, before MIS drops any; when the old log-probs are not this trainer's own
-        # forward, train_step(0) reports it from its forward (the same weights, before the update)
-        self.mismatch_deferred = old_from != "forward" and records
-        if old_from == "rollout" and not records:
-            mismatch = self._mismatch(steps, forward)
-        else:
-            mismatch = {} if self.mismatch_deferred else self._mismatch(steps, self.old)
-        mis_masked = 0.0
-        if cfg.use_mis:  # masked importance sampling: tokens too far off the behaviour policy leave the loss
-            from engine.algorithms.losses import mis_mask
+                self.old = None
+            # over every trained token, before MIS drops any; when the old log-probs are not this trainer's own
+            # forward, train_step(0) reports it from its forward (the same weights, before the update)
+            self.mismatch_deferred = old_from != "forward" and records
+            if old_from == "rollout" and not records:
+                mismatch = self._mismatch(steps, forward)
+            else:
+                mismatch = {} if self.mismatch_deferred else self._mismatch(steps, self.old)
+            mis_masked = 0.0
+            if cfg.use_mis:  # masked importance sampling: tokens too far off the behaviour policy leave the loss
+                from engine.algorithms.losses import mis_mask
 
-            for k, mbs in enumerate(steps):
-                for j, mb in enumerate(mbs):
-                    kept = mis_mask(self.old[k][j], mb.rollout_log_probs, low=cfg.mis_low, high=cfg.mis_high)
-                    mis_masked += float((mb.loss_mask * (1 - kept)).sum())
-                    mb.loss_mask = mb.loss_mask * kept
-        need_ref = need_ref or cfg.use_kl_loss or cfg.kl_coef > 0
-        self.ref = [self.backend.compute_log_probs(mbs, ref=True) for mbs in steps] if need_ref else None
-        self.values = [self.critic.compute_values(mbs) for mbs in steps] if self.critic else []
+                for k, mbs in enumerate(steps):
+                    for j, mb in enumerate(mbs):
+                        kept = mis_mask(self.old[k][j], mb.rollout_log_probs, low=cfg.mis_low, high=cfg.mis_high)
+                        mis_masked += float((mb.loss_mask * (1 - kept)).sum())
+                        mb.loss_mask = mb.loss_mask * kept
+            self.ref = [self.backend.compute_log_probs(mbs, ref=True) for mbs in steps] if need_ref else None
+            self.values = [self.critic.compute_values(mbs) for mbs in steps] if self.critic else []
         reward_t = torch.tensor(rewards, dtype=torch.float32)  # [N]
         self.returns = []
         for k, mbs in enumerate(steps):
@@ -307,6 +314,26 @@ class TrainWorker:
         facts.update(opd)
         facts.update(post)
         return facts
+
+    def _profiled(self, target: str, name: str, when: bool = True):
+        """--use-pytorch-profiler: the block recorded as `target`'s profile `name` (when due), else nothing."""
+        import contextlib
+
+        return self.profiler.region(target, self.rollout_id, name) if self.profiler is not None and when \
+            else contextlib.nullcontext()
+
+    def profile_setup(self, directory: str, memory_dir: str) -> None:
+        """--use-pytorch-profiler / --record-memory-history: this rank's profiler, its traces under `directory`
+        and its memory snapshots under `memory_dir` (absolute paths the driver resolved); the allocator's history
+        starts recording now."""
+        from engine.train.profiling import TrainProfiler
+
+        self.profiler = TrainProfiler(self.cfg, rank=self.rank, device=self.device, directory=directory,
+                                      memory_dir=memory_dir)
+
+    def profile_end(self, rollout_id: int) -> list[str]:
+        """After the rollout's last step: the files its profiles (and a due memory snapshot) wrote."""
+        return self.profiler.end(rollout_id) if self.profiler is not None else []
 
     def _distill(self, steps: list[list[MicroBatch]]) -> dict[str, float]:
         """--use-opd: each trained token's advantage −= opd_kl_coef × (log π_old − log π_teacher), the teacher's
@@ -463,16 +490,17 @@ class TrainWorker:
         deferred = self.old is None  # old_from "train" (the step's own forward gives them) or "none" (not needed)
         if hasattr(self.backend, "before_train_step"):  # the megatron backend's --custom-megatron-before-train-step
             self.backend.before_train_step(self.rollout_id, k)
-        out = self.backend.train_step(self.steps[k], None if deferred else self.old[k],
-                                      self.ref[k] if self.ref else None, global_batch_size,
-                                      global_tokens=self.step_tokens[k])
+        with self._profiled("train_actor", f"rollout{self.rollout_id}_step{k}"):
+            out = self.backend.train_step(self.steps[k], None if deferred else self.old[k],
+                                          self.ref[k] if self.ref else None, global_batch_size,
+                                          global_tokens=self.step_tokens[k])
+            if self.critic:
+                out.update(self.critic.train_step(self.steps[k], self.values[k], self.returns[k],
+                                                  global_batch_size, global_tokens=self.step_tokens[k]))
         if deferred and self.old_from == "train":
             self.old = [self.backend.last_log_probs]
         if k == 0 and self.mismatch_deferred:
             out.update(self._mismatch(self.steps[:1], [self.backend.last_log_probs]))
-        if self.critic:
-            out.update(self.critic.train_step(self.steps[k], self.values[k], self.returns[k], global_batch_size,
-                                              global_tokens=self.step_tokens[k]))
         return out
 
     def save_train_data(self, pattern: str, rollout_id: int) -> str:
