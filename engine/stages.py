@@ -1065,13 +1065,17 @@ def replayed(run: Run, rollout_id: int) -> RolloutBatch:
 
     cfg = run.cfg
     t0 = time.perf_counter()
+    share = cfg.load_debug_rollout_data_subsample
     groups, saved, _ = replay.load(cfg.load_debug_rollout_data, rollout_id, batch_size=cfg.rollout_batch_size,
                                    n=cfg.n_samples_per_prompt, vocab_size=model_shape(cfg.model_dir).vocab_size,
-                                   hf_checkpoint=cfg.hf_checkpoint)
-    kept = {k: v for k, v in saved.items() if k.startswith("rollout/") and k not in ("rollout/seconds",
-                                                                                      "rollout/tokens_per_s")}
-    if cfg.reward_key is not None and rekeyed(groups, cfg.reward_key, cfg.load_debug_rollout_data):
-        rewards = [s.scalar_reward for g in groups for s in g]  # the recording's reward mean was of another key
+                                   hf_checkpoint=cfg.hf_checkpoint, share=share)
+    # a subsample's rollout metrics are not the recording's: only its reward mean and std, recomputed below
+    kept = {} if share is not None else {
+        k: v for k, v in saved.items() if k.startswith("rollout/") and k not in ("rollout/seconds",
+                                                                                 "rollout/tokens_per_s")}
+    changed = cfg.reward_key is not None and rekeyed(groups, cfg.reward_key, cfg.load_debug_rollout_data)
+    if share is not None or changed:  # the recording's reward mean was of other samples, or of another key
+        rewards = [s.scalar_reward for g in groups for s in g]
         mean = sum(rewards) / max(len(rewards), 1)
         kept.update({"rollout/reward_mean": mean,
                      "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1)) ** 0.5})

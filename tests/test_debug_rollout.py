@@ -268,10 +268,52 @@ def test_a_replay_may_train_on_another_key_of_the_recorded_dict_rewards(tmp_path
     monkeypatch.setattr(stages, "publish", lambda run, step, m: published.update(m) or m)
     monkeypatch.setattr(model_shape, "read", lambda d: SimpleNamespace(vocab_size=None))
     cfg = SimpleNamespace(load_debug_rollout_data=pattern, rollout_batch_size=2, n_samples_per_prompt=3,
-                          model_dir=None, hf_checkpoint="m", reward_key="format")
+                          model_dir=None, hf_checkpoint="m", reward_key="format", load_debug_rollout_data_subsample=None)
     batch = stages.replayed(SimpleNamespace(cfg=cfg, tracker=None), 0)
     assert published["rollout/reward_mean"] == 0.5 and published["rollout/reward_std"] == 0.0
     assert all(s.reward_key == "format" for g in batch.groups for s in g)
+
+
+def test_a_subsampled_replay_trains_whole_groups_from_both_ends_and_reports_their_reward(tmp_path, monkeypatch):
+    """--load-debug-rollout-data-subsample 0.5 of 5 recorded groups: k = 2, the first and the last group (slime's
+    first ⌊k/2⌋ and last ⌈k/2⌉ rows, here whole groups); the batch must be k groups, and the published reward is the
+    subsample's, with none of the recording's other rollout metrics."""
+    from types import SimpleNamespace
+
+    from engine import model_shape, stages
+    from engine.config import RunConfig
+    from engine.rollout import replay
+
+    pattern = str(tmp_path / "rollout_{rollout_id}.json")
+    groups = _groups(B=5)
+    for g, group in enumerate(groups):  # group g's samples all score g % 2
+        for smp in group:
+            smp.reward = {"score": float(g % 2), "format": 0.5}
+    meta = {"hf_checkpoint": "m", "rollout_batch_size": 5, "n_samples_per_prompt": 3, "weight_version": 0}
+    replay.save(pattern, 0, groups, {"rollout/reward_mean": 0.4, "rollout/response_len_mean": 2.0}, meta)
+    assert [[s.group_index for s in g] for g in replay.subsample(groups, 0.5)] == [[0] * 3, [4] * 3]
+    assert [g[0].group_index for g in replay.subsample(groups, 0.7)] == [0, 3, 4]  # k = 3: 1 + 2
+    assert replay.subsample(groups, 1.0) == groups
+
+    published = {}
+    monkeypatch.setattr(stages, "publish", lambda run, step, m: published.update(m) or m)
+    monkeypatch.setattr(model_shape, "read", lambda d: SimpleNamespace(vocab_size=None))
+    cfg = SimpleNamespace(load_debug_rollout_data=pattern, rollout_batch_size=2, n_samples_per_prompt=3,
+                          model_dir=None, hf_checkpoint="m", reward_key=None, load_debug_rollout_data_subsample=0.5)
+    batch = stages.replayed(SimpleNamespace(cfg=cfg, tracker=None), 0)
+    assert [g[0].group_index for g in batch.groups] == [0, 4]
+    assert published["rollout/reward_mean"] == 0.0 and "rollout/response_len_mean" not in published  # groups 0, 4
+    cfg.rollout_batch_size = 5  # the batch arithmetic is the run's: it must be the k groups kept
+    with pytest.raises(DiagnosisError, match="the share keeps 2; the run trains 5 groups") as e:
+        stages.replayed(SimpleNamespace(cfg=cfg, tracker=None), 0)
+    assert "--rollout-batch-size 2 --n-samples-per-prompt 3" in e.value.diagnoses[0].fix
+    cfg.load_debug_rollout_data_subsample = 0.1  # int(5 × 0.1) = 0 groups
+    with pytest.raises(DiagnosisError, match="a share of at least 0.2"):
+        stages.replayed(SimpleNamespace(cfg=cfg, tracker=None), 0)
+    with pytest.raises(ConfigError, match="without --load-debug-rollout-data"):
+        RunConfig(load_debug_rollout_data_subsample=0.5)
+    with pytest.raises(ValueError, match="load_debug_rollout_data_subsample\n.*less than or equal to 1"):
+        RunConfig(load_debug_rollout_data=pattern, eval_prompt_data=[], load_debug_rollout_data_subsample=1.5)
 
 
 def test_dump_details_sets_the_debug_paths_and_refuses_others():

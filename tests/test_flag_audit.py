@@ -120,6 +120,8 @@ FLAG_TESTS = {
     "save_debug_rollout_data": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
     "save_debug_train_data":
         "test_train_backend.py::test_save_debug_train_data_writes_what_each_sample_was_trained_with",
+    "load_debug_rollout_data_subsample":
+        "test_debug_rollout.py::test_a_subsampled_replay_trains_whole_groups_from_both_ends_and_reports_their_reward",
     "load_debug_rollout_data": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
     "debug_train_only": "test_sft.py::test_sft_through_the_flow_with_no_engine",
     "debug_rollout_only": "test_debug_rollout.py::test_rollout_only_generates_without_a_trainer_and_a_replay_trains_on_it",

@@ -225,6 +225,13 @@ class RolloutArgs(Section):
     have its file (preflight checks). train/mismatch then measures how far this trainer is from the engine that
     recorded the samples (0 up to float noise when nothing changed); RF14 does not stop a replay."""
 
+    load_debug_rollout_data_subsample: Optional[float] = Field(None, gt=0, le=1)
+    """--load-debug-rollout-data: replay this share of each saved rollout, for faster debugging (slime's flag):
+    k = int(recorded groups × share) whole groups (a group's samples stay together, as the advantages need), the
+    first ⌊k/2⌋ and the last ⌈k/2⌉ as slime takes them. --rollout-batch-size must then be k (the batch arithmetic
+    is the run's; the load names k otherwise). The recorded rollout metrics describe the whole recording, so a
+    subsampled replay publishes only its own reward mean and std beside rollout/replayed."""
+
     debug_rollout_only: bool = False
     """Generate rollouts without training (slime's flag): no train worker starts, and the engines serve
     --hf-checkpoint's weights for the whole run. Rewards and rollout metrics are logged as in any run (samples
@@ -327,6 +334,14 @@ class RolloutArgs(Section):
                          "only",
                     fix=f"a local path, e.g. {flag} runs/debug/rollout_{{rollout_id}}.json",
                     facts={"field": flag[2:].replace("-", "_"), "value": pattern}))
+        if self.load_debug_rollout_data_subsample is not None and not self.load_debug_rollout_data:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--load-debug-rollout-data-subsample {self.load_debug_rollout_data_subsample} without "
+                     "--load-debug-rollout-data: there is no saved rollout to subsample",
+                fix="add --load-debug-rollout-data PATTERN, or drop --load-debug-rollout-data-subsample",
+                facts={"field": "load_debug_rollout_data_subsample",
+                       "value": self.load_debug_rollout_data_subsample}))
         if self.load_debug_rollout_data:
             ignored = [f"--{f.replace('_', '-')}" for f in (
                 "rollout_function_path", "custom_generate_function_path", "rollout_sample_hook_path",

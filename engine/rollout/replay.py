@@ -88,11 +88,19 @@ def _umask() -> int:
     return 0o022
 
 
+def subsample(groups: list[list[Sample]], share: float) -> list[list[Sample]]:
+    """--load-debug-rollout-data-subsample: k = int(len(groups) × share) whole groups, the first ⌊k/2⌋ and the
+    last ⌈k/2⌉ (slime's load_debug_rollout_data takes its rows so)."""
+    k = int(len(groups) * share)
+    return groups[:k // 2] + groups[len(groups) - (k - k // 2):]
+
+
 def load(pattern: str, rollout_id: int, *, batch_size: int, n: int, vocab_size: int | None,
-         hf_checkpoint: str) -> tuple[list[list[Sample]], dict[str, float], dict[str, Any]]:
+         hf_checkpoint: str, share: float | None = None) -> tuple[list[list[Sample]], dict[str, float], dict[str, Any]]:
     """Rollout `rollout_id`'s groups, metrics and header from its file, checked against the run: B groups of n
-    samples, token ids inside the model's vocabulary. A file written for another --hf-checkpoint is only warned
-    about (the same tokenizer may serve another model on purpose)."""
+    samples (after --load-debug-rollout-data-subsample's `share`), token ids inside the model's vocabulary. A file
+    written for another --hf-checkpoint is only warned about (the same tokenizer may serve another model on
+    purpose)."""
     path = path_of(pattern, rollout_id)
     if not path.is_file():
         raise DiagnosisError(missing_diagnosis(pattern, [rollout_id], f"({path} does not exist)"))
@@ -109,7 +117,18 @@ def load(pattern: str, rollout_id: int, *, batch_size: int, n: int, vocab_size: 
                      path=str(path))
     groups = [[Sample.from_dict(d) for d in g] for g in doc["groups"]]
     B, N = doc.get("rollout_batch_size"), doc.get("n_samples_per_prompt")
-    if len(groups) != batch_size or any(len(g) != n for g in groups):
+    if share is not None:
+        kept = subsample(groups, share)
+        if len(kept) != batch_size or any(len(g) != n for g in kept):
+            raise _error(f"--load-debug-rollout-data-subsample {share}: {path} holds {len(groups)} groups of "
+                         f"{sorted({len(g) for g in groups})} samples, of which the share keeps {len(kept)}; the "
+                         f"run trains {batch_size} groups of {n}",
+                         f"--rollout-batch-size {len(kept)} --n-samples-per-prompt {N}" if kept else
+                         f"a share of at least {1 / len(groups):.3g} (one group of the {len(groups)})",
+                         path=str(path), recorded={"rollout_batch_size": B, "n_samples_per_prompt": N},
+                         kept_groups=len(kept))
+        groups = kept
+    elif len(groups) != batch_size or any(len(g) != n for g in groups):
         raise _error(f"--load-debug-rollout-data: {path} holds {len(groups)} groups of "
                      f"{sorted({len(g) for g in groups})} samples, the run trains {batch_size} groups of {n}",
                      f"--rollout-batch-size {B} --n-samples-per-prompt {N} (as recorded)", path=str(path),
