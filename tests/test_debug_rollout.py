@@ -268,7 +268,8 @@ def test_a_replay_may_train_on_another_key_of_the_recorded_dict_rewards(tmp_path
     monkeypatch.setattr(stages, "publish", lambda run, step, m: published.update(m) or m)
     monkeypatch.setattr(model_shape, "read", lambda d: SimpleNamespace(vocab_size=None))
     cfg = SimpleNamespace(load_debug_rollout_data=pattern, rollout_batch_size=2, n_samples_per_prompt=3,
-                          model_dir=None, hf_checkpoint="m", reward_key="format", load_debug_rollout_data_subsample=None)
+                          model_dir=None, hf_checkpoint="m", reward_key="format",
+                          load_debug_rollout_data_subsample=None)
     batch = stages.replayed(SimpleNamespace(cfg=cfg, tracker=None), 0)
     assert published["rollout/reward_mean"] == 0.5 and published["rollout/reward_std"] == 0.0
     assert all(s.reward_key == "format" for g in batch.groups for s in g)
@@ -276,8 +277,8 @@ def test_a_replay_may_train_on_another_key_of_the_recorded_dict_rewards(tmp_path
 
 def test_a_subsampled_replay_trains_whole_groups_from_both_ends_and_reports_their_reward(tmp_path, monkeypatch):
     """--load-debug-rollout-data-subsample 0.5 of 5 recorded groups: k = 2, the first and the last group (slime's
-    first ⌊k/2⌋ and last ⌈k/2⌉ rows, here whole groups); the batch must be k groups, and the published reward is the
-    subsample's, with none of the recording's other rollout metrics."""
+    first ⌊k/2⌋ and last ⌈k/2⌉ rows, here whole groups); the batch must be k groups, and the published reward is
+    the subsample's, with none of the recording's other rollout metrics."""
     from types import SimpleNamespace
 
     from engine import model_shape, stages
