@@ -108,7 +108,7 @@ PY
       grep -h "wrote \|Completed\|Failed" "$OUT"/gpu_flow_demo_*.log | tail -16 ;;
     async-save-0.5b)  # --async-save on the Qwen2.5-0.5B shape (torch, bf16), a checkpoint after every rollout,
                       # without then with the flag, one after the other (each from a fresh --save)
-      for mode in plain async; do
+      for mode in ${ASYNC_SAVE_ORDER:-plain async}; do  # ASYNC_SAVE_ORDER="async plain": the other order
         rm -rf "$BENCH_WORK/ck_05b_torch_bf16"
         extra="--save-interval 1"; [ $mode = async ] && extra="$extra --async-save"
         python3 bench/gpu_flow.py shape --shape 0.5b --backend torch --bf16 --num-rollout 4 --out "$OUT" \
