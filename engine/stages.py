@@ -1382,13 +1382,15 @@ def after_train(run: Run, rollout_id: int) -> dict[str, float]:
     """After a rollout's steps: the profiler's files, --save-debug-train-data's files, then --ref-update-interval's
     move."""
     cfg = run.cfg
-    if (cfg.use_pytorch_profiler and cfg.profile_step_start <= rollout_id < cfg.profile_step_end) or \
-            (cfg.record_memory_history and cfg.memory_snapshot_num_steps is not None and not run.memory_dumped
-             and rollout_id >= cfg.memory_snapshot_num_steps - 1):
+    # the recording's file is due (the workers write it at the first end at or after that rollout: a resume may
+    # start past it)
+    memory_due = cfg.record_memory_history and cfg.memory_snapshot_num_steps is not None and \
+        not run.memory_dumped and rollout_id >= cfg.memory_snapshot_num_steps - 1
+    if memory_due or (cfg.use_pytorch_profiler and cfg.profile_step_start <= rollout_id < cfg.profile_step_end):
         for rank, paths in enumerate(run.train_group.profile_end(rollout_id)):
             for path in paths:
                 log.info("rollout %d: train rank %d wrote %s", rollout_id, rank, path)
-                run.memory_dumped = run.memory_dumped or path.endswith(cfg.memory_snapshot_path)
+        run.memory_dumped = run.memory_dumped or memory_due
     if cfg.save_debug_train_data:  # before the reference moves: what the steps were computed with
         for path in run.train_group.save_train_data(cfg.save_debug_train_data, rollout_id):
             log.info("rollout %d: train data saved to %s", rollout_id, path)

@@ -66,6 +66,7 @@ FLAG_TESTS = {
         "test_profiling.py::test_the_files_go_under_the_work_dir_and_memory_snapshot_dir_as_the_driver_resolves_them",
     "memory_snapshot_num_steps":
         "test_profiling.py::test_on_cuda_the_trace_has_the_kernels_and_the_memory_snapshot_its_allocations",
+    "memory_recorder": "test_profiling.py::test_memray_records_the_ranks_host_allocations_until_the_rollout_asked_for",
     "memory_snapshot_path":
         "test_profiling.py::test_on_cuda_the_trace_has_the_kernels_and_the_memory_snapshot_its_allocations",
     "use_wandb": "test_wandb.py::test_a_run_and_its_resume_mirror_every_metric_into_one_wandb_run",

@@ -186,3 +186,26 @@ def test_the_command_line_takes_several_targets_and_names_the_choices(capsys):
         parse_args(["--use-pytorch-profiler", "--profile-target", "train_all"])
     assert "invalid choice: 'train_all' (choose from 'train_overall', 'train_actor', 'train_log_probs')" in \
         capsys.readouterr().err
+
+
+def test_memray_records_the_ranks_host_allocations_until_the_rollout_asked_for(tiny_model, tmp_path):
+    """--memory-recorder memray on the CPU: the file is closed once rollout --memory-snapshot-num-steps − 1 is
+    trained (the driver asks then, and not again), and its allocations carry the trainer's Python stacks."""
+    from memray import FileReader
+
+    cfg = make_cfg(tiny_model, num_rollout=3, record_memory_history=True, memory_recorder="memray",
+                   memory_snapshot_num_steps=2, logprob_mismatch_threshold=1e3)
+    run = run_rollouts(cfg, tmp_path, range(3))
+    assert run.train_group.calls.count("profile_end") == 1  # after rollout 1 only
+    (f,) = (tmp_path / "profile").iterdir()
+    assert f.name == "rank0_memray.bin"
+    reader = FileReader(str(f))
+    assert reader.metadata.total_allocations > 1000
+    # what was alive at the peak was allocated by the trainer: its forward, loss and step
+    functions = {frame[0] for rec in reader.get_high_watermark_allocation_records(merge_threads=True)
+                 for frame in rec.stack_trace()}
+    assert {"train_step", "packed_forward", "policy_loss"} <= functions, sorted(functions)[:60]
+    with pytest.raises(ConfigError, match="--memory-snapshot-num-steps is not set"):
+        make_cfg(tiny_model, record_memory_history=True, memory_recorder="memray")
+    with pytest.raises(ConfigError, match="--memory-recorder without --record-memory-history"):
+        make_cfg(tiny_model, memory_recorder="memray")

@@ -107,7 +107,10 @@ class TrackingArgs(Section):
     """--use-pytorch-profiler: what is profiled (slime's flag and default). train_overall: the whole of a rollout's training on the rank, from its log-prob forwards to the end of its last optimizer step (other threads of the process included); train_log_probs: the no-grad forwards before the steps (old log-probs, reference, values; no trace where none runs, e.g. --use-rollout-logprobs with one step); train_actor: each optimizer step (forward, backward, update), a trace per step. train_overall contains the others and is not combined with them (torch.profiler runs one profile at a time)."""
 
     record_memory_history: bool = False
-    """Record the CUDA caching allocator's history (every allocation with its stack; Megatron's and slime's flag) on every train rank from its start, and write the snapshot after the rollout --memory-snapshot-num-steps − 1 is trained, and on an out-of-memory error (`.oom` appended), to --memory-snapshot-dir/rank<r>_<--memory-snapshot-path>: drag it into pytorch.org/memory_viz. CUDA only (a CPU rank fails at its start, naming the flag); slows allocation."""
+    """Record the memory allocations of every train rank from its start, with their stacks (Megatron's and slime's flag), by --memory-recorder. torch: the CUDA caching allocator's history; the snapshot is written after the rollout --memory-snapshot-num-steps − 1 is trained, and on an out-of-memory error (`.oom` appended), to --memory-snapshot-dir/rank<r>_<--memory-snapshot-path>: drag it into pytorch.org/memory_viz. CUDA only (a CPU rank fails at its start, naming the flag). memray: the process's host memory (CPU or GPU runs), written when rollout --memory-snapshot-num-steps − 1 is trained: `memray flamegraph FILE`. Either slows allocation."""
+
+    memory_recorder: Literal["torch", "memray"] = "torch"
+    """--record-memory-history's recorder (slime's flag): torch (the CUDA caching allocator) or memray (host memory, every Python and native allocation; `pip install memray`, in the dev extra; needs --memory-snapshot-num-steps)."""
 
     memory_snapshot_dir: Optional[str] = None
     """--record-memory-history: where the snapshots go on each rank's node (slime's flag). Default: <work_dir>/profile."""
@@ -116,7 +119,7 @@ class TrackingArgs(Section):
     """--record-memory-history: write the snapshot (and stop recording) once rollout id N − 1 is trained (slime's flag). Unset: only on an out-of-memory error."""
 
     memory_snapshot_path: str = "snapshot.pickle"
-    """--record-memory-history: the snapshot's file name after rank<r>_ (Megatron's flag and default)."""
+    """--record-memory-history: the snapshot's file name after rank<r>_ (Megatron's flag and default; with --memory-recorder memray the default is memray.bin)."""
 
     @model_validator(mode="after")
     def _profiling(self) -> "TrackingArgs":
@@ -129,7 +132,7 @@ class TrackingArgs(Section):
         for switch, names in (("use_pytorch_profiler", ("profile_step_start", "profile_step_end", "profile_ranks",
                                                         "profile_target")),
                               ("record_memory_history", ("memory_snapshot_dir", "memory_snapshot_num_steps",
-                                                         "memory_snapshot_path"))):
+                                                         "memory_snapshot_path", "memory_recorder"))):
             if (set_ := changed(names)) and not getattr(self, switch):
                 raise config_error(f"{', '.join(set_)} without --{switch.replace('_', '-')}: they would do nothing",
                                    f"add --{switch.replace('_', '-')}, or drop them", field=switch, value=False)
@@ -147,6 +150,18 @@ class TrackingArgs(Section):
                                    "other targets, and torch.profiler runs one profile at a time",
                                    "--profile-target train_overall, or train_actor and/or train_log_probs",
                                    field="profile_target", value=self.profile_target)
+        if self.record_memory_history and self.memory_recorder == "memray":
+            import importlib.util
+
+            if self.memory_snapshot_num_steps is None:
+                raise config_error("--memory-recorder memray writes its file when the recording stops, and "
+                                   "--memory-snapshot-num-steps is not set (there is no out-of-memory dump)",
+                                   "e.g. --memory-snapshot-num-steps 2 (recorded until rollout 1 is trained)",
+                                   field="memory_snapshot_num_steps", value=None)
+            if importlib.util.find_spec("memray") is None:
+                raise config_error("--memory-recorder memray, but the memray package is not installed",
+                                   "pip install memray (or --memory-recorder torch on a GPU)",
+                                   field="memory_recorder", value="memray")
         if self.memory_snapshot_path != fields["memory_snapshot_path"].default and \
                 ("/" in self.memory_snapshot_path or not self.memory_snapshot_path.strip()):
             raise config_error(f"--memory-snapshot-path {self.memory_snapshot_path!r} is a file name (the directory "

@@ -9,9 +9,10 @@ Profiler: torch.profiler over the rollouts --profile-step-start ≤ rollout id <
 - train_actor: each optimizer step (forward, backward, optimizer; the critic's too), one trace per step.
 torch.profiler runs one profile at a time, so train_overall is not combined with the others.
 
-Memory history (CUDA): the caching allocator records every allocation with its stack from the worker's set-up
-on; its snapshot (`torch.cuda.memory._dump_snapshot`, a pickle for pytorch.org/memory_viz) is written after the
-rollout id --memory-snapshot-num-steps − 1 is trained, and on an out-of-memory error.
+Memory history (--record-memory-history): from the worker's set-up on, every allocation with its stack. torch
+(CUDA): the caching allocator's history; its snapshot (`torch.cuda.memory._dump_snapshot`, a pickle for
+pytorch.org/memory_viz) is written after the rollout id --memory-snapshot-num-steps − 1 is trained, and on an
+out-of-memory error. memray: the process's host allocations, its file closed at the same point.
 
 Files go to the directory the driver names (<work_dir>/profile/ on the rank's own node); the driver logs each
 path as it is written.
@@ -40,9 +41,13 @@ class TrainProfiler:
         self.targets = set(cfg.profile_target)
         self.written: list[str] = []
         self._overall: tuple[Any, int] | None = None  # (profile, rollout id) while train_overall records
-        self._memory_path: Path | None = None
+        self._memory_path: Path | None = None  # where the recording goes, while it records
+        self._memray = None  # --memory-recorder memray's Tracker
         if cfg.record_memory_history:
-            self._start_memory(Path(memory_dir))
+            if cfg.memory_recorder == "memray":
+                self._start_memray(Path(memory_dir))
+            else:
+                self._start_memory(Path(memory_dir))
 
     # ---- torch.profiler ----------------------------------------------------------------------------------------
     def _profile(self):
@@ -120,14 +125,32 @@ class TrainProfiler:
         log.info("train rank %d: recording the CUDA allocator's history (snapshot: %s)", self.rank,
                  self._memory_path)
 
-    def _dump_memory(self, rollout_id: int) -> None:
-        import torch
+    def _start_memray(self, directory: Path) -> None:
+        """--memory-recorder memray: every host allocation of this process, with Python and native stacks."""
+        import memray
 
-        torch.cuda.memory._dump_snapshot(str(self._memory_path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        directory.mkdir(parents=True, exist_ok=True)
+        name = self.cfg.memory_snapshot_path
+        if name == type(self.cfg).model_fields["memory_snapshot_path"].default:
+            name = "memray.bin"
+        self._memory_path = directory / f"rank{self.rank}_{name}"
+        self._memory_path.unlink(missing_ok=True)  # a resumed run's rank records afresh (memray will not overwrite)
+        self._memray = memray.Tracker(file_name=str(self._memory_path), native_traces=True)
+        self._memray.__enter__()
+        log.info("train rank %d: memray records this process's allocations into %s", self.rank, self._memory_path)
+
+    def _dump_memory(self, rollout_id: int) -> None:
+        if self._memray is not None:
+            self._memray.__exit__(None, None, None)
+            self._memray = None
+        else:
+            import torch
+
+            torch.cuda.memory._dump_snapshot(str(self._memory_path))
+            torch.cuda.memory._record_memory_history(enabled=None)
         self.written.append(str(self._memory_path))
-        log.info("train rank %d: the CUDA allocator's history up to rollout %d written to %s", self.rank,
-                 rollout_id, self._memory_path)
+        log.info("train rank %d: the %s history up to rollout %d written to %s", self.rank,
+                 self.cfg.memory_recorder, rollout_id, self._memory_path)
         self._memory_path = None
 
     # ---- the end of a rollout's training ------------------------------------------------------------------------
