@@ -133,6 +133,7 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
     run.owns_ray = cluster.take_prestarted() or not cluster.connected()
     run.cluster = cluster.connect(cfg.ray_address, cfg.num_cpus, cfg.ray_code, cfg.ray_services)
     fits_cluster(cfg)
+    memory_recorder_fits(cfg, run.cluster.get("GPU", 0.0))
     try:
         # The engines and the train workers start first, side by side: each imports torch and transformers and
         # loads the model (~5 s of CPU each), so the driver reads the data and opens the tracker meanwhile.
@@ -170,6 +171,18 @@ def place(cfg: RunConfig, *, tracker: Tracker | None = None, flow_run_id: str | 
         run.close()  # a retried place() must not find this attempt's placement group still holding the GPUs
         raise
     return run
+
+
+def memory_recorder_fits(cfg: RunConfig, cluster_gpus: float) -> None:
+    """--record-memory-history with the torch recorder records the CUDA caching allocator: on a cluster without
+    GPUs it would fail in every train rank's start; say so before anything starts."""
+    if cfg.record_memory_history and cfg.memory_recorder == "torch" and not cluster_gpus:
+        raise ConfigError(Diagnosis(
+            code="CONFIG", severity="error",
+            what="--record-memory-history records the CUDA caching allocator's history (--memory-recorder torch), "
+                 "and this cluster has no GPUs",
+            fix="--memory-recorder memray (host memory; pip install memray), or run on GPUs",
+            facts={"field": "memory_recorder", "value": "torch", "cluster_gpus": cluster_gpus}))
 
 
 def profile_dirs(run: Run) -> tuple[str, str]:

@@ -108,9 +108,17 @@ def test_the_files_go_under_the_work_dir_and_memory_snapshot_dir_as_the_driver_r
 
 
 def test_memory_history_on_a_cpu_rank_fails_at_its_start_naming_the_flag(tiny_model, tmp_path):
+    """Placement refuses it on a cluster without GPUs, before any worker starts; a CPU rank refuses it too."""
+    from engine.stages import memory_recorder_fits
     from engine.train.profiling import TrainProfiler
 
     cfg = make_cfg(tiny_model, record_memory_history=True)
+    with pytest.raises(ConfigError, match="records the CUDA caching allocator's history.*has no GPUs") as e:
+        memory_recorder_fits(cfg, 0.0)
+    assert "--memory-recorder memray" in e.value.diagnoses[0].fix
+    memory_recorder_fits(cfg, 1.0)
+    memory_recorder_fits(make_cfg(tiny_model, record_memory_history=True, memory_recorder="memray",
+                                  memory_snapshot_num_steps=1), 0.0)
     with pytest.raises(RuntimeError, match="--record-memory-history records the CUDA caching allocator.*runs on cpu"):
         TrainProfiler(cfg, rank=0, device="cpu", directory=str(tmp_path), memory_dir=str(tmp_path))
 

@@ -65,7 +65,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "wandb_host", "wandb_run_id", "log_passrate", "log_multi_turn", "log_correct_samples",
                 "use_tensorboard", "tb_project_name", "tb_experiment_name", "use_pytorch_profiler",
                 "profile_step_start", "profile_step_end", "profile_ranks", "profile_target", "record_memory_history",
-                "memory_snapshot_dir", "memory_snapshot_num_steps", "memory_snapshot_path"}
+                "memory_snapshot_dir", "memory_snapshot_num_steps", "memory_snapshot_path", "memory_recorder"}
 
 
 #: Settings a resume keeps: the checkpoint's manifest records them, and a resume that changes one fails with the

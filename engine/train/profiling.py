@@ -27,8 +27,6 @@ from typing import Any, Iterator
 
 log = logging.getLogger("rollflow")
 
-TARGETS = ("train_overall", "train_actor", "train_log_probs")
-
 
 class TrainProfiler:
     """One train rank's profiler and memory recorder (engine.train.worker.TrainWorker.profiler)."""
