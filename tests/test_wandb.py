@@ -87,6 +87,14 @@ def test_wandb_flags_need_use_wandb_and_reach_wandb_init(tmp_path, monkeypatch):
     WandbMirror.start(RunConfig(use_wandb=True, wandb_run_id="given", work_dir=str(tmp_path)), run_name="r",
                       run_id="0123abcd", config={})
     assert seen["id"] == "given" and seen["project"] == "rollflow"  # --wandb-run-id; the experiment's name
+    # slime's names: the run named --wandb-group exactly (rollflow's names carry no random suffix to drop)
+    WandbMirror.start(RunConfig(use_wandb=True, wandb_group="sweep", disable_wandb_random_suffix=True,
+                                work_dir=str(tmp_path)), run_name="r", run_id="0123abcd", config={})
+    assert seen["name"] == seen["group"] == "sweep"
+    with pytest.raises(ConfigError, match="names the W&B run --wandb-group, which is not set"):
+        RunConfig(use_wandb=True, disable_wandb_random_suffix=True)
+    with pytest.raises(ConfigError, match="--disable-wandb-random-suffix without --use-wandb"):
+        RunConfig(disable_wandb_random_suffix=True)
 
 
 @pytest.mark.slow

@@ -62,7 +62,8 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "save_debug_train_data", "dump_details", "custom_config_path",
                 "distributed_timeout_minutes",
                 "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
-                "wandb_host", "wandb_run_id", "log_passrate", "log_multi_turn", "log_correct_samples",
+                "wandb_host", "wandb_run_id", "disable_wandb_random_suffix", "log_passrate", "log_multi_turn",
+                "log_correct_samples",
                 "use_tensorboard", "tb_project_name", "tb_experiment_name", "use_pytorch_profiler",
                 "profile_step_start", "profile_step_end", "profile_ranks", "profile_target", "record_memory_history",
                 "memory_snapshot_dir", "memory_snapshot_num_steps", "memory_snapshot_path", "memory_recorder"}

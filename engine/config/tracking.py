@@ -60,6 +60,9 @@ class TrackingArgs(Section):
     wandb_run_id: Optional[str] = None
     """Log into this W&B run id (slime's flag; created if missing). Default: the MLflow run's id, so a resumed run continues its W&B run."""
 
+    disable_wandb_random_suffix: bool = False
+    """Name the W&B run --wandb-group exactly (slime's flag, which otherwise names it <group>_<random id>-RANK_0). rollflow names a W&B run after its MLflow run, whose name is unique already (<experiment>-<date>-<time>, or --run-name), so it adds no random suffix; with this flag a slime script's runs keep slime's names. Needs --wandb-group."""
+
     log_passrate: bool = False
     """Also log pass@k for k = 1, 2, 4, … up to the samples per prompt (slime's flag): rollout/pass_at_<k> over each rollout's groups, eval/<set>_pass_at_<k> over an eval set's prompts (with more than one sample per prompt). The unbiased estimator 1 − C(n−c, k) / C(n, k) of n samples with c correct, where a reward of 1 is correct, as slime counts."""
 
@@ -200,13 +203,20 @@ class TrackingArgs(Section):
         from engine.diagnosis import ConfigError, Diagnosis
 
         set_ = [f"--{k.replace('_', '-')}" for k in ("wandb_project", "wandb_team", "wandb_group", "wandb_dir",
-                                                     "wandb_key", "wandb_host", "wandb_run_id") if getattr(self, k)]
+                                                     "wandb_key", "wandb_host", "wandb_run_id",
+                                                     "disable_wandb_random_suffix") if getattr(self, k)]
         if self.wandb_mode != "online":
             set_.append(f"--wandb-mode {self.wandb_mode}")
         if set_ and not self.use_wandb:
             raise ConfigError(Diagnosis(code="CONFIG", severity="error",
                                         what=f"{', '.join(set_)} without --use-wandb: nothing is sent to W&B",
                                         fix="add --use-wandb, or drop them", facts={"field": "use_wandb"}))
+        if self.disable_wandb_random_suffix and not self.wandb_group:
+            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
+                                        what="--disable-wandb-random-suffix names the W&B run --wandb-group, which is "
+                                             "not set", fix="add --wandb-group NAME (or drop the flag: the run is "
+                                                            "then named after its MLflow run)",
+                                        facts={"field": "disable_wandb_random_suffix", "value": True}))
         if self.use_wandb:
             import importlib.util
 

@@ -44,7 +44,8 @@ class WandbMirror:
             directory = Path(cfg.wandb_dir or Path(cfg.work_dir) / "wandb").resolve()
             directory.mkdir(parents=True, exist_ok=True)
             run = wandb.init(project=cfg.wandb_project or cfg.experiment_name, entity=cfg.wandb_team,
-                             group=cfg.wandb_group, name=run_name, id=wid, resume="allow" if wid else None,
+                             group=cfg.wandb_group,
+                             name=cfg.wandb_group if cfg.disable_wandb_random_suffix else run_name, id=wid, resume="allow" if wid else None,
                              dir=str(directory), mode=cfg.wandb_mode, config=redact(config), settings=settings,
                              reinit="create_new")
         except Exception as e:  # noqa: BLE001 — any W&B failure: reported, training continues
