@@ -1354,6 +1354,7 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
             run.train_group.train_step(k, run.plan.global_batch_size, not critic_only)
         faults.at("during_train", rollout_id)
         m = reduce_metrics(parts)
+        check_grad_norms(run, rollout_id, k, m)
         if critic_only:  # the critic's metrics only: no policy step ran
             per_step.append(m)
             continue
@@ -1389,6 +1390,48 @@ def train(run: Run, packed: PackedRollout) -> dict[str, float]:
     out["train/tokens_per_s"] = packed.metrics["pack/tokens"] / max(secs, 1e-9)
     return publish(run, rollout_id, {**out, **mismatch, **after_train(run, rollout_id),
                                      **gpu_memory_metrics(run, "train")})
+
+
+def check_grad_norms(run: Run, rollout_id: int, step_id: int, m: dict[str, float]) -> None:
+    """--ci-save-grad-norm writes one optimizer step's global gradient norms (the policy's as role actor, PPO's
+    critic's as critic); --ci-load-grad-norm checks them against such files with slime's tolerance (relative 1% or
+    absolute 0.01): a REPRODUCE error names the step, both numbers and the file."""
+    import math
+
+    from engine.diagnosis import DiagnosisError
+
+    cfg = run.cfg
+    pattern = cfg.ci_save_grad_norm or cfg.ci_load_grad_norm
+    if not pattern:
+        return
+    flag = "--ci-save-grad-norm" if cfg.ci_save_grad_norm else "--ci-load-grad-norm"
+    for role, key in (("actor", "grad_norm"), ("critic", "critic_grad_norm")):
+        if key not in m:
+            continue
+        path = Path(pattern.format(role=role, rollout_id=rollout_id, step_id=step_id))
+        if cfg.ci_save_grad_norm:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"grad_norm": m[key], "role": role, "rollout_id": rollout_id,
+                                        "step_id": step_id}) + "\n")
+            continue
+        where = f"rollout {rollout_id}, step {step_id}, {role}"
+        try:
+            want = float(json.loads(path.read_text())["grad_norm"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DiagnosisError(Diagnosis(
+                code="REPRODUCE", severity="error",
+                what=f"{flag}: no reference gradient norm for {where} in {path} ({type(e).__name__}: {e})",
+                fix=f"record the reference run with --ci-save-grad-norm {pattern} (the same rollouts and steps)",
+                facts={"field": "ci_load_grad_norm", "path": str(path)})) from e
+        if not math.isclose(m[key], want, rel_tol=0.01, abs_tol=0.01):
+            raise DiagnosisError(Diagnosis(
+                code="REPRODUCE", severity="error",
+                what=f"{flag}: the gradient norm of {where} is {m[key]:.6g}, the reference run's was {want:.6g} "
+                     f"({path}); beyond relative 1% and absolute 0.01",
+                fix="compare the two runs' flags, seeds, data and versions (rollflow compare RUN…); a different "
+                    "backend or precision can move it legitimately",
+                facts={"field": "ci_load_grad_norm", "path": str(path), "got": m[key], "want": want,
+                       "rollout_id": rollout_id, "step_id": step_id, "role": role}))
 
 
 def after_train(run: Run, rollout_id: int) -> dict[str, float]:

@@ -142,6 +142,10 @@ FLAG_TESTS = {
         "test_train_backend.py::test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step",
     "keep_old_actor":
         "test_async.py::test_update_weights_interval_syncs_every_n_rollouts_and_reports_the_staleness",
+    "ci_save_grad_norm":
+        "test_train_backend.py::test_ci_grad_norms_are_recorded_then_reproduced_and_a_different_one_stops_the_run",
+    "ci_load_grad_norm":
+        "test_train_backend.py::test_ci_grad_norms_are_recorded_then_reproduced_and_a_different_one_stops_the_run",
     "distributed_timeout_minutes":
         "test_train_backend.py::test_distributed_timeout_minutes_bounds_a_collective_a_rank_never_joins",
     "dump_details": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",

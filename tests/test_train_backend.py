@@ -928,3 +928,38 @@ def test_keep_old_actor_scores_a_stale_rollout_with_the_weights_that_generated_i
     plain.train_step(0, 8)
     plain.set_rollout(one_rollout()[0], rewards, need_ref=False, rollout_id=1, old_version=0)
     assert max(float((a - b).abs().max()) for a, b in zip(plain.old[0], v0)) > 1e-4 and not plain.old_actors
+
+
+def test_ci_grad_norms_are_recorded_then_reproduced_and_a_different_one_stops_the_run(tiny_model, tmp_path):
+    """slime's --ci-save-grad-norm / --ci-load-grad-norm: a file per optimizer step; the same run again passes the
+    check, a reference 5% off (beyond slime's 1%) is a REPRODUCE error naming both numbers, a missing file too."""
+    import json
+
+    from engine.stages import train
+
+    pattern = str(tmp_path / "gn" / "{role}_{rollout_id}_{step_id}.json")
+    cfg = make_cfg(tiny_model, ci_save_grad_norm=pattern, logprob_mismatch_threshold=1e3)
+    out = train(stage_run(cfg, make_worker(cfg)), packed_rollout())
+    ref = tmp_path / "gn" / "actor_0_0.json"
+    recorded = json.loads(ref.read_text())
+    assert recorded["grad_norm"] == out["train/grad_norm"] > 0 and sorted(p.name for p in ref.parent.iterdir()) == [
+        "actor_0_0.json"]
+
+    check = make_cfg(tiny_model, ci_load_grad_norm=pattern, logprob_mismatch_threshold=1e3)
+    train(stage_run(check, make_worker(check)), packed_rollout())  # the same run: reproduced
+    ref.write_text(json.dumps({"grad_norm": recorded["grad_norm"] * 1.05}))
+    with pytest.raises(DiagnosisError, match="the gradient norm of rollout 0, step 0, actor is") as e:
+        train(stage_run(check, make_worker(check)), packed_rollout())
+    (d,) = e.value.diagnoses
+    assert d.code == "REPRODUCE" and d.facts["want"] == pytest.approx(recorded["grad_norm"] * 1.05)
+    assert d.facts["got"] == pytest.approx(recorded["grad_norm"])
+    ref.unlink()
+    with pytest.raises(DiagnosisError, match="no reference gradient norm for rollout 0, step 0, actor"):
+        train(stage_run(check, make_worker(check)), packed_rollout())
+
+    with pytest.raises(ConfigError, match="both set"):
+        make_cfg(tiny_model, ci_save_grad_norm=pattern, ci_load_grad_norm=pattern)
+    with pytest.raises(ConfigError, match=r"has no \{step_id\}, so steps would share a file"):
+        make_cfg(tiny_model, ci_save_grad_norm=str(tmp_path / "gn_{rollout_id}.json"))
+    with pytest.raises(ConfigError, match=r"has no \{role\}"):
+        make_cfg(tiny_model, advantage_estimator="ppo", ci_load_grad_norm=str(tmp_path / "{rollout_id}_{step_id}"))

@@ -60,7 +60,7 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
                 "save_debug_train_data", "dump_details", "custom_config_path",
-                "distributed_timeout_minutes",
+                "distributed_timeout_minutes", "ci_save_grad_norm", "ci_load_grad_norm",
                 "use_wandb", "wandb_project", "wandb_team", "wandb_group", "wandb_mode", "wandb_dir", "wandb_key",
                 "wandb_host", "wandb_run_id", "disable_wandb_random_suffix", "log_passrate", "log_multi_turn",
                 "log_correct_samples",
@@ -295,6 +295,29 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                "on an out-of-memory error", f"a value ≤ {self.num_rollout}, or leave it unset (the "
                                "snapshot on out-of-memory only)", field="memory_snapshot_num_steps",
                                value=self.memory_snapshot_num_steps)
+        return self
+
+    @model_validator(mode="after")
+    def _ci_grad_norm(self) -> "RunConfig":
+        """--ci-save-grad-norm / --ci-load-grad-norm: one of them, a local pattern with a file per step."""
+        if self.ci_save_grad_norm and self.ci_load_grad_norm:
+            raise config_error("--ci-save-grad-norm and --ci-load-grad-norm both set: a run either records the "
+                               "reference gradient norms or checks against them", "drop one of them",
+                               field="ci_load_grad_norm", value=self.ci_load_grad_norm)
+        for field in ("ci_save_grad_norm", "ci_load_grad_norm"):
+            pattern = getattr(self, field)
+            if not pattern:
+                continue
+            flag = "--" + field.replace("_", "-")
+            need = ["{rollout_id}", "{step_id}"] + (["{role}"] if self.advantage_estimator == "ppo" else [])
+            if (missing := [k for k in need if k not in pattern]) or "://" in pattern:
+                raise config_error(
+                    f"{flag} {pattern!r}: " + (f"has no {', '.join(missing)}, so steps would share a file" if missing
+                                                else "the files are read and written on the driver's filesystem"),
+                    f"e.g. {flag} runs/ref/gn_{{role}}_{{rollout_id}}_{{step_id}}.json", field=field, value=pattern)
+            if not self.trains:
+                raise config_error(f"{flag}: --debug-rollout-only runs no optimizer step", f"drop {flag}",
+                                   field=field, value=pattern)
         return self
 
     @model_validator(mode="after")

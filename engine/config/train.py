@@ -111,6 +111,12 @@ class TrainArgs(Section):
     check_for_nan_in_loss_and_grad: bool = True
     """Fail a step whose loss or gradients are NaN/Inf, naming its samples (RF13); --no-… skips such steps instead."""
 
+    ci_save_grad_norm: Optional[str] = None
+    """Write every optimizer step's global gradient norm to this path (slime's flag, for regression gates), `{rollout_id}`, `{step_id}` and `{role}` (actor, or critic for PPO's critic) filled in, e.g. `runs/ref/gn_{role}_{rollout_id}_{step_id}.json`; a later run with --ci-load-grad-norm checks it reproduces them. JSON, on the driver's filesystem."""
+
+    ci_load_grad_norm: Optional[str] = None
+    """Check every optimizer step's global gradient norm against the one --ci-save-grad-norm wrote at this path (slime's flag and tolerance: relative 1% or absolute 0.01); a step that differs, or whose file is missing, stops the run with a REPRODUCE error naming both numbers. E.g. the same seed and data after an upgrade, or on another backend."""
+
     distributed_timeout_minutes: float = Field(10.0, gt=0)
     """Timeout of the train ranks' process groups (slime's flag and default): a collective that waits longer for a rank (e.g. one rank saving or stuck) fails instead of hanging (torch.distributed's `timeout`, both backends and Megatron's model-parallel groups). Raise it when a rank may legitimately lag, e.g. a slow checkpoint write on rank 0. DP > 1 or Megatron only."""
 
