@@ -961,5 +961,7 @@ def test_ci_grad_norms_are_recorded_then_reproduced_and_a_different_one_stops_th
         make_cfg(tiny_model, ci_save_grad_norm=pattern, ci_load_grad_norm=pattern)
     with pytest.raises(ConfigError, match=r"has no \{step_id\}, so steps would share a file"):
         make_cfg(tiny_model, ci_save_grad_norm=str(tmp_path / "gn_{rollout_id}.json"))
+    with pytest.raises(ConfigError, match=r"only \{role\}, \{rollout_id\} and \{step_id\} are filled in \(KeyError"):
+        make_cfg(tiny_model, ci_save_grad_norm=str(tmp_path / "{run}_{rollout_id}_{step_id}.json"))
     with pytest.raises(ConfigError, match=r"has no \{role\}"):
         make_cfg(tiny_model, advantage_estimator="ppo", ci_load_grad_norm=str(tmp_path / "{rollout_id}_{step_id}"))

@@ -315,6 +315,13 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                     f"{flag} {pattern!r}: " + (f"has no {', '.join(missing)}, so steps would share a file" if missing
                                                 else "the files are read and written on the driver's filesystem"),
                     f"e.g. {flag} runs/ref/gn_{{role}}_{{rollout_id}}_{{step_id}}.json", field=field, value=pattern)
+            try:
+                pattern.format(role="actor", rollout_id=0, step_id=0)
+            except (KeyError, IndexError, ValueError) as e:
+                raise config_error(f"{flag} {pattern!r}: only {{role}}, {{rollout_id}} and {{step_id}} are filled in "
+                                   f"({type(e).__name__}: {e})",
+                                   f"e.g. {flag} runs/ref/gn_{{role}}_{{rollout_id}}_{{step_id}}.json", field=field,
+                                   value=pattern) from None
             if not self.trains:
                 raise config_error(f"{flag}: --debug-rollout-only runs no optimizer step", f"drop {flag}",
                                    field=field, value=pattern)
