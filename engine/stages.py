@@ -1396,14 +1396,14 @@ def check_grad_norms(run: Run, rollout_id: int, step_id: int, m: dict[str, float
     """--ci-save-grad-norm writes one optimizer step's global gradient norms (the policy's as role actor, PPO's
     critic's as critic); --ci-load-grad-norm checks them against such files with slime's tolerance (relative 1% or
     absolute 0.01): a REPRODUCE error names the step, both numbers and the file."""
+    cfg = run.cfg
+    pattern = cfg.ci_save_grad_norm or cfg.ci_load_grad_norm
+    if not pattern:  # every step of every run passes here: nothing else before this
+        return
     import math
 
     from engine.diagnosis import DiagnosisError
 
-    cfg = run.cfg
-    pattern = cfg.ci_save_grad_norm or cfg.ci_load_grad_norm
-    if not pattern:
-        return
     flag = "--ci-save-grad-norm" if cfg.ci_save_grad_norm else "--ci-load-grad-norm"
     for role, key in (("actor", "grad_norm"), ("critic", "critic_grad_norm")):
         if key not in m:
