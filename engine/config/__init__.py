@@ -56,7 +56,8 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
                 "megatron_cuda_graphs", "offload_train", "recompute_activations", "train_share_prefix",
-                "log_probs_chunk_size", "train_env_vars", "async_save", "check_weight_update_equal",
+                "log_probs_chunk_size", "log_probs_max_tokens_per_gpu", "train_env_vars", "async_save",
+                "check_weight_update_equal",
                 "update_weight_buffer_size", "rollout_engine_process", "ray_services", "model_impl",
                 "logprob_mismatch_threshold", "wait_for_save_lock", "allow_config_change", "save_debug_rollout_data",
                 "save_debug_train_data", "dump_details", "custom_config_path",
@@ -325,6 +326,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             if not self.trains:
                 raise config_error(f"{flag}: --debug-rollout-only runs no optimizer step", f"drop {flag}",
                                    field=field, value=pattern)
+        return self
+
+    @model_validator(mode="after")
+    def _log_probs_cap(self) -> "RunConfig":
+        if self.log_probs_max_tokens_per_gpu is not None and not self.use_dynamic_batch_size:
+            raise config_error(f"--log-probs-max-tokens-per-gpu {self.log_probs_max_tokens_per_gpu} caps the tokens of "
+                               "the no-grad forwards' micro-batches in dynamic mode, and --use-dynamic-batch-size is "
+                               "off: the forwards run the step's --micro-batch-size micro-batches",
+                               "--use-dynamic-batch-size --max-tokens-per-gpu N, or drop the flag",
+                               field="log_probs_max_tokens_per_gpu", value=self.log_probs_max_tokens_per_gpu)
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,9 @@ class PackingArgs(Section):
     max_tokens_per_gpu: Optional[int] = Field(None, ge=1)
     """Token cap per micro-batch per GPU (× context-parallel size); required by --use-dynamic-batch-size (RF03)."""
 
+    log_probs_max_tokens_per_gpu: Optional[int] = Field(None, ge=1)
+    """Token cap per micro-batch of the no-grad forwards before the steps (slime's flag): the old and reference log-probs, --use-opd's teacher and PPO's values. With --use-dynamic-batch-size; default: the step's own micro-batches (under --max-tokens-per-gpu). They keep no activations for a backward, so a larger cap runs fewer, larger forwards (the samples re-packed in order; the same log-probs up to the matrix products' rounding)."""
+
     context_parallel_size: int = Field(1, ge=1)
     """Context parallelism (CP) as in slime: the micro-batch cap is max_tokens_per_gpu·CP and DP = train GPUs / CP; no rollflow backend runs CP yet, so CP > 1 is a preflight error."""
 

@@ -86,3 +86,57 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
                       rollout_log_probs=torch.tensor(rlp, dtype=torch.float32),
                       sample_ids=[s.index for s in samples], response_lengths=resp,
                       teacher_log_probs=torch.tensor(tlp, dtype=torch.float32) if teacher else None)
+
+
+def regroup(mbs: list[MicroBatch], cap: int) -> list[MicroBatch]:
+    """The samples of `mbs`, in their order, re-packed into micro-batches of at most `cap` tokens (a sample longer
+    than `cap` alone in its own), for the no-grad forwards (--log-probs-max-tokens-per-gpu): no activations are kept
+    for a backward there, so they can run fewer, larger micro-batches than the training step's.
+
+    The flat rows of the result, concatenated, are those of `mbs` concatenated (a padding segment stays a segment),
+    so `split_like` gives each original micro-batch its per-token results back. Advantages are not carried: the
+    forwards run before they exist.
+    """
+    out: list[MicroBatch] = []
+    parts: list[tuple[MicroBatch, int, int, int | None, int]] = []  # (mb, start, end, sample id, response length)
+    for mb in mbs:
+        cu = mb.cu_seqlens.tolist()
+        resp = mb.response_lengths or [0] * (len(cu) - 1)
+        for i in range(len(cu) - 1):
+            parts.append((mb, cu[i], cu[i + 1], mb.sample_ids[i] if i < len(mb.sample_ids) else None, resp[i]))
+    cur: list[tuple[MicroBatch, int, int, int | None, int]] = []
+    size = 0
+    for p in parts:
+        n = p[2] - p[1]
+        if cur and size + n > cap:
+            out.append(_joined(cur))
+            cur, size = [], 0
+        cur.append(p)
+        size += n
+    if cur:
+        out.append(_joined(cur))
+    return out
+
+
+def _joined(parts: list[tuple[MicroBatch, int, int, int | None, int]]) -> MicroBatch:
+    def cat(get) -> torch.Tensor:
+        return torch.cat([get(mb)[a:e] for mb, a, e, _, _ in parts])
+
+    lens = [e - a for _, a, e, _, _ in parts]
+    teacher = all(mb.teacher_log_probs is not None for mb, *_ in parts)
+    return MicroBatch(tokens=cat(lambda m: m.tokens),
+                      cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32),
+                      position_ids=cat(lambda m: m.position_ids), loss_mask=cat(lambda m: m.loss_mask),
+                      advantages=torch.zeros(sum(lens)), rollout_log_probs=cat(lambda m: m.rollout_log_probs),
+                      sample_ids=[sid for *_, sid, _ in parts if sid is not None],
+                      response_lengths=[r for *_, r in parts],
+                      teacher_log_probs=cat(lambda m: m.teacher_log_probs) if teacher else None)
+
+
+def split_like(outs: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    """Per-token results [T'] of `regroup(mbs, cap)`'s micro-batches back as one [T] tensor per micro-batch of
+    `mbs`."""
+    flat = torch.cat(outs) if outs else torch.zeros(0)
+    if flat.numel() != sum(mb.num_tokens for mb in mbs):
+        raise ValueError(f"{flat.numel()} per-token results for {sum(mb.num_tokens for mb in mbs)} tokens")
+    return list(flat.split([mb.num_tokens for mb in mbs]))

@@ -238,10 +238,13 @@ class TrainWorker:
             forward, self.entropy = None, None
             if policy_forward:
                 if cfg.use_rollout_entropy:
-                    pairs = [self.backend.compute_log_probs(mbs, with_entropy=True, **weights) for mbs in steps]
+                    pairs = [self._forward_only(lambda m: self.backend.compute_log_probs(m, with_entropy=True,
+                                                                                         **weights), mbs)
+                             for mbs in steps]
                     forward, self.entropy = [p[0] for p in pairs], [p[1] for p in pairs]
                 else:
-                    forward = [self.backend.compute_log_probs(mbs, **weights) for mbs in steps]
+                    forward = [self._forward_only(lambda m: self.backend.compute_log_probs(m, **weights), mbs)
+                               for mbs in steps]
             if old_from == "forward":
                 self.old = forward
             elif old_from == "rollout":
@@ -264,8 +267,9 @@ class TrainWorker:
                         kept = mis_mask(self.old[k][j], mb.rollout_log_probs, low=cfg.mis_low, high=cfg.mis_high)
                         mis_masked += float((mb.loss_mask * (1 - kept)).sum())
                         mb.loss_mask = mb.loss_mask * kept
-            self.ref = [self.backend.compute_log_probs(mbs, ref=True) for mbs in steps] if need_ref else None
-            self.values = [self.critic.compute_values(mbs) for mbs in steps] if self.critic else []
+            self.ref = [self._forward_only(lambda m: self.backend.compute_log_probs(m, ref=True), mbs)
+                        for mbs in steps] if need_ref else None
+            self.values = [self._forward_only(self.critic.compute_values, mbs) for mbs in steps] if self.critic else []
         reward_t = torch.tensor(rewards, dtype=torch.float32)  # [N]
         self.returns = []
         for k, mbs in enumerate(steps):
@@ -315,6 +319,19 @@ class TrainWorker:
         facts.update(post)
         return facts
 
+    def _forward_only(self, compute, mbs: list[MicroBatch]):
+        """compute(micro-batches) → one per-token [T] result per micro-batch (or a tuple of such lists), run over
+        `mbs` — or, with --log-probs-max-tokens-per-gpu, over their samples re-packed under that cap (slime's flag:
+        a no-grad forward keeps no activations, so it can take larger micro-batches than the step) and given back per
+        micro-batch of `mbs`."""
+        cap = self.cfg.log_probs_max_tokens_per_gpu
+        if cap is None or not mbs:
+            return compute(mbs)
+        from engine.packing.microbatch import regroup, split_like
+
+        out = compute(regroup(mbs, cap * self.cfg.context_parallel_size))
+        return tuple(split_like(o, mbs) for o in out) if isinstance(out, tuple) else split_like(out, mbs)
+
     def _profiled(self, target: str, name: str, when: bool = True):
         """--use-pytorch-profiler: the block recorded as `target`'s profile `name` (when due), else nothing."""
         import contextlib
@@ -353,7 +370,7 @@ class TrainWorker:
                 teacher = [torch.zeros(mb.num_tokens) if mb.teacher_log_probs is None else mb.teacher_log_probs
                            for mb in mbs]
             else:
-                teacher = self.backend.compute_log_probs(mbs, teacher=True)
+                teacher = self._forward_only(lambda m: self.backend.compute_log_probs(m, teacher=True), mbs)
             for j, mb in enumerate(mbs):
                 reverse_kl = (self.old[k][j] - teacher[j]) * mb.loss_mask
                 mb.advantages = mb.advantages - self.cfg.opd_kl_coef * reverse_kl
