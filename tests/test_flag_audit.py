@@ -152,6 +152,9 @@ FLAG_TESTS = {
     "train_env_vars": "test_dp_invariance.py::test_train_env_vars_reach_every_train_rank_before_torch",
     "log_probs_max_tokens_per_gpu":
         "test_forward_batching.py::test_the_no_grad_forwards_run_under_their_own_cap_with_the_same_results",
+    "recompute_loss_function":
+        "test_train_backend.py::"
+        "test_recompute_loss_function_keeps_only_the_logits_for_the_backward_and_takes_the_same_step",
     "log_probs_chunk_size":
         "test_train_backend.py::test_log_probs_chunk_size_takes_the_same_step_with_the_head_run_in_chunks",
     "train_share_prefix":

@@ -479,6 +479,48 @@ def test_log_probs_chunk_size_takes_the_same_step_with_the_head_run_in_chunks(ti
     assert float(diff.max()) <= 1e-4 and int((diff > 1e-6).sum()) <= 1e-3 * diff.numel()
 
 
+def test_recompute_loss_function_keeps_only_the_logits_for_the_backward_and_takes_the_same_step(tiny_model,
+                                                                                                  monkeypatch):
+    """--recompute-loss-function: of the [tokens, vocabulary] tensors, the backward keeps only the logits (the CPU
+    formula keeps two others per micro-batch: its log-softmax and their exponentials); the log-softmax runs once
+    more per micro-batch, in the backward; the step, its loss and the weights after it are the plain run's."""
+    import engine.train.forward as fw
+    from engine.diagnosis import ConfigError
+
+    real, calls = fw.token_log_probs, []
+    monkeypatch.setattr(fw, "token_log_probs", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    out, saved, ran = {}, {}, {}
+    for on in (False, True):
+        w = make_worker(make_cfg(tiny_model, recompute_loss_function=on))
+        head = w.backend.model.lm_head.weight  # [V, H]: its transpose is saved by the head's product
+        vocab = head.shape[0]
+        steps, rewards = one_rollout()
+        w.set_rollout(steps, rewards, need_ref=False)
+        kept: dict[int, tuple] = {}  # distinct [K, V] activations saved for the backward: storage → (K, grad_fn)
+
+        def keep(t):
+            ptr = t.untyped_storage().data_ptr()
+            if t.dim() == 2 and t.shape[-1] == vocab and ptr != head.untyped_storage().data_ptr():
+                kept.setdefault(ptr, (t.shape[0], type(t.grad_fn).__name__))
+            return t
+
+        calls.clear()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out[on] = (w.train_step(0, 8), params(w.backend.model))
+        saved[on], ran[on] = sorted(kept.values()), len(calls)
+    trained = [int(mb.loss_mask.sum()) for mb in one_rollout()[0][0]]  # K of each of the 4 micro-batches
+    assert saved[False] == sorted([(k, "LogSoftmaxBackward0") for k in trained] + [(k, "ExpBackward0")
+                                                                                     for k in trained])
+    assert saved[True] == sorted((k, "SelectBackward0") for k in trained)  # the logits, out.logits[0]
+    assert (ran[False], ran[True]) == (4, 8)  # each micro-batch's log-softmax again in the backward
+    (a, pa), (b, pb) = out[False], out[True]
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+    assert b["loss_total"] == pytest.approx(a["loss_total"], rel=1e-6, abs=1e-8)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    with pytest.raises(ConfigError, match="already recompute"):
+        make_cfg(tiny_model, recompute_loss_function=True, log_probs_chunk_size=64)
+
+
 def test_train_share_prefix_runs_each_prompt_once_and_takes_the_same_step(tiny_model):
     """--train-share-prefix: two GRPO groups (4 samples repeating a 12-token prompt) in one micro-batch each; on,
     the model sees each prompt once (fewer tokens) and the optimizer step is the same up to float rounding."""

@@ -48,6 +48,9 @@ class TrainArgs(Section):
     """Activation checkpointing: keep only each decoder layer's input and recompute the layer in the backward pass
     (~1/3 more compute, activation memory of one layer instead of all)."""
 
+    recompute_loss_function: bool = False
+    """Recompute the log-softmax and entropy over the vocabulary in the backward from the logits (slime's flag, as it checkpoints its loss function): the step keeps the logits for the backward instead of the float32 [tokens, vocabulary] intermediates (two per micro-batch in the torch backend's CPU formula), for one more log-softmax per micro-batch and the same gradients. Both backends; not with --log-probs-chunk-size, whose chunks already recompute it."""
+
     log_probs_chunk_size: int = -1
     """Compute the LM head and the log-softmax this many trained positions at a time (slime's flag; -1 = all at
     once), for memory: the [tokens, vocabulary] logits and their gradient are never held whole, each chunk's are
@@ -177,6 +180,11 @@ class TrainArgs(Section):
             raise config_error(f"--log-probs-chunk-size {n}: a chunk has ≥ 1 positions",
                                "a positive number of positions per chunk (e.g. 4096), or -1 for the whole "
                                "micro-batch at once", field="log_probs_chunk_size", value=n)
+        if n > 0 and self.recompute_loss_function:
+            raise config_error(f"--recompute-loss-function with --log-probs-chunk-size {n}: the chunks already "
+                               "recompute their log-softmax in the backward, so the flag would change nothing",
+                               "drop one of them (chunks save more memory: not even the logits are kept)",
+                               field="recompute_loss_function", value=True)
         if n > 0 and self.train_backend == "megatron" and self.tensor_model_parallel_size > 1:
             raise config_error(f"--log-probs-chunk-size {n} with --train-backend megatron and "
                                f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: chunks are computed "

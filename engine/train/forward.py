@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -240,6 +241,19 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, temperature:
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)  # [K], [K]
 
 
+def recomputed_log_probs(logits: torch.Tensor, targets: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """--recompute-loss-function: token_log_probs (or any `fn=` of the same signature) whose backward keeps only
+    the logits, recomputing the log-softmax and entropy from them there, instead of their [K, V] float32
+    intermediates. The same numbers and gradients."""
+    fn = kw.pop("fn", token_log_probs)
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return fn(logits, targets, **kw)
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):  # the recomputation runs whole (a compiled kernel cannot stop early)
+        return checkpoint(partial(fn, **kw), logits, targets, use_reentrant=False)
+
+
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int,
                       temperature: float, fused: bool, entropy_grad: bool = True,
                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +316,8 @@ class _HeadAsLogProbs:
 
 
 def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bool = False,
-                   entropy_grad: bool = True, share_prefix: bool = False, chunk: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   entropy_grad: bool = True, share_prefix: bool = False, chunk: int = 0,
+                   recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [T], entropy [T]) at the rollout temperature, on the model's device; 0 where loss_mask is 0.
 
     log π(tokens[t] | sample prefix) = log_softmax(logits[t−1] / temperature)[tokens[t]];
@@ -311,7 +325,8 @@ def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bo
     model-precision logits; entropy_grad=False leaves the entropy out of the backward (a metric only).
     share_prefix: the samples' shared prompts run once (shared_layout), where any are shared.
     chunk > 0 (--log-probs-chunk-size): the LM head and the log-softmax run `chunk` trained positions at a time
-    (chunked_log_probs), for memory; the model must pass check_chunkable.
+    (chunked_log_probs), for memory; the model must pass check_chunkable. recompute (--recompute-loss-function):
+    the log-softmax over the vocabulary is recomputed in the backward from the logits (recomputed_log_probs).
     """
     keep = (mb.loss_mask > 0).nonzero().squeeze(-1)  # [K] entries whose token is trained
     if keep.numel() and bool((mb.position_ids[keep] == 0).any()):
@@ -331,8 +346,9 @@ def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bo
     if chunk > 0:
         tok_lp, tok_ent = out.logits[0, :, 0], out.logits[0, :, 1]  # [K] each
     else:
-        tok_lp, tok_ent = token_log_probs(out.logits[0], tokens[keep], temperature=temperature, fused=fused,
-                                          entropy_grad=entropy_grad)  # [K] each: out.logits[0] predicts tokens[keep]
+        # [K] each: out.logits[0] predicts tokens[keep]
+        tok_lp, tok_ent = (recomputed_log_probs if recompute else token_log_probs)(
+            out.logits[0], tokens[keep], temperature=temperature, fused=fused, entropy_grad=entropy_grad)
     return lp.index_put((keep,), tok_lp.float()), ent.index_put((keep,), tok_ent.float())
 
 

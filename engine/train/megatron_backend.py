@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from engine.algorithms import LossSpec, step_objective
 from engine.packing.microbatch import MicroBatch
+from engine.train.forward import recomputed_log_probs
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
@@ -198,6 +199,7 @@ class MegatronBackend:
         # --log-probs-chunk-size (TP = 1, checked by the config): the output layer hands back its input, and the
         # loss runs the head on it chunk by chunk (engine.train.forward.chunked_log_probs)
         self.chunk = max(int(getattr(cfg, "log_probs_chunk_size", -1)), 0)
+        self.recompute_loss = bool(cfg.recompute_loss_function)  # the log-softmax recomputed in the backward
         self.head = _OutputAsHidden(gpt.output_layer) if self.chunk and getattr(gpt, "post_process", True) else None
         # The frozen reference policy: the initial weights of this rank's shards, on the host.
         self.ref_weights = self._host_copy()
@@ -299,15 +301,12 @@ class MegatronBackend:
 
                 lp, ent = chunked_log_probs(logits[0], self.head.weight, shift_targets(tokens), chunk=self.chunk,
                                             temperature=self.temperature, fused=fused, entropy_grad=entropy_grad)
-            elif fused:
-                lp, ent = fused_log_probs(logits[0], shift_targets(tokens), temperature=self.temperature,
-                                          entropy_grad=entropy_grad)  # [T] each
-            else:
-                logits = logits[0].float()  # [T, V/p]
-                if self.temperature != 1.0:
-                    logits = logits / self.temperature
-                lp, ent = vocab_parallel_log_probs(logits, shift_targets(tokens), entropy_grad=entropy_grad,
-                                                   **reducers)  # [T] each
+            else:  # fused: one compiled kernel on the model-precision logits; else fp32 over the vocabulary shards
+                fn, kw = (fused_log_probs, {"temperature": self.temperature}) if fused else \
+                    (self._sharded_log_probs, {"reducers": reducers})
+                if self.recompute_loss:  # --recompute-loss-function: only the logits kept for the backward
+                    fn, kw = recomputed_log_probs, {"fn": fn, **kw}
+                lp, ent = fn(logits[0], shift_targets(tokens), entropy_grad=entropy_grad, **kw)  # [T] each
             loss, stats = loss_fn(j, mb, align_to_tokens(lp, cu), align_to_tokens(ent, cu))
             return loss, torch.ones((), dtype=torch.int, device=dev), stats
 
@@ -325,6 +324,14 @@ class MegatronBackend:
             forward_step_func=step, data_iterator=iter(range(len(mbs))), model=self.model,
             num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
             forward_only=forward_only) or []
+
+    def _sharded_log_probs(self, logits: torch.Tensor, targets: torch.Tensor, *, entropy_grad: bool,
+                           reducers: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [T], entropy [T]) from this rank's vocabulary shard of the logits [T, V/p], in fp32."""
+        logits = logits.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return vocab_parallel_log_probs(logits, targets, entropy_grad=entropy_grad, **reducers)
 
     def _graph_keys(self, mbs: list[MicroBatch]) -> list[tuple[int, int] | None]:
         """Each micro-batch's decoder-graph shape (None: eager)."""

@@ -91,6 +91,7 @@ class TorchBackend:
         self.model_impl = impl_of(model)  # native or transformers (the run's summary: placement.train)
         use_varlen_attention(model)
         self.chunk = max(int(getattr(cfg, "log_probs_chunk_size", -1)), 0)  # 0: the whole head at once
+        self.recompute_loss = bool(cfg.recompute_loss_function)
         self._check_chunkable(model, "the policy")
         if cfg.recompute_activations:
             recompute_decoder_layers(model)
@@ -242,7 +243,7 @@ class TorchBackend:
         for j, mb in enumerate(mbs):
             lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
                                      entropy_grad=entropy_grad, share_prefix=self.share_prefix,
-                                     chunk=self.chunk)  # [T], [T]
+                                     chunk=self.chunk, recompute=self.recompute_loss)  # [T], [T]
             mask = mb.loss_mask.to(dev)
             old = old_log_probs[j].to(dev) if old_log_probs is not None else lp.detach()
             seen.append(lp.detach())
