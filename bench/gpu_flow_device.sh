@@ -4,7 +4,7 @@
 #   steps: tests | demo-torch | demo-megatron | shape-0.5b | shape-1.5b | shape-1.5b-megatron | debug | external
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
-#          | new-flags | async-save-0.5b | profiling
+#          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -121,6 +121,26 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("gpu_flow_05b_*.json")):
     print(f.name, d.get("state"), "loop", d.get("loop_wall_s"), json.dumps(d.get("save_per_rollout")))
 PY
       ;;
+    loss-memory)  # --recompute-loss-function: a train step's peak memory and time against the whole head, both
+                  # backends, 16k tokens in one micro-batch (bench/log_probs_chunk.py's `recompute` variant)
+      python3 bench/log_probs_chunk.py all --out "$OUT/loss" --tokens 16384 --backends torch,megatron \
+        --chunks=-1,recompute > "$OUT/loss_memory.txt" 2>&1; tail -8 "$OUT/loss_memory.txt"
+      for ext in json md; do cp "$OUT/loss/log_probs_chunk.$ext" "$OUT/loss_memory.$ext"; done; rm -rf "$OUT/loss" ;;
+    forward-batching)  # --log-probs-max-tokens-per-gpu: the old log-probs' forward over 32k tokens, both backends
+      python3 bench/log_probs_batching.py all --out "$OUT/fb" --backends torch,megatron --caps 0,8192,32768 \
+        > "$OUT/forward_batching.txt" 2>&1; tail -9 "$OUT/forward_batching.txt"
+      for ext in json md; do cp "$OUT/fb/log_probs_batching.$ext" "$OUT/forward_batching.$ext"; done
+      rm -rf "$OUT/fb" ;;
+    s30-demos)  # the 2026-12-06 flags through both colocated demos, the GPU tests beside them
+      (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py tests/test_megatron_backend.py \
+         --timeout 500 > "$OUT/pytest_gpu.txt" 2>&1) &
+      flags="--recompute-loss-function --use-dynamic-batch-size --max-tokens-per-gpu 256
+             --log-probs-max-tokens-per-gpu 4096 --log-kl"
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 --extra "$flags" &
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500 \
+        --extra "$flags"
+      wait; tail -n 4 "$OUT/pytest_gpu.txt"
+      grep -h "Completed\|Failed\|RF[0-9]" "$OUT"/gpu_flow_demo_*.log | tail -12 ;;
     *) echo "unknown step $step" ;;
   esac
 done

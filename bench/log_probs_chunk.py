@@ -1,7 +1,10 @@
 """--log-probs-chunk-size on a GPU: peak memory and time of a train step with the LM head run whole or in chunks.
 
-    python bench/log_probs_chunk.py all --out DIR [--tokens 16384] [--chunks -1,4096,1024]   # every variant
+    python bench/log_probs_chunk.py all --out DIR [--tokens 16384] [--chunks -1,4096,1024,recompute]   # variants
     python bench/log_probs_chunk.py one --backend torch --chunk 4096 --tokens 16384 --out DIR  # one, in-process
+
+`recompute` among --chunks is the whole head with --recompute-loss-function (the log-softmax recomputed in the
+backward from the logits), compared with the whole head like the chunks.
 
 A random Qwen2 of the Qwen2.5-0.5B shape (vocabulary 151,936, tied embeddings), bf16, one micro-batch of
 `--tokens` tokens in samples of 2,048 (a 128-token prompt, the rest trained). Per backend (torch, megatron) and
@@ -38,6 +41,7 @@ def one(args) -> dict:
     hf = make_hf_model(QWEN2_05B, Path(args.work) / "hf-0.5b", torch.bfloat16)
     mbs = packed_batch([[SAMPLE] * (args.tokens // SAMPLE)], QWEN2_05B["vocab_size"], seed=0, prompt_len=PROMPT)
     cfg = run_config(hf, train_backend=args.backend, bf16=True, log_probs_chunk_size=args.chunk, use_kl_loss=False,
+                     recompute_loss_function=args.recompute,
                      kl_loss_coef=0.0, entropy_coef=0.0, rollout_batch_size=1, n_samples_per_prompt=len(mbs[0].sample_ids),
                      global_batch_size=len(mbs[0].sample_ids), micro_batch_size=len(mbs[0].sample_ids))
     if args.backend == "torch":
@@ -63,7 +67,7 @@ def one(args) -> dict:
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
         reserved.append(torch.cuda.max_memory_reserved() / 2**30)
         norms.append(out["grad_norm"])
-    return {"backend": args.backend, "chunk": args.chunk, "tokens": args.tokens,
+    return {"backend": args.backend, "chunk": "recompute" if args.recompute else args.chunk, "tokens": args.tokens,
             "trained_tokens": int(sum(float(mb.loss_mask.sum()) for mb in mbs)),
             "step_s_median": statistics.median(times), "step_s": times, "step_peak_gib": max(peaks),
             "peak_reserved_gib": max(reserved),
@@ -76,9 +80,10 @@ def run_all(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for backend in args.backends.split(","):
-        for chunk in [int(c) for c in args.chunks.split(",")]:
+        for chunk in [c if c == "recompute" else int(c) for c in args.chunks.split(",")]:
             f = out / f"{backend}_{chunk}.json"
-            cmd = [sys.executable, __file__, "one", "--backend", backend, "--chunk", str(chunk), "--tokens",
+            variant = ["--chunk", "-1", "--recompute"] if chunk == "recompute" else ["--chunk", str(chunk)]
+            cmd = [sys.executable, __file__, "one", "--backend", backend, *variant, "--tokens",
                    str(args.tokens), "--out", str(out), "--work", args.work, "--json", str(f)]
             print(" ".join(cmd), flush=True)
             r = subprocess.run(cmd, text=True, capture_output=True)
@@ -136,6 +141,7 @@ def main() -> None:
     p.add_argument("--chunks", default="-1,4096,1024")
     p.add_argument("--backend", default="torch")
     p.add_argument("--chunk", type=int, default=-1)
+    p.add_argument("--recompute", action="store_true", help="--recompute-loss-function (with --chunk -1)")
     p.add_argument("--json")
     args = p.parse_args()
     if args.mode == "all":
