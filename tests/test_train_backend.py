@@ -519,6 +519,10 @@ def test_recompute_loss_function_keeps_only_the_logits_for_the_backward_and_take
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     with pytest.raises(ConfigError, match="already recompute"):
         make_cfg(tiny_model, recompute_loss_function=True, log_probs_chunk_size=64)
+    # the fused CUDA kernel (torch on a GPU, Megatron at TP = 1) keeps only the logits already: refused there
+    with pytest.raises(ValueError, match="would change nothing"):
+        fw.check_recompute_loss(fused=True)
+    fw.check_recompute_loss(fused=False)
 
 
 def test_train_share_prefix_runs_each_prompt_once_and_takes_the_same_step(tiny_model):

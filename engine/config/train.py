@@ -49,7 +49,7 @@ class TrainArgs(Section):
     (~1/3 more compute, activation memory of one layer instead of all)."""
 
     recompute_loss_function: bool = False
-    """Recompute the log-softmax and entropy over the vocabulary in the backward from the logits (slime's flag, as it checkpoints its loss function): the step keeps the logits for the backward instead of the float32 [tokens, vocabulary] intermediates (two per micro-batch in the torch backend's CPU formula), for one more log-softmax per micro-batch and the same gradients. Both backends; not with --log-probs-chunk-size, whose chunks already recompute it."""
+    """Recompute the log-softmax and entropy over the vocabulary in the backward from the logits (slime's flag, as it checkpoints its loss function): the step keeps the logits for the backward instead of the float32 [tokens, vocabulary] intermediates (two per micro-batch in the torch backend's CPU formula), for one more log-softmax per micro-batch and the same gradients. Where the formula is the fused CUDA kernel (the torch backend on a GPU, Megatron at TP = 1), whose backward keeps only the logits already, the flag is refused: it would change nothing (bench/results/loss_memory_gpu.md); it applies on the CPU and to Megatron's vocabulary-parallel formula (TP > 1). Not with --log-probs-chunk-size, whose chunks already recompute it."""
 
     log_probs_chunk_size: int = -1
     """Compute the LM head and the log-softmax this many trained positions at a time (slime's flag; -1 = all at

@@ -254,6 +254,17 @@ def recomputed_log_probs(logits: torch.Tensor, targets: torch.Tensor, **kw) -> t
         return checkpoint(partial(fn, **kw), logits, targets, use_reentrant=False)
 
 
+def check_recompute_loss(fused: bool) -> None:
+    """--recompute-loss-function where the log-probs run in the fused kernel (CUDA at TP = 1): that kernel's backward
+    already keeps only the logits and recomputes the rest, so the flag would change nothing — refused (measured: the
+    same peak memory on both backends, bench/results/loss_memory_gpu.md)."""
+    if fused:
+        raise ValueError("--recompute-loss-function: on CUDA at tensor parallel size 1 the log-probs run in the fused "
+                         "kernel (engine/train/packed_logprobs.py: fused_log_probs), whose backward already keeps only "
+                         "the logits, so the flag would change nothing (bench/results/loss_memory_gpu.md); drop it, "
+                         "or use --log-probs-chunk-size N, which does not keep the logits either")
+
+
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int,
                       temperature: float, fused: bool, entropy_grad: bool = True,
                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

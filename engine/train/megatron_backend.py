@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from engine.algorithms import LossSpec, step_objective
 from engine.packing.microbatch import MicroBatch
-from engine.train.forward import recomputed_log_probs
+from engine.train.forward import check_recompute_loss, recomputed_log_probs
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
@@ -200,6 +200,8 @@ class MegatronBackend:
         # loss runs the head on it chunk by chunk (engine.train.forward.chunked_log_probs)
         self.chunk = max(int(getattr(cfg, "log_probs_chunk_size", -1)), 0)
         self.recompute_loss = bool(cfg.recompute_loss_function)  # the log-softmax recomputed in the backward
+        if self.recompute_loss:
+            check_recompute_loss(fused=self.kernels.fused_log_probs and self.tp == 1)
         self.head = _OutputAsHidden(gpt.output_layer) if self.chunk and getattr(gpt, "post_process", True) else None
         # The frozen reference policy: the initial weights of this rank's shards, on the host.
         self.ref_weights = self._host_copy()

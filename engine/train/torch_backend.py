@@ -41,7 +41,7 @@ from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
 from engine.train.backend import step_hooks
 from engine.train.checks import nan_diagnosis
-from engine.train.forward import packed_forward, use_varlen_attention
+from engine.train.forward import check_recompute_loss, packed_forward, use_varlen_attention
 from engine.train.optim import gather_lists, make_optimizer, reset_state, sync_and_clip
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
@@ -92,6 +92,8 @@ class TorchBackend:
         use_varlen_attention(model)
         self.chunk = max(int(getattr(cfg, "log_probs_chunk_size", -1)), 0)  # 0: the whole head at once
         self.recompute_loss = bool(cfg.recompute_loss_function)
+        if self.recompute_loss:
+            check_recompute_loss(fused=self.cuda)  # the CUDA formula is the fused kernel
         self._check_chunkable(model, "the policy")
         if cfg.recompute_activations:
             recompute_decoder_layers(model)
