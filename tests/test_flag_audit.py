@@ -175,6 +175,8 @@ FLAG_TESTS = {
     "freeze_params_name_list": "test_flag_wiring.py::test_freeze_and_only_train_params_leave_the_matching_weights_untouched",
     "only_train_params_name_list":
         "test_flag_wiring.py::test_freeze_and_only_train_params_leave_the_matching_weights_untouched",
+    "use_stateless_adam":
+        "test_flag_wiring.py::test_stateless_adam_keeps_no_state_and_trains_as_adamw_reset_before_every_step",
     "reset_optimizer_states": "test_flag_wiring.py::test_reset_optimizer_states_zeroes_adams_moments_before_each_rollout",
     "clip_grad": "test_train_backend.py::test_clip_grad_bounds_the_gradient_and_reports_the_norm_before_clipping",
     "check_for_nan_in_loss_and_grad": "test_train_backend.py::test_nan_step_is_skipped_and_counted_with_the_flag",

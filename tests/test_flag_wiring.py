@@ -311,6 +311,54 @@ def test_reset_optimizer_states_zeroes_adams_moments_before_each_rollout():
     assert RunConfig(reset_optimizer_states=True, train_backend="megatron").reset_optimizer_states
 
 
+def test_stateless_adam_keeps_no_state_and_trains_as_adamw_reset_before_every_step(tmp_path):
+    """slime's --use-stateless-adam: no optimizer state at all (policy and PPO's critic), and with one step per
+    rollout the same weights as AdamW reset before each step (--reset-optimizer-states); a checkpoint still
+    resumes bit for bit (the schedule and RNG state)."""
+    def rollout(w, seed):
+        samples = fake_samples([(4, 3)] * 8, n=4, seed=seed)
+        steps = [pack(samples, [[0, 1], [2, 3], [4, 5], [6, 7]])]
+        w.set_rollout(steps, [s.scalar_reward for s in samples], need_ref=False)
+        return w.train_step(0, 8)
+
+    def trained(n, **over):
+        torch.manual_seed(0)
+        w = _worker(lr=1e-3, weight_decay=0.1, advantage_estimator="ppo", **over)
+        for seed in range(n):
+            rollout(w, seed)
+        return w
+
+    def far(a, b) -> float:  # the share of weights more than 1e-6 apart
+        d = torch.cat([(p - q).abs().flatten() for p, q in zip(a.parameters(), b.parameters())])
+        return float((d > 1e-6).float().mean())
+
+    one = [trained(1, use_stateless_adam=True), trained(1, reset_optimizer_states=True)]
+    for a, b in ((one[0].backend.model, one[1].backend.model), (one[0].critic.model, one[1].critic.model)):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-7, rtol=0, msg=name)  # one step: equal up to rounding
+    stateless, reset = trained(3, use_stateless_adam=True), trained(3, reset_optimizer_states=True)
+    assert len(stateless.backend.optimizer.state) == 0 and len(stateless.critic.optimizer.state) == 0
+    assert len(reset.backend.optimizer.state) > 0  # AdamW keeps exp_avg / exp_avg_sq per parameter
+    # three steps: Adam's first step moves a weight by ≈ lr·sign(g), so where a gradient is at rounding level
+    # the two may step apart; that is a small share, where plain AdamW (its moments carried) differs almost
+    # everywhere
+    assert far(stateless.backend.model, reset.backend.model) < 0.005
+    assert far(trained(3).backend.model, reset.backend.model) > 0.5
+    # a checkpoint of a stateless run resumes exactly: save after rollout 2, load into a fresh worker, train on
+    stateless.save(str(tmp_path / "ck"))
+    after = _worker(lr=1e-3, weight_decay=0.1, advantage_estimator="ppo", use_stateless_adam=True)
+    after.load(str(tmp_path / "ck"))
+    assert after.backend.scheduler.last_epoch == stateless.backend.scheduler.last_epoch == 3
+    rollout(stateless, 3)
+    rollout(after, 3)
+    assert all(torch.equal(p, q) for p, q in zip(stateless.backend.model.parameters(),
+                                                 after.backend.model.parameters()))
+    for over, says in ((dict(train_backend="megatron"), "torch backend only"),
+                       (dict(reset_optimizer_states=True), "nothing to reset")):
+        with pytest.raises(ConfigError, match=says):
+            RunConfig(use_stateless_adam=True, **over)
+
+
 def test_megatron_cuda_graphs_flag_reaches_the_kernels():
     from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 

@@ -108,6 +108,9 @@ class TrainArgs(Section):
     reset_optimizer_states: bool = False
     """Zero the optimizer's state at the start of every rollout's training (slime's flag): Adam's moments and step counts (so its bias correction restarts); the learning-rate schedule goes on. Policy and critic. Torch backend."""
 
+    use_stateless_adam: bool = False
+    """AdamW with its moments started from zero at every optimizer step, so none are kept (slime's flag): the update is lr·g / (|g| + ε) after weight decay, exactly AdamW's first step, and the optimizer holds no state — two float32 copies of the trained weights less memory. The same training as --reset-optimizer-states when each rollout takes one optimizer step (--num-steps-per-rollout 1). Policy and critic. Torch backend. Checkpoints still carry the schedule and RNG state (slime requires --no-save-optim; rollflow does not)."""
+
     clip_grad: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0 = off)."""
 
@@ -191,6 +194,22 @@ class TrainArgs(Section):
                                "at TP = 1 only (each rank's vocabulary shard would need the sequence-parallel gather "
                                "of the output layer)", "--log-probs-chunk-size -1, or --tensor-model-parallel-size 1",
                                field="log_probs_chunk_size", value=n)
+        return self
+
+    @model_validator(mode="after")
+    def _stateless_adam(self) -> "TrainArgs":
+        from engine.config.base import config_error
+
+        if self.use_stateless_adam and self.train_backend == "megatron":
+            raise config_error("--use-stateless-adam with --train-backend megatron: rollflow's stateless AdamW runs in "
+                               "the torch backend only (Megatron's distributed optimizer shards and saves Adam's "
+                               "moments)", "--train-backend torch, or --reset-optimizer-states with "
+                               "--num-steps-per-rollout 1 (the same updates, with the moments' memory)",
+                               field="use_stateless_adam", value=True)
+        if self.use_stateless_adam and self.reset_optimizer_states:
+            raise config_error("--reset-optimizer-states with --use-stateless-adam: a stateless AdamW keeps no "
+                               "moments, so there is nothing to reset", "drop --reset-optimizer-states",
+                               field="reset_optimizer_states", value=True)
         return self
 
     @model_validator(mode="after")

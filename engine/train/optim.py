@@ -28,13 +28,41 @@ def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_ratio: floa
 def make_optimizer(params, cfg, *, lr: float, train_iters: int, fused: bool = False):
     """AdamW over `params` at peak `lr` with the run's betas, weight decay and schedule (sized by train_iters).
     fused: one CUDA kernel for the whole update (GPU only; the CPU keeps torch's default implementation)."""
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, eps=1e-8, **({"fused": True} if fused else {}))
+    if cfg.use_stateless_adam:
+        optimizer = StatelessAdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=1e-8)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      weight_decay=cfg.weight_decay, eps=1e-8, **({"fused": True} if fused else {}))
     min_ratio = cfg.min_lr / cfg.lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup=cfg.lr_warmup_iters, total=train_iters,
                                        style=cfg.lr_decay_style, min_ratio=min_ratio))
     return optimizer, scheduler
+
+
+class StatelessAdamW(torch.optim.Optimizer):
+    """--use-stateless-adam (slime's StatelessAdam): AdamW whose moments start from zero at every step. Then
+    m̂ = g and v̂ = g² after bias correction, whatever the betas, so the update is p ← p·(1 − lr·wd) − lr·g / (|g| + ε)
+    and nothing is kept between steps (no exp_avg / exp_avg_sq: two fp32 copies of the trained weights less)."""
+
+    def __init__(self, params, *, lr: float, weight_decay: float = 0.0, eps: float = 1e-8):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if wd:
+                    p.mul_(1.0 - lr * wd)
+                p.addcdiv_(p.grad, p.grad.abs().add_(eps), value=-lr)
+        return loss
 
 
 def reset_state(optimizer: torch.optim.Optimizer) -> None:
