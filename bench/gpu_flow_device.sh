@@ -131,12 +131,14 @@ PY
         > "$OUT/forward_batching.txt" 2>&1; tail -9 "$OUT/forward_batching.txt"
       for ext in json md; do cp "$OUT/fb/log_probs_batching.$ext" "$OUT/forward_batching.$ext"; done
       rm -rf "$OUT/fb" ;;
-    s30-demos)  # --log-probs-max-tokens-per-gpu through both colocated demos, the GPU tests beside them, and
+    s30-demos)  # --log-probs-max-tokens-per-gpu through both colocated demos (torch: --use-stateless-adam too),
+                # the GPU tests beside them, and
                 # --recompute-loss-function's refusal on CUDA (a third run that must stop at the trainer's start)
       (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py tests/test_megatron_backend.py \
          --timeout 500 > "$OUT/pytest_gpu.txt" 2>&1) &
       flags="--use-dynamic-batch-size --max-tokens-per-gpu 256 --log-probs-max-tokens-per-gpu 4096 --log-kl"
-      python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 --extra "$flags" &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 \
+        --extra "$flags --use-stateless-adam" &
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 2 --out "$OUT/refusal" --timeout 200 \
         --extra "--recompute-loss-function" > "$OUT/gpu_recompute_refusal.txt" 2>&1 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500 \
