@@ -133,17 +133,19 @@ PY
       rm -rf "$OUT/fb" ;;
     s30-demos)  # --log-probs-max-tokens-per-gpu through both colocated demos (torch: --use-stateless-adam too),
                 # the GPU tests beside them, and
-                # --recompute-loss-function's refusal on CUDA (a third run that must stop at the trainer's start)
+                # --recompute-loss-function's refusal on CUDA (a third run, after them, that must stop at the trainer's start)
       (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py tests/test_megatron_backend.py \
          --timeout 500 > "$OUT/pytest_gpu.txt" 2>&1) &
       flags="--use-dynamic-batch-size --max-tokens-per-gpu 256 --log-probs-max-tokens-per-gpu 4096 --log-kl"
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 \
         --extra "$flags --use-stateless-adam" &
-      python3 bench/gpu_flow.py demo --backend torch --num-rollout 2 --out "$OUT/refusal" --timeout 200 \
-        --extra "--recompute-loss-function" > "$OUT/gpu_recompute_refusal.txt" 2>&1 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500 \
         --extra "$flags"
-      wait; tail -n 4 "$OUT/pytest_gpu.txt"; grep -rh "would change nothing" "$OUT/refusal" | head -c 600
+      wait; tail -n 4 "$OUT/pytest_gpu.txt"
+      rm -rf /tmp/rollflow_gpu_flow/ck_torch  # after the torch demo (same work dir and --save): a fresh start
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 2 --out "$OUT/refusal" --timeout 200 \
+        --extra "--recompute-loss-function" > "$OUT/gpu_recompute_refusal.txt" 2>&1
+      grep -rh "would change nothing" "$OUT/refusal" | head -c 600; echo
       grep -h "Completed\|Failed\|RF[0-9]" "$OUT"/gpu_flow_demo_*.log | tail -12 ;;
     *) echo "unknown step $step" ;;
   esac
