@@ -77,6 +77,8 @@ FLAG_TESTS = {
     "wandb_dir": "test_wandb.py::test_a_run_and_its_resume_mirror_every_metric_into_one_wandb_run",
     "wandb_key": "test_wandb.py::test_a_run_and_its_resume_mirror_every_metric_into_one_wandb_run",
     "wandb_host": "test_wandb.py::test_wandb_flags_need_use_wandb_and_reach_wandb_init",
+    "wandb_always_use_train_step":
+        "test_wandb.py::test_wandb_always_use_train_step_puts_every_section_on_the_optimizer_steps",
     "disable_wandb_random_suffix": "test_wandb.py::test_wandb_flags_need_use_wandb_and_reach_wandb_init",
     "wandb_run_id": "test_wandb.py::test_wandb_flags_need_use_wandb_and_reach_wandb_init",
     "group_rm": "test_data.py::test_async_group_and_dict_rewards",

@@ -97,6 +97,45 @@ def test_wandb_flags_need_use_wandb_and_reach_wandb_init(tmp_path, monkeypatch):
         RunConfig(disable_wandb_random_suffix=True)
 
 
+def test_wandb_always_use_train_step_puts_every_section_on_the_optimizer_steps(monkeypatch, tmp_path):
+    """slime's --wandb-always-use-train-step: rollout/, train/, eval/ … share the `train/step` axis, the optimizer
+    steps taken (the step × --num-steps-per-rollout, here 4); system/* keeps its seconds; unset, each section has
+    its own axis at the step as logged."""
+    from engine.tracking.wandb_mirror import WandbMirror
+
+    class Run:
+        def __init__(self):
+            self.axes, self.logged = {}, []
+
+        def define_metric(self, name, step_metric=None):
+            self.axes[name] = step_metric
+
+        def log(self, row):
+            self.logged.append(row)
+
+    def mirrored(**over):
+        run = Run()
+        monkeypatch.setattr("wandb.init", lambda **kw: run)
+        cfg = RunConfig(use_wandb=True, work_dir=str(tmp_path), rollout_batch_size=8, n_samples_per_prompt=8,
+                        global_batch_size=16, **over)
+        mirror = WandbMirror.start(cfg, run_name="r", run_id="0123abcd", config={})
+        mirror.log({"rollout/reward_mean": 0.5, "train/loss": 0.1}, step=3)
+        mirror.log({"eval/test_accuracy": 0.7}, step=4)
+        mirror.log({"system/cpu_percent": 50.0}, step=120)
+        return run
+
+    run = mirrored(wandb_always_use_train_step=True)
+    assert run.logged == [{"rollout/reward_mean": 0.5, "train/step": 12}, {"train/loss": 0.1, "train/step": 12},
+                          {"eval/test_accuracy": 0.7, "train/step": 16},
+                          {"system/cpu_percent": 50.0, "system/step": 120}]
+    assert run.axes["rollout/*"] == run.axes["eval/*"] == "train/step" and run.axes["system/*"] == "system/step"
+    run = mirrored()
+    assert [r.get("rollout/step", r.get("train/step", r.get("eval/step"))) for r in run.logged[:3]] == [3, 3, 4]
+    assert run.axes["rollout/*"] == "rollout/step" and run.axes["eval/*"] == "eval/step"
+    with pytest.raises(ConfigError, match="--wandb-always-use-train-step without --use-wandb"):
+        RunConfig(wandb_always_use_train_step=True)
+
+
 @pytest.mark.slow
 def test_a_run_and_its_resume_mirror_every_metric_into_one_wandb_run(prefect_harness, shared_ray, small_cfg,
                                                                      tmp_path):

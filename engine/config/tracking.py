@@ -63,6 +63,9 @@ class TrackingArgs(Section):
     disable_wandb_random_suffix: bool = False
     """Name the W&B run --wandb-group exactly (slime's flag, which otherwise names it <group>_<random id>-RANK_0). rollflow names a W&B run after its MLflow run, whose name is unique already (<experiment>-<date>-<time>, or --run-name), so it adds no random suffix; with this flag a slime script's runs keep slime's names. Needs --wandb-group."""
 
+    wandb_always_use_train_step: bool = False
+    """Plot every W&B metric against `train/step`, the optimizer steps taken (slime's flag): a rollout's metrics at rollout id × --num-steps-per-rollout, the evaluations at rollouts trained × the same. Default: each section against its own `<section>/step` (rollout ids; rollouts trained for eval/*). system/* stays in seconds. MLflow's steps do not change."""
+
     log_passrate: bool = False
     """Also log pass@k for k = 1, 2, 4, … up to the samples per prompt (slime's flag): rollout/pass_at_<k> over each rollout's groups, eval/<set>_pass_at_<k> over an eval set's prompts (with more than one sample per prompt). The unbiased estimator 1 − C(n−c, k) / C(n, k) of n samples with c correct, where a reward of 1 is correct, as slime counts."""
 
@@ -204,7 +207,8 @@ class TrackingArgs(Section):
 
         set_ = [f"--{k.replace('_', '-')}" for k in ("wandb_project", "wandb_team", "wandb_group", "wandb_dir",
                                                      "wandb_key", "wandb_host", "wandb_run_id",
-                                                     "disable_wandb_random_suffix") if getattr(self, k)]
+                                                     "disable_wandb_random_suffix", "wandb_always_use_train_step")
+                if getattr(self, k)]
         if self.wandb_mode != "online":
             set_.append(f"--wandb-mode {self.wandb_mode}")
         if set_ and not self.use_wandb:

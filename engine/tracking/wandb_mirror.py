@@ -3,7 +3,8 @@
 MLflow stays the run's record (resume, `rollflow compare`, the doctor's history); W&B is a mirror for teams whose
 dashboards live there. Each metric section (`rollout/`, `train/`, `eval/`, `system/`, …) gets its own x-axis,
 `<section>/step`, because their steps differ: rollout ids, rollouts trained for `eval/*`, seconds for `system/*`
-(W&B's own step must only grow). The W&B run's id is --wandb-run-id, else the MLflow run's id, so a resumed run
+(W&B's own step must only grow); with --wandb-always-use-train-step all but `system/*` share `train/step`, the
+optimizer steps taken. The W&B run's id is --wandb-run-id, else the MLflow run's id, so a resumed run
 continues its W&B run too (W&B's resume="allow"). A W&B failure never stops training: it is reported once and the
 mirror stops; MLflow still has everything.
 """
@@ -19,8 +20,9 @@ from engine.tracking.secrets import REDACTED, redact, redact_text
 
 
 class WandbMirror:
-    def __init__(self, run: Any, key: str | None = None):
+    def __init__(self, run: Any, key: str | None = None, steps_per_rollout: int | None = None):
         self.run, self.key = run, key
+        self.steps_per_rollout = steps_per_rollout  # --wandb-always-use-train-step: k, else None
         self.sections: set[str] = set()
         self.failed: str | None = None
         self._lock = threading.Lock()  # the stages and the system sampler's thread log at once
@@ -45,7 +47,8 @@ class WandbMirror:
             directory.mkdir(parents=True, exist_ok=True)
             run = wandb.init(project=cfg.wandb_project or cfg.experiment_name, entity=cfg.wandb_team,
                              group=cfg.wandb_group,
-                             name=cfg.wandb_group if cfg.disable_wandb_random_suffix else run_name, id=wid, resume="allow" if wid else None,
+                             name=cfg.wandb_group if cfg.disable_wandb_random_suffix else run_name, id=wid,
+                             resume="allow" if wid else None,
                              dir=str(directory), mode=cfg.wandb_mode, config=redact(config), settings=settings,
                              reinit="create_new")
         except Exception as e:  # noqa: BLE001 — any W&B failure: reported, training continues
@@ -53,10 +56,11 @@ class WandbMirror:
                           f"{_clean(str(e), cfg.wandb_key)[:300]}; metrics go to MLflow only", TrackingWarning,
                           stacklevel=2)
             return None
-        return cls(run, cfg.wandb_key)
+        return cls(run, cfg.wandb_key,
+                   cfg.batch.num_steps_per_rollout if cfg.wandb_always_use_train_step else None)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """One W&B log call per metric section, with that section's step."""
+        """One W&B log call per metric section, with that section's step (or the optimizer steps taken)."""
         with self._lock:
             self._log(metrics, step)
 
@@ -68,12 +72,14 @@ class WandbMirror:
             for k, v in metrics.items():
                 by.setdefault(k.split("/", 1)[0] if "/" in k else "misc", {})[k] = v
             for section, values in by.items():
-                axis = f"{section}/step"
+                axis, at = f"{section}/step", step
+                if self.steps_per_rollout is not None and section != "system":  # steps count rollouts: × k
+                    axis, at = "train/step", step * self.steps_per_rollout
                 if section not in self.sections:
                     self.run.define_metric(axis)
                     self.run.define_metric(f"{section}/*", step_metric=axis)
                     self.sections.add(section)
-                self.run.log({**values, axis: step})
+                self.run.log({**values, axis: at})
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
