@@ -46,6 +46,35 @@ def test_unknown_yaml_key_suggests_the_nearest(tmp_path):
     assert "n_sample_per_prompt" in str(e.value) and "n_samples_per_prompt" in str(e.value)
 
 
+def test_slimes_flags_that_rollflow_does_not_take_are_named_with_the_reason_and_the_replacement(tmp_path):
+    """A slime script ported as it is stops on the first slime flag rollflow lacks, on the command line, in a
+    --config file and in a dict of values, with why and what to use (not a near-miss suggestion)."""
+    from engine.config.slime_flags import NOT_TAKEN
+
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--num-rollout", "2", "--ci-test"])
+    (d,) = e.value.diagnoses
+    assert d.what.startswith("--ci-test is slime's flag, which rollflow does not take: ") and "RF14" in d.what
+    assert d.fix == "drop it (the checks are always on)" and d.facts["field"] == "ci_test"
+    with pytest.raises(ConfigError, match="--ci-train-rollout-logprob-abs-diff-threshold is slime's flag") as e:
+        parse_args(["--ci-train-rollout-logprob-abs-diff-threshold=0.2"])
+    assert e.value.diagnoses[0].fix == "--logprob-mismatch-threshold X"
+    f = tmp_path / "c.yaml"
+    f.write_text("num_rollout: 2\nstart-rollout-id: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: --start-rollout-id is slime's flag") as e:
+        parse_args(["--config", str(f)])
+    assert "--ckpt-step" in e.value.diagnoses[0].fix
+    from engine.config.cli import make_config
+
+    with pytest.raises(ConfigError, match="--offload-rollout is slime's flag"):  # a dict of values (flows' API)
+        make_config({"offload_rollout": True})
+    # none of them is a rollflow flag, and every rollflow flag still parses as before
+    fields = {f.replace("_", "-") for f in RunConfig.model_fields}
+    assert not fields & set(NOT_TAKEN)
+    with pytest.raises(ConfigError, match="unknown flag --rollout-bach-size"):
+        parse_args(["--rollout-bach-size", "4"])
+
+
 def test_negative_batch_size_names_field_value_and_fix():
     with pytest.raises(ConfigError) as e:
         parse_args(["--rollout-batch-size", "-4"])

@@ -137,6 +137,9 @@ def load_yaml(path: str, source: str = "--config") -> dict[str, Any]:
         if name.startswith("sglang_"):
             sglang[str(key)[len("sglang_"):].replace("_", "-")] = val
         elif name not in RunConfig.model_fields:
+            if d := slime_flag_diagnosis(name):
+                raise ConfigError(Diagnosis(code=d.code, severity=d.severity, what=f"{source} {path}: {d.what}",
+                                            fix=d.fix, facts=d.facts))
             raise ConfigError(Diagnosis(code="CONFIG", severity="error",
                                         what=f"{source} {path}: unknown key {key!r}",
                                         fix=suggest(name, names).replace("did you mean ", "did you mean key ")))
@@ -147,10 +150,26 @@ def load_yaml(path: str, source: str = "--config") -> dict[str, Any]:
     return out
 
 
+def slime_flag_diagnosis(name: str) -> Diagnosis | None:
+    """The CONFIG error for one of slime's flags that rollflow does not take (engine/config/slime_flags.py), by
+    flag or config key; None for any other name."""
+    from engine.config.slime_flags import not_taken
+
+    if (known := not_taken(name)) is None:
+        return None
+    why, instead = known
+    shown = "--" + name.lstrip("-").replace("_", "-")
+    return Diagnosis(code="CONFIG", severity="error", what=f"{shown} is slime's flag, which rollflow does not take: "
+                     f"{why}", fix=instead, facts={"field": shown.removeprefix("--").replace("-", "_")})
+
+
 def format_validation_error(err: ValidationError, source: dict[str, Any]) -> ConfigError:
     diags = []
     for e in err.errors():
         name = str(e["loc"][0]) if e["loc"] else "config"
+        if e["type"] == "extra_forbidden" and (d := slime_flag_diagnosis(name)):
+            diags.append(d)
+            continue
         got = e.get("input")
         field = RunConfig.model_fields.get(name)
         hint = f"pass a valid value to {flag(name)}"
@@ -176,6 +195,8 @@ def parse_args(argv: list[str], prog: str = "rollflow train") -> RunConfig:
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         bad = next((u for u in unknown if u.startswith("-")), unknown[0])
+        if bad.startswith("--") and (d := slime_flag_diagnosis(bad.split("=")[0])):
+            raise ConfigError(d)
         raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"unknown flag {bad}",
                                     fix=suggest(bad.split("=")[0], _all_flags())))
     values = load_yaml(ns.config) if ns.config else {}

@@ -27,6 +27,9 @@ def flags_markdown() -> str:
             shown = "`--sglang-<flag> [value]`" if name == "sglang_args" else f"`{flag(name)}`"
             out.append(f"| {shown} | {_default(field)} | {text} |")
         out.append("")
+    from engine.config.slime_flags import markdown
+
+    out.append(markdown())
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -1,0 +1,101 @@
+"""slime's flags that rollflow does not take, each with what rollflow does instead (or that it lacks the capability).
+
+`rollflow train` names them on the command line and in a --config file instead of suggesting a near-miss flag,
+and docs/flags.md lists them (generated from NOT_TAKEN, like the rest of that page). A slime script ported to
+rollflow then fails at once, on the first such flag, with the reason and the replacement.
+"""
+from __future__ import annotations
+
+_CI = ("rollflow runs these checks on every run: on the first step the policy equals the reference and the ratio is 1 "
+       "(RF01), the train–inference log-prob mismatch stays under --logprob-mismatch-threshold (RF14, also after each "
+       "weight sync), and every engine reports the synced weight version")
+_MOE = ("rollflow implements none of slime's MoE, MTP and FP8-kernel features (routing replay, MTP heads, DeepGEMM "
+        "forwards)")
+_DELTA = ("rollflow syncs full weights: in memory (--weight-sync-method tensor), over a process group "
+          "(distributed) or through <work_dir>/weights/vN (disk); there is no delta encoding")
+_BUFFER = ("slime's external rollout buffer service is not part of rollflow: a --rollout-function-path hook makes "
+           "the rollout, from any source it likes")
+
+#: flag (without --) → (why rollflow does not take it, what to do instead)
+NOT_TAKEN: dict[str, tuple[str, str]] = {
+    "ci-test": (_CI, "drop it (the checks are always on)"),
+    "ci-disable-kl-checker": (_CI + "; RF01 cannot be turned off: a first step whose policy is not the reference "
+                              "means the weights or the reference were not the ones intended",
+                              "drop it; --ref-load names a different reference on purpose"),
+    "ci-train-rollout-logprob-abs-diff-threshold": (_CI, "--logprob-mismatch-threshold X"),
+    "start-rollout-id": ("a run starts where its checkpoint ends (the marker's iteration + 1, or --ckpt-step's), with "
+                         "that checkpoint's data position, schedule and RNG state, or at 0 from Hugging Face weights",
+                         "--load DIR (--ckpt-step N) to start after iteration N"),
+    "num-gpus-per-node": ("placement reads each node's GPUs from Ray, so nothing needs the count",
+                          "--actor-num-gpus-per-node for the trainer, --rollout-num-gpus(-per-engine) for engines"),
+    "offload": ("colocated engines always release their memory while the trainer trains (--colocate)",
+                "--offload-train (the trainer's half)"),
+    "offload-rollout": ("colocated engines always release their memory while the trainer trains (--colocate); "
+                        "engines on their own GPUs keep it", "drop it"),
+    "release-train": ("rollflow keeps its train workers for the run (--offload-train moves their state to the host "
+                      "instead)", "--offload-train"),
+    "distributed-backend": ("the backend follows the device: NCCL between GPUs, gloo on the CPU", "drop it"),
+    "update-weight-mode": (_DELTA, "drop it"),
+    "update-weight-transport": (_DELTA, "--weight-sync-method distributed (slime's nccl) or disk"),
+    "update-weight-disk-dir": (_DELTA, "--weight-sync-method disk with a --work-dir every engine sees"),
+    "update-weight-disk-keep-files": (_DELTA, "drop it"),
+    "update-weight-local-checkpoint-dir": (_DELTA, "drop it"),
+    "update-weight-delta-encoding": (_DELTA, "drop it"),
+    "update-weight-delta-checksum": (_DELTA, "drop it"),
+    "rollout-data-transport": ("rollout data reaches the trainer through Ray's object store; there is no NIXL "
+                               "transport", "drop it"),
+    "custom-convert-samples-to-train-data-path": ("the trainer's inputs are built from the Samples by the pack "
+                                                  "stage (engine/stages.py: pack), with no hook",
+                                                  "shape the Samples in a --rollout-function-path or "
+                                                  "--custom-generate-function-path hook; "
+                                                  "--rollout-data-postprocess-path edits the per-token data"),
+    "disable-rollout-global-dataset": ("a --rollout-function-path hook gets the data source and may ignore it",
+                                       "drop it and make the prompts in the hook"),
+    "loss-mask-type": ("SFT loss masks come from the model's own chat template, rendered turn by turn "
+                       "(engine/rollout/sft.py), for any template that renders each conversation prefix as a prefix",
+                       "drop it"),
+    "data-pad-size-multiplier": ("micro-batches are packed without padding (varlen); the Megatron backend pads what "
+                                 "its kernels need itself", "drop it"),
+    "min-batch-collection-ratio": (_BUFFER, "--rollout-function-path"),
+    "rollout-task-type": (_BUFFER, "--rollout-function-path"),
+    "rollout-buffer-url": (_BUFFER, "--rollout-function-path"),
+    "buffer-filter-path": (_BUFFER, "--rollout-function-path"),
+    "fetch-trajectory-retry-times": (_BUFFER, "--rollout-function-path"),
+    "load-forge-rollout-data": ("rollflow replays its own recordings", "--save-debug-rollout-data, then "
+                                                                       "--load-debug-rollout-data"),
+    "http-proxy": ("engines and reward services are reached directly", "set HTTP(S)_PROXY in the environment"),
+    "use-distributed-post": ("the rollout client keeps one connection pool in the driver", "drop it"),
+    "custom-model-provider-path": ("the Megatron backend builds GPTModel from the Hugging Face config",
+                                   "--custom-megatron-init-path to change the built model"),
+    "megatron-config-path": ("Megatron's settings are rollflow flags (docs/flags.md, train section)", "drop it"),
+    "padded-vocab-size": ("the Megatron backend pads the vocabulary for its tensor-parallel size itself",
+                          "drop it"),
+    "allgather-cp": ("no rollflow backend runs context parallelism yet (--context-parallel-size > 1 is refused)",
+                     "drop it"),
+    "multimodal-keys": ("rollflow trains text-only models", "drop it"),
+    "enable-mtp-training": (_MOE, "drop it"),
+    "mtp-num-layers": (_MOE, "drop it"),
+    "mtp-loss-scaling-factor": (_MOE, "drop it"),
+    "use-routing-replay": (_MOE, "drop it"),
+    "use-rollout-routing-replay": (_MOE, "drop it"),
+    "megatron-deepgemm-forward-layers": (_MOE, "drop it"),
+    "megatron-deepgemm-forward-modules": (_MOE, "drop it"),
+    "megatron-deepgemm-moe-forward-layers": (_MOE, "drop it"),
+    "megatron-deepgemm-moe-forward-modules": (_MOE, "drop it"),
+    "freeze-indexer": (_MOE + "; --freeze-params-name-list freezes parameters by name", "--freeze-params-name-list"),
+    "qwen-gdn-backend": ("rollflow's backends have no linear-attention (Gated DeltaNet) layers", "drop it"),
+}
+
+
+def not_taken(name: str) -> tuple[str, str] | None:
+    """(why, instead) for slime's flag `name` (`--x-y`, `x-y` or `x_y`), None for any other name."""
+    return NOT_TAKEN.get(name.lstrip("-").split("=")[0].replace("_", "-"))
+
+
+def markdown() -> str:
+    """docs/flags.md's table of them."""
+    rows = ["**slime's flags that rollflow does not take** — `rollflow train` stops on them with the reason "
+            "(engine/config/slime_flags.py).\n", "| flag | why | instead |", "|---|---|---|"]
+    for name, (why, instead) in sorted(NOT_TAKEN.items()):
+        rows.append(f"| `--{name}` | {why.replace('|', chr(92) + '|')} | {instead.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows) + "\n"
