@@ -142,6 +142,9 @@ PY
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500 \
         --extra "$flags"
       wait; tail -n 4 "$OUT/pytest_gpu.txt"
+      # the torch backend's fixed cost per no-grad forward on the GPU (~25 ms at 2,048 tokens): a profile of one
+      python3 bench/log_probs_batching.py one --backend torch --out "$OUT" --json "$OUT/fwd_torch_0.json" \
+        --profile "$OUT/torch_forward_profile.txt" > /dev/null 2>&1; head -60 "$OUT/torch_forward_profile.txt"
       rm -rf /tmp/rollflow_gpu_flow/ck_torch  # after the torch demo (same work dir and --save): a fresh start
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 2 --out "$OUT/refusal" --timeout 200 \
         --extra "--recompute-loss-function" > "$OUT/gpu_recompute_refusal.txt" 2>&1

@@ -2,6 +2,7 @@
 
     python bench/log_probs_batching.py all --out DIR [--backends torch,megatron] [--caps 0,8192,32768]
     python bench/log_probs_batching.py one --backend torch --cap 8192 --out DIR     # one, in-process
+    python bench/log_probs_batching.py one --backend torch --out DIR --profile FILE # + a torch.profiler table
 
 A random Qwen2 of the Qwen2.5-0.5B shape (vocabulary 151,936, tied embeddings), bf16. One rollout of 64 samples of
 512 tokens (a 64-token prompt, the rest trained), 32,768 tokens, packed for the step as dynamic batching packs it
@@ -68,6 +69,14 @@ def one(args) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+    if args.profile:  # one more forward under torch.profiler: where the time per micro-batch goes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            TrainWorker._forward_only(holder, compute, mbs)
+            torch.cuda.synchronize()
+        Path(args.profile).write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n"
+                                      + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     return {"backend": args.backend, "cap": args.cap, "forward_micro_batches": calls[-1],
             "step_micro_batches": len(mbs), "tokens": sum(mb.num_tokens for mb in mbs),
             "forward_s_median": statistics.median(times), "forward_s": times, "peak_gib": max(peaks),
@@ -127,6 +136,7 @@ def main() -> None:
     p.add_argument("--backend", default="torch")
     p.add_argument("--cap", type=int, default=0)
     p.add_argument("--json")
+    p.add_argument("--profile", help="one: also write a torch.profiler table of one more forward to this file")
     args = p.parse_args()
     if args.mode == "all":
         run_all(args)
