@@ -199,6 +199,21 @@ def test_log_probs_chunk_size_under_fsdp2_takes_the_dp_1_step(ray_cluster, small
     assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
 
 
+def test_stateless_adam_under_fsdp2_takes_the_dp_1_step(ray_cluster, small_cfg):
+    """--use-stateless-adam with DP = 2: the update runs on each rank's FSDP2 shards (DTensors) and keeps no state;
+    the same step as DP = 1."""
+    samples = fake_samples(LENGTHS, n=4, seed=9)
+    base = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16, micro_batch_size=2, lr=1e-4,
+                clip_grad=1.0, weight_decay=0.1, use_stateless_adam=True)
+    one, two = (one_step(small_cfg(actor_num_gpus_per_node=n, **base), samples) for n in (1, 2))
+    assert all(torch.equal(two["params"][1][k], two["params"][0][k]) for k in two["params"][0])
+    # the update is lr·g/(|g| + ε): a gradient at rounding level may flip sign between the two summation orders
+    # (module docstring); a shard updated twice or not at all would move a whole tensor
+    d = torch.cat([(two["params"][0][k] - one["params"][0][k]).abs().flatten() for k in one["params"][0]])
+    assert float(d.max()) <= 2e-4 and int((d > 1e-6).sum()) <= 1e-4 * d.numel()
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+
+
 def test_train_env_vars_reach_every_train_rank_before_torch(ray_cluster, small_cfg):
     """--train-env-vars: each rank's process has them (set by Ray when it starts the process) and reports them for
     the summary's placement, a secret-looking one redacted; the run's thread settings stay rollflow's."""
