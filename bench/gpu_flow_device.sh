@@ -5,6 +5,7 @@
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
+#          | recompute-refusal
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -147,9 +148,21 @@ PY
         --profile "$OUT/torch_forward_profile.txt" > /dev/null 2>&1; head -60 "$OUT/torch_forward_profile.txt"
       rm -rf /tmp/rollflow_gpu_flow/ck_torch  # after the torch demo (same work dir and --save): a fresh start
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 2 --out "$OUT/refusal" --timeout 200 \
-        --extra "--recompute-loss-function" > "$OUT/gpu_recompute_refusal.txt" 2>&1
+        --extra=--recompute-loss-function > "$OUT/gpu_recompute_refusal.txt" 2>&1
       grep -rh "would change nothing" "$OUT/refusal" | head -c 600; echo
       grep -h "Completed\|Failed\|RF[0-9]" "$OUT"/gpu_flow_demo_*.log | tail -12 ;;
+    recompute-refusal)  # --recompute-loss-function on CUDA: the torch backend built on the GPU must refuse it
+      python3 - <<'PY' 2>&1 | tail -4 | tee "$OUT/recompute_refusal.txt"
+from engine.config import RunConfig
+from engine.config.data import BUNDLED_MODEL
+from engine.train.torch_backend import TorchBackend
+try:
+    TorchBackend(RunConfig(hf_checkpoint=BUNDLED_MODEL, recompute_loss_function=True), device="cuda")
+    print("NOT REFUSED")
+except ValueError as e:
+    print("refused:", e)
+PY
+      ;;
     *) echo "unknown step $step" ;;
   esac
 done
