@@ -280,6 +280,26 @@ def test_chunks_run_the_compiled_log_softmax_in_their_recomputation(monkeypatch)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_kernel_that_does_not_compile_is_said_once_and_the_eager_formula_gives_the_same_numbers(monkeypatch,
+                                                                                                   caplog):
+    import engine.train.packed_logprobs as pl
+
+    def broken(*a):
+        raise RuntimeError("no Triton on this node")
+
+    monkeypatch.setitem(pl._FUSED, "fn", broken)
+    monkeypatch.setitem(pl._FUSED, "error", None)
+    logits, targets = torch.randn(6, 11), torch.randint(0, 11, (6,))
+    with caplog.at_level("WARNING", logger="rollflow"):
+        got = [pl.fused_log_probs(logits, targets, temperature=0.7) for _ in range(2)]
+    said = [r.getMessage() for r in caplog.records if "compiled log-prob kernel did not build" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError: no Triton on this node" in said[0]
+    want = pl._log_probs_entropy(logits, targets, 1 / 0.7, True)
+    for lp, ent in got:
+        torch.testing.assert_close(lp, want[0])
+        torch.testing.assert_close(ent, want[1])
+
+
 def test_the_flag_refuses_a_head_it_cannot_chunk_and_bad_sizes():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 

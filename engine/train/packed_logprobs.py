@@ -95,7 +95,9 @@ _FUSED: dict = {"fn": None, "error": None}
 def fused_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                     entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(targets) [T], entropy [T]) from unsharded logits [T, V] of any float dtype, compiled once per
-    process (T dynamic). Falls back to the eager formula if compilation fails (the reason is kept in _FUSED)."""
+    process (T dynamic). If compilation fails (no compiler or Triton on the node) it computes the same numbers with
+    the eager formula, with more memory traffic, and says so once per process: a WARNING on the `rollflow` logger,
+    with the reason (also kept in _FUSED)."""
     if _FUSED["error"] is None:
         if _FUSED["fn"] is None:
             _FUSED["fn"] = torch.compile(_log_probs_entropy, dynamic=False)
@@ -104,5 +106,11 @@ def fused_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, temperature:
         try:
             return _FUSED["fn"](logits, targets, 1.0 / temperature, entropy_grad)
         except Exception as e:  # no compiler / Triton here: same numbers, more memory traffic
+            import logging
+
             _FUSED["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            logging.getLogger("rollflow").warning(
+                "the compiled log-prob kernel did not build (%s); the eager formula computes the same log-probs "
+                "with fp32 [tokens, vocabulary] copies (more memory and time) for the rest of this process",
+                _FUSED["error"])
     return _log_probs_entropy(logits, targets, 1.0 / temperature, entropy_grad)
