@@ -54,8 +54,9 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "loss-mask-type": ("SFT loss masks come from the model's own chat template, rendered turn by turn "
                        "(engine/rollout/sft.py), for any template that renders each conversation prefix as a prefix",
                        "drop it"),
-    "data-pad-size-multiplier": ("micro-batches are packed without padding (varlen); the Megatron backend pads what "
-                                 "its kernels need itself", "drop it"),
+    "data-pad-size-multiplier": ("micro-batches are packed without padding (varlen), and the Megatron backend runs "
+                                 "without sequence parallelism, so no token multiple is needed (a micro-batch "
+                                 "replayed from a CUDA graph is padded to the graph's shape)", "drop it"),
     "min-batch-collection-ratio": (_BUFFER, "--rollout-function-path"),
     "rollout-task-type": (_BUFFER, "--rollout-function-path"),
     "rollout-buffer-url": (_BUFFER, "--rollout-function-path"),
