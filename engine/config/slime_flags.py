@@ -64,7 +64,8 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "fetch-trajectory-retry-times": (_BUFFER, "--rollout-function-path"),
     "load-forge-rollout-data": ("rollflow replays its own recordings", "--save-debug-rollout-data, then "
                                                                        "--load-debug-rollout-data"),
-    "http-proxy": ("engines and reward services are reached directly", "set HTTP(S)_PROXY in the environment"),
+    "http-proxy": ("rollflow's HTTP clients (httpx) take a proxy from the environment",
+                   "set HTTP_PROXY / HTTPS_PROXY, and NO_PROXY for the engines' own addresses"),
     "use-distributed-post": ("the rollout client keeps one connection pool in the driver", "drop it"),
     "custom-model-provider-path": ("the Megatron backend builds GPTModel from the Hugging Face config",
                                    "--custom-megatron-init-path to change the built model"),
