@@ -68,6 +68,15 @@ def test_slimes_flags_that_rollflow_does_not_take_are_named_with_the_reason_and_
 
     with pytest.raises(ConfigError, match="--offload-rollout is slime's flag"):  # a dict of values (flows' API)
         make_config({"offload_rollout": True})
+    # every unknown flag or key at once, in order: a ported script is fixed in one pass
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--ci-test", "--rollout-bach-size", "4", "--offload", "--ci-disable-kl-checker"])
+    assert [d.what.split(" is slime's")[0] for d in e.value.diagnoses] == \
+        ["--ci-test", "unknown flag --rollout-bach-size", "--offload", "--ci-disable-kl-checker"]
+    f.write_text("num_rollout: 2\nstart_rollout_id: 3\nn_sample_per_prompt: 4\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(f)])
+    assert len(e.value.diagnoses) == 2 and "n_samples_per_prompt" in e.value.diagnoses[1].fix
     # none of them is a rollflow flag, and every rollflow flag still parses as before
     fields = {f.replace("_", "-") for f in RunConfig.model_fields}
     assert not fields & set(NOT_TAKEN)

@@ -132,22 +132,33 @@ def load_yaml(path: str, source: str = "--config") -> dict[str, Any]:
     out: dict[str, Any] = {}
     sglang: dict[str, Any] = dict(raw.pop("sglang_args", None) or raw.pop("sglang-args", None) or {})
     names = list(RunConfig.model_fields)
+    bad: list[Diagnosis] = []  # every unknown key at once
     for key, val in raw.items():
         name = str(key).replace("-", "_")
         if name.startswith("sglang_"):
             sglang[str(key)[len("sglang_"):].replace("_", "-")] = val
         elif name not in RunConfig.model_fields:
             if d := slime_flag_diagnosis(name):
-                raise ConfigError(Diagnosis(code=d.code, severity=d.severity, what=f"{source} {path}: {d.what}",
-                                            fix=d.fix, facts=d.facts))
-            raise ConfigError(Diagnosis(code="CONFIG", severity="error",
-                                        what=f"{source} {path}: unknown key {key!r}",
-                                        fix=suggest(name, names).replace("did you mean ", "did you mean key ")))
+                bad.append(Diagnosis(code=d.code, severity=d.severity, what=f"{source} {path}: {d.what}",
+                                     fix=d.fix, facts=d.facts))
+            else:
+                bad.append(Diagnosis(code="CONFIG", severity="error", what=f"{source} {path}: unknown key {key!r}",
+                                     fix=suggest(name, names).replace("did you mean ", "did you mean key ")))
         else:
             out[name] = val
+    if bad:
+        raise ConfigError(bad)
     if sglang:
         out["sglang_args"] = sglang
     return out
+
+
+def unknown_flag_diagnosis(bad: str) -> Diagnosis:
+    """The CONFIG error for a command-line token that is no rollflow flag: one of slime's (with its reason), else
+    the nearest flag."""
+    name = bad.split("=")[0]
+    return (name.startswith("--") and slime_flag_diagnosis(name)) or Diagnosis(
+        code="CONFIG", severity="error", what=f"unknown flag {bad}", fix=suggest(name, _all_flags()))
 
 
 def slime_flag_diagnosis(name: str) -> Diagnosis | None:
@@ -193,12 +204,9 @@ def parse_args(argv: list[str], prog: str = "rollflow train") -> RunConfig:
     argv, sglang = split_sglang(list(argv))
     parser = build_parser(prog)
     ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        bad = next((u for u in unknown if u.startswith("-")), unknown[0])
-        if bad.startswith("--") and (d := slime_flag_diagnosis(bad.split("=")[0])):
-            raise ConfigError(d)
-        raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"unknown flag {bad}",
-                                    fix=suggest(bad.split("=")[0], _all_flags())))
+    if unknown:  # every unknown flag at once (a ported slime script may hold several)
+        raise ConfigError([unknown_flag_diagnosis(bad)
+                           for bad in [u for u in unknown if u.startswith("-")] or unknown[:1]])
     values = load_yaml(ns.config) if ns.config else {}
     cli = {k: v for k, v in vars(ns).items() if k != "config"}
     values.update(cli)

@@ -2,7 +2,8 @@
 
 `rollflow train` names them on the command line and in a --config file instead of suggesting a near-miss flag,
 and docs/flags.md lists them (generated from NOT_TAKEN, like the rest of that page). A slime script ported to
-rollflow then fails at once, on the first such flag, with the reason and the replacement.
+rollflow then fails at once, naming every such flag (and every other unknown one) with the reason and the
+replacement.
 """
 from __future__ import annotations
 
