@@ -9,6 +9,7 @@ position_ids [0 1 2 0 1].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -125,7 +126,7 @@ def _joined(parts: list[tuple[MicroBatch, int, int, int | None, int]]) -> MicroB
     lens = [e - a for _, a, e, _, _ in parts]
     teacher = all(mb.teacher_log_probs is not None for mb, *_ in parts)
     return MicroBatch(tokens=cat(lambda m: m.tokens),
-                      cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32),
+                      cu_seqlens=torch.tensor([0, *accumulate(lens)], dtype=torch.int32),
                       position_ids=cat(lambda m: m.position_ids), loss_mask=cat(lambda m: m.loss_mask),
                       advantages=torch.zeros(sum(lens)), rollout_log_probs=cat(lambda m: m.rollout_log_probs),
                       sample_ids=[sid for *_, sid, _ in parts if sid is not None],
