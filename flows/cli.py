@@ -116,12 +116,14 @@ def cmd_train(argv: list[str]) -> int:
     if cfg.progress:  # the bar appears after place: say what the first seconds are spent on
         print(f"rollflow train {cfg.experiment_name}: starting the Prefect API and Ray, then preflight, the engines "
               "and the train workers …", file=sys.stderr, flush=True)
-    # start-up side by side (plumbing/prestart.py): the Prefect API server boots in its own process at nice 10, Ray
-    # starts while a thread imports the stages, then the train worker loads and a thread creates MLflow's store.
-    # Ray and the worker are the longest chain (the worker can only start once Ray is up); the server's boot fills
-    # the idle core around them. A SIGTERM meanwhile exits through atexit, which stops them all.
+    # start-up side by side (plumbing/prestart.py): the Prefect API server boots in its own process at nice 10,
+    # launched before this process imports Prefect; Ray starts while a thread imports the stages, then the train
+    # worker loads and a thread creates MLflow's store. Ray and the worker are one chain (the worker can only start
+    # once Ray is up), the server's boot and the flow's start the other; the server's boot fills the idle core
+    # around them. A SIGTERM meanwhile exits through atexit, which stops them all.
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        prestart.launch_ephemeral_api_early()  # its ~4 s of CPU start while this thread imports Prefect (~0.7 s)
         # Prefect and requests first, in this thread: two threads importing one of them at the same time can leave
         # the second with a half-initialised module — prefect.settings ("Failed to initialize plugins"), or
         # requests before its DependencyWarning filter, so urllib3's SOCKS warning reaches the terminal.
@@ -132,7 +134,7 @@ def cmd_train(argv: list[str]) -> int:
         # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
         imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
                                                 "transformers:PreTrainedTokenizerFast")
-        api = prestart.launch_ephemeral_api()
+        api = prestart.launch_ephemeral_api()  # the early one, unless Prefect's settings name a server
         if prestart.start_ray(cfg):  # a one-rank CPU run's train worker (and its own engine) start loading at once
             prestart.start_train_worker(cfg)
             prestart.start_engine(cfg)

@@ -11,6 +11,11 @@ priority it keeps for the run: plumbing/ui.py `background_ephemeral_api`), it bo
 to Ray and the workers otherwise: sync start-up shorter in 8 of 8 interleaved pairs (6.85–7.51 → 6.56–7.01 s), the
 async side's in 6 of 8 (bench/results/trl_race.md).
 
+The server is launched before the driver imports Prefect (`launch_ephemeral_api_early`), so that its boot also
+has the core the driver leaves idle during that import (~0.7 s: a timeline of the demo's start-up had the second
+core ~50% idle for its first 1.5 s); Prefect's settings, once imported, can still stop it (a profile naming a
+server). With it the server answered ~0.8 s earlier and the flow started before the train worker was ready.
+
 Ray starts in the main thread (its SIGTERM handler put back, as in place()) while a thread imports the stages
 (`import_in_background`: ray.init mostly waits). On a one-rank CPU run the train worker is started right after Ray,
 with its model load (`start_train_worker`), and so is a CPU run's one rollout engine when it has a process of its
@@ -70,11 +75,17 @@ class EphemeralAPI:
         raise RuntimeError("no free port in 8000-8999 for the ephemeral Prefect API")
 
     def launch(self) -> "EphemeralAPI":
-        from prefect.settings import get_current_settings
-
+        """Start the server process without waiting for it. Its settings: this process's environment, plus, once
+        Prefect is imported here, the settings set in this process (what Prefect's own launcher passes). Before
+        that (`launch_ephemeral_api_early`) nothing can have been set in-process, and the server reads the same
+        profile, `.env` and `prefect.toml` from the same folder as this process's Prefect will."""
         self.port = self._free_port()
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+               "PREFECT__SERVER_FINAL": "1"}
+        if "prefect.settings" in sys.modules:
+            from prefect.settings import get_current_settings
+
+            env.update(get_current_settings().to_environment_variables(exclude_unset=True))
         self.server_process = subprocess.Popen(  # uvicorn on Prefect's create_app, its start-up without the GC
             [sys.executable, str(Path(__file__).with_name("api_server.py")), str(self.port)], env=env)
         from engine.background import lower_process
@@ -132,18 +143,41 @@ def own_api_pid() -> int | None:
     return proc.pid if proc is not None and proc.poll() is None else None
 
 
+def launch_ephemeral_api_early() -> EphemeralAPI | None:
+    """Launch the server before this process imports Prefect (~0.7 s of one core, while the other is idle), unless
+    the environment names a server (PREFECT_API_URL) or turns ephemeral mode off. A profile or settings file can
+    do either too, which only Prefect's settings tell: `launch_ephemeral_api` checks them once Prefect is
+    imported and stops a server launched here that the run does not use."""
+    global _own
+    if (os.environ.get("PREFECT_API_URL") or _own is not None
+            or os.environ.get("PREFECT_SERVER_EPHEMERAL_ENABLED", "").strip().lower() in ("0", "false", "no", "off")):
+        return None
+    _own = EphemeralAPI().launch()
+    atexit.register(_own.stop)  # a SIGTERM meanwhile exits (cmd_train), which stops it
+    return _own
+
+
 def launch_ephemeral_api() -> EphemeralAPI | None:
     """Launch the ephemeral Prefect API server (the one Prefect's client would start at the flow's first call)
-    without waiting for it; None when the run uses a server of its own (PREFECT_API_URL) or ephemeral mode is off."""
+    without waiting for it, or take the one `launch_ephemeral_api_early` launched; None when the run uses a server
+    of its own (PREFECT_API_URL) or ephemeral mode is off (an early launch is then stopped)."""
     global _own
+    import prefect.context
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value() or own_api_url():
+    early = _own if _own is not None and _own.server_process is not None and not _own.running else None
+    unused = (PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value()
+              or not hasattr(prefect.context, "refresh_global_settings_context"))  # adopt() needs it
+    if early is not None:
+        if not unused:
+            return early
+        early.stop()  # launched before the settings said so: a profile names a server, or ephemeral mode is off
+        _own = None
+        log.info("rollflow: the Prefect settings name an API server (or turn the ephemeral one off): the server "
+                 "launched at start-up is stopped")
         return None
-    import prefect.context
-
-    if not hasattr(prefect.context, "refresh_global_settings_context"):  # adopt() needs it
-        return None  # a Prefect without it: its client starts the server itself, as before
+    if unused or own_api_url():
+        return None  # a Prefect without refresh_global_settings_context: its client starts the server, as before
     _own = EphemeralAPI().launch()
     atexit.register(_own.stop)  # a SIGTERM meanwhile exits (cmd_train), which stops it
     return _own

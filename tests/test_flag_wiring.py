@@ -426,7 +426,8 @@ def test_summary_json_is_written_by_rollflow_train(tmp_path, monkeypatch):
                "test_accuracy_after": None, "wall_s": 0.0, "flow_run_id": "f", "save_dir": None}
     monkeypatch.setattr(flows.train, "rl_train", lambda cfg: summary)
     from plumbing import prestart  # no Prefect server nor Ray cluster for a flow that is not run (they would
-    monkeypatch.setattr(prestart, "launch_ephemeral_api", lambda: None)  # outlive the test in this process)
+    monkeypatch.setattr(prestart, "launch_ephemeral_api_early", lambda: None)  # outlive the test in this
+    monkeypatch.setattr(prestart, "launch_ephemeral_api", lambda: None)  # process)
     monkeypatch.setattr(prestart, "start_ray", lambda cfg: False)
     out = tmp_path / "deep" / "summary.json"
     import gc

@@ -27,9 +27,11 @@ def test_the_launched_api_is_the_one_the_flow_client_uses():
     out = _python("""
         import os, sys
         import psutil
-        from plumbing import limits, prestart, ui
-        server = prestart.launch_ephemeral_api()
-        assert server is not None and not server.running
+        from plumbing import prestart
+        server = prestart.launch_ephemeral_api_early()  # as `rollflow train` does, before Prefect is imported
+        assert server is not None and not server.running and 'prefect' not in sys.modules
+        from plumbing import limits, ui
+        assert prestart.launch_ephemeral_api() is server  # Prefect's settings name no server: it is the run's
         # at nice 10 from its start, so that its boot yields to Ray's and the workers' (before Ray: the idle core)
         assert os.getpriority(os.PRIO_PROCESS, server.server_process.pid) >= 10
         assert prestart.wait_ephemeral_api(server)
@@ -72,11 +74,36 @@ def test_a_server_that_does_not_answer_is_stopped_and_left_to_prefect():
 
 
 def test_no_launch_when_a_server_is_given():
-    out = subprocess.run([sys.executable, "-c", "from plumbing import prestart; print(prestart.launch_ephemeral_api())"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "None"
+    code = "from plumbing import prestart; print(prestart.launch_ephemeral_api_early(), prestart.launch_ephemeral_api())"
+    for env in ({"PREFECT_API_URL": "http://127.0.0.1:9/api"}, {"PREFECT_SERVER_EPHEMERAL_ENABLED": "false"}):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "None None", env
+
+
+def test_an_early_server_is_stopped_when_a_profile_names_a_server(tmp_path):
+    """The environment names no server, so the server is launched before Prefect is imported; the active profile
+    names one, which only Prefect's settings tell: that launch is stopped, and the run uses the profile's server."""
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text('active = "remote"\n[profiles.remote]\nPREFECT_API_URL = "http://127.0.0.1:9/api"\n')
+    os.environ["PREFECT_PROFILES_PATH"] = str(profiles)  # the child inherits it (_python's environment)
+    try:
+        out = _python("""
+            import sys
+            from plumbing import prestart
+            early = prestart.launch_ephemeral_api_early()
+            assert early is not None and 'prefect' not in sys.modules
+            proc = early.server_process
+            print('taken', prestart.launch_ephemeral_api())
+            print('stopped', proc.poll() is not None, early.server_process is None, prestart.own_api_url())
+            from prefect.settings import PREFECT_API_URL
+            print('api', PREFECT_API_URL.value())
+        """)
+    finally:
+        del os.environ["PREFECT_PROFILES_PATH"]
+    assert "taken None" in out and "stopped True True None" in out
+    assert "api http://127.0.0.1:9/api" in out
 
 
 def test_a_prestarted_cluster_is_owned_by_the_first_run_only(monkeypatch):
