@@ -156,16 +156,21 @@ def test_s3_prompt_data_is_read_through_the_cache(s3_bucket, tmp_path, monkeypat
 
 def test_a_lean_local_cluster_runs_only_the_gcs_the_raylet_and_its_agents():
     """--ray-services lean (the default) on a real local start, in a fresh interpreter: no autoscaler monitor, log
-    monitor or API server among the head's processes, and tasks still run; Ray's Node is as it was afterwards."""
+    monitor or API server among the head's processes, the dashboard agent is the stand-in (this Ray has no
+    dashboard packages) and its ports are written as not in use, and tasks still run; Ray's Node and its command
+    builder are as they were afterwards, and the stand-in exits with the raylet."""
     import subprocess
     import sys
     from pathlib import Path
 
     code = """
-import ray
-from ray._private import node, ray_constants as rc, worker
+import psutil, ray
+from ray._private import node, ray_constants as rc, services, worker
+from ray._private.utils import get_dashboard_dependency_error
 from engine import cluster
+assert get_dashboard_dependency_error() is not None  # the `ray` wheel: its agent would load no module
 before = {m: getattr(node.Node, m) for m in cluster.LEAN_LEAVES_OUT}
+build = services._build_python_executable_command_memory_profileable
 assert cluster.services_started() is None
 cluster.connect(None, 1, "ship", "lean")
 assert cluster.services_started() == "lean"
@@ -173,16 +178,78 @@ kinds = set(worker._global_node.all_processes)
 print({"gcs_server", "raylet"} <= kinds, kinds.isdisjoint({rc.PROCESS_TYPE_MONITOR, rc.PROCESS_TYPE_LOG_MONITOR,
                                                            rc.PROCESS_TYPE_DASHBOARD}), sorted(kinds))
 print(ray.get(ray.remote(lambda: 6 * 7).remote()))
-print(all(getattr(node.Node, m) is fn for m, fn in before.items()))
+raylet = psutil.Process(worker._global_node.all_processes[rc.PROCESS_TYPE_RAYLET][0].process.pid)
+agents = [' '.join(p.cmdline()) for p in raylet.children()]
+stand_in = [p for p in raylet.children() if 'agent_stand_in.py' in ' '.join(p.cmdline())]
+print(len(stand_in), sum('DashboardAgent' in a or ('dashboard/agent.py' in a and 'stand_in' not in a) for a in agents),
+      sum('RuntimeEnvAgent' in a or 'runtime_env' in a for a in agents), agents)
+session, node_id = worker._global_node.get_session_dir_path(), worker._global_node.node_id
+import ray._raylet as raylet
+print([open(f"{session}/{getattr(raylet, n)}_{node_id}").read() for n in cluster.AGENT_PORT_NAMES])
+print(all(getattr(node.Node, m) is fn for m, fn in before.items()),
+      services._build_python_executable_command_memory_profileable is build)
 ray.shutdown()
 assert cluster.services_started() is None
+stand_in[0].wait(timeout=15)  # the raylet is gone: the stand-in follows it
+print("stand-in exited")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    procs, answer, restored = out.stdout.strip().splitlines()[-3:]
+    procs, answer, agents, ports, restored, exited = out.stdout.strip().splitlines()[-6:]
     assert procs.startswith("True True "), procs  # the GCS and the raylet run; no monitor, log monitor, API server
-    assert answer == "42" and restored == "True"
+    assert answer == "42" and restored == "True True" and exited == "stand-in exited"
+    assert agents.startswith("1 0 1 "), agents  # the stand-in instead of Ray's dashboard agent; the runtime-env agent runs
+    assert ports == "['-1', '-1', '-1']", ports
+
+
+def test_the_agent_stand_in_writes_the_port_files_as_ray_does(tmp_path):
+    """agent_stand_in.py writes Ray's own port files (`ray._raylet.persist_port`: same names, same content), so a
+    Ray that changed them fails here rather than in a raylet waiting for its agent's ports."""
+    import ray._raylet as raylet
+
+    from engine.cluster import AGENT_PORT_NAMES, agent_stand_in
+
+    node_id = "ab" * 28
+    ours, rays = tmp_path / "ours", tmp_path / "rays"
+    ours.mkdir(), rays.mkdir()
+    for name in (getattr(raylet, n) for n in AGENT_PORT_NAMES):
+        agent_stand_in.persist(str(ours), node_id, name, -1)
+        raylet.persist_port(str(rays), node_id, name, -1)
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in rays.iterdir())
+    assert all((ours / p.name).read_bytes() == p.read_bytes() for p in rays.iterdir())
+    assert len(list(ours.iterdir())) == 3
+
+
+def test_the_agent_is_replaced_only_where_it_has_nothing_to_do(monkeypatch, caplog):
+    """With the dashboard's packages (ray[default]) the agent serves metrics: Ray's own command is kept. Without
+    them the agent's command (only the agent's) is the stand-in's, for the start only. A Ray that builds the command
+    otherwise keeps its agent, with a warning."""
+    from ray._private import ray_constants, services
+    from ray._private import utils as ray_utils
+
+    from engine import cluster
+
+    build = services._build_python_executable_command_memory_profileable
+    restore = cluster._stand_in_for_the_agent()
+    try:
+        agent = services._build_python_executable_command_memory_profileable(
+            ray_constants.PROCESS_TYPE_DASHBOARD_AGENT, "/tmp/s")
+        assert agent[2].endswith("agent_stand_in.py") and "metrics_agent_port" in agent[3]
+        other = services._build_python_executable_command_memory_profileable(
+            ray_constants.PROCESS_TYPE_RUNTIME_ENV_AGENT, "/tmp/s")
+        assert other == build(ray_constants.PROCESS_TYPE_RUNTIME_ENV_AGENT, "/tmp/s")
+    finally:
+        restore()
+    assert services._build_python_executable_command_memory_profileable is build
+    monkeypatch.setattr(ray_utils, "get_dashboard_dependency_error", lambda: None)
+    cluster._stand_in_for_the_agent()
+    assert services._build_python_executable_command_memory_profileable is build
+    monkeypatch.undo()
+    monkeypatch.delattr(services, "_build_python_executable_command_memory_profileable")
+    with caplog.at_level("WARNING", logger="rollflow.cluster"):
+        cluster._stand_in_for_the_agent()()
+    assert "its agent runs" in caplog.text
 
 
 def test_full_services_start_rays_own_and_a_ray_without_the_hooks_is_reported(monkeypatch, caplog):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -99,6 +100,11 @@ LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_d
 #: 2-core machine together ~2 s of CPU at start-up, and ray.init waits for the API server's port (~1 s).
 LEAN_LEAVES_OUT = ("start_monitor", "start_log_monitor", "start_api_server")
 
+#: With --ray-services lean, the raylet's dashboard agent is replaced by engine/cluster/agent_stand_in.py where Ray
+#: has no dashboard packages (the `ray` wheel: its agent loads no module and only writes "not in use" for these
+#: ports, after importing much of Ray). These are the names of the port files it writes (ray._raylet's constants).
+AGENT_PORT_NAMES = ("METRICS_AGENT_PORT_NAME", "METRICS_EXPORT_PORT_NAME", "DASHBOARD_AGENT_LISTEN_PORT_NAME")
+
 
 #: (GCS address, services) of the local cluster this process started last: what `services_started` reports
 _started: tuple[str, str] | None = None
@@ -136,14 +142,51 @@ def _services(services: str) -> Iterator[str]:
     saved = {m: ray_node.Node.__dict__.get(m) for m in LEAN_LEAVES_OUT}
     for m in LEAN_LEAVES_OUT:
         setattr(ray_node.Node, m, lambda self, *args, **kwargs: None)
+    restore_agent = _stand_in_for_the_agent()
     try:
         yield "lean"
     finally:
+        restore_agent()
         for m, fn in saved.items():
             if fn is None:
                 delattr(ray_node.Node, m)
             else:
                 setattr(ray_node.Node, m, fn)
+
+
+def _stand_in_for_the_agent() -> Callable[[], None]:
+    """Have the raylet a ray.init starts now run agent_stand_in.py instead of Ray's dashboard agent, where that
+    agent would only write its ports as not in use (Ray without its dashboard packages). Ray builds the agent's
+    command line with `services._build_python_executable_command_memory_profileable` (the interpreter part, then
+    the agent's script and arguments): for the agent it returns the stand-in's instead. Returns what puts it back.
+    Where Ray has the dashboard's packages the real agent runs (it serves metrics then); where Ray lacks what this
+    relies on, too, with a warning."""
+    import ray
+    from ray._private import ray_constants, services
+    from ray._private.utils import get_dashboard_dependency_error
+
+    if get_dashboard_dependency_error() is None:
+        return lambda: None  # ray[default]: the agent has work to do
+    import ray._raylet as raylet
+
+    build = getattr(services, "_build_python_executable_command_memory_profileable", None)
+    component = getattr(ray_constants, "PROCESS_TYPE_DASHBOARD_AGENT", None)
+    names = [getattr(raylet, n, None) for n in AGENT_PORT_NAMES]
+    if not callable(build) or component is None or not all(names) or not callable(getattr(raylet, "persist_port", None)):
+        log.warning("rollflow: Ray %s does not build its dashboard agent's command as rollflow knows: its agent "
+                    "runs (~0.7 s more CPU at start-up)", ray.__version__)
+        return lambda: None
+    stand_in = [sys.executable, "-u", str(Path(__file__).with_name("agent_stand_in.py")), ",".join(names)]
+
+    def command(kind, *args, **kwargs):
+        return list(stand_in) if kind == component else build(kind, *args, **kwargs)
+
+    services._build_python_executable_command_memory_profileable = command
+
+    def restore() -> None:
+        services._build_python_executable_command_memory_profileable = build
+
+    return restore
 
 
 def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship",
