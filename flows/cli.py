@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -117,33 +116,31 @@ def cmd_train(argv: list[str]) -> int:
         print(f"rollflow train {cfg.experiment_name}: starting the Prefect API and Ray, then preflight, the engines "
               "and the train workers …", file=sys.stderr, flush=True)
     # start-up side by side (plumbing/prestart.py): the Prefect API server boots in its own process at nice 10,
-    # launched before this process imports Prefect; Ray starts while a thread imports the stages, then the train
-    # worker loads and a thread creates MLflow's store. Ray and the worker are one chain (the worker can only start
-    # once Ray is up), the server's boot and the flow's start the other; the server's boot fills the idle core
-    # around them. A SIGTERM meanwhile exits through atexit, which stops them all.
+    # launched before this process imports anything of Prefect; Ray starts at once while a thread imports Prefect
+    # and the stages, then the train worker loads and a thread creates MLflow's store. Ray and the worker are one
+    # chain (the worker can only start once Ray is up), the server's boot and the flow's start the other; the
+    # server's boot fills the idle core around them. A SIGTERM meanwhile exits through atexit, which stops them all.
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        prestart.launch_ephemeral_api_early()  # its ~4 s of CPU start while this thread imports Prefect (~0.7 s)
-        # Prefect and requests first, in this thread: two threads importing one of them at the same time can leave
-        # the second with a half-initialised module — prefect.settings ("Failed to initialize plugins"), or
-        # requests before its DependencyWarning filter, so urllib3's SOCKS warning reaches the terminal.
-        # launch_ephemeral_api needs Prefect at once anyway; requests takes ~35 ms
-        for module in ("prefect.settings", "requests"):
-            importlib.import_module(module)
-
-        # torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while ray.init waits
-        imports = prestart.import_in_background("flows.train", "transformers:AutoTokenizer",
-                                                "transformers:PreTrainedTokenizerFast")
-        api = prestart.launch_ephemeral_api()  # the early one, unless Prefect's settings name a server
+        prestart.launch_ephemeral_api_early()  # its ~4 s of CPU start while this thread starts Ray
+        # What starting Ray and the train worker imports, imported in this thread before the import thread starts:
+        # two threads importing one module at the same time can leave the second with a half-initialised module
+        # (seen with prefect.settings, "Failed to initialize plugins", and requests before its DependencyWarning
+        # filter). From here on the two threads import disjoint modules (tests/test_prestart.py checks it).
+        prestart.import_for_ray()
+        # Prefect, torch, the stages, and transformers' tokenizer classes (preflight's first tokenizer): while
+        # ray.init waits for Ray's processes
+        imports = prestart.import_in_background(*prestart.BACKGROUND_IMPORTS)
         if prestart.start_ray(cfg):  # a one-rank CPU run's train worker (and its own engine) start loading at once
             prestart.start_train_worker(cfg)
             prestart.start_engine(cfg)
-        mlflow_store = prestart.warm_mlflow_store(cfg)
+        mlflow_store = prestart.warm_mlflow_store(cfg, after=imports.imported["prefect.settings"])
         imports.join()
         from prefect.exceptions import CancelledRun
 
         from flows.train import rl_train
 
+        api = prestart.launch_ephemeral_api()  # the early one, unless Prefect's settings name a server
         if api is not None:
             prestart.wait_ephemeral_api(api)
         if mlflow_store is not None:

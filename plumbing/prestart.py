@@ -16,8 +16,11 @@ has the core the driver leaves idle during that import (~0.7 s: a timeline of th
 core ~50% idle for its first 1.5 s); Prefect's settings, once imported, can still stop it (a profile naming a
 server). With it the server answered ~0.8 s earlier and the flow started before the train worker was ready.
 
-Ray starts in the main thread (its SIGTERM handler put back, as in place()) while a thread imports the stages
-(`import_in_background`: ray.init mostly waits). On a one-rank CPU run the train worker is started right after Ray,
+Ray starts in the main thread (its SIGTERM handler put back, as in place()) while a thread imports Prefect and the
+stages (`import_in_background`: ray.init mostly waits). The main thread first imports what the Ray start and the
+workers' need (`import_for_ray`), so the two threads never import one module at the same time. Ray then starts
+before the driver's own Prefect import instead of after it (~0.7 s): start-up to the first step of the CPU demo
+was shorter in 16 of 20 interleaved pairs (medians 7.03 → 6.88 s and 7.35 → 6.98 s, bench/results/trl_race.md). On a one-rank CPU run the train worker is started right after Ray,
 with its model load (`start_train_worker`), and so is a CPU run's one rollout engine when it has a process of its
 own (--async-mode: `start_engine`); place() adopts them. The server is a subprocess launched without
 waiting and without importing Prefect's server module here (`EphemeralAPI`); once it answers, this process's Prefect
@@ -215,15 +218,44 @@ def wait_ephemeral_api(server: EphemeralAPI, timeout_s: float | None = None) -> 
     return False
 
 
-def import_in_background(*modules: str) -> threading.Thread:
-    """Import `modules` (a "module:name" also loads that lazy attribute) in a thread, joined before they are used:
-    `ray.init` (main thread only) spends most of its ~4 s waiting for Ray's processes to come up, time the imports
-    (torch, transformers, the stages: ~3 s of CPU) can use. An import that fails there is left to the caller's
-    own import, which raises it."""
+#: what `rollflow train`'s main thread imports before it starts Ray and the train worker (`import_for_ray`): Ray,
+#: rollflow's modules that start the workers, and what Ray's serializers for numpy, pydantic and starlette import
+#: at the first actor's creation (ray.util.serialization_addons), which Prefect and torch import too
+FOR_RAY_IMPORTS = ("ray", "ctypes.util", "engine.cluster", "engine.run", "engine.train.worker",
+                   "engine.rollout.engines", "engine.rollout.ports", "engine.tracking", "numpy", "cloudpickle",
+                   "sniffio", "anyio", "anyio.to_thread", "starlette.datastructures", "pydantic.v1")
+#: what its import thread imports meanwhile (`import_in_background`): Prefect first (the flow needs it first)
+BACKGROUND_IMPORTS = ("prefect.settings", "requests", "flows.train", "transformers:AutoTokenizer",
+                      "transformers:PreTrainedTokenizerFast")
+
+
+def import_for_ray() -> None:
+    """Import, in this thread, what `start_ray`, `start_train_worker`, `start_engine` and `warm_mlflow_store`
+    import (~0.4 s: Ray and rollflow's modules that start the workers), so that the import thread started next
+    never imports one of them at the same time: tests/test_prestart.py checks that what those calls import after
+    this and what BACKGROUND_IMPORTS import have no module in common."""
     import importlib
 
-    def run() -> None:
-        for spec in modules:
+    for name in FOR_RAY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not installed (Ray's serializers then skip it too): nothing to import twice
+            pass
+
+
+class BackgroundImports(threading.Thread):
+    """The import thread: `imported[spec]` is set once `spec` was imported (or failed to), so that another thread
+    can wait for a module before importing modules it shares with it."""
+
+    def __init__(self, modules: tuple[str, ...]):
+        super().__init__(name="rollflow-prestart-imports")  # not a daemon: joined at once
+        self.modules = modules
+        self.imported = {spec: threading.Event() for spec in modules}
+
+    def run(self) -> None:
+        import importlib
+
+        for spec in self.modules:
             name, _, attr = spec.partition(":")
             try:
                 module = importlib.import_module(name)
@@ -231,8 +263,16 @@ def import_in_background(*modules: str) -> threading.Thread:
                     getattr(module, attr)
             except BaseException as e:  # noqa: BLE001 — imported again by the caller, which raises it
                 log.debug("rollflow: importing %s at start-up failed (%s)", spec, e)
+            finally:
+                self.imported[spec].set()
 
-    thread = threading.Thread(target=run, name="rollflow-prestart-imports")  # not a daemon: joined at once
+
+def import_in_background(*modules: str) -> BackgroundImports:
+    """Import `modules` (a "module:name" also loads that lazy attribute) in a thread, joined before they are used:
+    `ray.init` (main thread only) spends most of its ~4 s waiting for Ray's processes to come up, time the imports
+    (Prefect, torch, transformers, the stages: ~3 s of CPU) can use. An import that fails there is left to the
+    caller's own import, which raises it."""
+    thread = BackgroundImports(modules)
     thread.start()
     return thread
 
@@ -291,11 +331,12 @@ def start_engine(cfg) -> bool:
         return False
 
 
-def warm_mlflow_store(cfg) -> threading.Thread | None:
+def warm_mlflow_store(cfg, after: threading.Event | None = None) -> threading.Thread | None:
     """Create the run's local MLflow store (`sqlite:///…`: import MLflow, copy the cached schema or run the
     migrations, engine/tracking/schema_cache.py) in a thread while Ray and the Prefect API start; MLflow caches the
     store per URI, so the flow's tracker opens it at once. Join the thread before the flow (two stores created in
-    one file at once would race). None for a tracking server (`http(s)://`: nothing to create)."""
+    one file at once would race). None for a tracking server (`http(s)://`: nothing to create). `after`: set once
+    the import thread has imported Prefect's settings, whose modules MLflow imports too (waited for first)."""
     from engine.tracking import default_tracking_uri, sqlite_path
 
     work_dir = Path(cfg.work_dir).resolve()
@@ -304,6 +345,8 @@ def warm_mlflow_store(cfg) -> threading.Thread | None:
         return None
 
     def warm() -> None:
+        if after is not None:  # MLflow shares modules with it (pydantic, anyio, starlette, …): imported one by one
+            after.wait()
         try:
             from engine.tracking import _mlflow_client
 

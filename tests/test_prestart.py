@@ -341,3 +341,46 @@ def test_the_prestarted_train_worker_serves_its_engine_once_adopted(shared_ray, 
             ray.get(stale_worker.where.remote(), timeout=60)  # killed, with the engine it served
     finally:
         run.close()
+
+
+def test_the_start_up_threads_import_disjoint_modules(tmp_path):
+    """`rollflow train` starts Ray and the workers in its main thread while a thread imports BACKGROUND_IMPORTS;
+    what the main thread imports for that after `import_for_ray` and what the import thread imports have no module
+    in common, so no module is ever imported by both at once (which can leave one of them a half-initialised
+    module). Both engine placements: the engine in the train worker's process (sync) and in its own (async)."""
+    main = _python(f"""
+        import sys
+        from engine.config.cli import parse_args
+        from plumbing import prestart
+        args = ["--config", "examples/demo.yaml", "--eval-prompt-data", "", "--work-dir", {str(tmp_path / 'w')!r}]
+        sync_cfg = parse_args(args, prog="t")
+        async_cfg = parse_args(args + ["--async-mode", "one-step"], prog="t")
+        prestart.import_for_ray()
+        before = set(sys.modules)
+        from engine import cluster
+        try:
+            assert prestart.start_ray(sync_cfg)
+            assert prestart.start_train_worker(sync_cfg)  # with the engine it serves
+            assert prestart.start_engine(async_cfg)  # an engine in a process of its own
+        finally:
+            cluster.shutdown()
+        print("NEW", sorted(set(sys.modules) - before))
+    """)
+    background = _python("""
+        import importlib, sys
+        from plumbing import prestart
+        prestart.import_for_ray()
+        before = set(sys.modules)
+        for spec in prestart.BACKGROUND_IMPORTS:
+            name, _, attr = spec.partition(":")
+            module = importlib.import_module(name)
+            getattr(module, attr) if attr else None
+        print("NEW", sorted(set(sys.modules) - before))
+    """)
+
+    def new(out: str) -> set[str]:
+        return set(eval(next(line for line in out.splitlines() if line.startswith("NEW "))[4:]))
+
+    ray_side, import_side = new(main), new(background)
+    assert len(ray_side) > 10 and "prefect" in import_side and "torch" in import_side  # both did import
+    assert not ray_side & import_side, sorted(ray_side & import_side)
