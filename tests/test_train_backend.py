@@ -496,18 +496,21 @@ def test_recompute_loss_function_keeps_only_the_logits_for_the_backward_and_take
         vocab = head.shape[0]
         steps, rewards = one_rollout()
         w.set_rollout(steps, rewards, need_ref=False)
-        kept: dict[int, tuple] = {}  # distinct [K, V] activations saved for the backward: storage → (K, grad_fn)
+        # distinct [K, V] activations saved for the backward: storage → (K, grad_fn, the tensor). The tensor is held
+        # so that its storage is not freed after its micro-batch's backward and reused by a later one's (which
+        # would then count as the same)
+        kept: dict[int, tuple] = {}
 
         def keep(t):
             ptr = t.untyped_storage().data_ptr()
             if t.dim() == 2 and t.shape[-1] == vocab and ptr != head.untyped_storage().data_ptr():
-                kept.setdefault(ptr, (t.shape[0], type(t.grad_fn).__name__))
+                kept.setdefault(ptr, (t.shape[0], type(t.grad_fn).__name__, t))
             return t
 
         calls.clear()
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             out[on] = (w.train_step(0, 8), params(w.backend.model))
-        saved[on], ran[on] = sorted(kept.values()), len(calls)
+        saved[on], ran[on] = sorted((k, fn) for k, fn, _ in kept.values()), len(calls)
     trained = [int(mb.loss_mask.sum()) for mb in one_rollout()[0][0]]  # K of each of the 4 micro-batches
     assert saved[False] == sorted([(k, "LogSoftmaxBackward0") for k in trained] + [(k, "ExpBackward0")
                                                                                      for k in trained])
