@@ -58,8 +58,8 @@ def write(res: dict, out: Path, name: str) -> None:
                      for i, q in enumerate(pairs))
     table = (f"`{res['command']}` on {res['machine']}, {res['date']}: base {res['base']}, new {res['new']}.\n\n"
              f"| pair | ran first | base start-up (s) | new start-up (s) | new − base (s) |\n|---|---|---|---|---|\n"
-             f"{rows}\n\nNew sooner in {res['new_sooner_in']} of {len(pairs)} pairs; medians {res['median_base_s']} → "
-             f"{res['median_new_s']} s (median difference {res['median_pair_difference_s']:+.2f} s).\n")
+             f"{rows}\n\nNew sooner in {res['new_sooner_in']} of {len(pairs)} pairs; medians "
+             f"{res['median_base_s']} → {res['median_new_s']} s (median difference {res['median_pair_difference_s']:+.2f} s).\n")
     (out / f"{name}_table.md").write_text(table)
     print(table)
 

@@ -122,7 +122,7 @@ def cmd_train(argv: list[str]) -> int:
     # server's boot fills the idle core around them. A SIGTERM meanwhile exits through atexit, which stops them all.
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        prestart.launch_ephemeral_api_early()  # its ~4 s of CPU start while this thread starts Ray
+        prestart.launch_ephemeral_api_early()  # its ~3 s of CPU start while this thread starts Ray
         # What starting Ray and the train worker imports, imported in this thread before the import thread starts:
         # two threads importing one module at the same time can leave the second with a half-initialised module
         # (seen with prefect.settings, "Failed to initialize plugins", and requests before its DependencyWarning

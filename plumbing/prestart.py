@@ -17,16 +17,17 @@ core ~50% idle for its first 1.5 s); Prefect's settings, once imported, can stil
 server). With it the server answered ~0.8 s earlier and the flow started before the train worker was ready.
 
 Ray starts in the main thread (its SIGTERM handler put back, as in place()) while a thread imports Prefect and the
-stages (`import_in_background`: ray.init mostly waits). The main thread first imports what the Ray start and the
-workers' need (`import_for_ray`), so the two threads never import one module at the same time. Ray then starts
-before the driver's own Prefect import instead of after it (~0.7 s): start-up to the first step of the CPU demo
-was shorter in 16 of 20 interleaved pairs (medians 7.03 → 6.88 s and 7.35 → 6.98 s, bench/results/trl_race.md). On a one-rank CPU run the train worker is started right after Ray,
-with its model load (`start_train_worker`), and so is a CPU run's one rollout engine when it has a process of its
-own (--async-mode: `start_engine`); place() adopts them. The server is a subprocess launched without
-waiting and without importing Prefect's server module here (`EphemeralAPI`); once it answers, this process's Prefect
-uses it as its API. MLflow's local SQLite store is created by a thread; both threads are joined before the flow
-starts, so no thread of this module outlives start-up. Whatever cannot be pre-started is left to the flow, which
-starts it the usual way and reports its failure the usual way (a warning here says so).
+stages (`import_in_background`: ray.init mostly waits). The main thread first imports what starting Ray and the
+workers needs (`import_for_ray`), so the two threads never import one module at the same time. Ray then starts
+before the driver's own Prefect import instead of after it (~0.7 s): start-up to the first step of the CPU demo was
+shorter in 16 of 20 interleaved pairs (medians 7.03 → 6.88 s and 7.35 → 6.98 s, bench/results/trl_race.md). On a
+one-rank CPU run the train worker is started right after Ray, with its model load (`start_train_worker`), and so is
+a CPU run's one rollout engine when it has a process of its own (--async-mode: `start_engine`); place() adopts them.
+The server is a subprocess launched without waiting and without importing Prefect's server module here
+(`EphemeralAPI`); once it answers, this process's Prefect uses it as its API. MLflow's local SQLite store is created
+by a thread; both threads are joined before the flow starts, so no thread of this module outlives start-up. Whatever
+cannot be pre-started is left to the flow, which starts it the usual way and reports its failure the usual way (a
+warning here says so).
 """
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ print("stand-in exited")
     procs, answer, agents, ports, restored, exited = out.stdout.strip().splitlines()[-6:]
     assert procs.startswith("True True "), procs  # the GCS and the raylet run; no monitor, log monitor, API server
     assert answer == "42" and restored == "True True" and exited == "stand-in exited"
-    assert agents.startswith("1 0 1 "), agents  # the stand-in instead of Ray's dashboard agent; the runtime-env agent runs
+    assert agents.startswith("1 0 1 "), agents  # the stand-in, not Ray's dashboard agent; the runtime-env agent
     assert ports == "['-1', '-1', '-1']", ports
 
 

@@ -74,7 +74,8 @@ def test_a_server_that_does_not_answer_is_stopped_and_left_to_prefect():
 
 
 def test_no_launch_when_a_server_is_given():
-    code = "from plumbing import prestart; print(prestart.launch_ephemeral_api_early(), prestart.launch_ephemeral_api())"
+    code = ("from plumbing import prestart; "
+            "print(prestart.launch_ephemeral_api_early(), prestart.launch_ephemeral_api())")
     for env in ({"PREFECT_API_URL": "http://127.0.0.1:9/api"}, {"PREFECT_SERVER_EPHEMERAL_ENABLED": "false"}):
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                              env={**os.environ, **env})

@@ -172,7 +172,8 @@ def _stand_in_for_the_agent() -> Callable[[], None]:
     build = getattr(services, "_build_python_executable_command_memory_profileable", None)
     component = getattr(ray_constants, "PROCESS_TYPE_DASHBOARD_AGENT", None)
     names = [getattr(raylet, n, None) for n in AGENT_PORT_NAMES]
-    if not callable(build) or component is None or not all(names) or not callable(getattr(raylet, "persist_port", None)):
+    persist = getattr(raylet, "persist_port", None)
+    if not callable(build) or component is None or not all(names) or not callable(persist):
         log.warning("rollflow: Ray %s does not build its dashboard agent's command as rollflow knows: its agent "
                     "runs (~0.7 s more CPU at start-up)", ray.__version__)
         return lambda: None
