@@ -139,10 +139,10 @@ def _services(services: str) -> Iterator[str]:
                         ", Node.".join(missing))
         yield "full"
         return
+    restore_agent = _stand_in_for_the_agent()  # first: if it fails, nothing of Ray's has been swapped yet
     saved = {m: ray_node.Node.__dict__.get(m) for m in LEAN_LEAVES_OUT}
     for m in LEAN_LEAVES_OUT:
         setattr(ray_node.Node, m, lambda self, *args, **kwargs: None)
-    restore_agent = _stand_in_for_the_agent()
     try:
         yield "lean"
     finally:
