@@ -184,7 +184,7 @@ def object_store_sync(model: str, threads: int, repeats: int, log_dir: Path) -> 
     from engine.weights import numpy_state
     from engine.weights.sync import push_object_store
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {**worker_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}})
     try:
         layout = rollout_layout(cluster_gpus=0, train_gpus=1, colocate=False, rollout_num_gpus=None,

@@ -38,7 +38,7 @@ def shared_ray():
     from engine.cluster import worker_env
 
     if not ray.is_initialized():
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": worker_env()})
     yield
 

@@ -158,7 +158,10 @@ def test_a_lean_local_cluster_runs_only_the_gcs_the_raylet_and_its_agents():
     """--ray-services lean (the default) on a real local start, in a fresh interpreter: no autoscaler monitor, log
     monitor or API server among the head's processes, the dashboard agent is the stand-in (this Ray has no
     dashboard packages) and its ports are written as not in use, and tasks still run; Ray's Node and its command
-    builder are as they were afterwards, and the stand-in exits with the raylet."""
+    builder are as they were afterwards, and the stand-in exits with the raylet. RAY_ADDRESS names a cluster that is
+    not there: a run without --ray-address starts its own all the same (Ray's default would join it, or a `ray
+    start` cluster of this machine, and refuse num_cpus), and says so."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -194,8 +197,9 @@ stand_in[0].wait(timeout=15)  # the raylet is gone: the stand-in follows it
 print("stand-in exited")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})
     assert out.returncode == 0, out.stderr
+    assert "RAY_ADDRESS=127.0.0.1:9 is set but --ray-address is not" in out.stderr, out.stderr
     procs, answer, agents, ports, restored, exited = out.stdout.strip().splitlines()[-6:]
     assert procs.startswith("True True "), procs  # the GCS and the raylet run; no monitor, log monitor, API server
     assert answer == "42" and restored == "True True" and exited == "stand-in exited"

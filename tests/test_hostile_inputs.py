@@ -253,7 +253,7 @@ def trained(prefect_harness, tiny_model, tmp_path_factory):
         return RunConfig(**{**base, **over})
 
     if not ray.is_initialized():
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": worker_env()})
     first = rl_train(cfg())
     return {"tmp": tmp, "cfg": cfg, "first": first}

@@ -122,7 +122,7 @@ def fake_gpus():
     from engine.cluster import worker_env
 
     ray.shutdown()  # shared_ray's cluster has no GPUs
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": worker_env()})
     yield
     ray.shutdown()

@@ -35,7 +35,7 @@ def launch_env(prefect_harness, tmp_path_factory):
     from engine.cluster import worker_env
 
     ray.shutdown()  # a cluster of its own, reached by --ray-address
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": worker_env()})
     env = child_env({"PREFECT_API_URL": PREFECT_API_URL.value()})
     yield env, ["--ray-address", ray.get_runtime_context().gcs_address]

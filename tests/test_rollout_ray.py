@@ -21,7 +21,7 @@ def ray_cluster():
     from engine.cluster import worker_env
 
     ray.shutdown()  # a cluster of its own (fake GPUs)
-    ray.init(num_cpus=2, num_gpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, num_gpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": worker_env()})
     yield
     ray.shutdown()

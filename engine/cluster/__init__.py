@@ -193,7 +193,8 @@ def _stand_in_for_the_agent() -> Callable[[], None]:
 def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "ship",
             services: str = "lean") -> dict[str, Any]:
     """Join `address` (shipping the code as `ray_code` says) or start a local cluster with `services`
-    (--ray-services); returns its resources."""
+    (--ray-services), whatever RAY_ADDRESS says or `ray start` left running on this machine; returns its
+    resources."""
     global _started
     import ray
 
@@ -206,8 +207,15 @@ def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "s
             kwargs["address"] = address
             kwargs["runtime_env"] = code_runtime_env(ray_code)
         else:
+            # "local", not None: Ray's default joins a cluster named by RAY_ADDRESS or one `ray start` left on this
+            # machine (/tmp/ray/ray_current_cluster), where num_cpus is then refused with Ray's own ValueError
+            kwargs["address"] = "local"
             kwargs["num_cpus"] = num_cpus or os.cpu_count()
             kwargs["_system_config"] = LOCAL_SYSTEM_CONFIG
+            if os.environ.get("RAY_ADDRESS"):
+                log.warning("rollflow: RAY_ADDRESS=%s is set but --ray-address is not: this run starts a local "
+                            "Ray cluster of its own; to join that cluster, pass --ray-address auto (or its address)",
+                            os.environ["RAY_ADDRESS"])
         with _services("full" if address else services) as started:
             _keeping_sigterm(lambda: ray.init(**kwargs))
         if not address:
