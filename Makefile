@@ -36,11 +36,18 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
+# Two pytest workers, a whole file each (module fixtures such as a shared Ray cluster or a baseline run stay in one
+# process): a serial run keeps the 2-core machine busy only ~56% of the time (single-threaded imports and process
+# start-ups, waits for servers and deadlines), two workers ~90%. Files go out longest first (tests/conftest.py's
+# LONGEST_FIRST; xdist's own order is by number of tests). TEST_WORKERS=0 runs serially, in one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
 test: bytecode browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: bytecode
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -5,7 +5,7 @@
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
-#          | recompute-refusal
+#          | recompute-refusal | s32-regress
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -151,6 +151,14 @@ PY
         --extra=--recompute-loss-function > "$OUT/gpu_recompute_refusal.txt" 2>&1
       grep -rh "would change nothing" "$OUT/refusal" | head -c 600; echo
       grep -h "Completed\|Failed\|RF[0-9]" "$OUT"/gpu_flow_demo_*.log | tail -12 ;;
+    s32-regress)  # after sessions 31–32's start-up changes (the API server launched before Prefect's import, Ray
+                  # before it, the local cluster started with address "local"): the GPU tests beside both colocated
+                  # demos (12 rollouts each), as in s30-demos without its flags
+      (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py tests/test_megatron_backend.py \
+         --timeout 500 > "$OUT/pytest_gpu.txt" 2>&1) &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 &
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500
+      wait; tail -n 4 "$OUT/pytest_gpu.txt" ;;
     recompute-refusal)  # --recompute-loss-function on CUDA: the torch backend built on the GPU must refuse it
       python3 - <<'PY' 2>&1 | tail -4 | tee "$OUT/recompute_refusal.txt"
 from engine.config import RunConfig
