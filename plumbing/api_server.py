@@ -5,18 +5,43 @@ build done without the cyclic garbage collector, then frozen out of its walks (e
 `gc.callbacks` probe in this process during a CPU demo start-up timed 9 full collections, 1.9 s of the ~4 s of CPU
 its boot takes on the two cores the start-up shares).
 
-Standard library, uvicorn and Prefect only: it runs as a script, so rollflow's packages need not be importable."""
+Its task-run recorder writes in batches (`batch_task_run_records`). Standard library, uvicorn and Prefect only: it
+runs as a script, so rollflow's packages need not be importable."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
+
+#: the server's task-run recorder (it turns the flow's task-run events into the task runs the UI shows) writes a
+#: batch at most this often, or once it holds this many events. Prefect's defaults, 1 event per write, cost this
+#: server ~0.2 s of CPU per iteration of the CPU demo (12 events: four tasks × Pending, Running, Completed): 22 s of
+#: CPU in a 100-rollout demo, 12 s with these (bench/results/trl_race.md). A task's state reaches the UI up to a
+#: second later; a stopped server writes what it holds first (Prefect's own shutdown flush).
+TASK_RUN_RECORDER = {"batch_size": 100, "flush_interval": 1.0}
+
+
+def batch_task_run_records() -> dict[str, str]:
+    """Set TASK_RUN_RECORDER's values for this process's Prefect settings where no Prefect settings source (the
+    environment, a profile, prefect.toml, .env) sets them; returns the environment variables set."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import get_current_settings
+
+    given = get_current_settings().server.services.task_run_recorder.model_fields_set
+    added = {f"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_{field.upper()}": str(value)
+             for field, value in TASK_RUN_RECORDER.items() if field not in given}
+    if added:
+        os.environ.update(added)
+        refresh_global_settings_context()
+    return added
 
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1 or not argv[0].isdigit():
         raise SystemExit(f"usage: python {Path(__file__).name} PORT (got {argv!r})")
     gc.disable()
+    batch_task_run_records()
     import uvicorn
     from prefect.server.api.server import create_app
 

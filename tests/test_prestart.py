@@ -40,7 +40,22 @@ def test_the_launched_api_is_the_one_the_flow_client_uses():
         with get_client(sync_client=True) as client:
             assert str(client.api_url).rstrip('/') == server.api_url.rstrip('/'), (client.api_url, server.api_url)
             assert client.api_healthcheck() is None
-        assert flow(lambda: 7)() == 7  # a flow run on it
+        from prefect import task
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+        import time
+        step = task(lambda: 7, name='step')
+        run = flow(lambda: step(return_state=True).result(), name='one-step')(return_state=True)  # a flow run on it
+        assert run.result() == 7
+        # the task run reaches the API through the server's batched task-run recorder (plumbing/api_server.py)
+        ids = FlowRunFilter(id=FlowRunFilterId(any_=[run.state_details.flow_run_id]))
+        deadline = time.monotonic() + 30
+        with get_client(sync_client=True) as client:
+            while True:
+                states = [t.state_type.value for t in client.read_task_runs(flow_run_filter=ids)]
+                if states == ['COMPLETED'] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        print('task runs', states)
         # still the ephemeral API for rollflow: no GPU slots on it, its priority lowered
         assert limits.api_is_ephemeral() and ui.background_ephemeral_api() > 0
         # ours runs plumbing/api_server.py; one Prefect's client started itself would run `-m uvicorn`
@@ -51,7 +66,41 @@ def test_the_launched_api_is_the_one_the_flow_client_uses():
         assert 'PREFECT_API_URL' not in os.environ and 'PREFECT_UI_URL' not in os.environ  # put back
     """)
     assert "servers 1" in out  # the client did not start a second one
+    assert "task runs ['COMPLETED']" in out
     assert "server module False" in out  # and this process never imported Prefect's server (~2.5 s)
+
+
+def test_the_launched_server_batches_its_task_run_records_unless_a_setting_says_otherwise(tmp_path):
+    """plumbing/api_server.py: the task-run recorder's batch size and flush interval are rollflow's where no
+    Prefect settings source sets them; a value from the environment or from prefect.toml is kept."""
+    code = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        from api_server import TASK_RUN_RECORDER, batch_task_run_records
+        added = batch_task_run_records()
+        from prefect.settings import get_current_settings
+        s = get_current_settings().server.services.task_run_recorder
+        print(json.dumps([sorted(added), s.batch_size, s.flush_interval, TASK_RUN_RECORDER]))
+    """)
+
+    def run(env: dict, cwd: Path) -> list:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER")}
+        out = subprocess.run([sys.executable, "-c", code, str(ROOT / "plumbing")], cwd=cwd, capture_output=True,
+                             text=True, timeout=120, env={**base, **env})
+        assert out.returncode == 0, out.stderr
+        import json
+
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    added, batch, interval, ours = run({}, tmp_path)
+    assert (batch, interval) == (ours["batch_size"], ours["flush_interval"]) and batch > 1  # Prefect's default: 1
+    assert added == ["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
+                     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"]
+    added, batch, interval, _ = run({"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "3"}, tmp_path)
+    assert (batch, interval) == (3, ours["flush_interval"])  # the environment's value kept
+    (tmp_path / "prefect.toml").write_text("[server.services.task_run_recorder]\nflush_interval = 0.25\n")
+    added, batch, interval, _ = run({}, tmp_path)
+    assert (batch, interval) == (ours["batch_size"], 0.25)  # prefect.toml's value kept
 
 
 def test_a_server_that_does_not_answer_is_stopped_and_left_to_prefect():
