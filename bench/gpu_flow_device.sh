@@ -5,7 +5,7 @@
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
-#          | recompute-refusal | s32-regress
+#          | recompute-refusal | s32-regress | s33-regress
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -159,6 +159,25 @@ PY
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500
       wait; tail -n 4 "$OUT/pytest_gpu.txt" ;;
+    s33-regress)  # after session 33's batched task-run recorder (plumbing/api_server.py): s32-regress, then every
+                  # task run of the last 8 flow runs (the demos', the tests') read from Prefect's database
+      (timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flow.py tests/test_megatron_backend.py \
+         tests/test_prestart.py --timeout 500 > "$OUT/pytest_gpu.txt" 2>&1) &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 &
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500
+      wait; tail -n 4 "$OUT/pytest_gpu.txt"
+      python3 - <<'PY' 2>&1 | tee "$OUT/prefect_task_runs.txt"
+import collections, json, os, sqlite3
+from pathlib import Path
+home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+db = sqlite3.connect(home / "prefect.db")
+for run_id, name, state in db.execute("select id, name, state_type from flow_run order by created desc limit 8"):
+    tasks = db.execute("select name, state_type from task_run where flow_run_id = ?", (run_id,)).fetchall()
+    print(json.dumps({"flow_run": name, "state": state, "task_runs": len(tasks),
+                      "by_state": collections.Counter(s for _, s in tasks),
+                      "rollout_tasks": sum(n.startswith("rollout-") for n, _ in tasks)}))
+PY
+      ;;
     recompute-refusal)  # --recompute-loss-function on CUDA: the torch backend built on the GPU must refuse it
       python3 - <<'PY' 2>&1 | tail -4 | tee "$OUT/recompute_refusal.txt"
 from engine.config import RunConfig
