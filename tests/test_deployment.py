@@ -190,7 +190,7 @@ def test_deploy_run_and_trigger_on_a_process_worker(prefect_server, tmp_path):
         assert sorted(t.name for t in trs) == sorted(expected)
         assert all(t.state.is_completed() for t in trs)
 
-        arts = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id]
+        arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         key = {name: artifact_key(RunConfig(experiment_name="demo-deployment", save=save), name)
                for name in ("progress", "summary", "mlflow-run", "samples", "checkpoint")}
         keys = [a.key for a in arts]

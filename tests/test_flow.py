@@ -140,7 +140,9 @@ def test_a_runtime_failure_fails_the_task_with_the_diagnosis(prefect_harness, sh
             frs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["nan-run"])))
             fr = frs[-1]
             trs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
-            arts = await client.read_artifacts()
+            # this run's artifacts only: unfiltered, the API returns its default page (200) of every artifact of the
+            # session's database, in id order, which need not hold this run's
+            arts = await client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
             return fr, trs, arts
 
     fr, trs, arts = asyncio.run(read())
