@@ -16,11 +16,9 @@ Writes <out>/<name>.json and <name>_table.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,7 +28,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup_ab import commit  # noqa: E402 — bench/ is not a package
+from startup_ab import ab_args, commit, demo_command, interleaved  # noqa: E402 — bench/ is not a package
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("driver", "api_server", "ray_workers", "ray_services")
@@ -53,15 +51,10 @@ def kind(proc: psutil.Process, root_pid: int) -> str | None:
 
 def one_run(checkout: Path, work: Path, num_rollout: int, extra: list[str]) -> dict:
     """One `rollflow train` run from `checkout`: CPU seconds per kind of process, the loop's seconds per rollout."""
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    args = ["--config", "examples/demo.yaml", "--num-rollout", str(num_rollout), "--eval-prompt-data", "",
-            "--work-dir", str(work / "w"), "--save", str(work / "ck"), "--save-interval", "1000",
-            "--summary-json", str(work / "summary.json"), *extra]
+    cmd = demo_command(work, num_rollout, extra)
     last: dict[int, tuple[str, float]] = {}
     with open(work / "console.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], cwd=checkout, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=checkout, stdout=log, stderr=subprocess.STDOUT)
         root = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:
@@ -87,29 +80,9 @@ def one_run(checkout: Path, work: Path, num_rollout: int, extra: list[str]) -> d
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="the checkout to compare against (a git worktree)")
-    p.add_argument("--new", default=str(ROOT), help="the checkout with the change (default: this one)")
-    p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--num-rollout", type=int, default=100)
-    p.add_argument("--extra", default="", help="more `rollflow train` flags for both sides, one string")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--work", default="/tmp/rollflow_bench_process_cpu_ab")
-    p.add_argument("--name", default="process_cpu_ab")
-    a = p.parse_args()
-    base, new = Path(a.base).resolve(), Path(a.new).resolve()
-    for side, path in (("--base", base), ("--new", new)):
-        if not (path / "flows" / "cli.py").is_file():
-            p.error(f"{side} {path}: not a rollflow checkout (no flows/cli.py)")
-    if a.pairs < 1 or a.num_rollout < 1:
-        p.error(f"--pairs {a.pairs} / --num-rollout {a.num_rollout}: at least 1 each")
-    pairs = []
-    for i in range(a.pairs):
-        order = [("base", base), ("new", new)] if i % 2 == 0 else [("new", new), ("base", base)]
-        got = {side: one_run(path, Path(a.work) / side, a.num_rollout, a.extra.split()) for side, path in order}
-        pairs.append({"first": order[0][0], **got})
-        print(f"pair {i + 1}/{a.pairs}: " + ", ".join(f"{s} {got[s]}" for s in ("base", "new")), file=sys.stderr,
-              flush=True)
+    a = ab_args(__doc__, pairs=3, num_rollout=100, work="/tmp/rollflow_bench_process_cpu_ab", name="process_cpu_ab")
+    base, new = a.base, a.new
+    pairs = interleaved(a, lambda path, work: one_run(path, work, a.num_rollout, a.extra.split()))
     med = {side: {**{k: round(statistics.median(q[side]["cpu_s"][k] for q in pairs), 2) for k in KINDS},
                   "total": round(statistics.median(q[side]["cpu_total_s"] for q in pairs), 2),
                   "loop_s_per_rollout": round(statistics.median(q[side]["loop_s_per_rollout"] for q in pairs), 4)}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -34,17 +35,22 @@ def commit(checkout: Path) -> str:
     return (out.stdout.strip() or "?") + ("+changes" if dirty else "")
 
 
-def start_up(checkout: Path, work: Path, num_rollout: int, extra: list[str]) -> float:
-    """One `rollflow train` run from `checkout`; seconds from its spawn to its first step."""
+def demo_command(work: Path, num_rollout: int, extra: list[str]) -> list[str]:
+    """`rollflow train` on the CPU demo without its eval set, everything under `work` (emptied first), one save at
+    the end, as this interpreter's module (the checkout it runs from comes first on the path)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    args = ["--config", "examples/demo.yaml", "--num-rollout", str(num_rollout), "--eval-prompt-data", "",
-            "--work-dir", str(work / "w"), "--save", str(work / "ck"), "--save-interval", "1000",
-            "--summary-json", str(work / "summary.json"), *extra]
+    return [sys.executable, "-m", "flows.cli", "train", "--config", "examples/demo.yaml", "--num-rollout",
+            str(num_rollout), "--eval-prompt-data", "", "--work-dir", str(work / "w"), "--save", str(work / "ck"),
+            "--save-interval", "1000", "--summary-json", str(work / "summary.json"), *extra]
+
+
+def start_up(checkout: Path, work: Path, num_rollout: int, extra: list[str]) -> float:
+    """One `rollflow train` run from `checkout`; seconds from its spawn to its first step."""
+    cmd = demo_command(work, num_rollout, extra)
     t0 = time.time()
     with open(work / "console.log", "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=checkout, stdout=log,
-                            stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=checkout, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise SystemExit(f"{checkout}: rollflow train exited {rc}; see {work / 'console.log'}")
     return round(json.loads((work / "summary.json").read_text())["loop_started_unix"] - t0, 2)
@@ -64,31 +70,45 @@ def write(res: dict, out: Path, name: str) -> None:
     print(table)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def ab_args(description: str, *, pairs: int, num_rollout: int, work: str, name: str) -> argparse.Namespace:
+    """The arguments of an interleaved A/B of two checkouts (this script, bench/process_cpu_ab.py), checked:
+    --base and --new are rollflow checkouts (resolved to paths), at least one pair and one rollout."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the checkout to compare against (a git worktree)")
     p.add_argument("--new", default=str(ROOT), help="the checkout with the change (default: this one)")
-    p.add_argument("--pairs", type=int, default=10)
-    p.add_argument("--num-rollout", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=pairs)
+    p.add_argument("--num-rollout", type=int, default=num_rollout)
     p.add_argument("--extra", default="", help="more `rollflow train` flags for both sides, one string")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--work", default="/tmp/rollflow_bench_startup_ab")
-    p.add_argument("--name", default="startup_ab")
+    p.add_argument("--work", default=work)
+    p.add_argument("--name", default=name)
     a = p.parse_args()
-    base, new = Path(a.base).resolve(), Path(a.new).resolve()
-    for side, path in (("--base", base), ("--new", new)):
+    a.base, a.new = Path(a.base).resolve(), Path(a.new).resolve()
+    for side, path in (("--base", a.base), ("--new", a.new)):
         if not (path / "flows" / "cli.py").is_file():
             p.error(f"{side} {path}: not a rollflow checkout (no flows/cli.py)")
     if a.pairs < 1 or a.num_rollout < 1:
         p.error(f"--pairs {a.pairs} / --num-rollout {a.num_rollout}: at least 1 each")
+    return a
+
+
+def interleaved(a: argparse.Namespace, run) -> list[dict]:
+    """`run(checkout, work_dir)` once per side in each of `a.pairs` pairs, the side run first alternating."""
     pairs = []
     for i in range(a.pairs):
-        order = [("base", base), ("new", new)] if i % 2 == 0 else [("new", new), ("base", base)]
-        got = {side: start_up(path, Path(a.work) / side, a.num_rollout, a.extra.split()) for side, path in order}
+        order = [("base", a.base), ("new", a.new)] if i % 2 == 0 else [("new", a.new), ("base", a.base)]
+        got = {side: run(path, Path(a.work) / side) for side, path in order}
         pairs.append({"first": order[0][0], **got})
-        print(f"pair {i + 1}/{a.pairs}: base {got['base']} s, new {got['new']} s", file=sys.stderr, flush=True)
+        print(f"pair {i + 1}/{a.pairs}: base {got['base']}, new {got['new']}", file=sys.stderr, flush=True)
+    return pairs
+
+
+def main() -> int:
+    a = ab_args(__doc__, pairs=10, num_rollout=2, work="/tmp/rollflow_bench_startup_ab", name="startup_ab")
+    base, new = a.base, a.new
+    pairs = interleaved(a, lambda path, work: start_up(path, work, a.num_rollout, a.extra.split()))
     sooner = sum(q["new"] < q["base"] for q in pairs)
-    res = {"command": "python bench/startup_ab.py " + " ".join(sys.argv[1:]),
+    res = {"command": "python bench/startup_ab.py " + shlex.join(sys.argv[1:]),
            "machine": f"{platform.node()} ({platform.platform()}, {__import__('os').cpu_count()} CPUs)",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "base": commit(base), "new": commit(new),
            "num_rollout": a.num_rollout, "pairs": pairs, "new_sooner_in": sooner,
