@@ -24,11 +24,17 @@ TASK_RUN_RECORDER = {"batch_size": 100, "flush_interval": 1.0}
 
 def batch_task_run_records() -> dict[str, str]:
     """Set TASK_RUN_RECORDER's values for this process's Prefect settings where no Prefect settings source (the
-    environment, a profile, prefect.toml, .env) sets them; returns the environment variables set."""
+    environment, a profile, prefect.toml, .env) sets them; returns the environment variables set. A Prefect whose
+    settings have no such recorder keeps its own (said on stderr, which the run's console shows)."""
     from prefect.context import refresh_global_settings_context
     from prefect.settings import get_current_settings
 
-    given = get_current_settings().server.services.task_run_recorder.model_fields_set
+    recorder = getattr(get_current_settings().server.services, "task_run_recorder", None)
+    if recorder is None or not set(TASK_RUN_RECORDER) <= set(type(recorder).model_fields):
+        print("rollflow: this Prefect's server has no task_run_recorder batch_size / flush_interval settings; its "
+              "task-run recorder writes with Prefect's defaults", file=sys.stderr)
+        return {}
+    given = recorder.model_fields_set
     added = {f"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_{field.upper()}": str(value)
              for field, value in TASK_RUN_RECORDER.items() if field not in given}
     if added:

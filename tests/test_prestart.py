@@ -119,6 +119,19 @@ def test_the_launched_server_batches_its_task_run_records_unless_a_setting_says_
     assert (batch, interval) == (ours["batch_size"], 0.25)  # prefect.toml's value kept
 
 
+def test_a_prefect_without_the_recorder_settings_keeps_its_own_and_says_so(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "plumbing"))
+    try:
+        import api_server
+    finally:
+        sys.path.remove(str(ROOT / "plumbing"))
+    monkeypatch.setattr(api_server, "TASK_RUN_RECORDER", {"batch_size": 100, "no_such_setting": 1})
+    before = dict(os.environ)
+    assert api_server.batch_task_run_records() == {}
+    assert dict(os.environ) == before
+    assert "task-run recorder writes with Prefect's defaults" in capsys.readouterr().err
+
+
 def test_a_server_that_does_not_answer_is_stopped_and_left_to_prefect():
     out = _python("""
         import logging, os
