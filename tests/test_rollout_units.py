@@ -172,6 +172,10 @@ def test_registries_sharing_one_store_never_collide_and_wrap_only_after_the_whol
     assert a.handed_out() == {"n": [41000, 41001]}
     with pytest.raises(ValueError, match="7 ports asked of a registry of 6"):
         a.reserve("n", 7)
+    c = PortRegistry(41000, 41006, kv=LocalKV(), first=41004)  # a cluster's registry begins at a random port
+    assert c.reserve("n", 3) == [41004, 41005, 41000] and c.reserve("n", 1) == [41001]
+    with pytest.raises(ValueError, match="first port 42000 is outside the range"):
+        PortRegistry(41000, 41006, first=42000)
 
 
 def test_taken_port_is_skipped_and_its_holder_named():
@@ -198,8 +202,10 @@ def test_proc_net_tcp_parsing():
 
     table = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
              "   0: 0100007F:7531 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1\n"
-             "   1: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 777 1\n")
-    assert socket_inodes(table, 0x7531) == {"4242"} and socket_inodes(table, 8080) == {"777"}
+             "   1: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 777 1\n"
+             "   2: 0100007F:1F90 0100007F:A3C2 01 00000000:00000000 00:00000000 00000000  1000        0 778 1\n")
+    assert socket_inodes(table, 0x7531) == {"4242"} and socket_inodes(table, 8080) == {"777", "778"}
+    assert socket_inodes(table, 8080, listening=True) == {"777"}  # the connection (state 01) is not a listener
     assert socket_inodes(table, 9) == set()
 
 

@@ -88,6 +88,72 @@ def test_engine_that_never_answers_fails_at_its_deadline_as_rf08(fake_python, ti
     assert not eng.alive()  # killed, with its process group
 
 
+def _other_runs_server():
+    """A server of another run on a free loopback port: /health* answers without a key (as SGLang's does), every
+    other path refuses this run's key."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Other(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path.startswith("/health") else 401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("proc_sees_the_holder", [True, False])
+def test_another_runs_server_answering_on_the_port_is_a_lost_race(fake_python, tiny_model, tmp_path, monkeypatch,
+                                                                   proc_sees_the_holder):
+    """Two Ray clusters on one host (each its own port registry) offer the same port: the other run's server binds
+    it and answers this launch's /health_generate (no key needed) before this launch exits with 'address already in
+    use'. That is not this launch's server: seen from the listener's process group in /proc, or, where /proc cannot
+    tell (another user's process), from the server refusing this run's --api-key. The launch is an RF08 lost race,
+    killed; the engine actor launches again on the next ports and gets its own server."""
+    import os
+
+    from engine.rollout import sglang as launcher
+    from engine.rollout.actor import EngineActor, EngineSpec
+
+    if not proc_sees_the_holder:
+        monkeypatch.setattr(launcher, "port_holder_pid", lambda port, **kw: None)
+    other = _other_runs_server()
+    taken = other.server_address[1]
+    try:
+        cmd = sglang_command(python=fake_python, model_path=tiny_model, host="127.0.0.1", port=taken, tp_size=1,
+                             base_gpu_id=0, nccl_port=_free_port(), dist_init_addr=f"127.0.0.1:{_free_port()}",
+                             sglang_args={}, api_key="this-runs-key")
+        eng = LaunchedEngine(cmd, url=f"http://127.0.0.1:{taken}", log_path=str(tmp_path / "lost.log"),
+                             ports=[taken, 0, 0], mem_fraction_static=None)
+        with pytest.raises(DiagnosisError) as e:
+            eng.start(timeout_s=60)
+        assert e.value.codes == ["RF08"] and f"port {taken} on 127.0.0.1 is already in use" in str(e.value)
+        seen = f"answered by pid {os.getpid()} (" if proc_sees_the_holder else "refuses this run's --api-key (HTTP 401)"
+        assert seen in str(e.value)
+        assert eng.lost_port_race() and not eng.alive()
+
+        offered = iter([[taken, _free_port(), _free_port()], [_free_port(), _free_port(), _free_port()]])
+        a = EngineActor(EngineSpec(kind="sglang", model_path=tiny_model, log_dir=str(tmp_path), python=fake_python,
+                                   start_timeout_s=120, api_key="this-runs-key"), 0, None)
+        a._ports = lambda node, k: next(offered)
+        url, ports, pid = a._start_sglang("127.0.0.1", 0, str(tmp_path / "engine-0.log"))
+        try:
+            assert ports[0] != taken and url.endswith(f":{ports[0]}")
+            assert httpx.get(url + "/get_model_info", headers={"Authorization": "Bearer this-runs-key"},
+                             timeout=10).status_code == 200  # its own server, with the run's key
+        finally:
+            a.server.stop()
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
 def test_a_port_taken_before_sglang_binds_is_retried_on_new_ports(fake_python, tiny_model, tmp_path):
     """Two runs on one machine (each its own port registry from 30000): the launched server loses the bind and
     exits with 'address already in use'; the engine actor launches it again on the next ports. A launch that

@@ -269,10 +269,15 @@ def shutdown() -> None:
 
 def port_registry():
     """The cluster's one port registry (RF08): kept in the cluster's key-value store (engine/rollout/ports.py),
-    shared by every run on this Ray cluster; a plain value that Ray calls carry to the engines and train ranks."""
-    from engine.rollout.ports import PortRegistry
+    shared by every run on this Ray cluster; a plain value that Ray calls carry to the engines and train ranks.
+    A node's first reservation begins at a random port of the range (later ones go on from the cluster's cursor):
+    another cluster on the same host has a registry of its own, and two that both began at 30000 would offer the
+    same ports at once — each is checked free, but only one server can bind it (the other retries: RF08)."""
+    import random
 
-    return PortRegistry()
+    from engine.rollout.ports import PORT_RANGE, PortRegistry
+
+    return PortRegistry(first=random.randrange(*PORT_RANGE))
 
 
 _prestarted_worker: dict[str, Any] | None = None  # the train worker `rollflow train` started with Ray

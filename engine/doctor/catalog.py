@@ -58,8 +58,9 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
     Entry("RF08", "SGLang `Max retries exceeded … /get_model_info`",
           "several SGLang servers on one machine collide on ports",
           "one port allocator for every server, router and NCCL port, checked free before launch; an engine "
-          "that loses a port to another program between the check and its bind (two runs on one machine) is "
-          "started again on the next ports, twice at most; a taken port is reported with the process that holds "
+          "that loses a port to another program between the check and its bind (two runs on one machine), or "
+          "finds another run's server answering on its port, is started again on the next ports, twice at most; "
+          "a taken port is reported with the process that holds "
           "it; an engine that fails its health check is reported with its port, log tail and the advice (fewer "
           "engines per node, e.g. larger tp)"),
     Entry("RF09", "grad norm huge, training collapses",

@@ -4,7 +4,8 @@
 cluster, the cluster's own store (Ray's GCS key-value store, `GcsKV`), shared by every run on the cluster and by
 every process of a run, so two engines on one host can never be given the same port. No process of its own: it
 was a detached actor, whose worker process took ~1.4 s of CPU from a CPU run's start-up for a few calls (issue
-18). It hands ports out in order and wraps around only after the whole range was handed out; the caller checks
+18). It hands ports out in order (on a cluster, from a random port of the range: two clusters on one host seldom
+start on the same ports) and wraps around only after the whole range was handed out; the caller checks
 each port free *on its own node* before use (`allocate_ports`), so a port some other process holds is skipped.
 
 When a port is taken anyway (a race with another program, or a port the user chose), `port_in_use` names the
@@ -125,11 +126,15 @@ class PortRegistry:
     two engines starting) never get the same port; a per-node cursor (a hint, not a lock) makes reservations go
     in order instead of retrying the same keys."""
 
-    def __init__(self, start: int = PORT_RANGE[0], end: int = PORT_RANGE[1], kv: LocalKV | None = None):
+    def __init__(self, start: int = PORT_RANGE[0], end: int = PORT_RANGE[1], kv: LocalKV | None = None, *,
+                 first: int | None = None):
         if not 0 < start < end <= 65536:
             raise ValueError(f"port range [{start}, {end}) is empty or outside 1–65535")
+        if first is not None and not start <= first < end:
+            raise ValueError(f"first port {first} is outside the range [{start}, {end})")
         self.start, self.end = start, end
         self.kv = kv
+        self.first = start if first is None else first  # where a node's first reservation begins
 
     def _kv(self) -> LocalKV | GcsKV:
         return self.kv if self.kv is not None else GcsKV()
@@ -141,7 +146,7 @@ class PortRegistry:
         if not 0 < k <= span:
             raise ValueError(f"{k} ports asked of a registry of {span} ([{self.start}, {self.end}))")
         cursor = kv.get(f"next/{node}")
-        port = int(cursor) if cursor and self.start <= int(cursor) < self.end else self.start
+        port = int(cursor) if cursor and self.start <= int(cursor) < self.end else self.first
         out: list[int] = []
         tried = 0
         while len(out) < k:
@@ -192,25 +197,30 @@ def allocate_ports(reserve: Callable[[str, int], list[int]], node: str, k: int, 
 
 
 # ---- who holds a port (Linux /proc) ----------------------------------------------------------------------------
-def socket_inodes(proc_net_tcp: str, port: int) -> set[str]:
-    """Inodes of the sockets bound to local `port` in a /proc/net/tcp{,6} table (any local address)."""
+TCP_LISTEN = "0A"  # the state column of a listening socket in /proc/net/tcp
+
+
+def socket_inodes(proc_net_tcp: str, port: int, *, listening: bool = False) -> set[str]:
+    """Inodes of the sockets bound to local `port` in a /proc/net/tcp{,6} table (any local address); listening:
+    only a socket that listens there (not a connection to or from the port)."""
     out = set()
     for line in proc_net_tcp.splitlines()[1:]:
         cols = line.split()
         if len(cols) < 10:
             continue
-        local, inode = cols[1], cols[9]
-        if int(local.rsplit(":", 1)[1], 16) == port and inode != "0":
+        local, state, inode = cols[1], cols[3], cols[9]
+        if int(local.rsplit(":", 1)[1], 16) == port and inode != "0" and (not listening or state == TCP_LISTEN):
             out.add(inode)
     return out
 
 
-def port_holder_pid(port: int, proc: Path = Path("/proc")) -> tuple[int, str] | None:
-    """(pid, command line) of a process holding a socket on `port`, or None when it cannot be found."""
+def port_holder_pid(port: int, proc: Path = Path("/proc"), *, listening: bool = False) -> tuple[int, str] | None:
+    """(pid, command line) of a process holding a socket on `port` (listening: the one listening there), or None
+    when it cannot be found (none, or another user's process)."""
     inodes: set[str] = set()
     for table in ("net/tcp", "net/tcp6"):
         try:
-            inodes |= socket_inodes((proc / table).read_text(), port)
+            inodes |= socket_inodes((proc / table).read_text(), port, listening=listening)
         except OSError:
             continue
     if not inodes:

@@ -6,8 +6,9 @@ GPU id, NCCL port, dist-init address); every `--sglang-<flag> [value]` of the ru
 `/release_memory_occupation` frees the GPU for training. The Python executable is configurable
 (`--rollout-engine-python`), so SGLang can live in its own environment.
 
-`LaunchedEngine` waits for `/health_generate` with a deadline; if the process exits first or the deadline passes,
-the failure carries what the log says (RF11 illegal memory access / OOM, RF08 port taken) and its last lines.
+`LaunchedEngine` waits for `/health_generate` with a deadline, and checks that the server answering is its own
+(`foreign_server`); if the process exits first or the deadline passes, the failure carries what the log says (RF11
+illegal memory access / OOM, RF08 port taken) and its last lines.
 """
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from engine.diagnosis import ConfigError, Diagnosis, DiagnosisError
+from engine.rollout.client import auth_headers, shared_http
 from engine.rollout.diagnose import health_timeout, scan_engine_log
+from engine.rollout.ports import port_holder_pid, port_in_use
 
 #: Flags rollflow sets itself; passing them as --sglang-* would contradict the placement or the port allocator.
 OWNED = {"model-path": "--hf-checkpoint", "host": None, "port": None, "tp-size": "--rollout-num-gpus-per-engine",
@@ -65,6 +70,12 @@ def redacted_argv(cmd: list[str]) -> list[str]:
     return [("***" if i and cmd[i - 1] in SECRET_FLAGS else a) for i, a in enumerate(cmd)]
 
 
+def flag_value(cmd: list[str], flag: str) -> str | None:
+    """The value given to `flag` in an argv (the last one), or None."""
+    values = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == flag]
+    return values[-1] if values else None
+
+
 def mem_fraction_of(sglang_args: dict[str, Any]) -> float | None:
     v = sglang_args.get("mem-fraction-static")
     try:
@@ -82,6 +93,7 @@ class LaunchedEngine:
         self.mem_fraction_static, self.env = mem_fraction_static, env
         self.proc: subprocess.Popen | None = None
         self._log_start = 0
+        self._lost_race = False  # another server answered on this launch's port (foreign_server)
 
     def start(self, timeout_s: float) -> str:
         from engine.rollout.client import EngineClient
@@ -99,7 +111,12 @@ class LaunchedEngine:
             if self.proc.poll() is not None:
                 raise self._failure(f"the engine process exited with code {self.proc.returncode} during start-up")
             if client.health_generate(timeout_s=min(10.0, max(0.5, deadline - time.monotonic()))):
-                return self.url
+                if (other := self.foreign_server()) is None:
+                    return self.url
+                self.stop()  # it lost the bind to `other`, and exits (or hangs) by itself: not worth waiting for
+                self._lost_race = True
+                raise DiagnosisError(port_in_use(self.ports[0], self.url.rsplit("//", 1)[-1].rsplit(":", 1)[0],
+                                                 f"the launched engine's HTTP port (answered by {other})"))
             time.sleep(0.25)
         self.stop()
         found = self.diagnose()
@@ -139,11 +156,37 @@ class LaunchedEngine:
         return scan_engine_log(text, mem_fraction_static=self.mem_fraction_static, ports=self.ports,
                                log_path=str(self.log_path))
 
+    def foreign_server(self) -> str | None:
+        """What answers on this launch's HTTP port when it is not this launch's server, else None.
+
+        Two Ray clusters on one host (two runs, two test workers) keep separate port registries, so both can check
+        a port free and launch on it: one server binds it, the other exits with 'address already in use' — but
+        until it exits, the winner answers the loser's /health_generate (SGLang serves /health* without the API
+        key). Whose it is: the process listening on the port (/proc) must be in this launch's process group (it
+        runs in a session of its own); where /proc cannot tell (another user's process), a server that refuses
+        this launch's --api-key on /get_model_info is another run's."""
+        holder = port_holder_pid(self.ports[0], listening=True)
+        if holder is not None:
+            try:
+                mine = os.getpgid(holder[0]) == self.proc.pid
+            except ProcessLookupError:
+                mine = False
+            return None if mine else f"pid {holder[0]} ({holder[1][:160]})"
+        key = flag_value(self.cmd, "--api-key")
+        if key:
+            try:
+                code = shared_http().get(self.url + "/get_model_info", headers=auth_headers(key), timeout=10).status_code
+            except httpx.HTTPError:
+                return None  # /health_generate just answered: no judgement on a transient error
+            if code in (401, 403):
+                return f"a server that refuses this run's --api-key (HTTP {code})"
+        return None
+
     def lost_port_race(self) -> bool:
-        """True when this launch exited by itself because a port was taken (RF08 from its log): another port may
-        do, where a hang or a crash would not."""
-        return (self.proc is not None and self.proc.poll() is not None and self.proc.returncode > 0
-                and any(d.code == "RF08" for d in self.diagnose()))
+        """True when this launch lost a port (RF08: its log says so and it exited by itself, or another server
+        answered on its port): another port may do, where a hang or a crash would not."""
+        return self._lost_race or (self.proc is not None and self.proc.poll() is not None
+                                   and self.proc.returncode > 0 and any(d.code == "RF08" for d in self.diagnose()))
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is None:
