@@ -88,15 +88,15 @@ def test_engine_that_never_answers_fails_at_its_deadline_as_rf08(fake_python, ti
     assert not eng.alive()  # killed, with its process group
 
 
-def _other_runs_server():
-    """A server of another run on a free loopback port: /health* answers without a key (as SGLang's does), every
-    other path refuses this run's key."""
+def _other_runs_server(accepts_any_key: bool):
+    """A server of another run on a free loopback port: /health* answers without a key (as SGLang's does); every
+    other path refuses this run's key, or (a run given the same --sglang-api-key) accepts it."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Other(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path.startswith("/health") else 401)
+            self.send_response(200 if accepts_any_key or self.path.startswith("/health") else 401)
             self.send_header("Content-Length", "0")
             self.end_headers()
 
@@ -108,22 +108,23 @@ def _other_runs_server():
     return server
 
 
-@pytest.mark.parametrize("proc_sees_the_holder", [True, False])
+@pytest.mark.parametrize("seen_by", ["api_key", "proc"])
 def test_another_runs_server_answering_on_the_port_is_a_lost_race(fake_python, tiny_model, tmp_path, monkeypatch,
-                                                                   proc_sees_the_holder):
+                                                                   seen_by):
     """Two Ray clusters on one host (each its own port registry) offer the same port: the other run's server binds
     it and answers this launch's /health_generate (no key needed) before this launch exits with 'address already in
-    use'. That is not this launch's server: seen from the listener's process group in /proc, or, where /proc cannot
-    tell (another user's process), from the server refusing this run's --api-key. The launch is an RF08 lost race,
-    killed; the engine actor launches again on the next ports and gets its own server."""
+    use'. That is not this launch's server: it refuses this run's --api-key (here with /proc blind, as for another
+    user's process), or, where it accepts the key (the same --sglang-api-key), its listening process in /proc is
+    outside this launch's session. The launch is an RF08 lost race, killed; the engine actor launches again on the
+    next ports and gets its own server."""
     import os
 
     from engine.rollout import sglang as launcher
     from engine.rollout.actor import EngineActor, EngineSpec
 
-    if not proc_sees_the_holder:
+    if seen_by == "api_key":
         monkeypatch.setattr(launcher, "port_holder_pid", lambda port, **kw: None)
-    other = _other_runs_server()
+    other = _other_runs_server(accepts_any_key=seen_by == "proc")
     taken = other.server_address[1]
     try:
         cmd = sglang_command(python=fake_python, model_path=tiny_model, host="127.0.0.1", port=taken, tp_size=1,
@@ -134,7 +135,7 @@ def test_another_runs_server_answering_on_the_port_is_a_lost_race(fake_python, t
         with pytest.raises(DiagnosisError) as e:
             eng.start(timeout_s=60)
         assert e.value.codes == ["RF08"] and f"port {taken} on 127.0.0.1 is already in use" in str(e.value)
-        seen = f"answered by pid {os.getpid()} (" if proc_sees_the_holder else "refuses this run's --api-key (HTTP 401)"
+        seen = f"answered by pid {os.getpid()} (" if seen_by == "proc" else "refuses this run's --api-key (HTTP 401)"
         assert seen in str(e.value)
         assert eng.lost_port_race() and not eng.alive()
 

@@ -162,25 +162,25 @@ class LaunchedEngine:
         Two Ray clusters on one host (two runs, two test workers) keep separate port registries, so both can check
         a port free and launch on it: one server binds it, the other exits with 'address already in use' — but
         until it exits, the winner answers the loser's /health_generate (SGLang serves /health* without the API
-        key). Whose it is: the process listening on the port (/proc) must be in this launch's process group (it
-        runs in a session of its own); where /proc cannot tell (another user's process), a server that refuses
-        this launch's --api-key on /get_model_info is another run's."""
-        holder = port_holder_pid(self.ports[0], listening=True)
-        if holder is not None:
-            try:
-                mine = os.getpgid(holder[0]) == self.proc.pid
-            except ProcessLookupError:
-                mine = False
-            return None if mine else f"pid {holder[0]} ({holder[1][:160]})"
+        key). Not this launch's: a server that refuses its --api-key on /get_model_info (every run has a key of its
+        own), or one whose listening process (/proc; found for this user's processes) is outside this launch's
+        session (it runs in a session of its own, which its children inherit)."""
         key = flag_value(self.cmd, "--api-key")
         if key:
             try:
                 code = shared_http().get(self.url + "/get_model_info", headers=auth_headers(key), timeout=10).status_code
             except httpx.HTTPError:
-                return None  # /health_generate just answered: no judgement on a transient error
+                code = None  # /health_generate just answered: a transient error is no judgement
             if code in (401, 403):
                 return f"a server that refuses this run's --api-key (HTTP {code})"
-        return None
+        holder = port_holder_pid(self.ports[0], listening=True)
+        if holder is None:
+            return None
+        try:
+            mine = os.getsid(holder[0]) == self.proc.pid
+        except ProcessLookupError:  # it listened on this port a moment ago and is gone: not this launch's server
+            mine = False
+        return None if mine else f"pid {holder[0]} ({holder[1][:160]})"
 
     def lost_port_race(self) -> bool:
         """True when this launch lost a port (RF08: its log says so and it exited by itself, or another server
