@@ -24,8 +24,8 @@ def test_boolean_negation_and_lists():
 
 
 def test_sglang_flags_are_kept_verbatim(tmp_path):
-    cfg = parse_args(["--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention",
-                      "--sglang-context-length=4096", "--num-rollout", "3"])
+    cfg = parse_args(["--rollout-engine", "sglang", "--weight-sync-method", "disk", "--sglang-mem-fraction-static",
+                      "0.7", "--sglang-enable-dp-attention", "--sglang-context-length=4096", "--num-rollout", "3"])
     assert cfg.sglang_args == {"mem-fraction-static": "0.7", "enable-dp-attention": True,
                                "context-length": "4096"}
     assert cfg.num_rollout == 3

@@ -227,6 +227,41 @@ def test_engine_spec_flags():
     assert not spec.cuda_graphs and spec.compile_decode  # SGLang's flags, honoured by the built-in engine
 
 
+def test_the_builtin_engine_refuses_the_sglang_flags_it_does_not_read():
+    """Every flag of BUILTIN_READS changes the built-in engine's spec; any other SGLang flag would do nothing with
+    it and is refused, naming rollflow's own flag where one exists. SGLang takes them all; a name SGLang does not
+    have is the doctor's (it names the nearest)."""
+    from engine.config.sglang_args import BUILTIN_READS, known_flags
+    from engine.rollout.engines import engine_spec
+
+    given = {"api-key": "k", "max-running-requests": "7", "max-total-tokens": "99",
+             "enable-deterministic-inference": True, "disable-cuda-graph": True, "enable-torch-compile": True}
+    assert set(given) == set(BUILTIN_READS)
+    assert set(BUILTIN_READS) <= known_flags()[1]  # SGLang's flags, as the check reads them
+    assert all(f"--sglang-{k}" in RunConfig.model_fields["sglang_args"].description for k in BUILTIN_READS)  # docs
+    plain = engine_spec(RunConfig(), threads=1, log_dir="/tmp", on_gpu=True)
+    for flag, value in given.items():
+        spec = engine_spec(RunConfig(sglang_args={flag: value}), threads=1, log_dir="/tmp", on_gpu=True)
+        changed = {f for f in ("api_key", "max_batch", "max_total_tokens", "deterministic", "cuda_graphs",
+                               "compile_decode") if getattr(spec, f) != getattr(plain, f)}
+        assert len(changed) == 1, (flag, changed)
+    with pytest.raises(ConfigError) as e:
+        RunConfig(sglang_args={"mem-fraction-static": "0.7", "dtype": "bfloat16", "max-running-requests": "8"})
+    d = e.value.diagnoses[0]
+    assert "--sglang-mem-fraction-static, --sglang-dtype would do nothing" in d.what
+    assert "--rollout-dtype for --sglang-dtype" in d.fix and "--rollout-engine sglang" in d.fix
+    assert d.facts["field"] == "sglang_args" and d.facts["value"] == {"mem-fraction-static": "0.7", "dtype": "bfloat16"}
+    with pytest.raises(ConfigError) as e:
+        RunConfig(sglang_args={"port": "30000", "dtype": "bfloat16"})
+    assert "rollflow sets --sglang-port itself" in str(e.value) and "launch SGLang with --sglang-dtype" in str(e.value)
+    RunConfig(rollout_engine="sglang", weight_sync_method="disk", sglang_args={"mem-fraction-static": "0.7",
+                                                                                "dtype": "bfloat16"})
+    RunConfig(sglang_args={"mem-fracton-static": "0.7"})  # not SGLang's: the doctor's check names the nearest
+    with pytest.raises(ConfigError, match="--sglang-api-key \\(they configure the engines\\) would do nothing"):
+        RunConfig(debug_train_only=True, rollout_function_path="engine.rollout.sft:generate_rollout",
+                  sglang_args={"api-key": "k"})
+
+
 # ---- train: advantages, TIS, the optimizers --------------------------------------------------------------------------
 def _worker(**over):
     from engine.train.worker import TrainWorker

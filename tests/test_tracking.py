@@ -36,7 +36,8 @@ def test_run_params_never_hold_secrets_and_keep_the_rest():
     from engine.tracking.record import run_params
 
     hf, sk = "hf_" + "a1B2" * 9, "sk-" + "Zy9" * 8
-    cfg = RunConfig(sglang_args={"api-key": "plain-words-not-a-pattern", "model-path": f"/m?token={hf}"},
+    cfg = RunConfig(rollout_engine="sglang", weight_sync_method="disk",
+                    sglang_args={"api-key": "plain-words-not-a-pattern", "model-path": f"/m?token={hf}"},
                     mlflow_tracking_uri="https://alice:hunter2pass@mlflow.example.com/", run_name=f"run {sk}",
                     rollout_stop_token_ids=[7, 9], input_key="question", use_wandb=True,
                     wandb_key="plain-wandb-key-no-pattern")

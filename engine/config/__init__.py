@@ -419,6 +419,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         self._replay_consistent()
         self._rollout_only_consistent()
         self._external_consistent()
+        self._engine_flags_consistent()
         if not (info.context or {}).get("dumped"):  # these read --eval-config's file: checked where it was read
             self._reward_key_consistent()
             self._eval_config_consistent()
@@ -643,6 +644,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             needs.append(f"--rollout-engine-process {self.rollout_engine_process}")
         if self.use_fault_tolerance and self.debug_train_only:
             needs.append("--use-fault-tolerance (it restarts failed engines)")
+        if self.sglang_args:
+            needs.append(f"{', '.join('--sglang-' + k for k in self.sglang_args)} (they configure the engines)")
         if needs:
             raise ConfigError(Diagnosis(
                 code="CONFIG", severity="error",
@@ -691,6 +694,35 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 "only from a client with the --api-key it was started with",
                 "start it with --api-key KEY and pass --sglang-api-key KEY (kept out of logs and MLflow)",
                 field="sglang_args", value="api-key")
+
+    def _engine_flags_consistent(self) -> None:
+        """The `--sglang-*` flags configure the engines the run starts: the built-in engine reads only a few of
+        them (engine/config/sglang_args.py `BUILTIN_READS`); any other SGLang flag would do nothing there. A name
+        that is not SGLang's at all is left to the doctor's check, which names the nearest flag."""
+        if self.rollout_engine != "builtin" or self.external_engines or self.no_engines:
+            return  # SGLang takes them all; external engines and engine-free runs have checks of their own
+        from engine.config.sglang_args import BUILTIN_READS, OWNED, ROLLFLOW_FLAG_FOR, known_flags
+
+        _, known = known_flags()
+        unread = [k for k in self.sglang_args if k in known and k not in BUILTIN_READS]
+        if not unread:
+            return
+
+        def flags(names) -> str:
+            return ", ".join("--sglang-" + k for k in names)
+
+        instead = [f"{ROLLFLOW_FLAG_FOR[k]} for --sglang-{k}" for k in unread if k in ROLLFLOW_FLAG_FOR]
+        owned = [k for k in unread if k in OWNED]
+        launch = [k for k in unread if k not in OWNED]
+        fix = "drop them" + (f" (use {'; '.join(instead)})" if instead else "")
+        if launch:
+            fix += f", or launch SGLang with {'them' if not owned else flags(launch)}: --rollout-engine sglang"
+        if owned:
+            fix += f"; rollflow sets {flags(owned)} itself (placement and the port allocator)"
+        raise config_error(
+            f"--rollout-engine builtin: {flags(unread)} would do nothing (SGLang launch flags; the built-in engine "
+            f"reads only {flags(BUILTIN_READS)})", fix,
+            field="sglang_args", value={k: self.sglang_args[k] for k in unread})
 
     def _rollout_only_consistent(self) -> None:
         """--debug-rollout-only starts no trainer: what needs one would do nothing."""

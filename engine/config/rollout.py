@@ -242,7 +242,7 @@ class RolloutArgs(Section):
     """Train without rollout engines (slime's flag): no engine starts, no weight sync and no evaluation runs. The rollouts come from --rollout-function-path, a function that makes its samples without generating (e.g. engine.rollout.sft:generate_rollout for SFT; its args.engine is then None), or from --load-debug-rollout-data (which implies this)."""
 
     sglang_args: dict[str, str | bool | list[str]] = {}
-    """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix)."""
+    """Verbatim `--sglang-*` flags for the SGLang launcher (filled from the command line; key without the prefix). The built-in engine reads only --sglang-api-key, --sglang-max-running-requests, --sglang-max-total-tokens, --sglang-enable-deterministic-inference, --sglang-disable-cuda-graph and --sglang-enable-torch-compile; another SGLang flag is an error with it (it would do nothing), as is any with --load-debug-rollout-data / --debug-train-only (no engine starts)."""
 
     @field_validator("rollout_external_engine_addrs")
     @classmethod

@@ -20,6 +20,18 @@ from pathlib import Path
 
 LIST = Path(__file__).with_name("sglang_server_args.txt")
 
+#: the `--sglang-*` flags the built-in engine of a run reads (engine/rollout/engines.py `engine_spec`); an SGLang
+#: engine gets them all on its command line. Any other one would do nothing with the built-in engine: refused.
+BUILTIN_READS = ("api-key", "max-running-requests", "max-total-tokens", "enable-deterministic-inference",
+                 "disable-cuda-graph", "enable-torch-compile")
+#: Flags rollflow sets itself; passing them as --sglang-* would contradict the placement or the port allocator.
+OWNED = {"model-path": "--hf-checkpoint", "host": None, "port": None, "tp-size": "--rollout-num-gpus-per-engine",
+         "tp": "--rollout-num-gpus-per-engine", "tensor-parallel-size": "--rollout-num-gpus-per-engine",
+         "base-gpu-id": None, "nccl-port": None, "dist-init-addr": None, "nnodes": None, "node-rank": None}
+#: rollflow's own flag for what an SGLang flag the built-in engine does not read sets
+ROLLFLOW_FLAG_FOR = {"dtype": "--rollout-dtype", "model-impl": "--model-impl",
+                     **{k: v for k, v in OWNED.items() if v}}
+
 
 def known_flags() -> tuple[str, set[str]]:
     """(the SGLang version the list was read from, the flag names without `--`)."""

@@ -21,15 +21,11 @@ from typing import Any
 
 import httpx
 
+from engine.config.sglang_args import OWNED
 from engine.diagnosis import ConfigError, Diagnosis, DiagnosisError
 from engine.rollout.client import auth_headers, shared_http
 from engine.rollout.diagnose import health_timeout, scan_engine_log
 from engine.rollout.ports import port_holder_pid, port_in_use
-
-#: Flags rollflow sets itself; passing them as --sglang-* would contradict the placement or the port allocator.
-OWNED = {"model-path": "--hf-checkpoint", "host": None, "port": None, "tp-size": "--rollout-num-gpus-per-engine",
-         "tp": "--rollout-num-gpus-per-engine", "tensor-parallel-size": "--rollout-num-gpus-per-engine",
-         "base-gpu-id": None, "nccl-port": None, "dist-init-addr": None, "nnodes": None, "node-rank": None}
 
 
 def sglang_command(*, python: str, model_path: str, host: str, port: int, tp_size: int, base_gpu_id: int,
