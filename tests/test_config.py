@@ -31,6 +31,14 @@ def test_sglang_flags_are_kept_verbatim(tmp_path):
     assert cfg.num_rollout == 3
 
 
+def test_eval_interval_needs_an_eval_set():
+    with pytest.raises(ConfigError) as e:
+        RunConfig(eval_interval=5, eval_prompt_data=[])
+    d = e.value.diagnoses[0]
+    assert "--eval-interval 5 with no eval sets" in d.what and d.facts["field"] == "eval_interval"
+    assert RunConfig(eval_interval=5).eval_interval == 5  # the bundled test set by default
+
+
 def test_unknown_flag_suggests_the_nearest():
     with pytest.raises(ConfigError) as e:
         parse_args(["--rollout-bach-size", "4"])

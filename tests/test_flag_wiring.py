@@ -218,7 +218,8 @@ def test_where_the_engine_runs():
 def test_engine_spec_flags():
     from engine.rollout.engines import engine_spec
 
-    spec = engine_spec(RunConfig(rollout_engine_python="/opt/sgl/bin/python", rollout_engine_start_timeout=42.0,
+    spec = engine_spec(RunConfig(rollout_engine="sglang", weight_sync_method="disk",
+                                 rollout_engine_python="/opt/sgl/bin/python", rollout_engine_start_timeout=42.0,
                                  sglang_args={"max-running-requests": "96"}), threads=1, log_dir="/tmp", on_gpu=False)
     assert spec.python == "/opt/sgl/bin/python" and spec.start_timeout_s == 42.0 and spec.max_batch == 96
     assert spec.cuda_graphs and not spec.compile_decode  # the built-in engine's GPU defaults (SGLang's)
@@ -257,6 +258,8 @@ def test_the_builtin_engine_refuses_the_sglang_flags_it_does_not_read():
     RunConfig(rollout_engine="sglang", weight_sync_method="disk", sglang_args={"mem-fraction-static": "0.7",
                                                                                 "dtype": "bfloat16"})
     RunConfig(sglang_args={"mem-fracton-static": "0.7"})  # not SGLang's: the doctor's check names the nearest
+    with pytest.raises(ConfigError, match="the built-in engine \\(--rollout-engine builtin\\) would not use it"):
+        RunConfig(rollout_engine_python="/envs/sglang/bin/python")  # SGLang's environment, for the built-in engine
     with pytest.raises(ConfigError, match="--sglang-api-key \\(they configure the engines\\) would do nothing"):
         RunConfig(debug_train_only=True, rollout_function_path="engine.rollout.sft:generate_rollout",
                   sglang_args={"api-key": "k"})

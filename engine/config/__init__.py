@@ -110,7 +110,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
 
     def _eval_config_consistent(self) -> None:
         """--eval-config replaces --eval-prompt-data: both set is ambiguous; its file is read now (a CONFIG error
-        naming the field before anything starts). --skip-eval-before-train needs an evaluation to skip."""
+        naming the field before anything starts). --skip-eval-before-train needs an evaluation to skip,
+        --eval-interval one to repeat."""
         from engine.diagnosis import ConfigError, Diagnosis
 
         if self.skip_eval_before_train and not self.has_eval():
@@ -119,6 +120,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 what="--skip-eval-before-train with no eval sets (--eval-prompt-data '' and no --eval-config): there "
                      "is no evaluation to skip", fix="drop --skip-eval-before-train",
                 facts={"field": "skip_eval_before_train", "value": True}))
+        if self.eval_interval is not None and not self.has_eval():
+            raise config_error(f"--eval-interval {self.eval_interval} with no eval sets (--eval-prompt-data '' and no "
+                               "--eval-config): there is no evaluation to repeat",
+                               "drop --eval-interval, or name eval sets (--eval-prompt-data PATH or --eval-config)",
+                               field="eval_interval", value=self.eval_interval)
         if self.eval_config and self.eval_prompt_data and \
                 self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
             raise ConfigError(Diagnosis(
@@ -696,11 +702,16 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 field="sglang_args", value="api-key")
 
     def _engine_flags_consistent(self) -> None:
-        """The `--sglang-*` flags configure the engines the run starts: the built-in engine reads only a few of
+        """--rollout-engine-python and the `--sglang-*` flags configure the engines the run starts: the built-in engine reads only a few of
         them (engine/config/sglang_args.py `BUILTIN_READS`); any other SGLang flag would do nothing there. A name
         that is not SGLang's at all is left to the doctor's check, which names the nearest flag."""
         if self.rollout_engine != "builtin" or self.external_engines or self.no_engines:
             return  # SGLang takes them all; external engines and engine-free runs have checks of their own
+        if self.rollout_engine_python:
+            raise config_error(f"--rollout-engine-python {self.rollout_engine_python} runs `-m sglang.launch_server`; "
+                               "the built-in engine (--rollout-engine builtin) would not use it",
+                               "add --rollout-engine sglang, or drop --rollout-engine-python",
+                               field="rollout_engine_python", value=self.rollout_engine_python)
         from engine.config.sglang_args import BUILTIN_READS, OWNED, ROLLFLOW_FLAG_FOR, known_flags
 
         _, known = known_flags()

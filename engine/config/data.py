@@ -41,7 +41,8 @@ class DataArgs(Section):
 
     eval_interval: Optional[int] = Field(None, ge=1)
     """Also evaluate every N rollouts (after that rollout's weight sync; logged at step = rollouts trained), for an
-    eval curve; before and after training always (slime's flag)."""
+    eval curve; before and after training always (slime's flag). Needs eval sets (an error with --eval-prompt-data ''
+    and no --eval-config)."""
 
     n_samples_per_eval_prompt: int = Field(1, ge=1)
     """Samples per eval prompt: 1 = greedy (eval/<set>_accuracy); k > 1 = k samples at --rollout-temperature,

@@ -144,7 +144,7 @@ class RolloutArgs(Section):
     """A rollout where more than this share of samples hit --rollout-max-response-len fails with RF10 (1 = never)."""
 
     rollout_engine_python: Optional[str] = None
-    """Python executable that runs `-m sglang.launch_server` (default: this interpreter), so SGLang can live in its own environment."""
+    """Python executable that runs `-m sglang.launch_server` (default: this interpreter), so SGLang can live in its own environment. With --rollout-engine sglang only (the built-in engine would not use it: an error)."""
 
     rollout_engine_start_timeout: float = Field(600.0, gt=0)
     """Seconds an engine may take to answer /health_generate after it is started (RF08 when it does not); with --rollout-external-engine-addrs, how long each external engine is waited for."""
