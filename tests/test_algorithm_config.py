@@ -15,11 +15,29 @@ from engine.doctor import ConfigError
      "drop --disable-grpo-std-normalization"),
     (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "2"], "--tis-clip-low 2.0", "below 1.5"),
     (["--eps-clip-c", "0.9"], "--eps-clip-c (field eps_clip_c) = 0.9", "--eps-clip-c"),
+    # TIS bounds, stateless Adam's betas, a cosine's end, a filter's round size: each alone would do nothing
+    (["--tis-clip", "1.5", "--tis-clip-low", "0.5"], "--tis-clip 1.5, --tis-clip-low 0.5 without --use-tis",
+     "add --use-tis, or drop --tis-clip, --tis-clip-low"),
+    (["--use-stateless-adam", "--adam-beta2", "0.95"], "--adam-beta2 0.95 with --use-stateless-adam",
+     "drop --adam-beta2"),
+    (["--min-lr", "1e-7"], "--min-lr 1e-07 is where the cosine schedule ends", "add --lr-decay-style cosine"),
+    (["--over-sampling-batch-size", "64"], "--over-sampling-batch-size 64 sizes the sampling rounds",
+     "add --dynamic-sampling-filter-path"),
 ])
 def test_inconsistent_algorithm_flags_are_errors(args, what, fix):
     with pytest.raises(ConfigError) as e:
         parse_args(args)
     assert what in str(e.value) and fix in str(e.value)
+
+
+def test_the_same_flags_where_they_act_are_accepted():
+    assert parse_args(["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5"]).tis_clip == 1.5
+    assert parse_args(["--tis-clip", "1.5", "--get-mismatch-metrics", "--custom-tis-function-path",
+                       "examples/hooks.py:icepop"]).tis_clip == 1.5  # the function reads args.tis_clip
+    assert parse_args(["--adam-beta2", "0.95"]).adam_beta2 == 0.95
+    assert parse_args(["--min-lr", "1e-7", "--lr-decay-style", "cosine"]).min_lr == 1e-7
+    assert parse_args(["--over-sampling-batch-size", "64", "--dynamic-sampling-filter-path",
+                       "engine.rollout.filters:check_reward_nonzero_std"]).over_sampling_batch_size == 64
 
 
 def test_loss_spec_maps_the_estimator_to_its_policy_loss_once():

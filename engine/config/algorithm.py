@@ -103,10 +103,10 @@ class AlgorithmArgs(Section):
     """Truncated importance sampling: weight each token's policy loss by clamp(π_train_old / π_rollout, low, high)."""
 
     tis_clip: float = Field(2.0, gt=0)
-    """Upper bound of the TIS weight."""
+    """Upper bound of the TIS weight (with --use-tis, or a --custom-tis-function-path, which may read it)."""
 
     tis_clip_low: float = Field(0.0, ge=0)
-    """Lower bound of the TIS weight."""
+    """Lower bound of the TIS weight (with --use-tis, or a --custom-tis-function-path, which may read it)."""
 
     get_mismatch_metrics: bool = False
     """Call --custom-tis-function-path on every micro-batch even without --use-tis, for its train–inference mismatch metrics (slime's flag; the function decides what it does to the loss, e.g. slime's MIS helper returns it unchanged when args.use_tis is off). Needs --custom-tis-function-path."""
@@ -289,6 +289,12 @@ class AlgorithmArgs(Section):
                       "the function would compare the engine with itself",
                       "drop --use-rollout-logprobs (the trainer then computes the old log-probs), or drop "
                       "--get-mismatch-metrics", field="get_mismatch_metrics")
+        tis_bounds = [f"{flag} {v}" for flag, v, default in (("--tis-clip", self.tis_clip, 2.0),
+                                                              ("--tis-clip-low", self.tis_clip_low, 0.0)) if v != default]
+        if tis_bounds and not (self.use_tis or self.custom_tis_function_path):
+            raise err(f"{', '.join(tis_bounds)} without --use-tis would do nothing: they bound the TIS weight, which "
+                      "is 1 with it off", f"add --use-tis, or drop {', '.join(b.split(' ')[0] for b in tis_bounds)}",
+                      field="tis_clip" if self.tis_clip != 2.0 else "tis_clip_low", value=tis_bounds)
         if self.tis_clip_low > self.tis_clip:
             raise err(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}",
                       f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",

@@ -83,7 +83,7 @@ class RolloutArgs(Section):
     """Seconds a whole rollout may take before it fails (and may be retried)."""
 
     over_sampling_batch_size: Optional[int] = Field(None, ge=1)
-    """Prompts drawn per sampling round when a dynamic filter is set (≥ --rollout-batch-size); rounds repeat until B groups pass."""
+    """Prompts drawn per sampling round when a dynamic filter is set (≥ --rollout-batch-size); rounds repeat until B groups pass. Needs --dynamic-sampling-filter-path."""
 
     dynamic_sampling_filter_path: Optional[str] = None
     """Group filter (slime's hook): fn(args, samples) or fn(samples) -> bool | DynamicFilterOutput, e.g. engine.rollout.filters:check_reward_nonzero_std (drop groups whose rewards all agree)."""
@@ -276,6 +276,16 @@ class RolloutArgs(Section):
                 what=f"--over-sampling-batch-size {self.over_sampling_batch_size} is below --rollout-batch-size "
                      f"{self.rollout_batch_size}: a sampling round must draw at least B prompts",
                 fix=f"--over-sampling-batch-size {2 * self.rollout_batch_size} (or drop it)"))
+        if self.over_sampling_batch_size is not None and not self.dynamic_sampling_filter_path \
+                and not self.rollout_function_path:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"--over-sampling-batch-size {self.over_sampling_batch_size} sizes the sampling rounds of a "
+                     "dynamic filter, and no --dynamic-sampling-filter-path is set: every rollout draws "
+                     f"--rollout-batch-size {self.rollout_batch_size} prompts, so it would do nothing",
+                fix="add --dynamic-sampling-filter-path (e.g. engine.rollout.filters:check_reward_nonzero_std), or "
+                    "drop --over-sampling-batch-size",
+                facts={"field": "over_sampling_batch_size", "value": self.over_sampling_batch_size}))
         if self.rollout_function_path:
             unused = [f for f, v in (("--custom-generate-function-path", self.custom_generate_function_path),
                                      ("--rollout-sample-hook-path", self.rollout_sample_hook_path),

@@ -82,7 +82,7 @@ class TrainArgs(Section):
     """Peak learning rate (AdamW)."""
 
     min_lr: float = Field(0.0, ge=0)
-    """Final learning rate of the cosine schedule."""
+    """Final learning rate of the cosine schedule (with --lr-decay-style cosine; an error with constant, where it would do nothing)."""
 
     lr_decay_style: Literal["constant", "cosine"] = "constant"
     """LR schedule after warm-up, sized by train_iters."""
@@ -94,10 +94,10 @@ class TrainArgs(Section):
     """AdamW weight decay."""
 
     adam_beta1: float = Field(0.9, gt=0, lt=1)
-    """AdamW beta1."""
+    """AdamW beta1 (not with --use-stateless-adam, whose update does not depend on the betas)."""
 
     adam_beta2: float = Field(0.98, gt=0, lt=1)
-    """AdamW beta2."""
+    """AdamW beta2 (not with --use-stateless-adam, whose update does not depend on the betas)."""
 
     freeze_params_name_list: list[str] = []
     """Regular expressions (Python `re.search`) of the policy's parameter names (Hugging Face names, e.g. `embed_tokens` or `layers\\.[0-3]\\.`) to freeze (slime's flag): they get no gradient and no update; the others train. A tied embedding / LM head is one parameter: frozen when either name matches. A pattern that matches no parameter is an error. Torch backend; the critic is not affected."""
@@ -206,6 +206,17 @@ class TrainArgs(Section):
                                "moments)", "--train-backend torch, or --reset-optimizer-states with "
                                "--num-steps-per-rollout 1 (the same updates, with the moments' memory)",
                                field="use_stateless_adam", value=True)
+        betas = [f"{flag} {v}" for flag, v, default in (("--adam-beta1", self.adam_beta1, 0.9),
+                                                         ("--adam-beta2", self.adam_beta2, 0.98)) if v != default]
+        if self.use_stateless_adam and betas:
+            raise config_error(f"{', '.join(betas)} with --use-stateless-adam would do nothing: its moments restart "
+                               "at every step, where the bias-corrected update is lr·g / (|g| + ε) whatever the betas",
+                               f"drop {', '.join(b.split(' ')[0] for b in betas)}, or drop --use-stateless-adam",
+                               field="adam_beta1" if self.adam_beta1 != 0.9 else "adam_beta2", value=betas)
+        if self.min_lr > 0 and self.lr_decay_style == "constant":
+            raise config_error(f"--min-lr {self.min_lr} is where the cosine schedule ends, and --lr-decay-style "
+                               "constant keeps --lr after the warm-up: it would do nothing",
+                               "add --lr-decay-style cosine, or drop --min-lr", field="min_lr", value=self.min_lr)
         if self.use_stateless_adam and self.reset_optimizer_states:
             raise config_error("--reset-optimizer-states with --use-stateless-adam: a stateless AdamW keeps no "
                                "moments, so there is nothing to reset", "drop --reset-optimizer-states",
