@@ -702,9 +702,10 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 field="sglang_args", value="api-key")
 
     def _engine_flags_consistent(self) -> None:
-        """--rollout-engine-python and the `--sglang-*` flags configure the engines the run starts: the built-in engine reads only a few of
-        them (engine/config/sglang_args.py `BUILTIN_READS`); any other SGLang flag would do nothing there. A name
-        that is not SGLang's at all is left to the doctor's check, which names the nearest flag."""
+        """--rollout-engine-python and the `--sglang-*` flags configure the engines the run starts: the built-in
+        engine runs no interpreter of its own and reads only a few SGLang flags (engine/config/sglang_args.py
+        `BUILTIN_READS`); any other would do nothing there. A name that is not SGLang's at all is left to the
+        doctor's check, which names the nearest flag."""
         if self.rollout_engine != "builtin" or self.external_engines or self.no_engines:
             return  # SGLang takes them all; external engines and engine-free runs have checks of their own
         if self.rollout_engine_python:

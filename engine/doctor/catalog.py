@@ -60,9 +60,8 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
           "one port allocator for every server, router and NCCL port, checked free before launch; an engine "
           "that loses a port to another program between the check and its bind (two runs on one machine), or "
           "finds another run's server answering on its port, is started again on the next ports, twice at most; "
-          "a taken port is reported with the process that holds "
-          "it; an engine that fails its health check is reported with its port, log tail and the advice (fewer "
-          "engines per node, e.g. larger tp)"),
+          "a taken port is reported with the process that holds it; an engine that fails its health check is "
+          "reported with its port, log tail and the advice (fewer engines per node, e.g. larger tp)"),
     Entry("RF09", "grad norm huge, training collapses",
           "data already chat-templated with a template that differs from the model's",
           "preflight renders a few prompts with the tokenizer's template and compares them with pre-templated "
