@@ -23,6 +23,19 @@ from engine.doctor import ConfigError
     (["--min-lr", "1e-7"], "--min-lr 1e-07 is where the cosine schedule ends", "add --lr-decay-style cosine"),
     (["--over-sampling-batch-size", "64"], "--over-sampling-batch-size 64 sizes the sampling rounds",
      "add --dynamic-sampling-filter-path"),
+    # a term the configuration does not compute: the critic, γ / λ, the KL loss, MIS, the health checks, pruning
+    (["--critic-lr", "1e-05"], "--critic-lr 1e-05: only --advantage-estimator ppo has a critic (now grpo)",
+     "--advantage-estimator ppo, or drop --critic-lr"),
+    (["--value-clip", "0.3"], "--value-clip 0.3: only --advantage-estimator ppo", "drop --value-clip"),
+    (["--gamma", "0.9", "--lambd", "0.8"], "--gamma 0.9, --lambd 0.8 with --advantage-estimator grpo",
+     "drop --gamma, --lambd, or --advantage-estimator ppo"),
+    (["--advantage-estimator", "reinforce_plus_plus", "--lambd", "0.8"],
+     "--lambd 0.8 with --advantage-estimator reinforce_plus_plus", "drop --lambd, or --advantage-estimator ppo"),
+    (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1 without --use-kl-loss", "add --use-kl-loss"),
+    (["--mis-high", "3"], "--mis-high 3.0 without --use-mis", "add --use-mis, or drop --mis-high"),
+    (["--rollout-health-check-timeout", "5"], "--rollout-health-check-timeout 5 without --use-fault-tolerance",
+     "add --use-fault-tolerance"),
+    (["--keep-last-n", "2", "--save", ""], "--keep-last-n 2 with no --save", "drop --keep-last-n"),
 ])
 def test_inconsistent_algorithm_flags_are_errors(args, what, fix):
     with pytest.raises(ConfigError) as e:
@@ -38,6 +51,16 @@ def test_the_same_flags_where_they_act_are_accepted():
     assert parse_args(["--min-lr", "1e-7", "--lr-decay-style", "cosine"]).min_lr == 1e-7
     assert parse_args(["--over-sampling-batch-size", "64", "--dynamic-sampling-filter-path",
                        "engine.rollout.filters:check_reward_nonzero_std"]).over_sampling_batch_size == 64
+    ppo = parse_args(["--advantage-estimator", "ppo", "--critic-lr", "1e-5", "--value-clip", "0.3", "--gamma", "0.9",
+                      "--lambd", "0.8"])
+    assert (ppo.critic_lr, ppo.value_clip, ppo.gamma, ppo.lambd) == (1e-5, 0.3, 0.9, 0.8)
+    assert parse_args(["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"]).gamma == 0.9
+    assert parse_args(["--gamma", "0.9", "--custom-advantage-function-path", "m:f"]).gamma == 0.9  # it may read γ
+    assert parse_args(["--use-kl-loss", "--kl-loss-coef", "0.1"]).kl_loss_coef == 0.1
+    assert parse_args(["--use-mis", "--mis-high", "3"]).mis_high == 3.0
+    assert parse_args(["--use-fault-tolerance", "--rollout-health-check-timeout", "5"]).rollout_health_check_timeout \
+        == 5.0
+    assert parse_args(["--keep-last-n", "2", "--save", "ck"]).keep_last_n == 2
 
 
 def test_loss_spec_maps_the_estimator_to_its_policy_loss_once():

@@ -758,7 +758,7 @@ def test_a_custom_tis_function_weights_the_step_and_logs_its_metrics(tiny_model)
     assert share == pytest.approx(clamp["tis_clipfrac_sum"] / clamp["tis_clipfrac_count"]) and 0 < share < 1
     assert ice["loss_total"] != pytest.approx(clamp["loss_total"], rel=1e-4)
     # --get-mismatch-metrics: the same function without --use-tis measures and leaves the loss unweighted
-    plain = step(use_tis=False)
+    plain = step(use_tis=False, tis_clip=2.0, tis_clip_low=0.0)  # the bounds alone would do nothing: refused
     measured = step(use_tis=False, get_mismatch_metrics=True, custom_tis_function_path="examples/hooks.py:icepop")
     assert measured["loss_total"] == plain["loss_total"] and "tis_abs_sum" not in plain
     assert measured["tis_abs_sum"] == pytest.approx(ice["tis_abs_sum"])

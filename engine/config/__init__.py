@@ -352,6 +352,10 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise config_error("--async-save with no --save: there is no checkpoint to commit in the background",
                                "--save DIR (or s3://bucket/prefix), or drop --async-save", field="async_save",
                                value=True)
+        if self.keep_last_n is not None and not self.save:
+            raise config_error(f"--keep-last-n {self.keep_last_n} with no --save: no checkpoint is written, so there "
+                               "is none to delete", "--save DIR (or s3://bucket/prefix), or drop --keep-last-n",
+                               field="keep_last_n", value=self.keep_last_n)
         return self
 
     @model_validator(mode="after")

@@ -73,7 +73,7 @@ class AlgorithmArgs(Section):
     """Add kl_loss_coef · KL(π‖π_ref) to the loss."""
 
     kl_loss_coef: float = Field(0.0, ge=0)
-    """Weight of the KL loss term."""
+    """Weight of the KL loss term (with --use-kl-loss; without it, an error)."""
 
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     """KL estimator for the loss, the reward shaping (--kl-coef) and the logged metric."""
@@ -121,10 +121,10 @@ class AlgorithmArgs(Section):
     """Masked importance sampling (IcePop-style): tokens whose π_train_old / π_rollout falls outside [--mis-low, --mis-high] are masked out of the loss (and its token counts); the others keep their weight (with --use-tis, truncated)."""
 
     mis_low: float = Field(0.5, gt=0)
-    """Lower bound of the MIS ratio: tokens below it are masked."""
+    """Lower bound of the MIS ratio: tokens below it are masked (with --use-mis, or a --custom-tis-function-path, which may read it)."""
 
     mis_high: float = Field(2.0, gt=0)
-    """Upper bound of the MIS ratio: tokens above it are masked."""
+    """Upper bound of the MIS ratio: tokens above it are masked (with --use-mis, or a --custom-tis-function-path, which may read it)."""
 
     use_rollout_logprobs: bool = False
     """Use the engine's rollout log-probs as the old policy's (slime's flag): no old-log-prob forward per rollout, the ratio is π/π_rollout. train/mismatch is still reported (torch: from the train step's own forward on the same weights; megatron still runs a no-grad forward for it). Not with --use-tis / --use-mis (their weight π_old/π_rollout would be 1). The run's first step still computes them (RF01 checks the policy against the reference there). Without this flag, a rollout with one optimizer step on the torch backend (and no --use-mis or --kl-coef) takes the old log-probs from the train step's own forward: no extra forward, the same numbers."""
@@ -136,10 +136,10 @@ class AlgorithmArgs(Section):
     """Average the loss over all trained tokens of the step instead of per-sample token means averaged over samples."""
 
     gamma: float = Field(1.0, ge=0, le=1)
-    """Discount factor γ for ppo (GAE) and reinforce_plus_plus returns."""
+    """Discount factor γ for ppo (GAE) and reinforce_plus_plus returns (another estimator: an error, unless a --custom-advantage-function-path may read it)."""
 
     lambd: float = Field(1.0, ge=0, le=1)
-    """GAE λ for ppo."""
+    """GAE λ for ppo (another estimator: an error, unless a --custom-advantage-function-path may read it)."""
 
     value_clip: float = Field(0.2, gt=0)
     """ppo: clip the critic's new value to old value ± value_clip in the value loss."""
@@ -299,7 +299,44 @@ class AlgorithmArgs(Section):
             raise err(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}",
                       f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",
                       value=self.tis_clip_low)
+        self._idle_settings_consistent(err)
         return self
+
+    def _idle_settings_consistent(self, err) -> None:
+        """Settings of a term the configuration does not compute would do nothing: the critic's (ppo only), γ and λ
+        (the returns of ppo and reinforce_plus_plus; a --custom-advantage-function-path may read them), the KL
+        loss's weight (--use-kl-loss) and MIS's bounds (--use-mis; a --custom-tis-function-path may read them).
+        Checked where they differ from their defaults, as --opsm-delta is."""
+        def set_(*given) -> list[str]:
+            return [f"{flag} {value}" for flag, value, on in given if on]
+
+        def flags(found: list[str]) -> str:
+            return ", ".join(f.split(" ")[0] for f in found)
+
+        if self.advantage_estimator != "ppo" and (idle := set_(
+                ("--critic-lr", self.critic_lr, self.critic_lr is not None),
+                ("--value-clip", self.value_clip, self.value_clip != 0.2))):
+            raise err(f"{', '.join(idle)}: only --advantage-estimator ppo has a critic (now "
+                      f"{self.advantage_estimator}), so it would do nothing", f"--advantage-estimator ppo, or drop "
+                      f"{flags(idle)}", field=idle[0].split(" ")[0][2:].replace("-", "_"), value=idle)
+        returns = {"ppo": ("--gamma", "--lambd"), "reinforce_plus_plus": ("--gamma",)}.get(self.advantage_estimator, ())
+        if not self.custom_advantage_function_path and (idle := [f for f in set_(
+                ("--gamma", self.gamma, self.gamma != 1.0), ("--lambd", self.lambd, self.lambd != 1.0))
+                if f.split(" ")[0] not in returns]):
+            raise err(f"{', '.join(idle)} with --advantage-estimator {self.advantage_estimator} would do nothing: γ "
+                      "discounts the returns of ppo and reinforce_plus_plus, λ is ppo's GAE",
+                      f"drop {flags(idle)}, or --advantage-estimator "
+                      f"{'ppo' if any(f.startswith('--lambd') for f in idle) else 'ppo / reinforce_plus_plus'}",
+                      field=idle[0].split(" ")[0][2:], value=idle)
+        if self.kl_loss_coef > 0 and not self.use_kl_loss and self.loss_type != "custom_loss":
+            raise err(f"--kl-loss-coef {self.kl_loss_coef} without --use-kl-loss would do nothing: the KL term is in "
+                      "the loss only with --use-kl-loss", "add --use-kl-loss, or drop --kl-loss-coef",
+                      field="kl_loss_coef", value=self.kl_loss_coef)
+        if not (self.use_mis or self.custom_tis_function_path) and (idle := set_(
+                ("--mis-low", self.mis_low, self.mis_low != 0.5), ("--mis-high", self.mis_high, self.mis_high != 2.0))):
+            raise err(f"{', '.join(idle)} without --use-mis would do nothing: they bound masked importance sampling",
+                      f"add --use-mis, or drop {flags(idle)}", field=idle[0].split(" ")[0][2:].replace("-", "_"),
+                      value=idle)
 
     def _opd_consistent(self, err) -> None:
         """--use-opd and its flags, as slime checks them; a flag without --use-opd would do nothing."""

@@ -38,7 +38,7 @@ class CheckpointArgs(Section):
     """Commit checkpoints in the background (slime's flag): the save stage writes the trainer's state into the iteration's temp location and returns; a commit-<id> task then checksums (and locally fsyncs) the files, moves or uploads them into iter_%07d/, writes the marker and applies --keep-last-n while the next rollouts train. One commit at a time: the next save waits for the one before (save/wait_seconds), and the run waits for the last one before it ends, also when a later stage fails. A kill before a commit's marker leaves the previous checkpoint as the resume point, as with a plain save. The backend's files themselves are written before the loop goes on. Needs --save."""
 
     keep_last_n: Optional[int] = Field(None, ge=1)
-    """Keep only the N newest complete checkpoints; older ones are deleted after the new marker is written (never the marker's)."""
+    """Keep only the N newest complete checkpoints under --save; older ones are deleted after the new marker is written (never the marker's)."""
 
     allow_config_change: list[str] = []
     """Settings a resume may change from what the checkpoint recorded, by field name: any of hf_checkpoint, prompt_data, input_key, label_key, tool_key, rollout_batch_size, n_samples_per_prompt, global_batch_size, num_steps_per_rollout, rollout_shuffle, seed, train_backend, advantage_estimator, rollout_max_prompt_len, rollout_seed, rollout_max_context_len. A resume that changes one of them without naming it here fails (RF05) and lists the differences; other flags (num_rollout, lr, …) may change freely."""

@@ -159,10 +159,10 @@ class RolloutArgs(Section):
     """Seconds between /health_generate checks of every engine (with --use-fault-tolerance)."""
 
     rollout_health_check_timeout: float = Field(30.0, gt=0)
-    """Seconds an engine may take to answer /health_generate before it is restarted."""
+    """Seconds an engine may take to answer /health_generate before it is restarted (with --use-fault-tolerance)."""
 
     rollout_health_check_first_wait: float = Field(0.0, ge=0)
-    """Seconds before the first health check (time for compilation and warm-up)."""
+    """Seconds before the first health check (time for compilation and warm-up; with --use-fault-tolerance)."""
 
     weight_sync_method: Literal["tensor", "disk", "distributed"] = "tensor"
     """Trainer → engines: tensor (in memory, built-in engine: CUDA IPC handles in buckets when colocated on a GPU, else rank 0's weights through Ray's object store; to external built-in engines, safetensors buckets over HTTP), disk (versioned safetensors dir, /update_weights_from_disk) or distributed (slime's way for engines on GPUs of their own: train rank 0 and every engine form a process group — SGLang's /init_weights_update_group — and each sync broadcasts the weights, NCCL where trainer and engines are on GPUs, else gloo through CPU memory; SGLang engines need NCCL; not with --colocate or the engine in the trainer's process)."""
@@ -276,6 +276,17 @@ class RolloutArgs(Section):
                 what=f"--over-sampling-batch-size {self.over_sampling_batch_size} is below --rollout-batch-size "
                      f"{self.rollout_batch_size}: a sampling round must draw at least B prompts",
                 fix=f"--over-sampling-batch-size {2 * self.rollout_batch_size} (or drop it)"))
+        health = [f"{flag} {v:g}" for flag, v, default in (
+            ("--rollout-health-check-interval", self.rollout_health_check_interval, 30.0),
+            ("--rollout-health-check-timeout", self.rollout_health_check_timeout, 30.0),
+            ("--rollout-health-check-first-wait", self.rollout_health_check_first_wait, 0.0)) if v != default]
+        if health and not self.use_fault_tolerance:
+            errors.append(Diagnosis(
+                code="CONFIG", severity="error",
+                what=f"{', '.join(health)} without --use-fault-tolerance would do nothing: the engines' health is "
+                     "checked (and a dead engine restarted) only with it",
+                fix=f"add --use-fault-tolerance, or drop {', '.join(h.split(' ')[0] for h in health)}",
+                facts={"field": health[0].split(" ")[0][2:].replace("-", "_"), "value": health}))
         if self.over_sampling_batch_size is not None and not self.dynamic_sampling_filter_path \
                 and not self.rollout_function_path:
             errors.append(Diagnosis(
