@@ -39,6 +39,12 @@ def test_eval_interval_needs_an_eval_set():
     assert RunConfig(eval_interval=5).eval_interval == 5  # the bundled test set by default
 
 
+def test_ray_code_needs_a_joined_cluster():
+    with pytest.raises(ConfigError, match="--ray-code image without --ray-address"):
+        RunConfig(ray_code="image")
+    assert RunConfig(ray_code="image", ray_address="auto").ray_code == "image"
+
+
 def test_unknown_flag_suggests_the_nearest():
     with pytest.raises(ConfigError) as e:
         parse_args(["--rollout-bach-size", "4"])

@@ -527,6 +527,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                 fix="drop --ray-services (`ray start` starts Ray's defaults), or drop --ray-address for a local "
                     "cluster with Ray's full services",
                 facts={"field": "ray_services", "value": "full"}))
+        if self.ray_code == "image" and not self.ray_address:
+            raise config_error("--ray-code image without --ray-address: it says how rollflow's code reaches the nodes "
+                               "of a joined cluster, and the local cluster a run starts sees the driver's files",
+                               "drop --ray-code, or join a cluster with --ray-address", field="ray_code",
+                               value="image")
         if self.model_impl != "auto" and self.train_backend != "torch" and self.rollout_engine != "builtin":
             from engine.diagnosis import ConfigError, Diagnosis
 

@@ -11,7 +11,7 @@ class ClusterArgs(Section):
     """Ray cluster to join: `auto` (the cluster this node belongs to: run the flow on the head node or any node of it) or the head's GCS address `host:6379`; default: start a local cluster for this run (also where RAY_ADDRESS is set or `ray start` left a cluster on this machine, which Ray itself would join: a warning names RAY_ADDRESS). Ray Client (`ray://host:10001`) connects too, but Ray advises against it for ML workloads (every object goes through one proxy): see docs/cluster.md."""
 
     ray_code: Literal["ship", "image"] = "ship"
-    """How rollflow's code reaches the nodes of a joined cluster (--ray-address): `ship` uploads its packages (engine, flows, tasks, plumbing; a few hundred KB) with Ray's runtime_env `py_modules`, so the nodes only need the dependencies; `image` uploads nothing: every node already runs this rollflow (the same container image or checkout at the same path). A local cluster started by the run always sees the driver's files."""
+    """How rollflow's code reaches the nodes of a joined cluster (--ray-address): `ship` uploads its packages (engine, flows, tasks, plumbing; a few hundred KB) with Ray's runtime_env `py_modules`, so the nodes only need the dependencies; `image` uploads nothing: every node already runs this rollflow (the same container image or checkout at the same path). A local cluster started by the run always sees the driver's files (`image` without --ray-address is an error)."""
 
     actor_num_nodes: int = Field(1, ge=1)
     """Nodes for the training actors."""
