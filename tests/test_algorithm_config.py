@@ -36,6 +36,9 @@ from engine.doctor import ConfigError
     (["--rollout-health-check-timeout", "5"], "--rollout-health-check-timeout 5 without --use-fault-tolerance",
      "add --use-fault-tolerance"),
     (["--keep-last-n", "2", "--save", ""], "--keep-last-n 2 with no --save", "drop --keep-last-n"),
+    (["--save-hf", "--no-save-optim", "--wait-for-save-lock", "5", "--save", ""],
+     "--save-hf, --no-save-optim, --wait-for-save-lock 5 with no --save: no checkpoint is written, so they would do "
+     "nothing", "drop --save-hf, --no-save-optim, --wait-for-save-lock"),
 ])
 def test_inconsistent_algorithm_flags_are_errors(args, what, fix):
     with pytest.raises(ConfigError) as e:

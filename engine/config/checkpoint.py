@@ -26,22 +26,22 @@ class CheckpointArgs(Section):
     """Load iteration N of --ref-load instead of the one its marker names."""
 
     save_optim: bool = True
-    """Save optimizer, scheduler and RNG state; --no-save-optim saves weights only and marks the checkpoint not resumable."""
+    """Save optimizer, scheduler and RNG state; --no-save-optim saves weights only and marks the checkpoint not resumable (with --save; without it, an error)."""
 
     load_optim: bool = True
     """Restore optimizer, scheduler and RNG state on resume; --no-load-optim continues from the weights (and data position) with a fresh optimizer (needed for --no-save-optim checkpoints)."""
 
     save_hf: bool = False
-    """Also write a Hugging Face export of the weights into every iteration (iter_%07d/hf/)."""
+    """Also write a Hugging Face export of the weights into every iteration (iter_%07d/hf/; with --save)."""
 
     async_save: bool = False
     """Commit checkpoints in the background (slime's flag): the save stage writes the trainer's state into the iteration's temp location and returns; a commit-<id> task then checksums (and locally fsyncs) the files, moves or uploads them into iter_%07d/, writes the marker and applies --keep-last-n while the next rollouts train. One commit at a time: the next save waits for the one before (save/wait_seconds), and the run waits for the last one before it ends, also when a later stage fails. A kill before a commit's marker leaves the previous checkpoint as the resume point, as with a plain save. The backend's files themselves are written before the loop goes on. Needs --save."""
 
     keep_last_n: Optional[int] = Field(None, ge=1)
-    """Keep only the N newest complete checkpoints under --save; older ones are deleted after the new marker is written (never the marker's)."""
+    """Keep only the N newest complete checkpoints under --save; older ones are deleted after the new marker is written (never the marker's). Without --save: an error."""
 
     allow_config_change: list[str] = []
     """Settings a resume may change from what the checkpoint recorded, by field name: any of hf_checkpoint, prompt_data, input_key, label_key, tool_key, rollout_batch_size, n_samples_per_prompt, global_batch_size, num_steps_per_rollout, rollout_shuffle, seed, train_backend, advantage_estimator, rollout_max_prompt_len, rollout_seed, rollout_max_context_len. A resume that changes one of them without naming it here fails (RF05) and lists the differences; other flags (num_rollout, lr, …) may change freely."""
 
     wait_for_save_lock: float = Field(0.0, ge=0)
-    """Seconds to wait when another run holds --save's writer lock (0: fail at once, naming that run)."""
+    """Seconds to wait when another run holds --save's writer lock (0: fail at once, naming that run; with --save)."""
