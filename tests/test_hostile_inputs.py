@@ -390,13 +390,18 @@ def test_a_save_that_cannot_be_written_fails_the_doctor_and_the_lock_naming_it(s
 
     cfg = RunConfig(hf_checkpoint=tiny_model, save="s3://no-such-bucket-rf/run1")
     (d,) = [d for d in _doctor(cfg) if d.code == "STORAGE"]
-    assert "bucket 'no-such-bucket-rf' does not exist" in d.what
+    assert "bucket 'no-such-bucket-rf' does not exist" in d.what and "AWS_ENDPOINT_URL_S3" in d.fix
     with pytest.raises(ConfigError, match="no-such-bucket-rf' does not exist"):
         with writer_lock(cfg.save):
             pass
     (tmp_path / "afile").write_text("x")
     cfg = RunConfig(hf_checkpoint=tiny_model, save=str(tmp_path / "afile" / "ckpt"))
-    assert any("is a file" in d.what for d in _doctor(cfg) if d.code == "STORAGE")
+    (d,) = [d for d in _doctor(cfg) if d.code == "STORAGE"]
+    assert "is a file" in d.what and "directory this user can create" in d.fix and "AWS" not in d.fix  # local advice
+    with pytest.raises(ConfigError) as e:
+        with writer_lock(cfg.save):
+            pass
+    assert "writer lock cannot be taken" in str(e.value) and "AWS" not in e.value.diagnoses[0].fix
 
 
 @pytest.fixture

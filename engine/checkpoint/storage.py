@@ -160,6 +160,13 @@ class Store:
             return f"writing to bucket {bucket!r} failed: {type(e).__name__}: {str(e)[:300]}"
         return None
 
+    def write_fix(self) -> str:
+        """The fix for a `write_problem` (or a failed write) here: the bucket and credentials on S3, the directory's
+        path and permissions on a local disk."""
+        if self.remote:
+            return "create the bucket, or check AWS_ENDPOINT_URL_S3 and the AWS credentials"
+        return "a --save directory this user can create and write to, or fix the permissions of the path"
+
     def free_bytes(self) -> int | None:
         """Free bytes on the local disk holding this directory (None on S3)."""
         if self.remote:

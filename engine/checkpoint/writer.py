@@ -221,8 +221,7 @@ def writer_lock(save: str | None, *, wait_s: float = 0.0, run: str = "",
         problem = lock.store.write_problem() or f"{type(e).__name__}: {str(e)[:300]}"
         raise ConfigError(Diagnosis(code="STORAGE", severity="error",
                                     what=f"--save {lock.store.url}: its writer lock cannot be taken: {problem}",
-                                    fix="create the bucket (or fix the path / permissions), or check "
-                                        "AWS_ENDPOINT_URL_S3 and the AWS credentials",
+                                    fix=lock.store.write_fix(),
                                     facts={"path": lock.store.url})) from None
     try:
         yield lock

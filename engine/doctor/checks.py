@@ -610,8 +610,7 @@ def save_location_writable(cfg, env: Environment) -> list[Diagnosis]:
     store = checkpoint.Store(cfg.save)
     if (problem := store.write_problem()) is not None:
         return [Diagnosis(code="STORAGE", severity="error", what=f"--save {store.url} cannot be written: {problem}",
-                          fix="create the bucket (or fix the path / permissions), or check AWS_ENDPOINT_URL_S3 and the "
-                              "AWS credentials", facts={"path": store.url})]
+                          fix=store.write_fix(), facts={"path": store.url})]
     free = store.free_bytes()
     need, how = checkpoint_bytes(cfg, store)
     if free is None or need is None or free >= need:
