@@ -33,7 +33,7 @@ from engine.doctor import ConfigError
      "--lambd 0.8 with --advantage-estimator reinforce_plus_plus", "drop --lambd, or --advantage-estimator ppo"),
     (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1 without --use-kl-loss", "add --use-kl-loss"),
     (["--mis-high", "3"], "--mis-high 3.0 without --use-mis", "add --use-mis, or drop --mis-high"),
-    (["--rollout-health-check-timeout", "5"], "--rollout-health-check-timeout 5 without --use-fault-tolerance",
+    (["--rollout-health-check-timeout", "5"], "--rollout-health-check-timeout 5.0 without --use-fault-tolerance",
      "add --use-fault-tolerance"),
     (["--keep-last-n", "2", "--save", ""], "--keep-last-n 2 with no --save", "drop --keep-last-n"),
     (["--save-hf", "--no-save-optim", "--wait-for-save-lock", "5", "--save", ""],

@@ -352,15 +352,17 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise config_error("--async-save with no --save: there is no checkpoint to commit in the background",
                                "--save DIR (or s3://bucket/prefix), or drop --async-save", field="async_save",
                                value=True)
-        idle = [f for f, on in ((f"--keep-last-n {self.keep_last_n}", self.keep_last_n is not None),
-                                ("--save-hf", self.save_hf), ("--no-save-optim", not self.save_optim),
-                                (f"--wait-for-save-lock {self.wait_for_save_lock:g}", self.wait_for_save_lock > 0))
-                if on]
+        idle = {field: text for field, text, on in (
+            ("keep_last_n", f"--keep-last-n {self.keep_last_n}", self.keep_last_n is not None),
+            ("save_hf", "--save-hf", self.save_hf), ("save_optim", "--no-save-optim", not self.save_optim),
+            ("wait_for_save_lock", f"--wait-for-save-lock {self.wait_for_save_lock:g}", self.wait_for_save_lock > 0))
+            if on}
         if idle and not self.save:
-            raise config_error(f"{', '.join(idle)} with no --save: no checkpoint is written, so "
-                               f"{'it' if len(idle) == 1 else 'they'} would do nothing", f"--save DIR (or s3://bucket/prefix), or drop "
-                               f"{', '.join(f.split(' ')[0] for f in idle)}",
-                               field=idle[0].split(" ")[0][2:].replace("-", "_").removeprefix("no_"), value=idle)
+            raise config_error(f"{', '.join(idle.values())} with no --save: no checkpoint is written, so "
+                               f"{'it' if len(idle) == 1 else 'they'} would do nothing",
+                               "--save DIR (or s3://bucket/prefix), or drop "
+                               + ", ".join(t.split(" ")[0] for t in idle.values()),
+                               field=next(iter(idle)), value=list(idle.values()))
         return self
 
     @model_validator(mode="after")

@@ -3,7 +3,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config.base import Section
+from engine.config.base import Section, flags, given
 from engine.diagnosis import ConfigError, Diagnosis
 
 #: Estimators whose advantage is the group-normalised reward (no token-level reward shaping).
@@ -289,12 +289,9 @@ class AlgorithmArgs(Section):
                       "the function would compare the engine with itself",
                       "drop --use-rollout-logprobs (the trainer then computes the old log-probs), or drop "
                       "--get-mismatch-metrics", field="get_mismatch_metrics")
-        tis_bounds = [f"{flag} {v}" for flag, v, default in (("--tis-clip", self.tis_clip, 2.0),
-                                                              ("--tis-clip-low", self.tis_clip_low, 0.0)) if v != default]
-        if tis_bounds and not (self.use_tis or self.custom_tis_function_path):
-            raise err(f"{', '.join(tis_bounds)} without --use-tis would do nothing: they bound the TIS weight, which "
-                      "is 1 with it off", f"add --use-tis, or drop {', '.join(b.split(' ')[0] for b in tis_bounds)}",
-                      field="tis_clip" if self.tis_clip != 2.0 else "tis_clip_low", value=tis_bounds)
+        if (tis := self.changed("tis_clip", "tis_clip_low")) and not (self.use_tis or self.custom_tis_function_path):
+            raise err(f"{given(tis)} without --use-tis would do nothing: they bound the TIS weight, which is 1 with "
+                      f"it off", f"add --use-tis, or drop {flags(tis)}", field=next(iter(tis)), value=tis)
         if self.tis_clip_low > self.tis_clip:
             raise err(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}",
                       f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",
@@ -306,37 +303,26 @@ class AlgorithmArgs(Section):
         """Settings of a term the configuration does not compute would do nothing: the critic's (ppo only), γ and λ
         (the returns of ppo and reinforce_plus_plus; a --custom-advantage-function-path may read them), the KL
         loss's weight (--use-kl-loss) and MIS's bounds (--use-mis; a --custom-tis-function-path may read them).
-        Checked where they differ from their defaults, as --opsm-delta is."""
-        def set_(*given) -> list[str]:
-            return [f"{flag} {value}" for flag, value, on in given if on]
-
-        def flags(found: list[str]) -> str:
-            return ", ".join(f.split(" ")[0] for f in found)
-
-        if self.advantage_estimator != "ppo" and (idle := set_(
-                ("--critic-lr", self.critic_lr, self.critic_lr is not None),
-                ("--value-clip", self.value_clip, self.value_clip != 0.2))):
-            raise err(f"{', '.join(idle)}: only --advantage-estimator ppo has a critic (now "
-                      f"{self.advantage_estimator}), so it would do nothing", f"--advantage-estimator ppo, or drop "
-                      f"{flags(idle)}", field=idle[0].split(" ")[0][2:].replace("-", "_"), value=idle)
-        returns = {"ppo": ("--gamma", "--lambd"), "reinforce_plus_plus": ("--gamma",)}.get(self.advantage_estimator, ())
-        if not self.custom_advantage_function_path and (idle := [f for f in set_(
-                ("--gamma", self.gamma, self.gamma != 1.0), ("--lambd", self.lambd, self.lambd != 1.0))
-                if f.split(" ")[0] not in returns]):
-            raise err(f"{', '.join(idle)} with --advantage-estimator {self.advantage_estimator} would do nothing: γ "
+        Checked where they differ from their defaults (`Section.changed`)."""
+        if self.advantage_estimator != "ppo" and (idle := self.changed("critic_lr", "value_clip")):
+            raise err(f"{given(idle)}: only --advantage-estimator ppo has a critic (now {self.advantage_estimator}), "
+                      f"so it would do nothing", f"--advantage-estimator ppo, or drop {flags(idle)}",
+                      field=next(iter(idle)), value=idle)
+        returns = {"ppo": ("gamma", "lambd"), "reinforce_plus_plus": ("gamma",)}.get(self.advantage_estimator, ())
+        if not self.custom_advantage_function_path and (idle := {
+                n: v for n, v in self.changed("gamma", "lambd").items() if n not in returns}):
+            raise err(f"{given(idle)} with --advantage-estimator {self.advantage_estimator} would do nothing: γ "
                       "discounts the returns of ppo and reinforce_plus_plus, λ is ppo's GAE",
                       f"drop {flags(idle)}, or --advantage-estimator "
-                      f"{'ppo' if any(f.startswith('--lambd') for f in idle) else 'ppo / reinforce_plus_plus'}",
-                      field=idle[0].split(" ")[0][2:], value=idle)
+                      f"{'ppo' if 'lambd' in idle else 'ppo / reinforce_plus_plus'}", field=next(iter(idle)),
+                      value=idle)
         if self.kl_loss_coef > 0 and not self.use_kl_loss and self.loss_type != "custom_loss":
             raise err(f"--kl-loss-coef {self.kl_loss_coef} without --use-kl-loss would do nothing: the KL term is in "
                       "the loss only with --use-kl-loss", "add --use-kl-loss, or drop --kl-loss-coef",
                       field="kl_loss_coef", value=self.kl_loss_coef)
-        if not (self.use_mis or self.custom_tis_function_path) and (idle := set_(
-                ("--mis-low", self.mis_low, self.mis_low != 0.5), ("--mis-high", self.mis_high, self.mis_high != 2.0))):
-            raise err(f"{', '.join(idle)} without --use-mis would do nothing: they bound masked importance sampling",
-                      f"add --use-mis, or drop {flags(idle)}", field=idle[0].split(" ")[0][2:].replace("-", "_"),
-                      value=idle)
+        if not (self.use_mis or self.custom_tis_function_path) and (idle := self.changed("mis_low", "mis_high")):
+            raise err(f"{given(idle)} without --use-mis would do nothing: they bound masked importance sampling",
+                      f"add --use-mis, or drop {flags(idle)}", field=next(iter(idle)), value=idle)
 
     def _opd_consistent(self, err) -> None:
         """--use-opd and its flags, as slime checks them; a flag without --use-opd would do nothing."""

@@ -9,6 +9,27 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
+    def changed(self, *names: str) -> dict[str, Any]:
+        """{field: value} of those of `names` whose value is not the field's default (a setting given), in order:
+        what a check of settings that would do nothing looks at."""
+        fields = type(self).model_fields
+        return {n: getattr(self, n) for n in names if getattr(self, n) != fields[n].default}
+
+
+def flag(name: str) -> str:
+    """A field's command-line flag: rollout_batch_size → --rollout-batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def given(values: dict[str, Any]) -> str:
+    """`--flag value, …` of {field: value} (`Section.changed`), for a message."""
+    return ", ".join(f"{flag(n)} {v}" for n, v in values.items())
+
+
+def flags(names) -> str:
+    """`--flag, …` of field names, for a fix."""
+    return ", ".join(flag(n) for n in names)
+
 
 def config_error(what: str, fix: str, **facts: Any):
     """A CONFIG ConfigError naming what is wrong, the fix and the facts (the field, its value)."""

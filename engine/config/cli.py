@@ -18,13 +18,10 @@ import yaml
 from pydantic import ValidationError
 
 from engine.config import SECTIONS, RunConfig
+from engine.config.base import flag
 from engine.diagnosis import ConfigError, Diagnosis
 
 SGLANG_PREFIX = "--sglang-"
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _unwrap_optional(tp: Any) -> Any:

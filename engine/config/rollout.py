@@ -3,7 +3,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config.base import Section
+from engine.config.base import Section, flags, given
 from engine.diagnosis import ConfigError, Diagnosis
 
 
@@ -276,17 +276,15 @@ class RolloutArgs(Section):
                 what=f"--over-sampling-batch-size {self.over_sampling_batch_size} is below --rollout-batch-size "
                      f"{self.rollout_batch_size}: a sampling round must draw at least B prompts",
                 fix=f"--over-sampling-batch-size {2 * self.rollout_batch_size} (or drop it)"))
-        health = [f"{flag} {v:g}" for flag, v, default in (
-            ("--rollout-health-check-interval", self.rollout_health_check_interval, 30.0),
-            ("--rollout-health-check-timeout", self.rollout_health_check_timeout, 30.0),
-            ("--rollout-health-check-first-wait", self.rollout_health_check_first_wait, 0.0)) if v != default]
+        health = self.changed("rollout_health_check_interval", "rollout_health_check_timeout",
+                              "rollout_health_check_first_wait")
         if health and not self.use_fault_tolerance:
             errors.append(Diagnosis(
                 code="CONFIG", severity="error",
-                what=f"{', '.join(health)} without --use-fault-tolerance would do nothing: the engines' health is "
+                what=f"{given(health)} without --use-fault-tolerance would do nothing: the engines' health is "
                      "checked (and a dead engine restarted) only with it",
-                fix=f"add --use-fault-tolerance, or drop {', '.join(h.split(' ')[0] for h in health)}",
-                facts={"field": health[0].split(" ")[0][2:].replace("-", "_"), "value": health}))
+                fix=f"add --use-fault-tolerance, or drop {flags(health)}",
+                facts={"field": next(iter(health)), "value": health}))
         if self.over_sampling_batch_size is not None and not self.dynamic_sampling_filter_path \
                 and not self.rollout_function_path:
             errors.append(Diagnosis(

@@ -198,7 +198,7 @@ class TrainArgs(Section):
 
     @model_validator(mode="after")
     def _stateless_adam(self) -> "TrainArgs":
-        from engine.config.base import config_error
+        from engine.config.base import config_error, flags, given
 
         if self.use_stateless_adam and self.train_backend == "megatron":
             raise config_error("--use-stateless-adam with --train-backend megatron: rollflow's stateless AdamW runs in "
@@ -206,13 +206,11 @@ class TrainArgs(Section):
                                "moments)", "--train-backend torch, or --reset-optimizer-states with "
                                "--num-steps-per-rollout 1 (the same updates, with the moments' memory)",
                                field="use_stateless_adam", value=True)
-        betas = [f"{flag} {v}" for flag, v, default in (("--adam-beta1", self.adam_beta1, 0.9),
-                                                         ("--adam-beta2", self.adam_beta2, 0.98)) if v != default]
-        if self.use_stateless_adam and betas:
-            raise config_error(f"{', '.join(betas)} with --use-stateless-adam would do nothing: its moments restart "
-                               "at every step, where the bias-corrected update is lr·g / (|g| + ε) whatever the betas",
-                               f"drop {', '.join(b.split(' ')[0] for b in betas)}, or drop --use-stateless-adam",
-                               field="adam_beta1" if self.adam_beta1 != 0.9 else "adam_beta2", value=betas)
+        if self.use_stateless_adam and (betas := self.changed("adam_beta1", "adam_beta2")):
+            raise config_error(f"{given(betas)} with --use-stateless-adam would do nothing: its moments restart at "
+                               "every step, where the bias-corrected update is lr·g / (|g| + ε) whatever the betas",
+                               f"drop {flags(betas)}, or drop --use-stateless-adam", field=next(iter(betas)),
+                               value=betas)
         if self.min_lr > 0 and self.lr_decay_style == "constant":
             raise config_error(f"--min-lr {self.min_lr} is where the cosine schedule ends, and --lr-decay-style "
                                "constant keeps --lr after the warm-up: it would do nothing",

@@ -111,7 +111,7 @@ class LaunchedEngine:
                     return self.url
                 self.stop()  # it lost the bind to `other`, and exits (or hangs) by itself: not worth waiting for
                 self._lost_race = True
-                raise DiagnosisError(port_in_use(self.ports[0], self.url.rsplit("//", 1)[-1].rsplit(":", 1)[0],
+                raise DiagnosisError(port_in_use(self.ports[0], httpx.URL(self.url).host,
                                                  f"the launched engine's HTTP port (answered by {other})"))
             time.sleep(0.25)
         self.stop()
