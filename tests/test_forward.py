@@ -35,6 +35,30 @@ def llama():
     return ref, packed
 
 
+def _windowed(family: str):
+    """A Mistral (sliding windows) or Gemma 2 (windows on every other layer, attention-logit softcapping) next to
+    its packed copy; transformers' reference runs its own masks and attention (Gemma 2: eager, the only one it runs
+    it with)."""
+    from windowed_models import windowed_model
+
+    ref = windowed_model(family, 259)
+    packed = copy.deepcopy(ref)
+    use_varlen_attention(packed)
+    return ref, packed
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return _windowed("mistral")
+
+
+@pytest.fixture(scope="module")
+def gemma2():
+    ref, packed = _windowed("gemma2")
+    assert ref.config.layer_types == ["sliding_attention", "full_attention"]
+    return ref, packed
+
+
 @pytest.fixture(params=["padded", "per-sample"])
 def path(request, monkeypatch):
     """Both CPU attention paths of a packed row: padded rows (one SDPA call) and one SDPA call per sample."""
@@ -64,7 +88,7 @@ def per_sample_reference(model, mb, temperature=1.0):
     return lp * mb.loss_mask, ent * mb.loss_mask
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral", "gemma2"])
 def test_packed_equals_per_sample_forward(family, request, path):
     ref, packed = request.getfixturevalue(family)
     samples = fake_samples(LENGTHS, n=2, seed=1)
@@ -78,8 +102,9 @@ def test_packed_equals_per_sample_forward(family, request, path):
     assert float((lp * (1 - mb.loss_mask)).abs().max()) == 0.0  # untrained entries are 0
 
 
-def test_packed_gradients_equal_per_sample_gradients(llama, path):
-    ref, packed = llama
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_packed_gradients_equal_per_sample_gradients(family, request, path):
+    ref, packed = request.getfixturevalue(family)
     samples = fake_samples(LENGTHS[:4], n=2, seed=2)
     (mb,) = pack(samples, [[0, 1, 2, 3]])
     packed.zero_grad()
@@ -140,7 +165,7 @@ def grpo_samples(seed: int, prompts=((6, (1, 5, 3, 8)), (4, (2, 7)), (9, (4,))))
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral", "gemma2"])
 def test_shared_prompts_give_the_per_sample_log_probs(family, request):
     from engine.train.forward import shared_layout
 
@@ -163,8 +188,9 @@ def test_shared_prompts_give_the_per_sample_log_probs(family, request):
     assert (lp[mb.loss_mask > 0] < 0).all() and float((lp * (1 - mb.loss_mask)).abs().max()) == 0.0
 
 
-def test_shared_prompts_give_the_per_sample_gradients(llama):
-    ref, packed = llama
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_shared_prompts_give_the_per_sample_gradients(family, request):
+    ref, packed = request.getfixturevalue(family)
     samples = grpo_samples(seed=8)
     (mb,) = pack(samples, [list(range(len(samples)))])
     w = torch.randn(mb.num_tokens, generator=torch.Generator().manual_seed(0))  # a loss that weighs every token
@@ -262,6 +288,8 @@ def test_chunks_run_the_compiled_log_softmax_in_their_recomputation(monkeypatch)
     from engine.train.forward import chunked_log_probs, token_log_probs
     from engine.train.packed_logprobs import _FUSED
 
+    if torch.cuda.is_available():  # on a GPU machine the compile would initialise CUDA inside the checkpoint's
+        torch.cuda.init()  # forward, which the checkpoint refuses (a trainer on a GPU has it initialised long before)
     monkeypatch.setitem(_FUSED, "fn", torch.compile(pl._log_probs_entropy, dynamic=False, backend="aot_eager"))
     monkeypatch.setitem(_FUSED, "error", None)
     hidden, weight, targets = _head_inputs(40, 16, 300)

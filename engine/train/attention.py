@@ -8,7 +8,9 @@ samples and must not build a [T, T] mask (16k tokens would be 1 GiB per head in 
     otherwise         (fp32 parity runs, CPU) scaled_dot_product_attention per sample, causal.
 
 Used by both training backends: the torch backend's transformers attention (engine/train/forward.py) and the
-Megatron backend's core attention (engine/train/megatron_attention.py).
+Megatron backend's core attention (engine/train/megatron_attention.py). `masked_rows_attention` (attention under an
+explicit mask, with Gemma 2's logit softcapping) serves the torch backend's sliding-window and softcapped layers and
+the built-in engine's CUDA-graph decoder (engine/rollout/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -73,3 +75,36 @@ class _FlashVarlen(torch.autograd.Function):
             dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, rng, unused,
             scale=ctx.scale)
         return dq, dk, dv, None, None, None
+
+
+def causal_band(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[L, L] bool, True = key b is visible to query a: b ≤ a, and with a window W also b > a − W (transformers'
+    `sliding_window_overlay`)."""
+    i = torch.arange(length, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if window:
+        allowed &= i[None, :] > i[:, None] - window
+    return allowed
+
+
+def masked_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          scaling: float | None, dropout: float, softcap: float | None) -> torch.Tensor:
+    """Attention of q [B, H, Q, D] over k/v [B, Hkv, K, D] under `mask` (bool, True = attend, broadcast to
+    [B, H, Q, K]) → [B, H, Q, D]. Without `softcap` one SDPA call; with it
+    the scores are capped as transformers' eager attention does (Gemma 2: softcap · tanh(scores / softcap)), which
+    SDPA cannot."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, dropout_p=dropout,
+                                              enable_gqa=True)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # kv head h // rep serves query head h (transformers' repeat_kv, SDPA's enable_gqa)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    # the dtype's lowest value, as transformers' eager masks: a query that sees nothing (a padding row) gets finite
+    # weights, where -inf would give NaN that the next layer's K/V would carry into every row
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout, training=True)
+    return torch.matmul(probs, v)

@@ -10,7 +10,9 @@ attention silently crosses samples (measured: logits off by 10 on the bundled mo
 
 On CUDA in bf16/fp16 the row is one flash-attention varlen kernel (engine/train/attention.py). Elsewhere the
 samples of similar length become padded rows and one SDPA call (`padded_is_cheaper`); a row of very different
-lengths keeps one SDPA call per sample, whose cost stays Σ L_i².
+lengths keeps one SDPA call per sample, whose cost stays Σ L_i². Sliding-window layers (where a sample is longer
+than the window) and attention-logit softcapping (Gemma 2) take the same two CPU layouts with an explicit mask,
+on CUDA too (`masked_rows_attention`).
 
 Logits are computed only where a trained token is predicted (loss_mask > 0): entry t (token t given the
 sample's tokens before it) comes from the hidden state at t − 1, via transformers' `logits_to_keep`. Entries
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.packing.microbatch import MicroBatch
+from engine.train.attention import causal_band, masked_rows_attention
 
 VARLEN = "rollflow_varlen"
 
@@ -45,29 +48,36 @@ VARLEN = "rollflow_varlen"
 def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                      scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed sample. query [1, H, T, D], key/value [1, Hkv, T, D] → [1, T, H, D]."""
+    """Causal attention within each packed sample. query [1, H, T, D], key/value [1, Hkv, T, D] → [1, T, H, D].
+    A sliding-window layer (`sliding_window` W: a token sees itself and the W − 1 before it, as transformers'
+    masks) and attention-logit softcapping (`softcap`, Gemma 2) take `masked_rows_attention`; a window longer than
+    every sample changes nothing and is left out."""
+    softcap = kwargs.get("softcap")
     shared = kwargs.get("rollflow_shared")
     if shared is not None:  # a micro-batch laid out with shared prompts (shared_layout)
-        return shared_prefix_attention(query, key, value, shared, scaling, dropout), None
+        return shared_prefix_attention(query, key, value, shared, scaling, dropout, sliding_window, softcap), None
     if cu_seq_lens_q is None:
         raise ValueError("rollflow_varlen attention needs cu_seq_lens_q: call the model through packed_forward")
-    if sliding_window:
-        raise NotImplementedError("rollflow_varlen attention does not implement sliding-window layers")
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):  # one varlen flash kernel for the row
+    max_len = kwargs.get("max_length_q") or int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+    window = sliding_window if sliding_window and max_len > sliding_window else None
+    plain = window is None and softcap is None
+    if plain and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):  # one varlen flash kernel
         from engine.train.attention import packed_causal_attention
 
-        max_len = kwargs.get("max_length_q") or int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         out = packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                       cu_seq_lens_q, max_len, scaling)  # [T, H, D]
         return out[None], None
     lens_t = cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]
     lens = lens_t.tolist()
     if padded_is_cheaper(lens):
-        return padded_attention(query, key, value, cu_seq_lens_q, lens_t, scaling, dropout), None
+        mask = None if plain else causal_band(max(lens), window, query.device)[None, None]
+        return padded_attention(query, key, value, cu_seq_lens_q, lens_t, scaling, dropout, mask, softcap), None
     # split (not slicing): its backward is one cat; slicing's backward writes a full-size zero gradient per
     # sample (3.5x slower fwd+bwd on 16 samples, measured). enable_gqa: no repeated k/v copies.
     outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout,
-                                           enable_gqa=True)  # [1, H, L_i, D]
+                                           enable_gqa=True) if plain  # [1, H, L_i, D]
+            else masked_rows_attention(q, k, v, causal_band(q.shape[2], window, q.device)[None, None], scaling,
+                                       dropout, softcap)
             for q, k, v in zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2))]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
@@ -87,10 +97,11 @@ def padded_is_cheaper(lens: list[int]) -> bool:
 
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
                      lens: torch.Tensor, scaling: float | None, dropout: float,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """The packed row's segments (cu, lens) as S padded rows [S, H, L_max, D], one SDPA call, back to [1, T, H, D].
     Causal without `mask` (padding sits after each segment's tokens, so it is never read for a real token); else
-    `mask` [S, 1, L_max, L_max] (True = attend) decides."""
+    `mask` [S or 1, 1, L_max, L_max] (True = attend) decides, and `softcap` caps the scores
+    (`masked_rows_attention`)."""
     S, lmax, T = lens.numel(), int(lens.max()), query.shape[2]
     dev = query.device
     seg = torch.repeat_interleave(torch.arange(S, device=dev), lens.to(dev))  # [T] sample of each token
@@ -101,8 +112,12 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         rows = x.new_zeros(S * lmax, h, d).index_copy(0, flat, x[0].transpose(0, 1))
         return rows.view(S, lmax, h, d).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=mask, is_causal=mask is None,
-                                         scale=scaling, dropout_p=dropout, enable_gqa=True)  # [S, H, L_max, D]
+    if mask is None and softcap is None:
+        out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
+                                             dropout_p=dropout, enable_gqa=True)  # [S, H, L_max, D]
+    else:
+        mask = causal_band(lmax, None, dev)[None, None] if mask is None else mask
+        out = masked_rows_attention(pad(query), pad(key), pad(value), mask, scaling, dropout, softcap)
     out = out.transpose(1, 2).reshape(S * lmax, out.shape[1], out.shape[3])
     return out.index_select(0, flat)[None]  # [1, T, H, D]
 
@@ -116,23 +131,30 @@ class SharedLayout:
     cu: torch.Tensor  # [G+1] int32 group boundaries in the compact row
     seg: torch.Tensor  # [T'] 0 on a group's prompt, j + 1 on its j-th suffix
     original_tokens: int = 0  # T of the micro-batch it replaces
-    _mask: dict = field(default_factory=dict)  # device → [G, 1, L_max, L_max] bool, built once per forward
+    _mask: dict = field(default_factory=dict)  # (device, window) → [G, 1, L_max, L_max] bool, built once per forward
 
-    def mask(self, device: torch.device) -> torch.Tensor:
+    def mask(self, device: torch.device, window: int | None = None) -> torch.Tensor:
         """allowed[g, a, b]: compact token b is visible to token a of group g (b ≤ a, and b on the prompt or on
-        a's own suffix); padding rows see only themselves (no NaN rows in the softmax or its backward)."""
-        key = str(device)
+        a's own suffix; with a sliding window W also position(b) > position(a) − W); padding rows see only
+        themselves (no NaN rows in the softmax or its backward)."""
+        if window and int(self.position_ids.max()) < window:
+            window = None  # no token is W positions from another: the window changes nothing
+        key = (str(device), window)
         if key not in self._mask:
             lens = (self.cu[1:] - self.cu[:-1]).long()
             G, lmax = lens.numel(), int(lens.max())
             seg = torch.full((G, lmax), -1, dtype=torch.long)
+            pos = torch.zeros((G, lmax), dtype=torch.long)
             for g in range(G):
-                seg[g, :int(lens[g])] = self.seg[int(self.cu[g]):int(self.cu[g + 1])]
+                a, b = int(self.cu[g]), int(self.cu[g + 1])
+                seg[g, :b - a], pos[g, :b - a] = self.seg[a:b], self.position_ids[a:b]
             a = torch.arange(lmax)
             causal = a[None, :] <= a[:, None]  # [a, b]
             same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # [G, a, b]
             valid = seg >= 0  # [G, L]
             allowed = causal[None] & same & valid[:, None, :] & valid[:, :, None]
+            if window:
+                allowed &= pos[:, None, :] > pos[:, :, None] - window
             allowed |= torch.eye(lmax, dtype=torch.bool)[None] & ~valid[:, :, None]
             self._mask[key] = allowed[:, None].to(device)
         return self._mask[key]
@@ -192,12 +214,14 @@ def shared_layout(mb: MicroBatch, keep: torch.Tensor) -> SharedLayout | None:
 
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedLayout,
-                            scaling: float | None, dropout: float) -> torch.Tensor:
+                            scaling: float | None, dropout: float, sliding_window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Attention over a SharedLayout row: each group a padded row, one SDPA call with the layout's mask.
     query [1, H, T', D], key/value [1, Hkv, T', D] → [1, T', H, D]."""
     dev = query.device
     cu = layout.cu.to(dev).long()
-    return padded_attention(query, key, value, cu, cu[1:] - cu[:-1], scaling, dropout, mask=layout.mask(dev))
+    return padded_attention(query, key, value, cu, cu[1:] - cu[:-1], scaling, dropout,
+                            mask=layout.mask(dev, sliding_window), softcap=softcap)
 
 
 def use_varlen_attention(model) -> None:
