@@ -159,6 +159,7 @@ def test_engine_on_cuda_serves_bf16_and_gives_its_memory_back(tiny_model):
 
     state = EngineState(tiny_model, device="cuda:0", dtype="bfloat16", max_new_tokens=8)
     assert next(state.generator.model.parameters()).dtype == torch.bfloat16
+    assert state.generator.fused_norms == 2 * state.generator.model.config.num_hidden_layers + 1  # all fused
     tok = state.tokenizer
     prompt = tok("<|im_start|>user\n57+38=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     reqs = [GenRequest(rid=f"r{i}", input_ids=prompt, max_new_tokens=8, seed=i) for i in range(64)]
@@ -177,6 +178,62 @@ def test_engine_on_cuda_serves_bf16_and_gives_its_memory_back(tiny_model):
     assert torch.cuda.memory_reserved() < before and not next(model.parameters()).is_cuda
     state.set_released(False)
     assert next(model.parameters()).is_cuda and len(state.generator.generate(reqs[:2])[0].output_ids) > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_windows_and_softcapping_on_cuda(family, dtype, tmp_path, tiny_model):
+    """A model with sliding-window layers (Mistral; Gemma 2 also with attention-logit softcapping, eager in
+    transformers): the engine's captured CUDA graphs and the torch backend's packed forward give transformers' own
+    log-probs (its masks and attention, one row at a time), with prompts and answers longer than the window."""
+    from transformers import AutoModelForCausalLM
+    from windowed_models import WINDOW, save_windowed
+
+    from engine.rollout.generation import GenRequest
+    from engine.rollout.server import EngineState
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = save_windowed(tmp_path / family, family, tiny_model)
+    reference = AutoModelForCausalLM.from_pretrained(  # Gemma 2: eager, the attention its softcapping is defined by
+        path, dtype=getattr(torch, dtype), attn_implementation="eager" if family == "gemma2" else None).to("cuda").eval()
+    tol = 1e-3 if dtype == "float32" else 0.05  # mean |Δ log p|: float rounding only (a window left out: ~0.5)
+
+    def teacher_forced(seq: list[int], start: int) -> torch.Tensor:
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(torch.tensor([seq], device="cuda")).logits[0].float(), -1)
+        return logp[start - 1:-1].gather(-1, torch.tensor(seq[start:], device="cuda")[:, None]).squeeze(-1).cpu()
+
+    state = EngineState(path, device="cuda:0", dtype=dtype, max_new_tokens=24)
+    assert state.generator.graphs is not None and state.generator.graphs.folded_gqa
+    assert (state.generator.fused_norms > 0) == (family == "mistral")  # Gemma's x̂ · (1 + w) keeps its own forward
+    tok = state.tokenizer
+    prompts = [tok(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+               for q in ("57+38=", "3+4=", "120-99=+7")]
+    assert min(map(len, prompts)) > WINDOW
+    reqs = [GenRequest(rid=f"r{i}", input_ids=prompts[i % 3], max_new_tokens=24, seed=i, ignore_eos=True)
+            for i in range(6)]
+    outs = state.generator.generate(reqs)
+    assert state.generator.graphs.graphs  # decoded through captured graphs
+    for o in outs:
+        got = torch.tensor(o.logprobs)
+        assert len(got) == 24 and float((got - teacher_forced(o.input_ids + o.output_ids, len(o.input_ids)))
+                                        .abs().mean()) < tol
+    # the torch backend's packed forward over those rows (masked attention on CUDA, not the flash kernel)
+    from engine.config import RunConfig
+    from engine.samples import Sample, Status
+    from engine.train.torch_backend import TorchBackend
+    from train_fakes import pack
+
+    samples = [Sample(index=i, group_index=i // 2, rollout_id=0, prompt="x", tokens=o.input_ids + o.output_ids,
+                      response_length=24, loss_mask=[1] * 24, rollout_log_probs=list(o.logprobs),
+                      status=Status.COMPLETED) for i, o in enumerate(outs)]
+    cfg = RunConfig(hf_checkpoint=path, rollout_batch_size=3, n_samples_per_prompt=2, global_batch_size=6,
+                    micro_batch_size=3, bf16=dtype == "bfloat16")
+    lps = TorchBackend(cfg, device="cuda").compute_log_probs(pack(samples, [[0, 1, 2], [3, 4, 5]]))
+    flat = torch.cat([lp.float().cpu() for lp in lps])
+    want = torch.cat([torch.cat([torch.zeros(len(s.tokens) - 24), teacher_forced(s.tokens, len(s.tokens) - 24)])
+                      for s in samples])
+    assert float((flat - want).abs().sum() / (24 * len(samples))) < tol
 
 
 # ---- the whole flow, colocated on one GPU ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ These run on the CPU; the GPU engine runs the same functions on CUDA tensors.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.rollout.sampling import BLOCK, counter_uniform, draw, sample_tokens, splitmix64
@@ -276,3 +277,83 @@ def test_decode_attention_folds_query_heads_onto_their_kv_head_with_the_same_res
     q2 = torch.randn(b, hkv * 3, 5, d, generator=g)  # a prefill (5 queries): sdpa's own path, same as sdpa
     m2 = torch.ones(b, 1, 5, s, dtype=torch.bool).tril(s - 5)
     assert torch.equal(decode_attention(Attn(), q2, k, v, m2)[0], sdpa_attention_forward(Attn(), q2, k, v, m2)[0])
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_the_graph_decoder_keeps_sliding_windows_and_logit_softcapping(tiny_model, family):
+    """The CUDA-graph decoder's masks are used as given by transformers for every layer, so it narrows them on
+    sliding-window layers itself, and runs Gemma 2's capped scores (eager in transformers) on them: its tokens and
+    log-probs are transformers' own (its attention and masks, the eager loop), for left-padded prompts longer than
+    the window, and for a request that joins the running batch."""
+    import copy
+
+    from engine.modeling import eos_token_ids, load_tokenizer
+    from engine.rollout.cuda_graphs import GraphDecoder
+    from engine.rollout.generation import Feed, GenRequest, Generator
+    from windowed_models import WINDOW, windowed_model
+
+    tok = load_tokenizer(tiny_model)
+    model = windowed_model(family, len(tok))
+    reference = copy.deepcopy(model)  # transformers' own attention: sdpa (Mistral) or eager (Gemma 2)
+    assert reference.config._attn_implementation == ("sdpa" if family == "mistral" else "eager")
+    eos = eos_token_ids(tiny_model, tok)
+    eager = Generator(reference, tok, eos)
+    eager.on_gpu = True  # the device sampler, on the CPU
+    graphed = Generator(model, tok, eos)
+    graphed.on_gpu = True
+    graphed.graphs = GraphDecoder(model, graphed._cache_kw, capture=False)
+    assert graphed.graphs.folded_gqa  # switched to the decoder's attention
+
+    def req(rid, q, n, seed):
+        ids = tok(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        return GenRequest(rid=rid, input_ids=ids, max_new_tokens=n, seed=seed, ignore_eos=True)
+
+    reqs = [req(f"r{i}", q, 20, 100 + i) for i, q in enumerate(("57+38=", "3+4=", "120-99=+7"))]
+    assert min(len(r.input_ids) for r in reqs) > WINDOW  # the window binds from the prompt on
+    a, b = eager.generate(reqs), graphed.generate(reqs)
+    for x, y in zip(a, b):
+        assert x.output_ids == y.output_ids
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+        seq = x.input_ids + x.output_ids  # teacher-forced through transformers' own model, one row
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(torch.tensor([seq])).logits[0].float(), -1)
+        direct = logp[len(x.input_ids) - 1:-1].gather(-1, torch.tensor(x.output_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(y.logprobs), direct, atol=1e-4)
+    # a request that joins the running batch (its prompt prefilled apart, its K/V copied to later slots)
+    late = req("late", "8+9=", 12, 7)
+    alone = eager.generate([late])[0]
+    feed, joined = Feed(), {}
+    feed.put([late])
+    graphed.generate(reqs, feed=feed, deliver=lambda q, r: joined.setdefault(q.rid, r))
+    assert graphed.graphs.joined_rows == 1
+    assert joined["late"].output_ids == alone.output_ids
+    assert torch.allclose(torch.tensor(joined["late"].logprobs), torch.tensor(alone.logprobs), atol=1e-4)
+
+
+def test_window_mask_narrows_each_query_to_its_last_w_slots():
+    from engine.rollout.cuda_graphs import window_mask
+
+    valid = torch.zeros(2, 1, 1, 12, dtype=torch.bool)
+    valid[0, 0, 0, 2:10] = True  # a decode step at slot 9 (a row whose prompt starts at slot 2)
+    valid[1, 0, 0, 5:8] = True  # a joined row whose own slot is 7, shorter than the window
+    got = window_mask(valid, 4)
+    assert got[0, 0, 0].nonzero().flatten().tolist() == [6, 7, 8, 9]
+    assert torch.equal(got[1], valid[1])
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]  # a prefill: query a sees b in (a − 3, a]
+    assert torch.equal(window_mask(causal, 3)[0, 0], torch.ones(5, 5, dtype=torch.bool).tril() &
+                       torch.ones(5, 5, dtype=torch.bool).triu(-2))
+    assert torch.equal(window_mask(window_mask(causal, 3), 3), window_mask(causal, 3))  # a windowed mask: unchanged
+    with pytest.raises(TypeError, match="bool mask"):
+        window_mask(torch.zeros(1, 1, 1, 4), 2)
+
+
+def test_decode_attention_refuses_an_argument_it_does_not_implement():
+    from engine.rollout.cuda_graphs import decode_attention
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups = 1
+
+    q = k = v = torch.randn(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match=r"\['s_aux'\].*--sglang-disable-cuda-graph"):
+        decode_attention(Attn(), q, k, v, None, s_aux=torch.zeros(2))
+    decode_attention(Attn(), q, k, v, None, position_ids=torch.arange(3)[None], use_cache=True)  # harmless ones

@@ -23,8 +23,10 @@ gpu_engine_decode.md). Here a batch runs in four parts:
 Graph sets are keyed by (rows bucket, cache length bucket, the batch's filter shape): rows round up to a power of
 two (padding rows decode alongside and are dropped), the cache length to a multiple of 256; the two most recent
 shapes are kept, and all are dropped when the weights move (a release of GPU memory re-allocates them). The model
-is driven through its ordinary forward with a 4D mask (transformers uses a 4D mask as given) and a cache object
-whose `update` writes at the step's slot, so no transformers internals are patched.
+is driven through its ordinary forward with a 4D mask (transformers uses a 4D mask as given, for every layer) and a
+cache object whose `update` writes at the step's slot, so no transformers internals are patched; the attention
+function it registers (`decode_attention`) narrows that mask on sliding-window layers and applies Gemma 2's logit
+softcapping, which transformers would have done on masks of its own.
 
 Same draws as the eager path: the uniforms are a function of (row seed, step) only and the filters are the same
 code, so a row's tokens depend on the logits alone; the logits differ from the eager path's by float rounding
@@ -61,21 +63,46 @@ except Exception:  # pragma: no cover - transformers without cache_utils
     _CacheBase = object
 
 
-#: the attention implementation the decoder switches an sdpa model to (registered with transformers)
+#: the attention implementation the decoder switches an sdpa model to (registered with transformers), and an eager
+#: one (Gemma 2: transformers runs it eagerly, having no sdpa for it, and checks any name with "sdpa" in it)
 DECODE_ATTENTION = "rollflow_decode_sdpa"
+DECODE_ATTENTION_EAGER = "rollflow_decode_eager"
+#: what transformers' attention layers pass to the attention function that changes nothing in it
+PLAIN_KWARGS = frozenset({"use_cache", "position_ids", "cache_position", "output_attentions", "is_causal"})
 
 
 def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, softcap: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, except one query token under grouped-query attention: the query's heads are
     folded onto their key/value head ([B, H, 1, D] → [B, H_kv, H/H_kv, D]), so SDPA reads each K/V head once
     instead of a copy repeated H/H_kv times. Under a mask, transformers repeats K/V (the memory-efficient kernel
     takes no `enable_gqa`); at 512 rows × 1,280 slots that copy is ~56 GB of traffic a step on a 0.5B Qwen2 (14
-    query heads on 2 K/V heads). The mask [B, 1, 1, S] broadcasts over the folded heads; the maths is unchanged."""
+    query heads on 2 K/V heads). The mask [B, 1, 1, S] broadcasts over the folded heads; the maths is unchanged.
+
+    transformers uses the decoder's 4D masks as given, for every layer, so two things of its own masks are done here:
+    a sliding-window layer (`sliding_window` W: Mistral, Gemma 2, Qwen2 with use_sliding_window) narrows the mask to
+    the W slots up to each query's own (`window_mask`), and attention-logit softcapping (`softcap`, Gemma 2, whose
+    transformers attention is eager) runs as transformers' eager attention does, on the bool mask. An argument that
+    would change the maths in a way this function does not know is refused, naming it."""
+    other = sorted(k for k, v in kwargs.items() if v is not None and k not in PLAIN_KWARGS)
+    if other:
+        raise NotImplementedError(f"the built-in engine's CUDA-graph decoder does not implement {type(module).__name__}"
+                                  f"'s attention arguments {other}; run the engine with --sglang-disable-cuda-graph "
+                                  "(transformers' own attention, eager decoding)")
+    if sliding_window and attention_mask is not None and attention_mask.shape[-1] > sliding_window:
+        attention_mask = window_mask(attention_mask, sliding_window)
+    if softcap is not None:
+        from engine.train.attention import masked_rows_attention
+
+        if attention_mask is None:  # transformers left the mask out: causal, the queries the last Q keys
+            q_len, k_len = query.shape[2], key.shape[2]
+            attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+        out = masked_rows_attention(query, key, value, attention_mask, scaling, dropout, softcap)
+        return out.transpose(1, 2).contiguous(), None
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups <= 1 or kwargs.get("position_bias") is not None or \
-            (attention_mask is not None and attention_mask.shape[1] != 1):
+    if query.shape[2] != 1 or groups <= 1 or (attention_mask is not None and attention_mask.shape[1] != 1):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -87,18 +114,32 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.reshape(b, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A bool mask [B, 1, Q, K] narrowed to a sliding window: each query sees only keys in slots (its own − W, its
+    own]. Its own slot is its last visible key: true of the decoder's masks (a row's slots hold its tokens in order,
+    the step's own slot the last one marked valid; a prefill's mask is causal) and of transformers' causal masks,
+    which already carry the window (narrowing them again changes nothing). A query that sees nothing stays so."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"window_mask: a bool mask (True = attend) expected, got {mask.dtype}")
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    own = torch.where(mask, slots, -1).amax(-1, keepdim=True)  # [B, 1, Q, 1]
+    return mask & (slots > own - window)
+
+
 def use_decode_attention(model) -> bool:
-    """Switch an sdpa model to `decode_attention` (same results, no K/V copies in decode); False when the model
-    runs another implementation (left as it is)."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    """Switch an sdpa or eager model to `decode_attention` (the same results; no K/V copies in decode; windows and
+    softcapping on the decoder's masks); False when the model runs another implementation (left as it is)."""
+    name = {"sdpa": DECODE_ATTENTION, "eager": DECODE_ATTENTION_EAGER}.get(
+        getattr(model.config, "_attn_implementation", None))
+    if name is None:
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # 2D masks (the eager path) become sdpa's masks
-    model.set_attn_implementation(DECODE_ATTENTION)
-    return model.config._attn_implementation == DECODE_ATTENTION
+    AttentionInterface.register(name, decode_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)  # 2D masks (the eager path) become sdpa's bool masks
+    model.set_attn_implementation(name)
+    return model.config._attn_implementation == name
 
 
 class SlotCache(_CacheBase):
@@ -147,10 +188,16 @@ class GraphDecoder:
         """capture=False runs the same steps eagerly over the same cache (the CPU tests of this logic); compile:
         the decode step's model call goes through torch.compile first (fused kernels inside the graph; SGLang's
         --enable-torch-compile), compiled once per batch shape; fold_gqa: switch an sdpa model to
-        `decode_attention` (False: the benchmark's before/after)."""
+        `decode_attention` (False: the benchmark's before/after, only for a model without sliding-window layers or
+        softcapping, whose masks transformers' sdpa takes as they are)."""
         cfg = model.config
         self.model, self.cache_kw, self.capture = model, cache_kw, capture
         self.folded_gqa = use_decode_attention(model) if fold_gqa else False
+        if fold_gqa and not self.folded_gqa:
+            raise NotImplementedError(
+                f"the built-in engine's CUDA-graph decoder drives transformers' sdpa or eager attention; "
+                f"{type(model).__name__} runs {getattr(cfg, '_attn_implementation', None)!r}: run the engine with "
+                "--sglang-disable-cuda-graph")
         self.step_model = torch.compile(model, dynamic=False) if compile else model
         self.layers = int(cfg.num_hidden_layers)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)

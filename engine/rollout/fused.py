@@ -4,7 +4,8 @@ A decode step of a small model at a small batch is bound by how many kernels it 
 move: at 64 rows the 0.5B Qwen2's step is ~1,000 kernels of a few microseconds each (bench/results/
 gpu_engine_profile.md). transformers' RMSNorm alone is eight of them (cast to fp32, square, mean, add ε, rsqrt,
 multiply, cast back, times the weight), 49 times a step. `fuse_rms_norms` gives each RMSNorm module torch's fused
-`F.rms_norm` instead (one kernel, or three with `exact`); the engine does so on CUDA (engine/rollout/generation.py):
+`F.rms_norm` instead (one kernel, or three with `exact`); the engine does so on CUDA (engine/rollout/generation.py),
+for each module whose own forward gives the same on a probe (Gemma's x̂ · (1 + w) keeps transformers' forward):
 
 - `exact=True`: `F.rms_norm(x.float()).to(dtype) * weight` — transformers' own order of roundings (normalise in
   fp32, round to the model's dtype, multiply by the weight in it);
@@ -47,13 +48,32 @@ def fuse_rms_norms(model, exact: bool = False) -> int:
     def fused(self, x):
         return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self._rf_eps)
 
-    n = 0
+    n, other = 0, set()
     for m in model.modules():
         if _is_rms_norm(m) and getattr(m.weight, "ndim", 0) == 1:
             m._rf_eps = float(getattr(m, "variance_epsilon", None) or getattr(m, "eps"))
-            m.forward = types.MethodType(fused_exact if exact else fused, m)
+            fn = fused_exact if exact else fused
+            if not _computes_the_same(m, fn):
+                other.add(type(m).__name__)
+                continue
+            m.forward = types.MethodType(fn, m)
             n += 1
+    if other:
+        log.info("RMSNorm modules left to transformers (their formula is not x̂ · w, e.g. Gemma's x̂ · (1 + w)): %s",
+                 ", ".join(sorted(other)))
     return n
+
+
+def _computes_the_same(m, fn) -> bool:
+    """Whether `fn` gives what the module's class gives, on 8 random rows in the module's dtype and device (within a
+    bf16 rounding): an RMSNorm of another formula (Gemma's x̂ · (1 + w), a bias) keeps transformers' forward."""
+    import torch
+
+    w = m.weight
+    x = torch.randn(8, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        want, got = type(m).forward(m, x).float(), fn(m, x).float()
+    return bool(torch.allclose(got, want, rtol=2 ** -6, atol=1e-3))
 
 
 _ROPE_KERNEL = None
