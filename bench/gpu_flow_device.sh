@@ -5,7 +5,7 @@
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
-#          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-windowed-2
+#          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -201,12 +201,17 @@ PY
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 12 --out "$OUT" --timeout 480 &
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 12 --out "$OUT" --timeout 500
       wait; grep -E "sliding|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
-    s35-windowed-2)  # the same after the fixes its first run found (Gemma's RMSNorm, the tests' eager reference):
-                     # the CPU-side tests, then the GPU tests of the engine and of the windowed models
+    s35-families)  # after the fixes s35-windowed found (Gemma's RMSNorm, the tests' eager reference): the CPU-side
+                   # tests in the device's torch and transformers, then every GPU test (the seven model families of
+                   # tests/model_families.py among them)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_forward.py \
-        tests/test_fused_norm.py --timeout 280 > "$OUT/pytest_cpu_side.txt" 2>&1; tail -n 3 "$OUT/pytest_cpu_side.txt"
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py -k "sliding or engine_on_cuda" \
-        --timeout 380 > "$OUT/pytest_gpu.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
+        tests/test_fused_norm.py tests/test_continuous_batching.py --timeout 280 > "$OUT/pytest_cpu_side.txt" 2>&1
+      tail -n 3 "$OUT/pytest_cpu_side.txt"
+      timeout 500 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py tests/test_megatron_backend.py \
+        --timeout 480 > "$OUT/pytest_gpu.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
+    s35-families-2)  # after the capture error that names --sglang-disable-cuda-graph: the families' GPU tests
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py -k "families or engine_on_cuda" \
+        --timeout 280 > "$OUT/pytest_gpu.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
     *) echo "unknown step $step" ;;
   esac
 done

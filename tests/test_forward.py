@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from train_fakes import fake_samples, pack
 
 from engine.train.forward import packed_forward, use_varlen_attention
+from model_families import FAMILIES
 
 LENGTHS = [(5, 1), (9, 14), (3, 2), (12, 7), (2, 20), (7, 3)]  # (prompt, response) tokens
 
@@ -35,28 +37,22 @@ def llama():
     return ref, packed
 
 
-def _windowed(family: str):
-    """A Mistral (sliding windows) or Gemma 2 (windows on every other layer, attention-logit softcapping) next to
-    its packed copy; transformers' reference runs its own masks and attention (Gemma 2: eager, the only one it runs
-    it with)."""
-    from windowed_models import windowed_model
+@functools.lru_cache(maxsize=None)
+def family_pair(family: str):
+    """A model of another family (tests/model_families.py: sliding windows, softcapping, Gemma's norms, q/k norms,
+    a fused qkv projection, experts, Llama 3's RoPE) next to its packed copy; transformers' reference runs its own
+    masks and attention (Gemma 2: eager, the only one it defines it by)."""
+    from model_families import random_model
 
-    ref = windowed_model(family, 259)
+    ref = random_model(family, 259)
     packed = copy.deepcopy(ref)
     use_varlen_attention(packed)
     return ref, packed
 
 
-@pytest.fixture(scope="module")
-def mistral():
-    return _windowed("mistral")
-
-
-@pytest.fixture(scope="module")
-def gemma2():
-    ref, packed = _windowed("gemma2")
-    assert ref.config.layer_types == ["sliding_attention", "full_attention"]
-    return ref, packed
+def models(request, family: str):
+    """(reference, packed copy) of the bundled Qwen2 or the Llama fixture, or of a family of model_families."""
+    return request.getfixturevalue(family) if family in ("qwen2", "llama") else family_pair(family)
 
 
 @pytest.fixture(params=["padded", "per-sample"])
@@ -88,9 +84,9 @@ def per_sample_reference(model, mb, temperature=1.0):
     return lp * mb.loss_mask, ent * mb.loss_mask
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ("qwen2", "llama") + FAMILIES)
 def test_packed_equals_per_sample_forward(family, request, path):
-    ref, packed = request.getfixturevalue(family)
+    ref, packed = models(request, family)
     samples = fake_samples(LENGTHS, n=2, seed=1)
     (mb,) = pack(samples, [list(range(len(samples)))])
     with torch.no_grad():
@@ -102,9 +98,9 @@ def test_packed_equals_per_sample_forward(family, request, path):
     assert float((lp * (1 - mb.loss_mask)).abs().max()) == 0.0  # untrained entries are 0
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ("llama",) + FAMILIES)
 def test_packed_gradients_equal_per_sample_gradients(family, request, path):
-    ref, packed = request.getfixturevalue(family)
+    ref, packed = models(request, family)
     samples = fake_samples(LENGTHS[:4], n=2, seed=2)
     (mb,) = pack(samples, [[0, 1, 2, 3]])
     packed.zero_grad()
@@ -165,11 +161,11 @@ def grpo_samples(seed: int, prompts=((6, (1, 5, 3, 8)), (4, (2, 7)), (9, (4,))))
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ("qwen2", "llama") + FAMILIES)
 def test_shared_prompts_give_the_per_sample_log_probs(family, request):
     from engine.train.forward import shared_layout
 
-    ref, packed = request.getfixturevalue(family)
+    ref, packed = models(request, family)
     samples = grpo_samples(seed=7)
     (mb,) = pack(samples, [[4, 0, 1, 6, 2, 3, 5]])  # group members need not be adjacent
     keep = (mb.loss_mask > 0).nonzero().squeeze(-1)
@@ -188,9 +184,9 @@ def test_shared_prompts_give_the_per_sample_log_probs(family, request):
     assert (lp[mb.loss_mask > 0] < 0).all() and float((lp * (1 - mb.loss_mask)).abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ("llama",) + FAMILIES)
 def test_shared_prompts_give_the_per_sample_gradients(family, request):
-    ref, packed = request.getfixturevalue(family)
+    ref, packed = models(request, family)
     samples = grpo_samples(seed=8)
     (mb,) = pack(samples, [list(range(len(samples)))])
     w = torch.randn(mb.num_tokens, generator=torch.Generator().manual_seed(0))  # a loss that weighs every token

@@ -62,9 +62,9 @@ def test_fused_rotary_leaves_cpu_and_autograd_calls_to_transformers():
 def test_an_rms_norm_of_another_formula_keeps_its_own_forward():
     """Gemma's RMSNorm multiplies by (1 + w), not w (its weights start at 0): fusing it as x̂ · w would zero every
     hidden state (found on an H100: a Gemma 2 engine's log-probs were log(1/V), every token alike)."""
-    from windowed_models import windowed_model
+    from model_families import random_model
 
-    model = windowed_model("gemma2", 259)
+    model = random_model("gemma2", 259)
     ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(input_ids=ids).logits

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_families import FAMILIES
 
 from engine.rollout.sampling import BLOCK, counter_uniform, draw, sample_tokens, splitmix64
 
@@ -279,7 +280,7 @@ def test_decode_attention_folds_query_heads_onto_their_kv_head_with_the_same_res
     assert torch.equal(decode_attention(Attn(), q2, k, v, m2)[0], sdpa_attention_forward(Attn(), q2, k, v, m2)[0])
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_graph_decoder_keeps_sliding_windows_and_logit_softcapping(tiny_model, family):
     """The CUDA-graph decoder's masks are used as given by transformers for every layer, so it narrows them on
     sliding-window layers itself, and runs Gemma 2's capped scores (eager in transformers) on them: its tokens and
@@ -290,12 +291,12 @@ def test_the_graph_decoder_keeps_sliding_windows_and_logit_softcapping(tiny_mode
     from engine.modeling import eos_token_ids, load_tokenizer
     from engine.rollout.cuda_graphs import GraphDecoder
     from engine.rollout.generation import Feed, GenRequest, Generator
-    from windowed_models import WINDOW, windowed_model
+    from model_families import WINDOW, random_model
 
     tok = load_tokenizer(tiny_model)
-    model = windowed_model(family, len(tok))
-    reference = copy.deepcopy(model)  # transformers' own attention: sdpa (Mistral) or eager (Gemma 2)
-    assert reference.config._attn_implementation == ("sdpa" if family == "mistral" else "eager")
+    model = random_model(family, len(tok))
+    reference = copy.deepcopy(model)  # transformers' own attention: sdpa, or eager (Gemma 2)
+    assert reference.config._attn_implementation == ("eager" if family == "gemma2" else "sdpa")
     eos = eos_token_ids(tiny_model, tok)
     eager = Generator(reference, tok, eos)
     eager.on_gpu = True  # the device sampler, on the CPU

@@ -67,8 +67,10 @@ except Exception:  # pragma: no cover - transformers without cache_utils
 #: one (Gemma 2: transformers runs it eagerly, having no sdpa for it, and checks any name with "sdpa" in it)
 DECODE_ATTENTION = "rollflow_decode_sdpa"
 DECODE_ATTENTION_EAGER = "rollflow_decode_eager"
-#: what transformers' attention layers pass to the attention function that changes nothing in it
-PLAIN_KWARGS = frozenset({"use_cache", "position_ids", "cache_position", "output_attentions", "is_causal"})
+#: what transformers' attention layers pass to the attention function that changes nothing in it (the model's
+#: forward flags travel down with them: Qwen3-MoE's output_router_logits)
+PLAIN_KWARGS = frozenset({"use_cache", "position_ids", "cache_position", "is_causal", "return_dict",
+                          "output_attentions", "output_hidden_states", "output_router_logits"})
 
 
 def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -299,8 +301,14 @@ class GraphDecoder:
             torch.cuda.current_stream(dev).wait_stream(side)
             g.slot.fill_(span - 1)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=g.pool), torch.no_grad():
-                self._step(g, flt, span)
+            try:
+                with torch.cuda.graph(graph, pool=g.pool), torch.no_grad():
+                    self._step(g, flt, span)
+            except RuntimeError as e:  # a forward that syncs with the host (SGLang stops the same way)
+                raise RuntimeError(
+                    f"the built-in engine could not capture {type(self.model).__name__}'s decode step in a CUDA graph "
+                    f"({self.dtype}, {rows} rows): {str(e).splitlines()[0]}; run the engine with "
+                    "--sglang-disable-cuda-graph (eager decoding)") from e
             g.graphs[span] = graph
             self.captures += 1
         self.graphs[key] = g
