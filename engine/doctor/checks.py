@@ -474,6 +474,29 @@ def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
                       facts={"field": "model_impl", "value": "native", "reason": why})]
 
 
+@check("MODEL")
+def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
+    """--train-backend megatron: its mapping (engine/train/megatron_mapping.py) builds the model of --hf-checkpoint:
+    Qwen2, Qwen3, Llama, without sliding-window layers. Found here, not at the train workers' model build, after Ray
+    and the engines have started."""
+    from engine.modeling import read_model_json
+
+    if cfg.train_backend != "megatron":
+        return []
+    hf = read_model_json(cfg.model_dir, "config.json")
+    if hf is None:
+        return []  # model_dir_usable reports a missing config.json
+    why = _megatron_shape(hf)
+    if not why.startswith("not mappable: "):
+        return []
+    why = why.removeprefix("not mappable: ")
+    return [Diagnosis(code="MODEL", severity="error",
+                      what=f"--train-backend megatron cannot build {cfg.model_dir}: {why}",
+                      fix="--train-backend torch (transformers' classes: any causal LM), or a model the Megatron "
+                          "mapping covers (Qwen2, Qwen3, Llama)",
+                      facts={"field": "train_backend", "value": "megatron", "reason": why})]
+
+
 @check("RF10")
 def model_has_stop(cfg, env: Environment) -> list[Diagnosis]:
     from engine.modeling import read_model_json
