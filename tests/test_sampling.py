@@ -320,6 +320,14 @@ def test_the_graph_decoder_keeps_sliding_windows_and_logit_softcapping(tiny_mode
             logp = torch.log_softmax(reference(torch.tensor([seq])).logits[0].float(), -1)
         direct = logp[len(x.input_ids) - 1:-1].gather(-1, torch.tensor(x.output_ids)[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(y.logprobs), direct, atol=1e-4)
+    # a batch that asks for prompt log-probs runs the eager loop on the decoder's attention (transformers' masks;
+    # two prompt lengths: the shorter one's padding queries see no key, and must not turn into NaN)
+    scored = [GenRequest(rid=f"p{i}", input_ids=r.input_ids, max_new_tokens=4, seed=3, logprob_start_len=0)
+              for i, r in enumerate(reqs[1:])]
+    for x, y, r in zip(eager.generate(scored), graphed.generate(scored), scored):
+        assert x.output_ids == y.output_ids and len(y.input_logprobs) == len(r.input_ids)
+        assert torch.allclose(torch.tensor(x.input_logprobs[1:]), torch.tensor(y.input_logprobs[1:]), atol=1e-4)
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
     # a request that joins the running batch (its prompt prefilled apart, its K/V copied to later slots)
     late = req("late", "8+9=", 12, 7)
     alone = eager.generate([late])[0]
