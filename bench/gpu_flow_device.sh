@@ -5,7 +5,7 @@
 #          | parallel
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
-#          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2
+#          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -212,6 +212,11 @@ PY
     s35-families-2)  # after the capture error that names --sglang-disable-cuda-graph: the families' GPU tests
       timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py -k "families or engine_on_cuda" \
         --timeout 280 > "$OUT/pytest_gpu.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
+    s35-flash-window)  # the flash kernel's own sliding window in training (bf16): its unit test against the masked
+                       # fp32 reference, the model families, the other flash and Megatron GPU tests
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py tests/test_megatron_backend.py \
+        -k "flash or families or gpu_megatron or engine_on_cuda" --timeout 380 > "$OUT/pytest_gpu.txt" 2>&1
+      grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
     *) echo "unknown step $step" ;;
   esac
 done

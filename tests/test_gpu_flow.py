@@ -85,6 +85,42 @@ def test_flash_varlen_in_bf16_keeps_samples_apart(tiny_model):
     assert torch.equal(lp16[0][first], lp16b[0][first])
 
 
+@pytest.mark.parametrize("window", [None, 1, 8])
+def test_flash_varlen_sliding_window_equals_the_masked_reference(window):
+    """The flash kernel's own window (left W − 1, right 0) is transformers' sliding window (a token sees itself and
+    the W − 1 before it): output and gradients equal an fp32 SDPA under the explicit band mask, samples apart."""
+    from engine.train.attention import FLASH, causal_band, packed_causal_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = [5, 37, 64, 12]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    T, a, kv, d = sum(lens), 8, 2, 64
+    # inputs that bf16 holds exactly, so that the reference differs by the kernel's own roundings only
+    q, k, v = (torch.randn(T, h, d, generator=g, device="cuda").bfloat16().float() for h in (a, kv, kv))
+    w = torch.randn(T, a, d, generator=g, device="cuda")
+    outs, grads = [], []
+    for dtype in (torch.bfloat16, torch.float32):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        if dtype == torch.bfloat16:
+            out = packed_causal_attention(*x, cu, max(lens), 0.125, window)
+        else:  # the reference: per sample, kv heads repeated, the band as a mask
+            parts = []
+            for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                qi, ki, vi = (t[s:e].transpose(0, 1) for t in x)
+                ki, vi = ki.repeat_interleave(a // kv, 0), vi.repeat_interleave(a // kv, 0)
+                mask = causal_band(e - s, window, qi.device)
+                parts.append(torch.nn.functional.scaled_dot_product_attention(
+                    qi[None], ki[None], vi[None], attn_mask=mask, scale=0.125)[0].transpose(0, 1))
+            out = torch.cat(parts)
+        (out.float() * w).sum().backward()
+        outs.append(out.float())
+        grads.append([t.grad.float() for t in x])
+    assert FLASH["error"] is None
+    assert float((outs[0] - outs[1]).abs().max()) < 0.02  # bf16 rounding (an off-by-one window: ~0.3)
+    for g16, g32 in zip(*grads):
+        assert float((g16 - g32).abs().max()) < 0.06 * max(1.0, float(g32.abs().max()))
+
+
 def test_bf16_recompute_and_offload_on_cuda(tiny_model):
     mbs = _mbs(_samples())
     plain = _backend(tiny_model, "cuda", bf16=True)

@@ -21,20 +21,22 @@ import torch.nn.functional as F
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, scale: float | None = None) -> torch.Tensor:
-    """q [T, a, d], k/v [T, g, d] (g divides a), cu_seqlens [S+1] int32 → out [T, a, d], causal per sample."""
+                            max_seqlen: int, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """q [T, a, d], k/v [T, g, d] (g divides a), cu_seqlens [S+1] int32 → out [T, a, d], causal per sample; with
+    `window` W a sliding window: each token sees itself and the W − 1 before it (transformers' sliding_window),
+    in the flash kernel by its own window (left W − 1, right 0)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         if FLASH["gqa_in_place"]:
             try:
-                return _FlashVarlen.apply(q, k, v, cu, int(max_seqlen), scale)
+                return _FlashVarlen.apply(q, k, v, cu, int(max_seqlen), scale, window)
             except RuntimeError as e:  # a torch whose flash kernel wants as many kv heads as q heads
                 FLASH["gqa_in_place"], FLASH["error"] = False, str(e)[:200]
         rep = q.shape[1] // k.shape[1]
         return _FlashVarlen.apply(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu,
-                                  int(max_seqlen), scale)
-    return per_sample_attention(q, k, v, cu_seqlens, scale)
+                                  int(max_seqlen), scale, window)
+    return per_sample_attention(q, k, v, cu_seqlens, scale, window)
 
 
 #: Which flash path this process uses (reported by the GPU benchmark).
@@ -42,8 +44,9 @@ FLASH: dict = {"gqa_in_place": True, "error": None}
 
 
 def per_sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """Reference path: one causal SDPA call per sample (kv heads repeated as HF's repeat_kv)."""
+                         scale: float, window: int | None = None) -> torch.Tensor:
+    """Reference path: one causal SDPA call per sample (kv heads repeated as HF's repeat_kv), `window` as in
+    packed_causal_attention (an explicit mask)."""
     rep = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()
     outs = []
@@ -51,7 +54,9 @@ def per_sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         qi = q[a:b].transpose(0, 1)  # [a, L, d]
         ki = k[a:b].transpose(0, 1).repeat_interleave(rep, dim=0)  # [a, L, d]
         vi = v[a:b].transpose(0, 1).repeat_interleave(rep, dim=0)  # [a, L, d]
-        oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, scale=scale)[0]
+        mask = causal_band(b - a, window, q.device) if window and b - a > window else None
+        oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=mask, is_causal=mask is None,
+                                            scale=scale)[0]
         outs.append(oi.transpose(0, 1))  # [L, a, d]
     return torch.cat(outs, dim=0)
 
@@ -60,10 +65,11 @@ class _FlashVarlen(torch.autograd.Function):
     """aten's flash-attention varlen forward/backward (stable schema since torch 2.2; GQA native)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_seqlen, scale):
+    def forward(ctx, q, k, v, cu, max_seqlen, scale, window=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        ctx.sides = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale, **ctx.sides)
         ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
         ctx.max_seqlen, ctx.scale = max_seqlen, scale
         return out
@@ -73,8 +79,8 @@ class _FlashVarlen(torch.autograd.Function):
         q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, rng, unused,
-            scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+            scale=ctx.scale, **ctx.sides)
+        return dq, dk, dv, None, None, None, None
 
 
 def causal_band(length: int, window: int | None, device: torch.device) -> torch.Tensor:

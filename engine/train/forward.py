@@ -11,8 +11,8 @@ attention silently crosses samples (measured: logits off by 10 on the bundled mo
 On CUDA in bf16/fp16 the row is one flash-attention varlen kernel (engine/train/attention.py). Elsewhere the
 samples of similar length become padded rows and one SDPA call (`padded_is_cheaper`); a row of very different
 lengths keeps one SDPA call per sample, whose cost stays Σ L_i². Sliding-window layers (where a sample is longer
-than the window) and attention-logit softcapping (Gemma 2) take the same two CPU layouts with an explicit mask,
-on CUDA too (`masked_rows_attention`).
+than the window) take the flash kernel's own window on CUDA in bf16/fp16, else the same two layouts with an explicit
+mask; attention-logit softcapping (Gemma 2) always takes the explicit mask and scores (`masked_rows_attention`).
 
 Logits are computed only where a trained token is predicted (loss_mask > 0): entry t (token t given the
 sample's tokens before it) comes from the hidden state at t − 1, via transformers' `logits_to_keep`. Entries
@@ -50,8 +50,8 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Causal attention within each packed sample. query [1, H, T, D], key/value [1, Hkv, T, D] → [1, T, H, D].
     A sliding-window layer (`sliding_window` W: a token sees itself and the W − 1 before it, as transformers'
-    masks) and attention-logit softcapping (`softcap`, Gemma 2) take `masked_rows_attention`; a window longer than
-    every sample changes nothing and is left out."""
+    masks) takes the flash kernel's window on CUDA, else `masked_rows_attention`, as softcapping (`softcap`, Gemma
+    2) always does; a window longer than every sample changes nothing and is left out."""
     softcap = kwargs.get("softcap")
     shared = kwargs.get("rollflow_shared")
     if shared is not None:  # a micro-batch laid out with shared prompts (shared_layout)
@@ -61,11 +61,11 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     max_len = kwargs.get("max_length_q") or int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
     window = sliding_window if sliding_window and max_len > sliding_window else None
     plain = window is None and softcap is None
-    if plain and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):  # one varlen flash kernel
-        from engine.train.attention import packed_causal_attention
+    if softcap is None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):  # one flash kernel
+        from engine.train.attention import packed_causal_attention  # (a window: the kernel's own)
 
         out = packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                      cu_seq_lens_q, max_len, scaling)  # [T, H, D]
+                                      cu_seq_lens_q, max_len, scaling, window)  # [T, H, D]
         return out[None], None
     lens_t = cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]
     lens = lens_t.tolist()
