@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from engine.rollout.sampling import counter_uniform, draw
+from engine.train.attention import masked_rows_attention
 
 #: cache lengths are rounded up to a multiple of this (fewer graphs; the masked tail costs little)
 LEN_BUCKET = 256
@@ -96,8 +97,6 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if sliding_window and attention_mask is not None and attention_mask.shape[-1] > sliding_window:
         attention_mask = window_mask(attention_mask, sliding_window)
     if softcap is not None:
-        from engine.train.attention import masked_rows_attention
-
         if attention_mask is None:  # transformers left the mask out: causal, the queries the last Q keys
             q_len, k_len = query.shape[2], key.shape[2]
             attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
