@@ -66,6 +66,38 @@ def test_the_same_flags_where_they_act_are_accepted():
     assert parse_args(["--keep-last-n", "2", "--save", "ck"]).keep_last_n == 2
 
 
+@pytest.mark.parametrize("args, what", [
+    (["--tis-clip", "2.0"], "--tis-clip 2.0 without --use-tis"),
+    (["--mis-low", "0.5"], "--mis-low 0.5 without --use-mis"),
+    (["--value-clip", "0.2"], "--value-clip 0.2: only --advantage-estimator ppo"),
+    (["--gamma", "1.0"], "--gamma 1.0 with --advantage-estimator grpo"),
+    (["--use-stateless-adam", "--adam-beta1", "0.9"], "--adam-beta1 0.9 with --use-stateless-adam"),
+    (["--opsm-delta", "1e-4"], "--opsm-delta 0.0001 without --use-opsm"),
+    (["--opd-kl-coef", "1.0"], "--opd-kl-coef without --use-opd"),
+    (["--profile-step-start", "10"], "--profile-step-start without --use-pytorch-profiler"),
+])
+def test_a_flag_typed_at_its_default_value_where_it_does_nothing_is_an_error(args, what):
+    """A flag on the command line is a setting given, whatever its value: at the default's value it still does
+    nothing without its switch."""
+    with pytest.raises(ConfigError) as e:
+        parse_args(args)
+    assert what in str(e.value) and "would do nothing" in str(e.value)
+
+
+def test_a_whole_config_dump_reads_back_as_a_yaml_config(tmp_path):
+    """A YAML key at its default's value is not counted as given: the run's config.yaml (--dump-details, MLflow's
+    artifact), every field in it, runs again as --config, and a typed flag at its default still counts."""
+    import yaml
+
+    cfg = parse_args(["--use-tis", "--tis-clip", "1.5", "--num-rollout", "3"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    again = parse_args(["--config", str(path)])
+    assert again.model_dump() == cfg.model_dump()
+    with pytest.raises(ConfigError, match="--mis-low 0.5 without --use-mis"):
+        parse_args(["--config", str(path), "--mis-low", "0.5"])
+
+
 def test_loss_spec_maps_the_estimator_to_its_policy_loss_once():
     cfg = parse_args(["--advantage-estimator", "gspo", "--eps-clip", "3e-4", "--eps-clip-high", "4e-4"])
     spec = LossSpec.of(cfg)

@@ -125,8 +125,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                "--eval-config): there is no evaluation to repeat",
                                "drop --eval-interval, or name eval sets (--eval-prompt-data PATH or --eval-config)",
                                field="eval_interval", value=self.eval_interval)
-        if self.eval_config and self.eval_prompt_data and \
-                self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
+        if self.eval_config and self.eval_prompt_data and self.changed("eval_prompt_data"):
             raise ConfigError(Diagnosis(
                 code="CONFIG", severity="error",
                 what=f"--eval-config {self.eval_config} and --eval-prompt-data {' '.join(self.eval_prompt_data)} "
@@ -658,7 +657,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             needs.append("--colocate (it shares the GPUs with engines)")
         if self.eval_interval is not None:
             needs.append(f"--eval-interval {self.eval_interval} (evaluation generates on the engines)")
-        if self.eval_prompt_data and self.eval_prompt_data != type(self).model_fields["eval_prompt_data"].default:
+        if self.eval_prompt_data and self.changed("eval_prompt_data"):
             needs.append("--eval-prompt-data (evaluation generates on the engines)")
         if self.eval_config:
             needs.append("--eval-config (evaluation generates on the engines)")

@@ -252,7 +252,7 @@ class AlgorithmArgs(Section):
                       "correct", "add --use-kl-loss --kl-loss-coef C, or drop --use-unbiased-kl",
                       field="use_unbiased_kl", value=True)
         self._opd_consistent(err)
-        if self.opsm_delta != 1e-4 and not self.use_opsm:
+        if self.changed("opsm_delta") and not self.use_opsm:
             raise err(f"--opsm-delta {self.opsm_delta} without --use-opsm would do nothing", "add --use-opsm, or "
                       "drop --opsm-delta", field="opsm_delta", value=self.opsm_delta)
         if self.use_opsm and self.loss_type != "policy_loss":
@@ -331,7 +331,7 @@ class AlgorithmArgs(Section):
                                     ("--opd-teacher-url", self.opd_teacher_url),
                                     ("--opd-teacher-api-key", self.opd_teacher_api_key),
                                     ("--opd-teacher-ckpt-step", self.opd_teacher_ckpt_step is not None),
-                                    ("--opd-kl-coef", self.opd_kl_coef != 1.0)) if on]
+                                    ("--opd-kl-coef", self.changed("opd_kl_coef"))) if on]
             if idle:
                 raise err(f"{', '.join(idle)} without --use-opd would do nothing", "add --use-opd, or drop them",
                           field="use_opd", value=False, idle=idle)

@@ -1,4 +1,6 @@
 """Shared pydantic settings for every RunConfig section, and the CONFIG error they raise."""
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -10,10 +12,29 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
     def changed(self, *names: str) -> dict[str, Any]:
-        """{field: value} of those of `names` whose value is not the field's default (a setting given), in order:
-        what a check of settings that would do nothing looks at."""
+        """{field: value} of those of `names` that are given, in order: what a check of settings that would do
+        nothing looks at. Given is a value other than the default, or a flag typed on the command line
+        (`user_input`), also at the default's own value: `--tis-clip 2.0` without `--use-tis` does nothing
+        either."""
         fields = type(self).model_fields
-        return {n: getattr(self, n) for n in names if getattr(self, n) != fields[n].default}
+        named = _USER_GIVEN.get()
+        return {n: getattr(self, n) for n in names
+                if getattr(self, n) != fields[n].default or (n in named and getattr(self, n) is not None)}
+
+
+#: The fields typed on the command line, while their config is made (`user_input`); empty for any other config (a
+#: YAML file or a flow's `cfg` may be a whole dump of a run's config, where every field is present).
+_USER_GIVEN: ContextVar[frozenset[str]] = ContextVar("rollflow_user_given", default=frozenset())
+
+
+@contextmanager
+def user_input(names):
+    """Make a config from the command line inside: `Section.changed` then counts `names` as given."""
+    token = _USER_GIVEN.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _USER_GIVEN.reset(token)
 
 
 def flag(name: str) -> str:

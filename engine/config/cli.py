@@ -2,7 +2,10 @@
 
 Precedence: field defaults < `--config FILE` (YAML) < flags. Every field is a flag named like slime's
 (`--rollout-batch-size`); booleans also get `--no-…`; `--sglang-*` flags are kept verbatim in `sglang_args`.
-Unknown flags and keys are errors that suggest the nearest valid flag.
+Unknown flags and keys are errors that suggest the nearest valid flag. A flag typed on the command line counts as
+given even at its default's value (`--tis-clip 2.0` without `--use-tis` is refused: it would do nothing); a YAML key
+or a flow's `cfg` key only at another value, since either may be a whole dump of a run's config (--dump-details' and
+MLflow's config.yaml, the parameters Prefect stored for a retry).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from engine.config import SECTIONS, RunConfig
-from engine.config.base import flag
+from engine.config.base import flag, user_input
 from engine.diagnosis import ConfigError, Diagnosis
 
 SGLANG_PREFIX = "--sglang-"
@@ -189,9 +192,12 @@ def format_validation_error(err: ValidationError, source: dict[str, Any]) -> Con
     return ConfigError(diags)
 
 
-def make_config(values: dict[str, Any]) -> RunConfig:
+def make_config(values: dict[str, Any], flags_given: Any = ()) -> RunConfig:
+    """{field: value} → RunConfig; `flags_given` (the fields set on the command line) count as given
+    (`Section.changed`) also at their default's value."""
     try:
-        return RunConfig(**values)
+        with user_input(flags_given):
+            return RunConfig(**values)
     except ValidationError as e:
         raise format_validation_error(e, values) from None
 
@@ -209,4 +215,4 @@ def parse_args(argv: list[str], prog: str = "rollflow train") -> RunConfig:
     values.update(cli)
     if sglang:
         values["sglang_args"] = {**values.get("sglang_args", {}), **sglang}
-    return make_config(values)
+    return make_config(values, flags_given=cli)

@@ -133,7 +133,7 @@ class TrackingArgs(Section):
         fields = type(self).model_fields
 
         def changed(names):
-            return [f"--{k.replace('_', '-')}" for k in names if getattr(self, k) != fields[k].default]
+            return [f"--{k.replace('_', '-')}" for k in self.changed(*names)]
 
         for switch, names in (("use_pytorch_profiler", ("profile_step_start", "profile_step_end", "profile_ranks",
                                                         "profile_target")),
