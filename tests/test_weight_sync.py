@@ -472,3 +472,48 @@ def test_the_post_write_hook_runs_on_rank_0_after_a_disk_syncs_files_and_before_
         worker("no_such_function").save_weights(str(tmp_path / "weights" / "v000005"), ["http://e"])
     with pytest.raises(ConfigError, match="--weight-sync-method is tensor: it would never be called"):
         RunConfig(custom_update_weight_post_write_path="m:f")
+
+
+def test_a_mixture_of_experts_is_sent_under_its_checkpoint_names_and_the_engine_takes_them(tiny_model, tmp_path):
+    """transformers 5 fuses a Qwen3-MoE's experts in memory (mlp.experts.gate_up_proj); its files, and SGLang's
+    loaders, name them per expert. The trainer sends the files' names (what save_pretrained writes), the built-in
+    engine copies them into its fused tensors, also from buckets that split a layer's experts, and a sync missing
+    one expert is refused naming the fused tensor."""
+    from safetensors import safe_open
+
+    from engine.config import RunConfig
+    from engine.diagnosis import DiagnosisError
+    from engine.train.torch_backend import TorchBackend
+    from engine.weights.sync import push_tensors
+    from model_families import save_model
+
+    model = save_model(tmp_path / "moe", "qwen3moe", tiny_model)
+    on_disk = set(safe_open(str(Path(model) / "model.safetensors"), "pt").keys())
+    trainer = TorchBackend(RunConfig(hf_checkpoint=model, rollout_temperature=1.0))
+    sent = trainer.engine_state()
+    assert set(sent) == on_disk and "model.layers.0.mlp.experts.3.up_proj.weight" in sent
+    assert "model.layers.0.mlp.experts.gate_up_proj" in trainer.model_state()  # the in-memory layout differs
+
+    state = EngineState(model, threads=1, max_new_tokens=8, api_key=KEY)
+    server = ServerThread(state, "127.0.0.1", _free_port())
+    url = server.start()
+    try:
+        seq = state.tokenize(SEQ_TEXT)
+        _train_a_little(trainer, 3)
+        assert (_engine_logprobs(url, seq)[0] - _trainer_logprobs(trainer, seq)).abs().max() > 1e-2
+        stats = push_tensors([url], trainer.engine_state(), 2, bucket_bytes=4096, timeout_s=60, api_key=KEY)
+        assert stats["buckets"] > 10  # each expert's 8 KiB gate, up or down tensor in a request of its own
+        after, version = _engine_logprobs(url, seq)
+        assert version == "2" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
+        served = dict(state.generator.model.named_parameters())
+        mine = dict(trainer.model.named_parameters())
+        assert torch.equal(served["model.layers.1.mlp.experts.gate_up_proj"],
+                           mine["model.layers.1.mlp.experts.gate_up_proj"])
+
+        partial = {k: v for k, v in trainer.engine_state().items()
+                   if k != "model.layers.1.mlp.experts.2.gate_proj.weight"}
+        with pytest.raises(DiagnosisError, match="served parameters not sent: model.layers.1.mlp.experts.gate_up_proj"):
+            state.update_from_named(partial, "3")
+        assert state.weight_version == "2"
+    finally:
+        server.stop()

@@ -396,9 +396,7 @@ class EngineState:
         from engine.weights import check_names, ipc
 
         model = self.generator.model
-        check_names(model, {m["name"]: tuple(m["shape"]) for b in buckets for m in b.metadata}, full=True)
-        targets = dict(model.named_parameters())
-        targets.update(dict(model.named_buffers()))
+        targets = check_names(model, {m["name"]: tuple(m["shape"]) for b in buckets for m in b.metadata}, full=True)
         copied = 0
         with self.generator.exclusive(), torch.no_grad():
             for b in buckets:

@@ -72,6 +72,10 @@ class TrainBackend(Protocol):
     def model_state(self) -> dict[str, torch.Tensor]:
         """HF-named weights (for weight sync and HF export)."""
 
+    def engine_state(self) -> dict[str, torch.Tensor]:
+        """`model_state` under the names of the model's checkpoint files, as the engines load it (weight sync;
+        engine/weights/layout.py: transformers 5 fuses a mixture of experts in memory, SGLang loads per expert)."""
+
     def save(self, path: str, *, save_optim: bool = True) -> list[str]:
         """Write model/ (and optim/ unless save_optim=False) under `path`; return the files written."""
 

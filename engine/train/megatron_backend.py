@@ -546,6 +546,10 @@ class MegatronBackend:
 
         return gather_hf_state(self.gpt, self.config, self.shape, dst_rank=dst_rank, to_cpu=to_cpu)
 
+    def engine_state(self) -> dict[str, torch.Tensor]:
+        """`model_state`: the mapping already writes the checkpoint's names."""
+        return self.model_state()
+
     @_on_own_stream
     def ipc_export(self, dtype: str, bucket_bytes: int, *, export: bool = True):
         """The HF-named weights as CUDA IPC buckets in the engine's dtype (engine/weights/ipc.py) on an exporting

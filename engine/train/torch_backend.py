@@ -358,12 +358,19 @@ class TorchBackend:
             out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
         return out
 
+    def engine_state(self) -> dict[str, torch.Tensor]:
+        """`model_state` under the checkpoint's names (engine/weights/layout.py): what SGLang and the built-in
+        engine load; the same dict for a model that transformers does not convert."""
+        from engine.weights.layout import checkpoint_state
+
+        return checkpoint_state(self.model, self.model_state())
+
     def ipc_export(self, dtype: str, bucket_bytes: int, *, export: bool = True):
         """The weights as CUDA IPC buckets in the engine's dtype (engine/weights/ipc.py), or None when this rank
         does not `export` (it still joins the gather of sharded weights)."""
         from engine.weights import ipc
 
-        state = self.model_state()
+        state = self.engine_state()
         return ipc.export(state, getattr(torch, dtype), bucket_bytes) if export else None
 
     def save(self, path: str, *, save_optim: bool = True) -> list[str]:

@@ -638,10 +638,11 @@ class TrainWorker:
         local_copy(files, lambda d: self.load_weights(d, ref))
 
     def _state(self) -> dict[str, torch.Tensor]:
-        """The policy's full weights on rank 0 ({} elsewhere); every rank joins when the backend is collective."""
+        """The policy's full weights on rank 0 under the checkpoint's names, as engines load them ({} elsewhere);
+        every rank joins when the backend is collective."""
         self.backend_onload()
         if self.rank == 0 or self.backend.collective:
-            state = self.backend.model_state()
+            state = self.backend.engine_state()
             return state if self.rank == 0 else {}
         return {}
 

@@ -151,27 +151,35 @@ def numpy_state(state_dict: dict[str, torch.Tensor]) -> HostWeights:
     return HostWeights(arrays, dtypes)
 
 
-def check_names(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *, full: bool) -> None:
-    """Every sent name must be a served parameter or buffer with the same shape; with `full`, every served
-    parameter must be sent (a tied lm_head is the embedding: `named_parameters` lists the tensor once, as
-    `unique_tensors` sends it). Anything else is RF14, listing the names: never a partial load."""
+def check_names(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *, full: bool) -> dict[str, torch.Tensor]:
+    """Every sent name must be a served parameter or buffer with the same shape, by the model's own name or its
+    checkpoint's (`engine.weights.layout`: transformers 5 fuses a mixture of experts in memory); with `full`, every
+    served parameter must be sent, whole or as all its checkpoint tensors (a tied lm_head is the embedding:
+    `named_parameters` lists the tensor once, as `unique_tensors` sends it). Anything else is RF14, listing the
+    names: never a partial load. Returns {name: the tensor to copy into}."""
     from engine.diagnosis import Diagnosis, DiagnosisError
+    from engine.weights.layout import served_targets
 
-    targets = dict(model.named_parameters())
-    targets.update(dict(model.named_buffers()))
+    targets, owner = served_targets(model)
     unknown = sorted(set(shapes) - set(targets))
     bad_shape = [f"{k}: sent {tuple(shapes[k])}, served {tuple(targets[k].shape)}" for k in sorted(shapes)
                  if k in targets and tuple(shapes[k]) != tuple(targets[k].shape)]
-    missing = sorted(k for k, _ in model.named_parameters() if k not in shapes) if full else []
+    missing = []
+    if full:
+        parts: dict[str, list[str]] = {}
+        for part, whole in owner.items():
+            parts.setdefault(whole, []).append(part)
+        missing = sorted(k for k, _ in model.named_parameters()
+                         if k not in shapes and not (k in parts and all(q in shapes for q in parts[k])))
     if not (unknown or bad_shape or missing):
-        return
-    parts = [f"{len(v)} {what}: {', '.join(v[:8])}{' …' if len(v) > 8 else ''}" for what, v in
-             (("names the engine does not serve", unknown), ("shapes that differ", bad_shape),
-              ("served parameters not sent", missing)) if v]
+        return targets
+    parts_text = [f"{len(v)} {what}: {', '.join(v[:8])}{' …' if len(v) > 8 else ''}" for what, v in
+                  (("names the engine does not serve", unknown), ("shapes that differ", bad_shape),
+                   ("served parameters not sent", missing)) if v]
     raise DiagnosisError(Diagnosis(
         code="RF14", severity="error",
         what=f"the weights sent to the engine do not match its model ({len(shapes)} sent, {len(targets)} served): "
-             + "; ".join(parts) + ". Nothing was loaded.",
+             + "; ".join(parts_text) + ". Nothing was loaded.",
         fix="the trainer's weight names must be the engine model's (Hugging Face names): check the weight mapping "
             "of --train-backend and that --hf-checkpoint is the same model for the trainer and the engine",
         facts={"unknown": unknown, "bad_shape": bad_shape, "missing": missing}))
@@ -180,9 +188,7 @@ def check_names(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *, f
 def check_and_copy(model: torch.nn.Module, named: dict[str, torch.Tensor], *, full: bool) -> int:
     """Copy `named` into the model's parameters/buffers in place (cast to each one's device and dtype); returns
     bytes copied. `check_names` runs first, so a bad update changes nothing."""
-    check_names(model, {k: tuple(t.shape) for k, t in named.items()}, full=full)
-    targets = dict(model.named_parameters())
-    targets.update(dict(model.named_buffers()))
+    targets = check_names(model, {k: tuple(t.shape) for k, t in named.items()}, full=full)
     copied = 0
     with torch.no_grad():
         for k, t in named.items():

@@ -85,9 +85,7 @@ def receive_into(model: torch.nn.Module, pg, names: list[str], dtypes: list[str]
         t = torch.empty(tuple(int(s) for s in shape), dtype=dt, device=device)
         _broadcast(pg, t)
         got[name] = t
-    check_names(model, {k: tuple(t.shape) for k, t in got.items()}, full=False)
-    targets = dict(model.named_parameters())
-    targets.update(dict(model.named_buffers()))
+    targets = check_names(model, {k: tuple(t.shape) for k, t in got.items()}, full=False)
     with torch.no_grad():
         for k, t in got.items():
             targets[k].copy_(t.to(targets[k].device, targets[k].dtype))
