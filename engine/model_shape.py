@@ -30,6 +30,10 @@ class ModelShape:
     num_moe_layers: int = 0  # layers whose MLP is a mixture of experts (the rest are dense)
     moe_ffn_hidden_size: int = 0  # active MLP width of an MoE layer: top_k·f_expert + f_shared
     family: str = ""  # config.json's model_type: "qwen2" | "qwen3" | "llama" | …
+    num_experts: int = 0  # routed experts of an MoE layer (0: dense)
+    moe_top_k: int = 0  # experts per token
+    moe_expert_ffn: int = 0  # f of one expert
+    moe_norm_topk: bool = False  # the top-k routing weights renormalised to sum 1 (Qwen's norm_topk_prob)
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: always; Llama / Qwen3: attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
@@ -75,8 +79,11 @@ class ModelShape:
             num_layers=layers, hidden_size=h, num_heads=a, num_kv_heads=int(c.get("num_key_value_heads") or a),
             head_dim=int(c.get("head_dim") or h // a), ffn_hidden_size=int(c["intermediate_size"]),
             vocab_size=int(c["vocab_size"]), num_moe_layers=moe_layers, moe_ffn_hidden_size=moe_f, family=family,
+            num_experts=int(experts if moe_layers else 0), moe_top_k=int(top_k if moe_layers else 0),
+            moe_expert_ffn=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if moe_layers else 0,
+            moe_norm_topk=bool(c.get("norm_topk_prob", False)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)), qk_norm=family == "qwen3",
+            qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"),
             norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta") or 10000.0)),
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),

@@ -4,7 +4,8 @@ Runs only where megatron-core is installed (`pip install --no-deps megatron-core
 machine). Each case is a fresh process group of 1 or 2 processes (TP = 1, 2), with RoPE either Megatron's
 THD path or the packed attention's own. Megatron's RoPE moves its frequencies to
 `torch.cuda.current_device()`; the child processes point that at the CPU — the only patch.
-Checks, per family (Qwen2 tied / Qwen3 q-k norm / Llama GQA 6:2), on one packed row of 3 samples:
+Checks, per family (Qwen2 tied / Qwen3 q-k norm / Llama GQA 6:2 / Qwen3-MoE at TP = 1: its router and experts),
+on one packed row of 3 samples:
 log-probs and entropies equal the torch backend's per-sample ones; the gradients of Σ(log p + H) equal
 transformers' gradients mapped and sharded the same way; gathering the shards gives back the HF weights.
 """
@@ -44,6 +45,7 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
     from engine.train.megatron_mapping import hf_to_megatron, padded_vocab, shape_from_hf_config, tp_shard
     from engine.train.packed_logprobs import align_to_tokens, shift_targets, vocab_parallel_log_probs
     from engine.train.forward import packed_forward, use_varlen_attention
+    from engine.weights.layout import checkpoint_state
 
     tp = world
     parallel_state.initialize_model_parallel(tp, 1)
@@ -66,11 +68,17 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         kernels = mm.Kernels(rope_in_attention=rope_in_attention, fused_swiglu=False, hf_rms_norm=rope_in_attention)
         cfg_kw, gpt_kw = mm.model_kwargs(s, tp=tp, pp=1, dtype=torch.float32, kernels=kernels)
         assert gpt_kw["position_embedding_type"] == ("none" if rope_in_attention else "rope")
+        if s.num_experts:  # the alltoall dispatcher the runs use makes a CUDA stream; the routing and the experts
+            # are the same with allgather (the GPU run takes alltoall: tests/test_gpu_flow.py)
+            cfg_kw.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
         config = TransformerConfig(**cfg_kw, use_cpu_initialization=True)
+        if s.num_experts:
+            mm.router_without_te()  # (build_model does this for the runs)
         model = GPTModel(config=config, transformer_layer_spec=mm.block_spec(s, config, kernels), vocab_size=vp,
                          **gpt_kw)
         assert isinstance(model.decoder.final_layernorm, mm.HFRMSNorm) == rope_in_attention
-        mm.load_hf_into(model, config, hf.state_dict(), s, vocab_padded=vp)
+        hf_state = checkpoint_state(hf, hf.state_dict())  # the files' names (a MoE's experts one by one)
+        mm.load_hf_into(model, config, hf_state, s, vocab_padded=vp)
         gathered = mm.gather_hf_state(model, config, s)
 
         lens = [7, 12, 5]
@@ -94,6 +102,7 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         hf_grads = {n: p.grad for n, p in hf.named_parameters()}
         if s.tie_embeddings:
             hf_grads["lm_head.weight"] = hf_grads["model.embed_tokens.weight"]
+        hf_grads = checkpoint_state(hf, hf_grads)
         want = hf_to_megatron(hf_grads, s, vocab_padded=vp)
         grad_err = {}
         for name, p in model.named_parameters():
@@ -105,7 +114,7 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         out[(family, world, rank)] = dict(
             lp=float(((lp - ref_lp) * trained).abs().max()), ent=float(((ent - ref_ent) * trained).abs().max()),
             grad=grad_err,
-            state=(float(max((gathered[k] - v).abs().max() for k, v in hf.state_dict().items()
+            state=(float(max((gathered[k] - v).abs().max() for k, v in hf_state.items()
                              if not (s.tie_embeddings and k == "lm_head.weight")))
                    if rank == 0 else 0.0))
     dist.destroy_process_group()
@@ -119,7 +128,7 @@ def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_atten
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = mp.Manager().dict()
-    families = ["qwen2", "qwen3", "llama"] if world == 1 else ["qwen2", "qwen3"]
+    families = ["qwen2", "qwen3", "llama", "qwen3moe", "qwen3moe-norm"] if world == 1 else ["qwen2", "qwen3"]
     mp.spawn(_case, args=(world, port, families, rope_in_attention, out), nprocs=world)
     for (family, w, rank), res in out.items():
         assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, rank, res["lp"], res["ent"])

@@ -22,6 +22,19 @@ TINY = {
 def hf_model(family: str):
     import transformers
 
+    if family.startswith("qwen3moe"):  # tests/model_families.py: 4 experts, 2 a token, q/k norms; "-norm": the
+        from model_families import random_model  # top-k weights renormalised (Qwen3-30B-A3B's norm_topk_prob)
+
+        model = random_model("qwen3moe", 101)
+        if family == "qwen3moe-norm":
+            model.config.norm_topk_prob = True
+            for layer in model.model.layers:
+                layer.mlp.gate.norm_topk_prob = True
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+        return model
+
     cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
     cfg = getattr(transformers, cls[0])(**{k: v for k, v in TINY[family].items() if k != "model_type"})
@@ -165,3 +178,39 @@ def test_shape_reads_old_and_new_rope_keys_and_llama3_scaling():
         shape_from_hf_config({**TINY["llama"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(NotImplementedError, match="model_type 'gpt2'"):
         shape_from_hf_config({**TINY["llama"], "model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("fused_norms", [False, True])
+def test_a_qwen3_moe_maps_its_router_and_experts_and_back_under_the_checkpoint_names(fused_norms):
+    """Qwen3-MoE: router = mlp.gate, each expert's [gate; up] into its linear_fc1 and down into linear_fc2 of
+    megatron-core's SequentialMLP; back, the names are the checkpoint's (what save_pretrained writes and engines
+    load), not transformers 5's fused in-memory ones."""
+    from engine.weights.layout import checkpoint_state
+    from model_families import random_model
+
+    model = random_model("qwen3moe", 101)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    s = shape_from_hf_config(model.config.to_dict())
+    assert (s.num_experts, s.moe_top_k, s.moe_expert_ffn, s.qk_norm) == (4, 2, 32, True)
+    hf = canonical(checkpoint_state(model, model.state_dict()), s)
+    mg = hf_to_megatron(hf, s, fused_norms=fused_norms)
+    assert mg["decoder.layers.1.mlp.router.weight"].shape == (4, s.hidden_size)
+    fc1 = mg["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.shape == (2 * 32, s.hidden_size) and not any(".mlp.linear_fc" in k for k in mg)
+    assert torch.equal(fc1[:32], hf["model.layers.1.mlp.experts.3.gate_proj.weight"])
+    assert ("decoder.layers.0.pre_mlp_layernorm.weight" in mg)  # its own module, TE or not
+    back = megatron_to_hf(mg, s, fused_norms=fused_norms)
+    assert sorted(back) == sorted(hf)
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+def test_a_qwen3_moe_is_not_split_over_tp_ranks():
+    from model_families import random_model
+
+    s = shape_from_hf_config(random_model("qwen3moe", 101).config.to_dict())
+    check_tp(s, 1)
+    with pytest.raises(ValueError, match="mixture of experts.*TP = 1"):
+        check_tp(s, 2)

@@ -239,3 +239,20 @@ def test_preflight_finds_a_model_the_megatron_backend_cannot_build(small_cfg, ti
     windowed = edited(tiny_model, tmp_path / "windowed", use_sliding_window=True, sliding_window=16)
     (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=windowed), env)
     assert "sliding-window" in d.what and d.facts["field"] == "train_backend"
+
+
+def test_preflight_takes_a_qwen3_moe_for_megatron_at_tp_1_only(small_cfg, tiny_model, tmp_path):
+    """The Megatron mapping builds Qwen3-MoE's experts at TP = 1; at TP = 2 the preflight says so, naming the flag."""
+    from engine.doctor.checks import Environment, megatron_maps_the_model
+    from model_families import save_model
+
+    moe = save_model(tmp_path / "moe", "qwen3moe", tiny_model)
+    env = Environment(gpus=2.0)
+    assert megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=moe), env) == []
+    (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=moe,
+                                             tensor_model_parallel_size=2), env)
+    assert d.severity == "error" and "mixture of experts" in d.what and d.facts["field"] == "tensor_model_parallel_size"
+    dense = edited(tiny_model, tmp_path / "dense-moe", model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, mlp_only_layers=[0])
+    (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=dense), env)
+    assert "mlp_only_layers" in d.what

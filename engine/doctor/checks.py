@@ -477,8 +477,8 @@ def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
 @check("MODEL")
 def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     """--train-backend megatron: its mapping (engine/train/megatron_mapping.py) builds the model of --hf-checkpoint:
-    Qwen2, Qwen3, Llama, without sliding-window layers. Found here, not at the train workers' model build, after Ray
-    and the engines have started."""
+    Qwen2, Qwen3, Qwen3-MoE (experts at TP = 1), Llama, without sliding-window layers. Found here, not at the train
+    workers' model build, after Ray and the engines have started."""
     from engine.modeling import read_model_json
 
     if cfg.train_backend != "megatron":
@@ -488,12 +488,22 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
         return []  # model_dir_usable reports a missing config.json
     why = _megatron_shape(hf)
     if not why.startswith("not mappable: "):
-        return []
+        from engine.train.megatron_mapping import shape_from_hf_config
+
+        tp = cfg.tensor_model_parallel_size
+        if tp == 1 or not shape_from_hf_config(hf).num_experts:
+            return []  # (a TP that does not divide the heads is the topology check's)
+        return [Diagnosis(code="MODEL", severity="error",
+                          what=f"--train-backend megatron with --tensor-model-parallel-size {tp}: {cfg.model_dir} is a "
+                               "mixture of experts, which the Megatron mapping runs at TP = 1 only (no expert "
+                               "parallelism)", fix="--tensor-model-parallel-size 1 (the GPUs become data-parallel "
+                                                   "ranks), or --train-backend torch",
+                          facts={"field": "tensor_model_parallel_size", "value": tp})]
     why = why.removeprefix("not mappable: ")
     return [Diagnosis(code="MODEL", severity="error",
                       what=f"--train-backend megatron cannot build {cfg.model_dir}: {why}",
                       fix="--train-backend torch (transformers' classes: any causal LM), or a model the Megatron "
-                          "mapping covers (Qwen2, Qwen3, Llama)",
+                          "mapping covers (Qwen2, Qwen3, Qwen3-MoE, Llama)",
                       facts={"field": "train_backend", "value": "megatron", "reason": why})]
 
 

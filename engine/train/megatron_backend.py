@@ -146,10 +146,12 @@ class MegatronBackend:
         minutes = getattr(cfg, "distributed_timeout_minutes", 10.0)
         init_distributed(self.rank, self.world_size, master, minutes)
         self.dtype = getattr(torch, params_dtype)
+        self.shape = shape_from_hf_config(json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()))
         # Decoder CUDA graphs are captured on this backend's own stream, and DDP's gradient accumulators must
         # be made on it (megatron_graphs): everything from here on runs there.
         self.stream = None
-        off = cuda_graphs_off_reason(kernels, tp=self.tp, pp=self.pp, dtype=self.dtype)
+        off = cuda_graphs_off_reason(kernels, tp=self.tp, pp=self.pp, dtype=self.dtype,
+                                     moe=self.shape.num_experts > 0)
         if off is None:
             self.stream = torch.cuda.Stream()
             torch.cuda.set_stream(self.stream)
@@ -161,7 +163,6 @@ class MegatronBackend:
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed + self.rank)
 
-        self.shape = shape_from_hf_config(json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()))
         check_tp(self.shape, self.tp)
         self.vocab_padded = padded_vocab(self.shape.vocab_size, self.tp)
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0

@@ -1,4 +1,4 @@
-"""HF ⇄ Megatron weight mapping for the Qwen2, Qwen3 and Llama families: pure tensor code, runs on CPU.
+"""HF ⇄ Megatron weight mapping for the Qwen2, Qwen3, Qwen3-MoE and Llama families: pure tensor code, runs on CPU.
 
 Megatron layouts (megatron-core GPTModel, names without the DDP / Float16Module `module.` prefixes):
 
@@ -8,6 +8,9 @@ Megatron layouts (megatron-core GPTModel, names without the DDP / Float16Module 
     norms              input_layernorm / pre_mlp_layernorm, or, with Transformer Engine's fused
                        LayerNormLinear, linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight
     tied embeddings    no output_layer.weight: the LM head reads embedding.word_embeddings.weight
+    experts (MoE)      mlp.router.weight [E, h] (HF mlp.gate.weight); per expert e
+                       mlp.experts.local_experts.<e>.linear_fc1.weight [2·f_e, h] ([gate; up]) and .linear_fc2.weight
+                       (megatron-core's SequentialMLP; the HF side is the checkpoint's per-expert names)
 
 Tensor parallelism (TP = p ranks) then splits each full tensor: column-parallel ones (qkv, fc1, embedding,
 output layer) along rows, row-parallel ones (linear_proj, fc2) along columns, norms replicated. Because the
@@ -27,7 +30,7 @@ import torch
 
 from engine.model_shape import ModelShape
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 
 
 def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
@@ -38,6 +41,9 @@ def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         raise NotImplementedError(f"model_type {family!r}: the Megatron mapping covers {', '.join(FAMILIES)}")
     if cfg.get("use_sliding_window"):
         raise NotImplementedError("sliding-window attention (use_sliding_window: true) is not mapped")
+    if family == "qwen3_moe" and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
+        raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not "
+                                  "mapped: every layer must have experts")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
         raise NotImplementedError("only SwiGLU MLPs without bias are mapped (hidden_act silu, mlp_bias false)")
     shape = ModelShape.from_hf_config(cfg)
@@ -82,18 +88,23 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 # ---- HF ⇄ Megatron (full tensors, TP = 1) ----------------------------------------------------------------
-def _layer_names(fused_norms: bool, qk_norm: bool) -> dict[str, str]:
-    """Megatron suffix → HF suffix of the one-to-one layer weights."""
-    names = {
-        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    }
+def _layer_names(fused_norms: bool, qk_norm: bool, moe: bool = False) -> dict[str, str]:
+    """Megatron suffix → HF suffix of the one-to-one layer weights. An MoE layer's MLP norm stays its own module
+    under Transformer Engine too (no dense linear_fc1 to fuse it into)."""
+    names = {"self_attention.linear_proj.weight": "self_attn.o_proj.weight"}
+    if moe:
+        names["mlp.router.weight"] = "mlp.gate.weight"
+    else:
+        names["mlp.linear_fc2.weight"] = "mlp.down_proj.weight"
     if qk_norm:
         names["self_attention.q_layernorm.weight"] = "self_attn.q_norm.weight"
         names["self_attention.k_layernorm.weight"] = "self_attn.k_norm.weight"
     if fused_norms:
         names["self_attention.linear_qkv.layer_norm_weight"] = "input_layernorm.weight"
-        names["mlp.linear_fc1.layer_norm_weight"] = "post_attention_layernorm.weight"
+        if moe:
+            names["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"
+        else:
+            names["mlp.linear_fc1.layer_norm_weight"] = "post_attention_layernorm.weight"
     else:
         names["input_layernorm.weight"] = "input_layernorm.weight"
         names["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"
@@ -111,7 +122,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
     }
     if not s.tie_embeddings:
         out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], vp)
-    names = _layer_names(fused_norms, s.qk_norm)
+    names = _layer_names(fused_norms, s.qk_norm, moe=s.num_experts > 0)
     for i in range(s.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         a = src + "self_attn."
@@ -120,8 +131,13 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
         if s.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s.num_heads, s.num_kv_heads)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)  # [2·ffn, h]
+        for e in range(s.num_experts):
+            x, y = f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.local_experts.{e}."
+            out[y + "linear_fc1.weight"] = torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0)
+            out[y + "linear_fc2.weight"] = hf[x + "down_proj.weight"]
+        if not s.num_experts:
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)  # [2·ffn, h]
         for mg_name, hf_name in names.items():
             out[dst + mg_name] = hf[src + hf_name]
     return out
@@ -138,7 +154,7 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
     }
     if not s.tie_embeddings:
         out["lm_head.weight"] = mg["output_layer.weight"][:V]
-    names = _layer_names(fused_norms, s.qk_norm)
+    names = _layer_names(fused_norms, s.qk_norm, moe=s.num_experts > 0)
     for i in range(s.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         q, k, v = split_qkv(mg[src + "self_attention.linear_qkv.weight"], s.num_heads, s.num_kv_heads, s.head_dim)
@@ -149,8 +165,14 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
                                    s.head_dim)
             out.update({dst + "self_attn.q_proj.bias": qb, dst + "self_attn.k_proj.bias": kb,
                         dst + "self_attn.v_proj.bias": vb})
-        gate, up = mg[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+        for e in range(s.num_experts):
+            x, y = f"{src}mlp.experts.local_experts.{e}.", f"{dst}mlp.experts.{e}."
+            gate, up = mg[x + "linear_fc1.weight"].chunk(2, dim=0)
+            out.update({y + "gate_proj.weight": gate, y + "up_proj.weight": up,
+                        y + "down_proj.weight": mg[x + "linear_fc2.weight"]})
+        if not s.num_experts:
+            gate, up = mg[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+            out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
         for mg_name, hf_name in names.items():
             out[dst + hf_name] = mg[src + mg_name]
     return out
@@ -207,6 +229,10 @@ def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 def check_tp(shape: ModelShape, tp: int) -> None:
     """Megatron splits heads, kv groups and the FFN evenly over TP ranks."""
+    if shape.num_experts and tp > 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp} with a mixture of experts: the Megatron mapping runs "
+                         "experts at TP = 1 only (there is no expert parallelism); use TP = 1 (data parallel "
+                         "ranks), or --train-backend torch")
     for what, n in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads),
                     ("intermediate_size", shape.ffn_hidden_size)):
         if n % tp:

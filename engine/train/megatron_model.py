@@ -1,4 +1,5 @@
-"""Building a megatron-core GPTModel for an HF Qwen2 / Qwen3 / Llama checkpoint, and moving HF weights in and out.
+"""Building a megatron-core GPTModel for an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama checkpoint, and moving HF weights in
+and out.
 
 `model_kwargs` is pure (CPU-testable); everything else needs megatron-core, a CUDA device and an initialised
 `parallel_state`. The layer spec is Transformer Engine's when TE is installed, else megatron-core's local
@@ -115,22 +116,36 @@ def static_swiglu_kernels() -> None:
         setattr(f, name, static)
 
 
+def router_without_te() -> None:
+    """megatron-core 0.16.1's router reads `te_general_gemm`, which its moe_utils defines only when Transformer
+    Engine imports: without TE every MoE forward raised NameError. None is what that code expects then (it takes
+    its torch.mm path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def rope_in_attention(kernels: Kernels) -> bool:
     return kernels.rope_in_attention and not have_transformer_engine()
 
 
-def swiglu_fusion(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> bool:
+def swiglu_fusion(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype, moe: bool = False) -> bool:
     if kernels.fused_swiglu is None:
-        return use_cuda_graphs(kernels, tp=tp, pp=pp, dtype=dtype)
+        return use_cuda_graphs(kernels, tp=tp, pp=pp, dtype=dtype, moe=moe)
     return kernels.fused_swiglu
 
 
-def cuda_graphs_off_reason(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> str | None:
+def cuda_graphs_off_reason(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype, moe: bool = False
+                           ) -> str | None:
     """Why the decoder runs eagerly (None: it is replayed from CUDA graphs). Graphs apply to the local layers
-    with RoPE in the packed attention, one GPU per model (no TP / PP collectives inside a graph) and the flash
-    path (fp32 attention splits samples on the host)."""
+    with RoPE in the packed attention, one GPU per model (no TP / PP collectives inside a graph), the flash
+    path (fp32 attention splits samples on the host) and dense MLPs (routing counts each expert's tokens on the
+    host)."""
     if not kernels.cuda_graphs:
         return "--no-megatron-cuda-graphs"
+    if moe:
+        return "a mixture of experts (the router's token counts per expert are read on the host)"
     if kernels.recompute:
         return "--recompute-activations (the recomputed layers run inside the backward)"
     if have_transformer_engine():
@@ -144,8 +159,8 @@ def cuda_graphs_off_reason(kernels: Kernels, *, tp: int, pp: int, dtype: torch.d
     return None
 
 
-def use_cuda_graphs(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype) -> bool:
-    return cuda_graphs_off_reason(kernels, tp=tp, pp=pp, dtype=dtype) is None
+def use_cuda_graphs(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype, moe: bool = False) -> bool:
+    return cuda_graphs_off_reason(kernels, tp=tp, pp=pp, dtype=dtype, moe=moe) is None
 
 
 def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels()
@@ -174,8 +189,15 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         # Fusions that need apex / TE stay off; torch's RMSNorm and our attention are used instead.
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
-        bias_activation_fusion=swiglu_fusion(kernels, tp=tp, pp=pp, dtype=dtype),  # Megatron's compiled SwiGLU
+        bias_activation_fusion=swiglu_fusion(kernels, tp=tp, pp=pp, dtype=dtype, moe=s.num_experts > 0),
     )
+    if s.num_experts:  # HF's routing: softmax over the router's logits, the top k, renormalised with norm_topk_prob
+        # (Megatron's softmax over the top k logits is that renormalisation; without it the probabilities are taken
+        # from the softmax over all experts: pre-softmax). No load-balancing loss (an RL step trains the policy's
+        # loss only), no token dropping, one SequentialMLP of local experts (no grouped GEMM without TE).
+        config.update(num_moe_experts=s.num_experts, moe_router_topk=s.moe_top_k,
+                      moe_ffn_hidden_size=s.moe_expert_ffn, moe_router_pre_softmax=not s.moe_norm_topk,
+                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
     if kernels.recompute:  # slime's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
         config.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     gpt = dict(
@@ -193,11 +215,14 @@ def layer_spec(shape: ModelShape, kernels: Kernels = Kernels()):
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    experts = shape.num_experts or None
     if have_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm)
     from engine.train.megatron_attention import PackedCoreAttention, Rope
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     rope = Rope(shape.rope_theta, shape.rope_scaling_factor) if rope_in_attention(kernels) else None
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"rope": rope})
@@ -226,6 +251,8 @@ def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels)
+    if shape.num_experts:
+        router_without_te()
     cfg_kw["gradient_accumulation_fusion"] = kernels.wgrad_fusion and enable_wgrad_fusion()
     if cfg_kw["bias_activation_fusion"]:
         static_swiglu_kernels()
