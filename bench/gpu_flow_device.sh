@@ -6,6 +6,7 @@
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
+#          | s36-moe
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -217,6 +218,20 @@ PY
       timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py tests/test_megatron_backend.py \
         -k "flash or families or gpu_megatron or engine_on_cuda" --timeout 380 > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
+    s36-moe)  # session 36: Qwen3-MoE on the Megatron backend, MoE weights under the checkpoint's names (both
+              # backends, CUDA IPC into the engine's fused experts), then both colocated flows on a random Qwen3-MoE
+      timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py \
+        tests/test_megatron_cpu_model.py tests/test_weight_sync.py tests/test_megatron_mapping.py \
+        -k "moe or mixture or 1-" --timeout 320 > "$OUT/pytest_gpu.txt" 2>&1
+      grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8
+      python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      moe="--hf-checkpoint $BENCH_WORK/qwen3moe --rollout-max-truncated-share 1 --rollout-max-response-len 24"
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --part _qwen3moe --out "$OUT" \
+        --timeout 240 --extra "$moe" &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --part _qwen3moe --out "$OUT" --timeout 240 \
+        --extra "$moe"
+      wait ;;
     *) echo "unknown step $step" ;;
   esac
 done
