@@ -218,20 +218,24 @@ PY
       timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py tests/test_megatron_backend.py \
         -k "flash or families or gpu_megatron or engine_on_cuda" --timeout 380 > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8 ;;
-    s36-moe)  # session 36: Qwen3-MoE on the Megatron backend, MoE weights under the checkpoint's names (both
-              # backends, CUDA IPC into the engine's fused experts), then both colocated flows on a random Qwen3-MoE
+    s36-moe)  # session 36: Qwen3-MoE and Mistral on the Megatron backend, MoE weights under the checkpoint's names
+              # (both backends, CUDA IPC into the engine's fused experts), then colocated flows on random models
       timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py \
         tests/test_megatron_cpu_model.py tests/test_weight_sync.py tests/test_megatron_mapping.py \
         -k "moe or mixture or 1-" --timeout 320 > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8
-      python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
-save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
-      moe="--hf-checkpoint $BENCH_WORK/qwen3moe --rollout-max-truncated-share 1 --rollout-max-response-len 24"
+      for f in qwen3moe mistral; do
+        python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/$f'), '$f', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      done
+      extra="--rollout-max-truncated-share 1 --rollout-max-response-len 24 --hf-checkpoint $BENCH_WORK"
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --part _qwen3moe --out "$OUT" \
-        --timeout 240 --extra "$moe" &
+        --timeout 240 --extra "$extra/qwen3moe" &
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --part _qwen3moe --out "$OUT" --timeout 240 \
-        --extra "$moe"
-      wait ;;
+        --extra "$extra/qwen3moe"
+      wait
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --part _mistral --out "$OUT" \
+        --timeout 200 --extra "$extra/mistral" ;;
     *) echo "unknown step $step" ;;
   esac
 done

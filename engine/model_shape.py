@@ -34,6 +34,7 @@ class ModelShape:
     moe_top_k: int = 0  # experts per token
     moe_expert_ffn: int = 0  # f of one expert
     moe_norm_topk: bool = False  # the top-k routing weights renormalised to sum 1 (Qwen's norm_topk_prob)
+    sliding_window: int = 0  # Mistral: every layer attends to itself and the W − 1 tokens before (0: full)
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: always; Llama / Qwen3: attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
@@ -82,6 +83,7 @@ class ModelShape:
             num_experts=int(experts if moe_layers else 0), moe_top_k=int(top_k if moe_layers else 0),
             moe_expert_ffn=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if moe_layers else 0,
             moe_norm_topk=bool(c.get("norm_topk_prob", False)),
+            sliding_window=int(c.get("sliding_window") or 0) if family == "mistral" else 0,
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"),
             norm_eps=float(c.get("rms_norm_eps", 1e-6)),

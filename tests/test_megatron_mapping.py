@@ -16,6 +16,10 @@ TINY = {
                   intermediate_size=48, num_hidden_layers=2, vocab_size=101, tie_word_embeddings=False),
     "llama": dict(model_type="llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                   intermediate_size=64, num_hidden_layers=2, vocab_size=101, tie_word_embeddings=False),
+    # a window of 4 binds inside the CPU model test's samples of 5, 7 and 12 tokens
+    "mistral": dict(model_type="mistral", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=48, num_hidden_layers=2, vocab_size=101, tie_word_embeddings=False,
+                    sliding_window=4),
 }
 
 
@@ -36,7 +40,7 @@ def hf_model(family: str):
         return model
 
     cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-           "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
+           "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
     cfg = getattr(transformers, cls[0])(**{k: v for k, v in TINY[family].items() if k != "model_type"})
     torch.manual_seed(0)
     model = getattr(transformers, cls[1])(cfg).eval()

@@ -225,17 +225,20 @@ def test_weight_names_native_does_not_know_load_transformers_class_under_auto(ti
 
 
 def test_preflight_finds_a_model_the_megatron_backend_cannot_build(small_cfg, tiny_model, tmp_path):
-    """--train-backend megatron maps Qwen2, Qwen3 and Llama without sliding windows: another model is a MODEL error
-    before anything starts (before, the train workers' model build raised, after Ray and the engines were up)."""
+    """--train-backend megatron maps Qwen2, Qwen3(-MoE), Llama and Mistral (not Qwen2's own sliding windows): another
+    model is a MODEL error before anything starts (before, the train workers' model build raised, after Ray and the
+    engines were up)."""
     from engine.doctor.checks import CHECKS, Environment, megatron_maps_the_model
 
     assert megatron_maps_the_model in CHECKS["MODEL"]
     env = Environment(gpus=1.0)
     assert megatron_maps_the_model(small_cfg(train_backend="megatron"), env) == []  # the bundled Qwen2
+    gemma = edited(tiny_model, tmp_path / "gemma2", model_type="gemma2", sliding_window=4096)
+    assert megatron_maps_the_model(small_cfg(hf_checkpoint=gemma), env) == []  # the torch backend builds anything
+    (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=gemma), env)
+    assert d.severity == "error" and "model_type 'gemma2'" in d.what and "--train-backend torch" in d.fix
     mistral = edited(tiny_model, tmp_path / "mistral", model_type="mistral", sliding_window=4096)
-    assert megatron_maps_the_model(small_cfg(hf_checkpoint=mistral), env) == []  # the torch backend builds anything
-    (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=mistral), env)
-    assert d.severity == "error" and "model_type 'mistral'" in d.what and "--train-backend torch" in d.fix
+    assert megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=mistral), env) == []
     windowed = edited(tiny_model, tmp_path / "windowed", use_sliding_window=True, sliding_window=16)
     (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=windowed), env)
     assert "sliding-window" in d.what and d.facts["field"] == "train_backend"

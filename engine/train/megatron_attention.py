@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.train.attention import packed_causal_attention
+from engine.train.attention import causal_band, packed_causal_attention
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class PackedCoreAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
-                 pg_collection=None, rope: Rope | None = None, **_unused):
+                 pg_collection=None, rope: Rope | None = None, window: int | None = None, **_unused):
         super().__init__()
         if getattr(config, "context_parallel_size", 1) != 1:
             raise NotImplementedError("context parallelism needs Transformer Engine's attention")
@@ -80,6 +80,7 @@ class PackedCoreAttention(torch.nn.Module):
         self.config = config
         self.softmax_scale = softmax_scale
         self.rope = rope
+        self.window = window  # a sliding window (Mistral): each token sees itself and the W − 1 before it
 
     def _rotate(self, query, key, cu_seqlens, holder):
         """RoPE on q [T, a, d] and k [T, g, d]; cos/sin are built once per micro-batch and kept on `holder`
@@ -100,7 +101,7 @@ class PackedCoreAttention(torch.nn.Module):
             if self.rope is not None:
                 query, key = self._rotate(query, key, packed_seq_params.cu_seqlens_q, packed_seq_params)
             out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                          packed_seq_params.max_seqlen_q, self.softmax_scale)
+                                          packed_seq_params.max_seqlen_q, self.softmax_scale, self.window)
             return out.reshape(out.shape[0], -1)  # [T, a/p·d]
         # SBHD (one unpacked sequence per batch row): query [s, b, a/p, d]
         s, b = query.shape[:2]
@@ -113,5 +114,7 @@ class PackedCoreAttention(torch.nn.Module):
         q = query.permute(1, 2, 0, 3)  # [b, a, s, d]
         k = key.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
         v = value.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)  # [b, a, s, d]
+        mask = causal_band(s, self.window, q.device) if self.window and s > self.window else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.softmax_scale)  # [b, a, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, a/p·d]

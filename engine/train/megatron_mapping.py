@@ -1,4 +1,4 @@
-"""HF ⇄ Megatron weight mapping for the Qwen2, Qwen3, Qwen3-MoE and Llama families: pure tensor code, runs on CPU.
+"""HF ⇄ Megatron weight mapping for the Qwen2, Qwen3, Qwen3-MoE, Llama and Mistral families: pure tensor code (CPU).
 
 Megatron layouts (megatron-core GPTModel, names without the DDP / Float16Module `module.` prefixes):
 
@@ -30,7 +30,7 @@ import torch
 
 from engine.model_shape import ModelShape
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral")  # Mistral: Llama's weights, sliding windows
 
 
 def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:

@@ -1,5 +1,5 @@
-"""Building a megatron-core GPTModel for an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama checkpoint, and moving HF weights in
-and out.
+"""Building a megatron-core GPTModel for an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama / Mistral checkpoint, and moving HF
+weights in and out.
 
 `model_kwargs` is pure (CPU-testable); everything else needs megatron-core, a CUDA device and an initialised
 `parallel_state`. The layer spec is Transformer Engine's when TE is installed, else megatron-core's local
@@ -191,6 +191,8 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         apply_rope_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=swiglu_fusion(kernels, tp=tp, pp=pp, dtype=dtype, moe=s.num_experts > 0),
     )
+    if s.sliding_window and have_transformer_engine():  # TE's attention window: (left, right) tokens besides itself
+        config.update(window_size=(s.sliding_window - 1, 0))
     if s.num_experts:  # HF's routing: softmax over the router's logits, the top k, renormalised with norm_topk_prob
         # (Megatron's softmax over the top k logits is that renormalisation; without it the probabilities are taken
         # from the softmax over all experts: pre-softmax). No load-balancing loss (an RL step trains the policy's
@@ -225,7 +227,8 @@ def layer_spec(shape: ModelShape, kernels: Kernels = Kernels()):
                                                     qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     rope = Rope(shape.rope_theta, shape.rope_scaling_factor) if rope_in_attention(kernels) else None
     attn = spec.submodules.self_attention.submodules
-    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"rope": rope})
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention,
+                                     params={"rope": rope, "window": shape.sliding_window or None})
     if kernels.hf_rms_norm:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HFRMSNorm
         if shape.qk_norm:
