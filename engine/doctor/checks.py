@@ -477,8 +477,8 @@ def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
 @check("MODEL")
 def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     """--train-backend megatron: its mapping (engine/train/megatron_mapping.py) builds the model of --hf-checkpoint:
-    Qwen2, Qwen3, Qwen3-MoE (experts at TP = 1), Llama, Mistral, not Qwen2's sliding windows. Found here, not at the train
-    workers' model build, after Ray and the engines have started."""
+    Qwen2, Qwen3, Qwen3-MoE (experts at TP = 1), Llama, Mistral, not Qwen2's sliding windows. Found here, not at the
+    train workers' model build, after Ray and the engines have started."""
     from engine.modeling import read_model_json
 
     if cfg.train_backend != "megatron":
