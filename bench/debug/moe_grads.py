@@ -52,15 +52,30 @@ def run(dispatcher: str, model_dir: str, work: str) -> dict:
         return tstep(*a, **k)
 
     tb.optimizer.step = tcapture
+    eager = TorchBackend(cfg)  # transformers' experts one by one (its default on CUDA is grouped_mm)
+    impl = getattr(eager.model.config, "_experts_implementation", None)
+    eager.model.set_experts_implementation("eager")
+    estep = eager.optimizer.step
+
+    def ecapture(*a, **k):
+        got["eager"] = {n: p.grad.detach().clone().cpu() for n, p in eager.model.named_parameters()}
+        return estep(*a, **k)
+
+    eager.optimizer.step = ecapture
     old, t_old = mg.compute_log_probs(mbs), tb.compute_log_probs(mbs)
+    e_old = eager.compute_log_probs(mbs)
     m, t = mg.train_step(mbs, old, old, 8), tb.train_step(mbs, t_old, t_old, 8)
+    e = eager.train_step(mbs, e_old, e_old, 8)
     mine = megatron_to_hf(got["mg"], mg.shape)
     theirs = checkpoint_state(tb.model, got["tb"])
+    ref = checkpoint_state(eager.model, got["eager"])
     diff = {k: float((mine[k] - theirs[k]).abs().max()) for k in theirs if k in mine}
     norms = {k: float(theirs[k].norm()) for k in theirs}
     mm.model_kwargs = orig
-    return {"dispatcher": dispatcher, "loss": [m["loss_total"], t["loss_total"]],
-            "grad_norm": [m["grad_norm"], t["grad_norm"]],
+    return {"dispatcher": dispatcher, "torch_experts_impl": impl, "loss": [m["loss_total"], t["loss_total"]],
+            "grad_norm": [m["grad_norm"], t["grad_norm"]], "grad_norm_eager_experts": e["grad_norm"],
+            "max_diff_megatron_vs_eager": max(float((mine[k] - ref[k]).abs().max()) for k in ref),
+            "max_diff_default_vs_eager": max(float((theirs[k] - ref[k]).abs().max()) for k in ref),
             "sum_sq_torch": sum(v ** 2 for v in norms.values()),
             "sum_sq_megatron": sum(float(v.norm()) ** 2 for v in mine.values()),
             "missing": sorted(set(theirs) - set(mine)),
