@@ -244,7 +244,10 @@ def test_model_families_on_cuda(family, dtype, tmp_path, tiny_model):
         return logp[start - 1:-1].gather(-1, torch.tensor(seq[start:], device="cuda")[:, None]).squeeze(-1).cpu()
 
     state = EngineState(path, device="cuda:0", dtype=dtype, max_new_tokens=24)
-    assert state.generator.graphs is not None and state.generator.graphs.folded_gqa
+    eager = (family, dtype) == ("qwen3moe", "float32")  # known before capture: torch's fp32 grouped_mm reads the host
+    assert (state.generator.graphs is None) == eager, state.generator.graphs_off
+    assert eager or state.generator.graphs.folded_gqa
+    assert not eager or "grouped_mm" in state.generator.graphs_off
     assert (state.generator.fused_norms == 0) == family.startswith("gemma")  # Gemma's x̂ · (1 + w): its own forward
     tok = state.tokenizer
     prompts = [tok(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
@@ -252,14 +255,8 @@ def test_model_families_on_cuda(family, dtype, tmp_path, tiny_model):
     assert min(map(len, prompts)) > WINDOW
     reqs = [GenRequest(rid=f"r{i}", input_ids=prompts[i % 3], max_new_tokens=24, seed=i, ignore_eos=True)
             for i in range(6)]
-    try:
-        outs = state.generator.generate(reqs)
-        assert state.generator.graphs.graphs  # decoded through captured graphs
-    except RuntimeError as e:  # a forward a graph cannot record (seen: Qwen3-MoE in fp32, torch's grouped_mm
-        assert "--sglang-disable-cuda-graph" in str(e)  # copying from the host): the error names the flag, which works
-        assert (family, dtype) == ("qwen3moe", "float32"), str(e)  # no other family may lose its graphs
-        state = EngineState(path, device="cuda:0", dtype=dtype, max_new_tokens=24, cuda_graphs=False)
-        outs = state.generator.generate(reqs)
+    outs = state.generator.generate(reqs)  # a failed capture would raise, naming --sglang-disable-cuda-graph
+    assert eager or state.generator.graphs.graphs  # decoded through captured graphs
     for o in outs:
         got = torch.tensor(o.logprobs)
         assert len(got) == 24 and float((got - teacher_forced(o.input_ids + o.output_ids, len(o.input_ids)))

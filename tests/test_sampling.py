@@ -366,3 +366,16 @@ def test_decode_attention_refuses_an_argument_it_does_not_implement():
     with pytest.raises(NotImplementedError, match=r"\['s_aux'\].*--sglang-disable-cuda-graph"):
         decode_attention(Attn(), q, k, v, None, s_aux=torch.zeros(2))
     decode_attention(Attn(), q, k, v, None, position_ids=torch.arange(3)[None], use_cache=True)  # harmless ones
+
+
+def test_an_fp32_mixture_of_experts_is_known_to_decode_without_cuda_graphs():
+    """transformers runs experts through torch's grouped_mm, which reads the host in float32 (a CUDA graph cannot
+    hold it; seen on an H100): the engine decides that before any capture and says why; bf16 and dense models keep
+    their graphs."""
+    from engine.rollout.cuda_graphs import graphs_off_reason
+    from model_families import random_model
+
+    moe = random_model("qwen3moe", 64)
+    assert "4 experts" in graphs_off_reason(moe) and "grouped_mm" in graphs_off_reason(moe)
+    assert graphs_off_reason(moe.to(torch.bfloat16)) is None
+    assert graphs_off_reason(random_model("mistral", 64)) is None

@@ -115,6 +115,21 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.reshape(b, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def graphs_off_reason(model) -> str | None:
+    """Why a model's decode step cannot be held in a CUDA graph, where that is known before trying (None: capture
+    it). A mixture of experts in float32: transformers runs its experts through torch's grouped_mm, which copies from
+    the host in float32 (seen on an H100 with Qwen3-MoE; bfloat16 captures). Any other failure to capture stays an
+    error naming --sglang-disable-cuda-graph."""
+    c = getattr(model, "config", None)
+    c = getattr(c, "text_config", None) or c
+    experts = max((getattr(c, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    dtype = next(model.parameters()).dtype
+    if experts and dtype == torch.float32:
+        return (f"{type(model).__name__} has {experts} experts per MoE layer, which transformers runs through torch's "
+                "grouped_mm: in float32 that copies from the host, which a CUDA graph cannot hold (bfloat16 captures)")
+    return None
+
+
 def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
     """A bool mask [B, 1, Q, K] narrowed to a sliding window: each query sees only keys in slots (its own − W, its
     own]. Its own slot is its last visible key: true of the decoder's masks (a row's slots hold its tokens in order,

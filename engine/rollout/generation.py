@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import logging
 import random
 import threading
 import time
@@ -41,6 +42,8 @@ from typing import Any, Callable
 import torch
 
 from engine.rollout.sampling import counter_uniform, draw
+
+log = logging.getLogger("rollflow.rollout")
 
 #: Seeds of requests that bring none. A generator of its own: the process's `random` is not drawn from, so an
 #: engine serving from a train worker's process (--rollout-engine-process trainer) leaves the RNG states that the
@@ -191,6 +194,14 @@ class Generator:
         # on CUDA: decode through captured graphs over a preallocated cache (engine/rollout/cuda_graphs.py), unless
         # SGLang's --disable-cuda-graph says otherwise; batches that ask for prompt log-probs run eagerly
         self.cuda_graphs = bool(cuda_graphs and str(device).startswith("cuda"))
+        # why a CUDA engine decodes without graphs (/get_server_info's cuda_graphs_off)
+        self.graphs_off = "--sglang-disable-cuda-graph" if str(device).startswith("cuda") and not cuda_graphs else None
+        if self.cuda_graphs:
+            from engine.rollout.cuda_graphs import graphs_off_reason
+
+            if (why := graphs_off_reason(model)) is not None:  # known before any capture: eager decoding, said once
+                log.warning("built-in engine: decoding without CUDA graphs: %s", why)
+                self.cuda_graphs, self.graphs_off = False, why
         self.graphs = None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         self.aborts = AbortBook()

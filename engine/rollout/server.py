@@ -275,7 +275,8 @@ def decoder_info(gen: Generator) -> dict[str, Any]:
     (take_s) and joining requests (join_s), and the process's garbage collections meanwhile (gc_s, gc_collections)."""
     g = gen.graphs
     if g is None:
-        return {"cuda_graphs": False}
+        why = getattr(gen, "graphs_off", None)
+        return {"cuda_graphs": False, **({"cuda_graphs_off": why} if why else {})}
     return {"cuda_graphs": True, "fused_rms_norms": getattr(gen, "fused_norms", 0),
             "fused_rotary": getattr(gen, "fused_rotary", False), "folded_gqa": g.folded_gqa,
             "compiled_decode": g.step_model is not g.model,
