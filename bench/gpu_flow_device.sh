@@ -224,18 +224,32 @@ PY
         tests/test_megatron_cpu_model.py tests/test_weight_sync.py tests/test_megatron_mapping.py \
         -k "moe or mixture or 1-" --timeout 320 > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8
+      bash "$0" s36-moe-flows ;;  # (the first call ran them here, two sharing one --save: fixed after it)
+    s36-moe-2)  # after the first call: where the Megatron MoE grad norm differs (bench/debug/moe_grads.py), the
+                # fp32 MoE engine without graphs, the CPU model test on a GPU host, then the flows of s36-moe
+      python3 bench/debug/moe_grads.py "$OUT" alltoall allgather > "$OUT/moe_grads.txt" 2>&1
+      grep -v Warning "$OUT/moe_grads.txt" | tail -n 4 | cut -c1-1500
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_cpu_model.py tests/test_gpu_flow.py \
+        -k "megatron_model_matches or families_on_cuda" --timeout 230 > "$OUT/pytest_gpu.txt" 2>&1
+      grep -E "^FAILED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 8
+      bash "$0" s36-moe-flows ;;
+    s36-moe-flows)  # (the flows of s36-moe alone)
       for f in qwen3moe mistral; do
         python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
 save_model; save_model(Path('$BENCH_WORK/$f'), '$f', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
       done
       extra="--rollout-max-truncated-share 1 --rollout-max-response-len 24 --hf-checkpoint $BENCH_WORK"
-      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --part _qwen3moe --out "$OUT" \
-        --timeout 240 --extra "$extra/qwen3moe" &
-      python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --part _qwen3moe --out "$OUT" --timeout 240 \
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron /tmp/rollflow_gpu_flow/ck_torch
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 240 \
+        --extra "$extra/qwen3moe" &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --out "$OUT" --timeout 240 \
         --extra "$extra/qwen3moe"
       wait
-      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --part _mistral --out "$OUT" \
-        --timeout 200 --extra "$extra/mistral" ;;
+      for f in "$OUT"/gpu_flow_demo_*; do mv "$f" "${f/gpu_flow_demo_/gpu_flow_qwen3moe_}"; done
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron  # the demo's --save: a new model is a new run (RF05)
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 200 \
+        --extra "$extra/mistral"
+      for f in "$OUT"/gpu_flow_demo_*; do mv "$f" "${f/gpu_flow_demo_/gpu_flow_mistral_}"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
