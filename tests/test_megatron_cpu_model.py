@@ -31,8 +31,9 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
     warnings.filterwarnings("ignore")
     torch.cuda.current_device = lambda: "cpu"  # see module docstring
     if torch.cuda.is_available():  # on a GPU host megatron-core's compiled MoE helpers would ask dynamo about the
-        import torch._dynamo       # "cpu" CUDA device above: they run eagerly (the same math)
-        torch._dynamo.config.disable = True
+        from torch import _dynamo  # "cpu" CUDA device above: they run eagerly (the same math)
+
+        _dynamo.config.disable = True
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
