@@ -88,6 +88,7 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
 
         lens = [7, 12, 5]
         tokens = torch.randint(0, s.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1))
+        tokens[9] = 0  # token 0 in the row: the families' random models name it their pad token (see hf_model)
         cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
         pos = torch.cat([torch.arange(n) for n in lens])
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12)

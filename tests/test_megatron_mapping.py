@@ -30,6 +30,9 @@ def hf_model(family: str):
         from model_families import random_model  # top-k weights renormalised (Qwen3-30B-A3B's norm_topk_prob)
 
         model = random_model("qwen3moe", 101)
+        # its pad_token_id 0 made transformers' embedding nn.Embedding(padding_idx=0), whose row 0 never trains;
+        # Megatron's embedding trains every row (as for a model without a pad token)
+        model.model.embed_tokens.padding_idx = None
         if family == "qwen3moe-norm":
             model.config.norm_topk_prob = True
             for layer in model.model.layers:
