@@ -510,6 +510,13 @@ def test_a_mixture_of_experts_is_sent_under_its_checkpoint_names_and_the_engine_
         assert torch.equal(served["model.layers.1.mlp.experts.gate_up_proj"],
                            mine["model.layers.1.mlp.experts.gate_up_proj"])
 
+        from engine.weights.layout import _blocks, _geometry, _revert  # layer 1 reuses layer 0's probe: the same
+        probed = {}                                                       # geometry as probing every tensor
+        for n, p in state.generator.model.named_parameters():
+            if ".experts." in n:
+                probed.update(_blocks(_revert(), state.generator.model, n, p))
+        assert _geometry(state.generator.model) == probed and len(probed) == 2 * 4 * 3
+
         partial = {k: v for k, v in trainer.engine_state().items()
                    if k != "model.layers.1.mlp.experts.2.gate_proj.weight"}
         with pytest.raises(DiagnosisError, match="served parameters not sent: model.layers.1.mlp.experts.gate_up_proj"):

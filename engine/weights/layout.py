@@ -78,11 +78,23 @@ def _geometry(model: torch.nn.Module) -> dict[str, tuple[str, tuple, tuple, int]
     out: dict[str, tuple[str, tuple, tuple, int]] = {}
     if _converts(model):
         revert = _revert()
+        # every layer's experts have the same geometry: the index probe runs once per (leaf name, shape), and a
+        # later layer's parts reuse it where their names are that layer's prefix + the same suffixes
+        seen: dict[tuple, dict[str, tuple[tuple, tuple, int]]] = {}
         for name, p in model.named_parameters():
             with torch.no_grad():
                 parts = revert(model, {name: torch.empty(p.shape, device="meta")})
-            if list(parts) != [name]:
-                out.update(_blocks(revert, model, name, p))
+            if list(parts) == [name]:
+                continue
+            prefix, leaf = name.rpartition(".")[0] + ".", name.rpartition(".")[2]
+            known = seen.get((leaf, tuple(p.shape)))
+            if known is not None and {prefix + k for k in known} == set(parts):
+                out.update({prefix + k: (name, *g) for k, g in known.items()})
+                continue
+            blocks = _blocks(revert, model, name, p)
+            out.update(blocks)
+            if all(k.startswith(prefix) for k in blocks):
+                seen[(leaf, tuple(p.shape))] = {k[len(prefix):]: g[1:] for k, g in blocks.items()}
     try:
         model._rollflow_geometry = out
     except Exception:  # noqa: BLE001 — a module that refuses attributes: found again next time
