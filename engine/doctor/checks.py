@@ -426,6 +426,10 @@ def opd_teacher_usable(cfg, env: Environment) -> list[Diagnosis]:
     return []
 
 
+#: what the Megatron mapping raises for a config it cannot build
+UNMAPPABLE = (NotImplementedError, KeyError, TypeError, ValueError)
+
+
 def _megatron_shape(hf_config: dict) -> str:
     """The Megatron mapping's ModelShape of an HF config, or why it cannot map it (compared as text)."""
     import dataclasses
@@ -434,7 +438,7 @@ def _megatron_shape(hf_config: dict) -> str:
 
     try:  # the position limit changes no weight
         return str(dataclasses.replace(shape_from_hf_config(hf_config), max_position_embeddings=0))
-    except (NotImplementedError, KeyError, TypeError, ValueError) as e:
+    except UNMAPPABLE as e:
         return f"not mappable: {e}"
 
 
@@ -486,12 +490,15 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     hf = read_model_json(cfg.model_dir, "config.json")
     if hf is None:
         return []  # model_dir_usable reports a missing config.json
-    why = _megatron_shape(hf)
-    if not why.startswith("not mappable: "):
-        from engine.train.megatron_mapping import shape_from_hf_config
+    from engine.train.megatron_mapping import shape_from_hf_config
 
+    try:
+        shape = shape_from_hf_config(hf)
+    except UNMAPPABLE as e:
+        why = str(e)
+    else:
         tp = cfg.tensor_model_parallel_size
-        if tp == 1 or not shape_from_hf_config(hf).num_experts:
+        if tp == 1 or not shape.num_experts:
             return []  # (a TP that does not divide the heads is the topology check's)
         return [Diagnosis(code="MODEL", severity="error",
                           what=f"--train-backend megatron with --tensor-model-parallel-size {tp}: {cfg.model_dir} is a "
@@ -499,7 +506,6 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
                                "parallelism)", fix="--tensor-model-parallel-size 1 (the GPUs become data-parallel "
                                                    "ranks), or --train-backend torch",
                           facts={"field": "tensor_model_parallel_size", "value": tp})]
-    why = why.removeprefix("not mappable: ")
     return [Diagnosis(code="MODEL", severity="error",
                       what=f"--train-backend megatron cannot build {cfg.model_dir}: {why}",
                       fix="--train-backend torch (transformers' classes: any causal LM), or a model the Megatron "

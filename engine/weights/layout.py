@@ -47,11 +47,16 @@ def _converts(model: torch.nn.Module) -> bool:
                 cached = set(revert(model, dict(meta))) != set(meta)
             except Exception:  # noqa: BLE001 — a model transformers has no conversion for
                 cached = False
-        try:
-            model._rollflow_converts = cached
-        except Exception:  # noqa: BLE001 — a module that refuses attributes: just not cached
-            pass
+        _keep(model, "_rollflow_converts", cached)
     return cached
+
+
+def _keep(model: torch.nn.Module, attr: str, value) -> None:
+    """Cache `value` on the model (a module that refuses attributes is asked again next time)."""
+    try:
+        setattr(model, attr, value)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def served_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -95,10 +100,7 @@ def _geometry(model: torch.nn.Module) -> dict[str, tuple[str, tuple, tuple, int]
             out.update(blocks)
             if all(k.startswith(prefix) for k in blocks):
                 seen[(leaf, tuple(p.shape))] = {k[len(prefix):]: g[1:] for k, g in blocks.items()}
-    try:
-        model._rollflow_geometry = out
-    except Exception:  # noqa: BLE001 — a module that refuses attributes: found again next time
-        pass
+    _keep(model, "_rollflow_geometry", out)
     return out
 
 
