@@ -6,7 +6,7 @@
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
-#          | s36-moe
+#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -255,6 +255,24 @@ save_model; save_model(Path('$BENCH_WORK/$f'), '$f', 'examples/tiny-qwen2-arith'
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 200 \
         --extra "$extra/mistral"
       for f in "$OUT"/gpu_flow_demo_*; do mv "$f" "${f/gpu_flow_demo_/gpu_flow_mistral_}"; done ;;
+    s37-moe)  # Mixtral and Qwen2-MoE on the Megatron backend: the GPU test against the torch backend (all three MoE
+              # families), the CPU model test on a GPU host, the engine's families test, then one flow each
+      (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py \
+         tests/test_megatron_cpu_model.py tests/test_gpu_flow.py \
+         -k "moe or megatron_model_matches or (families_on_cuda and (mixtral or qwen2moe))" --timeout 400 \
+         > "$OUT/pytest_gpu.txt" 2>&1) &
+      for f in mixtral qwen2moe; do
+        python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/$f'), '$f', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      done
+      extra="--rollout-max-truncated-share 1 --rollout-max-response-len 24 --hf-checkpoint $BENCH_WORK"
+      for f in mixtral qwen2moe; do  # one after the other: the demo's --save and work dir are per backend
+        rm -rf /tmp/rollflow_gpu_flow/ck_megatron
+        python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 200 \
+          --extra "$extra/$f"
+        for g in "$OUT"/gpu_flow_demo_*; do mv "$g" "${g/gpu_flow_demo_/gpu_flow_${f}_}"; done
+      done
+      wait; grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
     *) echo "unknown step $step" ;;
   esac
 done

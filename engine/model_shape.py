@@ -33,10 +33,13 @@ class ModelShape:
     num_experts: int = 0  # routed experts of an MoE layer (0: dense)
     moe_top_k: int = 0  # experts per token
     moe_expert_ffn: int = 0  # f of one expert
-    moe_norm_topk: bool = False  # the top-k routing weights renormalised to sum 1 (Qwen's norm_topk_prob)
-    sliding_window: int = 0  # Mistral: every layer attends to itself and the W − 1 tokens before (0: full)
+    moe_norm_topk: bool = False  # the top-k routing weights renormalised to sum 1 (Qwen's norm_topk_prob; Mixtral)
+    moe_dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen's mlp_only_layers, …)
+    moe_shared_ffn: int = 0  # f of the shared expert every token also goes through (Qwen2-MoE; 0: none)
+    moe_shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x · w) (Qwen2-MoE's gate)
+    sliding_window: int = 0  # Mistral, Mixtral: each layer attends to itself and the W − 1 tokens before (0: full)
     tie_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2: always; Llama / Qwen3: attention_bias
+    qkv_bias: bool = False  # Qwen2: always; Qwen2-MoE: qkv_bias (default on); Llama / Qwen3: attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -66,14 +69,14 @@ class ModelShape:
         h, a, layers = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["num_hidden_layers"])
         top_k = c.get("num_experts_per_tok") or c.get("moe_router_topk") or 0
         experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0
-        moe_layers, moe_f = 0, 0
+        family = c.get("model_type") or ""
+        moe_layers, moe_f, dense, shared = 0, 0, (), 0
         if top_k and experts:  # Qwen-MoE / DeepSeek name the expert width; Mixtral's experts are intermediate_size
             f_expert = c.get("moe_intermediate_size") or c["intermediate_size"]
-            dense = len(c.get("mlp_only_layers") or []) or int(c.get("first_k_dense_replace") or 0)
-            moe_layers = layers - dense
-            shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * f_expert
+            dense = moe_dense_layers(c, layers)
+            moe_layers = layers - len(dense)
+            shared = int(c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * f_expert)
             moe_f = top_k * f_expert + shared
-        family = c.get("model_type") or ""
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         # transformers' own defaults: no num_key_value_heads = multi-head attention, no head_dim = h / a
         return ModelShape(
@@ -82,16 +85,30 @@ class ModelShape:
             vocab_size=int(c["vocab_size"]), num_moe_layers=moe_layers, moe_ffn_hidden_size=moe_f, family=family,
             num_experts=int(experts if moe_layers else 0), moe_top_k=int(top_k if moe_layers else 0),
             moe_expert_ffn=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if moe_layers else 0,
-            moe_norm_topk=bool(c.get("norm_topk_prob", False)),
-            sliding_window=int(c.get("sliding_window") or 0) if family == "mistral" else 0,
+            # Mixtral's router always renormalises its top k (its config has no norm_topk_prob)
+            moe_norm_topk=family == "mixtral" or bool(c.get("norm_topk_prob", False)),
+            moe_dense_layers=dense if moe_layers else (), moe_shared_ffn=shared if moe_layers else 0,
+            moe_shared_gate=bool(moe_layers and shared and family == "qwen2_moe"),
+            sliding_window=int(c.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0,
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"),
+            qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(c.get("qkv_bias", True)))
+            or bool(c.get("attention_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"),
             norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta") or 10000.0)),
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
             rope_type=str(rope.get("rope_type", rope.get("type", "default"))),
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if k not in ("rope_theta", "rope_type", "type")
                                       and not isinstance(v, (list, dict)))))
+
+
+def moe_dense_layers(c: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The layers of a mixture-of-experts config whose MLP is dense, as transformers builds them: Qwen-MoE's
+    `mlp_only_layers`, and otherwise every layer i with (i + 1) not a multiple of `decoder_sparse_step`; DeepSeek's
+    first `first_k_dense_replace` layers."""
+    only = {int(i) for i in c.get("mlp_only_layers") or []}
+    step = int(c.get("decoder_sparse_step") or 1)
+    first = int(c.get("first_k_dense_replace") or 0)
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step or i < first)
 
 
 def read(model: str | Path) -> ModelShape:

@@ -1,8 +1,9 @@
 """Random small models of the families users train, with the attention and norm features that the packed trainer
 and the engine's CUDA-graph decoder must reproduce from transformers: sliding-window layers (Mistral: every layer;
 Gemma 2 and 3: some layers), attention-logit softcapping (Gemma 2, whose transformers attention is eager), Gemma's
-x̂ · (1 + w) RMSNorm, q/k norms (OLMo 2), a fused qkv projection (Phi-3), experts (Qwen3-MoE) and Llama 3's RoPE
-scaling. Used by tests/test_forward.py and tests/test_sampling.py (CPU) and tests/test_gpu_flow.py (CUDA)."""
+x̂ · (1 + w) RMSNorm, q/k norms (OLMo 2), a fused qkv projection (Phi-3), experts (Qwen3-MoE; Mixtral, with a
+window and its checkpoint's block_sparse_moe names; Qwen2-MoE, with a gated shared expert and a dense first layer) and
+Llama 3's RoPE scaling. Used by tests/test_forward.py and tests/test_sampling.py (CPU) and tests/test_gpu_flow.py (CUDA)."""
 from __future__ import annotations
 
 import shutil
@@ -14,7 +15,7 @@ import torch
 WINDOW = 6
 #: families with sliding-window layers or softcapping (the ones whose attention the tests check most closely)
 WINDOWED = ("mistral", "gemma2")
-FAMILIES = WINDOWED + ("gemma3", "phi3", "olmo2", "qwen3moe", "llama3rope")
+FAMILIES = WINDOWED + ("gemma3", "phi3", "olmo2", "qwen3moe", "mixtral", "qwen2moe", "llama3rope")
 
 
 def random_model(family: str, vocab: int):
@@ -38,6 +39,9 @@ def random_model(family: str, vocab: int):
         "olmo2": lambda: T.Olmo2Config(**common),
         "qwen3moe": lambda: T.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=32),
+        "mixtral": lambda: T.MixtralConfig(**common, **window, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2moe": lambda: T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48, decoder_sparse_step=2),
         "llama3rope": lambda: T.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16}),

@@ -133,10 +133,12 @@ def test_gpu_megatron_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_megatron_qwen3_moe_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
-    """A Qwen3-MoE (4 experts, 2 a token) in megatron-core's MoE layer (alltoall dispatcher, SequentialMLP, eager):
-    log-probs and three GRPO steps equal the torch backend's on transformers' model in fp32; the weights it sends
-    to the engines and exports are under the checkpoint's names, as the HF files have them."""
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "qwen2moe"])
+def test_gpu_megatron_moe_steps_equal_torch_steps_in_fp32(family, tmp_path, small_cfg):
+    """A mixture of experts (tests/model_families.py: 4 experts, 2 a token; Mixtral with a window, Qwen2-MoE with a
+    gated shared expert and a dense layer 0) in megatron-core's MoE layer (alltoall dispatcher, SequentialMLP,
+    eager): log-probs and three GRPO steps equal the torch backend's on transformers' model in fp32; the weights it
+    sends to the engines and exports are under the checkpoint's names, as the HF files have them."""
     from safetensors import safe_open
 
     from engine.train.megatron_backend import MegatronBackend
@@ -145,7 +147,7 @@ def test_gpu_megatron_qwen3_moe_steps_equal_torch_steps_in_fp32(tmp_path, small_
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = random_model("qwen3moe", 128)
+    model = random_model(family, 128)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)

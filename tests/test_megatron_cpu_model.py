@@ -4,8 +4,9 @@ Runs only where megatron-core is installed (`pip install --no-deps megatron-core
 machine). Each case is a fresh process group of 1 or 2 processes (TP = 1, 2), with RoPE either Megatron's
 THD path or the packed attention's own. Megatron's RoPE moves its frequencies to
 `torch.cuda.current_device()`; the child processes point that at the CPU — the only patch.
-Checks, per family (Qwen2 tied / Qwen3 q-k norm / Llama GQA 6:2 / Qwen3-MoE at TP = 1: its router and experts /
-Mistral: a sliding window of 4 tokens),
+Checks, per family (Qwen2 tied / Qwen3 q-k norm / Llama GQA 6:2 / Mistral: a sliding window of 4 tokens / at TP = 1
+the mixtures of experts: Qwen3-MoE's router and experts, Mixtral's (a window of 6), Qwen2-MoE's gated shared expert
+and dense layer 0),
 on one packed row of 3 samples:
 log-probs and entropies equal the torch backend's per-sample ones; the gradients of Σ(log p + H) equal
 transformers' gradients mapped and sharded the same way; gathering the shards gives back the HF weights.
@@ -134,7 +135,8 @@ def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_atten
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = mp.Manager().dict()
-    families = ["qwen2", "qwen3", "llama", "qwen3moe", "qwen3moe-norm", "mistral"] if world == 1 else \
+    families = ["qwen2", "qwen3", "llama", "qwen3moe", "qwen3moe-norm", "mistral", "mixtral", "qwen2moe"] \
+        if world == 1 else \
         ["qwen2", "qwen3", "mistral"]
     mp.spawn(_case, args=(world, port, families, rope_in_attention, out), nprocs=world)
     for (family, w, rank), res in out.items():

@@ -21,15 +21,16 @@ TINY = {
                     intermediate_size=48, num_hidden_layers=2, vocab_size=101, tie_word_embeddings=False,
                     sliding_window=4),
 }
+MOE = ("qwen3moe", "mixtral", "qwen2moe")  # tests/model_families.py
 
 
 def hf_model(family: str):
     import transformers
 
-    if family.startswith("qwen3moe"):  # tests/model_families.py: 4 experts, 2 a token, q/k norms; "-norm": the
-        from model_families import random_model  # top-k weights renormalised (Qwen3-30B-A3B's norm_topk_prob)
-
-        model = random_model("qwen3moe", 101)
+    if family.startswith("qwen3moe") or family in MOE:  # tests/model_families.py: 4 experts, 2 a token (Qwen3: q/k
+        from model_families import random_model  # norms; Mixtral: a window of 6; Qwen2-MoE: a gated shared expert,
+        # a dense layer 0); "-norm": the top-k weights renormalised (Qwen3-30B-A3B's norm_topk_prob)
+        model = random_model(family.removesuffix("-norm"), 101)
         # its pad_token_id 0 made transformers' embedding nn.Embedding(padding_idx=0), whose row 0 never trains;
         # Megatron's embedding trains every row (as for a model without a pad token)
         model.model.embed_tokens.padding_idx = None
@@ -187,37 +188,74 @@ def test_shape_reads_old_and_new_rope_keys_and_llama3_scaling():
         shape_from_hf_config({**TINY["llama"], "model_type": "gpt2"})
 
 
-@pytest.mark.parametrize("fused_norms", [False, True])
-def test_a_qwen3_moe_maps_its_router_and_experts_and_back_under_the_checkpoint_names(fused_norms):
-    """Qwen3-MoE: router = mlp.gate, each expert's [gate; up] into its linear_fc1 and down into linear_fc2 of
-    megatron-core's SequentialMLP; back, the names are the checkpoint's (what save_pretrained writes and engines
-    load), not transformers 5's fused in-memory ones."""
-    from engine.weights.layout import checkpoint_state
-    from model_families import random_model
+#: per family: the checkpoint's router, expert 3's gate projection, shared expert's gate weight (None: none), the
+#: dense layers
+MOE_NAMES = {"qwen3moe": ("mlp.gate.weight", "mlp.experts.3.gate_proj.weight", None, ()),
+             "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.3.w1.weight", None, ()),
+             "qwen2moe": ("mlp.gate.weight", "mlp.experts.3.gate_proj.weight", "mlp.shared_expert_gate.weight", (0,))}
 
-    model = random_model("qwen3moe", 101)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
+
+@pytest.mark.parametrize("fused_norms", [False, True])
+@pytest.mark.parametrize("family", MOE)
+def test_a_mixture_of_experts_maps_its_router_and_experts_and_back_under_the_checkpoint_names(family, fused_norms):
+    """Router = the checkpoint's gate, each expert's [gate; up] into its linear_fc1 and down into linear_fc2 of
+    megatron-core's SequentialMLP (Qwen2-MoE: the shared expert's into mlp.shared_experts, its sigmoid gate's
+    weight into gate_weight; its dense layer 0 into a dense MLP); back, the names are the checkpoint's (what
+    save_pretrained writes and engines load), not transformers 5's fused in-memory ones."""
+    from engine.weights.layout import checkpoint_state
+
+    model = hf_model(family)
     s = shape_from_hf_config(model.config.to_dict())
-    assert (s.num_experts, s.moe_top_k, s.moe_expert_ffn, s.qk_norm) == (4, 2, 32, True)
+    router, expert, shared_gate, dense = MOE_NAMES[family]
+    f = 128 if family == "mixtral" else 32  # Mixtral's experts are intermediate_size wide
+    assert (s.num_experts, s.moe_top_k, s.moe_expert_ffn, s.moe_dense_layers) == (4, 2, f, dense)
+    assert s.moe_norm_topk == (family == "mixtral") and s.qk_norm == (family == "qwen3moe")
+    assert (s.moe_shared_ffn, s.moe_shared_gate) == ((48, True) if shared_gate else (0, False))
+    assert s.sliding_window == (6 if family == "mixtral" else 0) and s.qkv_bias == (family == "qwen2moe")
     hf = canonical(checkpoint_state(model, model.state_dict()), s)
+    assert "model.layers.1." + router in hf and "model.layers.1." + expert in hf
     mg = hf_to_megatron(hf, s, fused_norms=fused_norms)
     assert mg["decoder.layers.1.mlp.router.weight"].shape == (4, s.hidden_size)
     fc1 = mg["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
-    assert fc1.shape == (2 * 32, s.hidden_size) and not any(".mlp.linear_fc" in k for k in mg)
-    assert torch.equal(fc1[:32], hf["model.layers.1.mlp.experts.3.gate_proj.weight"])
-    assert ("decoder.layers.0.pre_mlp_layernorm.weight" in mg)  # its own module, TE or not
+    assert fc1.shape == (2 * f, s.hidden_size)
+    assert torch.equal(fc1[:f], hf["model.layers.1." + expert])
+    assert torch.equal(mg["decoder.layers.1.mlp.router.weight"], hf["model.layers.1." + router])
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in mg  # its own module, TE or not
+    assert {i for i in range(s.num_layers) if f"decoder.layers.{i}.mlp.linear_fc1.weight" in mg} == set(dense)
+    if shared_gate:
+        assert mg["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (2 * 48, s.hidden_size)
+        assert torch.equal(mg["decoder.layers.1.mlp.shared_experts.gate_weight"], hf["model.layers.1." + shared_gate])
+    assert not any("shared_experts" in k for k in mg) or shared_gate
     back = megatron_to_hf(mg, s, fused_norms=fused_norms)
     assert sorted(back) == sorted(hf)
     for k in hf:
         assert torch.equal(back[k], hf[k]), k
 
 
-def test_a_qwen3_moe_is_not_split_over_tp_ranks():
-    from model_families import random_model
+@pytest.mark.parametrize("config, match", [
+    (dict(model_type="mixtral", router_jitter_noise=0.1), "router_jitter_noise 0.1"),
+    (dict(model_type="qwen2_moe", shared_expert_intermediate_size=0), "without a shared expert")])
+def test_mixture_of_experts_variants_that_are_not_mapped_are_refused_by_name(config, match):
+    base = {**TINY["qwen2"], "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(NotImplementedError, match=match):
+        shape_from_hf_config({**base, **config})
 
-    s = shape_from_hf_config(random_model("qwen3moe", 101).config.to_dict())
+
+def test_dense_layers_of_a_mixture_of_experts_follow_transformers():
+    """Qwen-MoE: a layer has experts unless listed in mlp_only_layers or (i + 1) is not a multiple of
+    decoder_sparse_step; DeepSeek: the first first_k_dense_replace layers are dense."""
+    base = dict(model_type="qwen3_moe", hidden_size=32, num_attention_heads=4, intermediate_size=48,
+                num_hidden_layers=6, vocab_size=101, num_experts=4, num_experts_per_tok=2)
+    for extra, dense in [({}, ()), ({"decoder_sparse_step": 2}, (0, 2, 4)), ({"mlp_only_layers": [1, 5]}, (1, 5)),
+                         ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, (0, 1, 2, 3, 4)),
+                         ({"first_k_dense_replace": 2, "model_type": "deepseek_v3"}, (0, 1))]:
+        m = ModelShape.from_hf_config({**base, **extra})
+        assert (m.moe_dense_layers, m.num_moe_layers) == (dense, 6 - len(dense)), extra
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_a_mixture_of_experts_is_not_split_over_tp_ranks(family):
+    s = shape_from_hf_config(hf_model(family).config.to_dict())
     check_tp(s, 1)
     with pytest.raises(ValueError, match="mixture of experts.*TP = 1"):
         check_tp(s, 2)

@@ -245,7 +245,8 @@ def test_preflight_finds_a_model_the_megatron_backend_cannot_build(small_cfg, ti
 
 
 def test_preflight_takes_a_qwen3_moe_for_megatron_at_tp_1_only(small_cfg, tiny_model, tmp_path):
-    """The Megatron mapping builds Qwen3-MoE's experts at TP = 1; at TP = 2 the preflight says so, naming the flag."""
+    """The Megatron mapping builds Qwen3-MoE's experts at TP = 1 (with dense layers too); at TP = 2 the preflight
+    says so, naming the flag; a variant it does not map (Mixtral's router jitter) is refused by name."""
     from engine.doctor.checks import Environment, megatron_maps_the_model
     from model_families import save_model
 
@@ -256,6 +257,9 @@ def test_preflight_takes_a_qwen3_moe_for_megatron_at_tp_1_only(small_cfg, tiny_m
                                              tensor_model_parallel_size=2), env)
     assert d.severity == "error" and "mixture of experts" in d.what and d.facts["field"] == "tensor_model_parallel_size"
     dense = edited(tiny_model, tmp_path / "dense-moe", model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                   moe_intermediate_size=32, mlp_only_layers=[0])
-    (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=dense), env)
-    assert "mlp_only_layers" in d.what
+                   moe_intermediate_size=32, mlp_only_layers=[0])  # a dense layer 0: mapped
+    assert megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=dense), env) == []
+    jitter = edited(tiny_model, tmp_path / "jitter", model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    router_jitter_noise=0.01)
+    (d,) = megatron_maps_the_model(small_cfg(train_backend="megatron", hf_checkpoint=jitter), env)
+    assert "router_jitter_noise 0.01" in d.what and "--train-backend torch" in d.fix

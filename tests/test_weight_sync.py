@@ -474,11 +474,19 @@ def test_the_post_write_hook_runs_on_rank_0_after_a_disk_syncs_files_and_before_
         RunConfig(custom_update_weight_post_write_path="m:f")
 
 
-def test_a_mixture_of_experts_is_sent_under_its_checkpoint_names_and_the_engine_takes_them(tiny_model, tmp_path):
-    """transformers 5 fuses a Qwen3-MoE's experts in memory (mlp.experts.gate_up_proj); its files, and SGLang's
-    loaders, name them per expert. The trainer sends the files' names (what save_pretrained writes), the built-in
-    engine copies them into its fused tensors, also from buckets that split a layer's experts, and a sync missing
-    one expert is refused naming the fused tensor."""
+#: family (tests/model_families.py): an expert's up projection in the files, the MoE layers
+MOE_FILES = {"qwen3moe": ("mlp.experts.{e}.up_proj.weight", (0, 1)),
+             "mixtral": ("block_sparse_moe.experts.{e}.w3.weight", (0, 1)),  # in memory: mlp.experts…
+             "qwen2moe": ("mlp.experts.{e}.up_proj.weight", (1,))}  # layer 0 is dense
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FILES))
+def test_a_mixture_of_experts_is_sent_under_its_checkpoint_names_and_the_engine_takes_them(family, tiny_model,
+                                                                                          tmp_path):
+    """transformers 5 fuses a mixture of experts in memory (mlp.experts.gate_up_proj); its files, and SGLang's
+    loaders, name them per expert (Mixtral: under block_sparse_moe, w1 / w3 / w2). The trainer sends the files'
+    names (what save_pretrained writes), the built-in engine copies them into its fused tensors, also from buckets
+    that split a layer's experts, and a sync missing one expert is refused naming the fused tensor."""
     from safetensors import safe_open
 
     from engine.config import RunConfig
@@ -487,12 +495,14 @@ def test_a_mixture_of_experts_is_sent_under_its_checkpoint_names_and_the_engine_
     from engine.weights.sync import push_tensors
     from model_families import save_model
 
-    model = save_model(tmp_path / "moe", "qwen3moe", tiny_model)
+    up, layers = MOE_FILES[family]
+    last = f"model.layers.{layers[-1]}."
+    model = save_model(tmp_path / "moe", family, tiny_model)
     on_disk = set(safe_open(str(Path(model) / "model.safetensors"), "pt").keys())
     trainer = TorchBackend(RunConfig(hf_checkpoint=model, rollout_temperature=1.0))
     sent = trainer.engine_state()
-    assert set(sent) == on_disk and "model.layers.0.mlp.experts.3.up_proj.weight" in sent
-    assert "model.layers.0.mlp.experts.gate_up_proj" in trainer.model_state()  # the in-memory layout differs
+    assert set(sent) == on_disk and last + up.format(e=3) in sent
+    assert last + "mlp.experts.gate_up_proj" in trainer.model_state()  # the in-memory layout differs
 
     state = EngineState(model, threads=1, max_new_tokens=8, api_key=KEY)
     server = ServerThread(state, "127.0.0.1", _free_port())
@@ -507,19 +517,19 @@ def test_a_mixture_of_experts_is_sent_under_its_checkpoint_names_and_the_engine_
         assert version == "2" and (after - _trainer_logprobs(trainer, seq)).abs().max() < 1e-4
         served = dict(state.generator.model.named_parameters())
         mine = dict(trainer.model.named_parameters())
-        assert torch.equal(served["model.layers.1.mlp.experts.gate_up_proj"],
-                           mine["model.layers.1.mlp.experts.gate_up_proj"])
+        for n in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            assert torch.equal(served[last + n], mine[last + n])
 
         from engine.weights.layout import _blocks, _geometry, _revert  # layer 1 reuses layer 0's probe: the same
         probed = {}                                                       # geometry as probing every tensor
         for n, p in state.generator.model.named_parameters():
-            if ".experts." in n:
-                probed.update(_blocks(_revert(), state.generator.model, n, p))
-        assert _geometry(state.generator.model) == probed and len(probed) == 2 * 4 * 3
+            if ".experts." in n or (family == "mixtral" and ".mlp.gate." in n):  # Mixtral's router is renamed
+                probed.update(_blocks(_revert(), state.generator.model, n, p))  # too: block_sparse_moe.gate
+        routers = len(layers) if family == "mixtral" else 0
+        assert _geometry(state.generator.model) == probed and len(probed) == len(layers) * 4 * 3 + routers
 
-        partial = {k: v for k, v in trainer.engine_state().items()
-                   if k != "model.layers.1.mlp.experts.2.gate_proj.weight"}
-        with pytest.raises(DiagnosisError, match="served parameters not sent: model.layers.1.mlp.experts.gate_up_proj"):
+        partial = {k: v for k, v in trainer.engine_state().items() if k != last + up.format(e=2)}
+        with pytest.raises(DiagnosisError, match=f"served parameters not sent: {last}mlp.experts.gate_up_proj"):
             state.update_from_named(partial, "3")
         assert state.weight_version == "2"
     finally:

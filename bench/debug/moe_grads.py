@@ -1,5 +1,5 @@
 """Which gradients differ between the Megatron backend's Qwen3-MoE and the torch backend's (GPU, fp32), with the
-alltoall and the allgather dispatcher: the check behind test_gpu_megatron_qwen3_moe_steps_equal_torch_steps_in_fp32
+alltoall and the allgather dispatcher: the check behind test_gpu_megatron_moe_steps_equal_torch_steps_in_fp32
 (session 36). `python bench/debug/moe_grads.py OUT_DIR` on a GPU host with megatron-core."""
 import json
 import sys

@@ -481,7 +481,8 @@ def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
 @check("MODEL")
 def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     """--train-backend megatron: its mapping (engine/train/megatron_mapping.py) builds the model of --hf-checkpoint:
-    Qwen2, Qwen3, Qwen3-MoE (experts at TP = 1), Llama, Mistral, not Qwen2's sliding windows. Found here, not at the
+    Qwen2, Qwen3, Llama, Mistral and (experts at TP = 1) Qwen2-MoE, Qwen3-MoE, Mixtral, not Qwen2's sliding windows.
+    Found here, not at the
     train workers' model build, after Ray and the engines have started."""
     from engine.modeling import read_model_json
 
@@ -509,7 +510,7 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     return [Diagnosis(code="MODEL", severity="error",
                       what=f"--train-backend megatron cannot build {cfg.model_dir}: {why}",
                       fix="--train-backend torch (transformers' classes: any causal LM), or a model the Megatron "
-                          "mapping covers (Qwen2, Qwen3, Qwen3-MoE, Llama, Mistral)",
+                          "mapping covers (Qwen2, Qwen3, Llama, Mistral, Qwen2-MoE, Qwen3-MoE, Mixtral)",
                       facts={"field": "train_backend", "value": "megatron", "reason": why})]
 
 

@@ -1,4 +1,5 @@
-"""HF ⇄ Megatron weight mapping for the Qwen2, Qwen3, Qwen3-MoE, Llama and Mistral families: pure tensor code (CPU).
+"""HF ⇄ Megatron weight mapping for the Qwen2, Qwen3, Llama and Mistral families and the mixtures of experts Qwen2-MoE,
+Qwen3-MoE and Mixtral: pure tensor code (CPU).
 
 Megatron layouts (megatron-core GPTModel, names without the DDP / Float16Module `module.` prefixes):
 
@@ -10,7 +11,11 @@ Megatron layouts (megatron-core GPTModel, names without the DDP / Float16Module 
     tied embeddings    no output_layer.weight: the LM head reads embedding.word_embeddings.weight
     experts (MoE)      mlp.router.weight [E, h] (HF mlp.gate.weight); per expert e
                        mlp.experts.local_experts.<e>.linear_fc1.weight [2·f_e, h] ([gate; up]) and .linear_fc2.weight
-                       (megatron-core's SequentialMLP; the HF side is the checkpoint's per-expert names)
+                       (megatron-core's SequentialMLP; the HF side is the checkpoint's per-expert names: Qwen's
+                       mlp.experts.<e>.gate_proj / up_proj / down_proj, Mixtral's block_sparse_moe.experts.<e>.w1 / w3
+                       / w2); Qwen2-MoE's shared expert mlp.shared_experts.linear_fc1 / linear_fc2 and its sigmoid
+                       gate mlp.shared_experts.gate_weight [1, h] (HF mlp.shared_expert.*, mlp.shared_expert_gate);
+                       a layer listed in ModelShape.moe_dense_layers has a dense MLP (linear_fc1 / linear_fc2)
 
 Tensor parallelism (TP = p ranks) then splits each full tensor: column-parallel ones (qkv, fc1, embedding,
 output layer) along rows, row-parallel ones (linear_proj, fc2) along columns, norms replicated. Because the
@@ -30,7 +35,12 @@ import torch
 
 from engine.model_shape import ModelShape
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral")  # Mistral: Llama's weights, sliding windows
+# Mistral: Llama's weights, sliding windows; Mixtral: Mistral's attention, experts; Qwen2-MoE: Qwen2's attention,
+# experts and a gated shared expert
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+#: an MoE layer's HF names (checkpoint files): the block, then an expert's gate, up and down projections
+_MOE_HF = {"mixtral": ("block_sparse_moe.", "w1", "w3", "w2")}
+_MOE_HF_DEFAULT = ("mlp.", "gate_proj", "up_proj", "down_proj")
 
 
 def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
@@ -41,9 +51,12 @@ def shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         raise NotImplementedError(f"model_type {family!r}: the Megatron mapping covers {', '.join(FAMILIES)}")
     if cfg.get("use_sliding_window"):
         raise NotImplementedError("sliding-window attention (use_sliding_window: true) is not mapped")
-    if family == "qwen3_moe" and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
-        raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not "
-                                  "mapped: every layer must have experts")
+    if family == "qwen2_moe" and not cfg.get("shared_expert_intermediate_size", 1):
+        raise NotImplementedError("Qwen2-MoE without a shared expert (shared_expert_intermediate_size 0) is not mapped")
+    if family == "mixtral" and float(cfg.get("router_jitter_noise") or 0.0):
+        # transformers scales the experts' input too; Megatron's moe_input_jitter_eps only the router's
+        raise NotImplementedError(f"Mixtral's router_jitter_noise {cfg['router_jitter_noise']} is not mapped "
+                                  "(Megatron's jitter scales the router's input only): set it to 0.0 in config.json")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
         raise NotImplementedError("only SwiGLU MLPs without bias are mapped (hidden_act silu, mlp_bias false)")
     shape = ModelShape.from_hf_config(cfg)
@@ -88,27 +101,46 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 # ---- HF ⇄ Megatron (full tensors, TP = 1) ----------------------------------------------------------------
-def _layer_names(fused_norms: bool, qk_norm: bool, moe: bool = False) -> dict[str, str]:
-    """Megatron suffix → HF suffix of the one-to-one layer weights. An MoE layer's MLP norm stays its own module
-    under Transformer Engine too (no dense linear_fc1 to fuse it into)."""
+def moe_layer(shape: ModelShape, i: int) -> bool:
+    """Whether layer i's MLP is a mixture of experts."""
+    return shape.num_experts > 0 and i not in shape.moe_dense_layers
+
+
+def _layer_map(shape: ModelShape, i: int, fused_norms: bool
+               ) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+    """Layer i's weights: {Megatron suffix: HF suffix} of the one-to-one ones, and (Megatron linear_fc1, HF gate, HF
+    up) of each fused [gate; up]. An MoE layer's MLP norm stays its own module under Transformer Engine too (no dense
+    linear_fc1 to fuse it into)."""
+    moe = moe_layer(shape, i)
     names = {"self_attention.linear_proj.weight": "self_attn.o_proj.weight"}
     if moe:
-        names["mlp.router.weight"] = "mlp.gate.weight"
+        block, gate, up, down = _MOE_HF.get(shape.family, _MOE_HF_DEFAULT)
+        names["mlp.router.weight"] = block + "gate.weight"
+        gated = []
+        for e in range(shape.num_experts):
+            x, y = f"{block}experts.{e}.", f"mlp.experts.local_experts.{e}."
+            gated.append((y + "linear_fc1.weight", f"{x}{gate}.weight", f"{x}{up}.weight"))
+            names[y + "linear_fc2.weight"] = f"{x}{down}.weight"
+        if shape.moe_shared_ffn:
+            gated.append(("mlp.shared_experts.linear_fc1.weight", "mlp.shared_expert.gate_proj.weight",
+                          "mlp.shared_expert.up_proj.weight"))
+            names["mlp.shared_experts.linear_fc2.weight"] = "mlp.shared_expert.down_proj.weight"
+            if shape.moe_shared_gate:
+                names["mlp.shared_experts.gate_weight"] = "mlp.shared_expert_gate.weight"
     else:
+        gated = [("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")]  # [2·ffn, h]
         names["mlp.linear_fc2.weight"] = "mlp.down_proj.weight"
-    if qk_norm:
+    if shape.qk_norm:
         names["self_attention.q_layernorm.weight"] = "self_attn.q_norm.weight"
         names["self_attention.k_layernorm.weight"] = "self_attn.k_norm.weight"
     if fused_norms:
         names["self_attention.linear_qkv.layer_norm_weight"] = "input_layernorm.weight"
-        if moe:
-            names["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"
-        else:
-            names["mlp.linear_fc1.layer_norm_weight"] = "post_attention_layernorm.weight"
+        names["pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight"] = \
+            "post_attention_layernorm.weight"
     else:
         names["input_layernorm.weight"] = "input_layernorm.weight"
         names["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"
-    return names
+    return names, gated
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, fused_norms: bool = False,
@@ -122,7 +154,6 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
     }
     if not s.tie_embeddings:
         out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], vp)
-    names = _layer_names(fused_norms, s.qk_norm, moe=s.num_experts > 0)
     for i in range(s.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         a = src + "self_attn."
@@ -131,13 +162,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
         if s.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s.num_heads, s.num_kv_heads)
-        for e in range(s.num_experts):
-            x, y = f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.local_experts.{e}."
-            out[y + "linear_fc1.weight"] = torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0)
-            out[y + "linear_fc2.weight"] = hf[x + "down_proj.weight"]
-        if not s.num_experts:
-            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)  # [2·ffn, h]
+        names, gated = _layer_map(s, i, fused_norms)
+        for fc1, gate, up in gated:
+            out[dst + fc1] = torch.cat([hf[src + gate], hf[src + up]], dim=0)
         for mg_name, hf_name in names.items():
             out[dst + mg_name] = hf[src + hf_name]
     return out
@@ -154,7 +181,6 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
     }
     if not s.tie_embeddings:
         out["lm_head.weight"] = mg["output_layer.weight"][:V]
-    names = _layer_names(fused_norms, s.qk_norm, moe=s.num_experts > 0)
     for i in range(s.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         q, k, v = split_qkv(mg[src + "self_attention.linear_qkv.weight"], s.num_heads, s.num_kv_heads, s.head_dim)
@@ -165,14 +191,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: ModelShape, *, fused_norm
                                    s.head_dim)
             out.update({dst + "self_attn.q_proj.bias": qb, dst + "self_attn.k_proj.bias": kb,
                         dst + "self_attn.v_proj.bias": vb})
-        for e in range(s.num_experts):
-            x, y = f"{src}mlp.experts.local_experts.{e}.", f"{dst}mlp.experts.{e}."
-            gate, up = mg[x + "linear_fc1.weight"].chunk(2, dim=0)
-            out.update({y + "gate_proj.weight": gate, y + "up_proj.weight": up,
-                        y + "down_proj.weight": mg[x + "linear_fc2.weight"]})
-        if not s.num_experts:
-            gate, up = mg[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-            out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+        names, gated = _layer_map(s, i, fused_norms)
+        for fc1, gate, up in gated:
+            out[dst + gate], out[dst + up] = mg[src + fc1].chunk(2, dim=0)
         for mg_name, hf_name in names.items():
             out[dst + hf_name] = mg[src + mg_name]
     return out

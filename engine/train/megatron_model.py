@@ -1,5 +1,5 @@
-"""Building a megatron-core GPTModel for an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama / Mistral checkpoint, and moving HF
-weights in and out.
+"""Building a megatron-core GPTModel for an HF Qwen2 / Qwen3 / Llama / Mistral / Qwen2-MoE / Qwen3-MoE / Mixtral
+checkpoint, and moving HF weights in and out.
 
 `model_kwargs` is pure (CPU-testable); everything else needs megatron-core, a CUDA device and an initialised
 `parallel_state`. The layer spec is Transformer Engine's when TE is installed, else megatron-core's local
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.train.megatron_mapping import ModelShape, hf_to_megatron, megatron_to_hf, tp_gather, tp_shard
+from engine.train.megatron_mapping import ModelShape, hf_to_megatron, megatron_to_hf, moe_layer, tp_gather, tp_shard
 
 
 def have_transformer_engine() -> bool:
@@ -199,7 +199,12 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         # loss only), no token dropping, one SequentialMLP of local experts (no grouped GEMM without TE).
         config.update(num_moe_experts=s.num_experts, moe_router_topk=s.moe_top_k,
                       moe_ffn_hidden_size=s.moe_expert_ffn, moe_router_pre_softmax=not s.moe_norm_topk,
-                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                      # 1: experts, 0: a dense MLP (Qwen's mlp_only_layers / decoder_sparse_step)
+                      moe_layer_freq=[int(moe_layer(s, i)) for i in range(s.num_layers)])
+        if s.moe_shared_ffn:  # Qwen2-MoE: + sigmoid(x · w_gate) · shared_expert(x)
+            config.update(moe_shared_expert_intermediate_size=s.moe_shared_ffn,
+                          moe_shared_expert_gate=s.moe_shared_gate)
     if kernels.recompute:  # slime's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
         config.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     gpt = dict(
@@ -212,12 +217,13 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
     return config, gpt
 
 
-def layer_spec(shape: ModelShape, kernels: Kernels = Kernels()):
-    """TE layers when installed; else local layers with the packed flash core attention."""
+def layer_spec(shape: ModelShape, kernels: Kernels = Kernels(), *, moe: bool | None = None):
+    """TE layers when installed; else local layers with the packed flash core attention. `moe`: whether the layer
+    has experts (default: whether the model has)."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    experts = shape.num_experts or None
+    experts = (shape.num_experts or None) if moe in (None, True) else None
     if have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm)
@@ -237,13 +243,18 @@ def layer_spec(shape: ModelShape, kernels: Kernels = Kernels()):
 
 
 def block_spec(shape: ModelShape, config, kernels: Kernels = Kernels()):
-    """This stage's layers (and, with hf_rms_norm, the final norm too, which a layer spec cannot set)."""
-    spec = layer_spec(shape, kernels)
-    if not kernels.hf_rms_norm or have_transformer_engine():
-        return spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    """This stage's layers (a mixture of experts with dense layers: each its own kind), and the final norm (with
+    hf_rms_norm, HF's, which a layer spec cannot set)."""
+    hf_norm = kernels.hf_rms_norm and not have_transformer_engine()
+    if not hf_norm and not shape.moe_dense_layers:
+        return layer_spec(shape, kernels)
+    from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
 
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=HFRMSNorm)
+    first = layer_offset(config)
+    kinds = {moe: layer_spec(shape, kernels, moe=moe) for moe in {moe_layer(shape, i) for i in range(shape.num_layers)}}
+    specs = [kinds[moe_layer(shape, first + i)] for i in range(get_num_layers_to_build(config))]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=HFRMSNorm if hf_norm else LayerNormImpl)
 
 
 def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int,
