@@ -6,7 +6,7 @@
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
-#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe
+#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -273,6 +273,21 @@ save_model; save_model(Path('$BENCH_WORK/$f'), '$f', 'examples/tiny-qwen2-arith'
         for g in "$OUT"/gpu_flow_demo_*; do mv "$g" "${g/gpu_flow_demo_/gpu_flow_${f}_}"; done
       done
       wait; grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
+    s37-replay)  # --use-routing-replay: Megatron's RouterReplay against the torch backend's hooks (three MoE families),
+                 # the CPU tests, then Qwen3-MoE flows with two steps per rollout (the second replays), both backends
+      (timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py \
+         tests/test_routing_replay.py -k "routing_replay or replay or recorded" --timeout 380 \
+         > "$OUT/pytest_gpu.txt" 2>&1) &
+      python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      extra="--rollout-max-truncated-share 1 --rollout-max-response-len 24 --hf-checkpoint $BENCH_WORK/qwen3moe \
+--use-routing-replay --num-steps-per-rollout 2 --global-batch-size 32"
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron /tmp/rollflow_gpu_flow/ck_torch
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 220 \
+        --extra "$extra" &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --out "$OUT" --timeout 220 --extra "$extra"
+      wait; for g in "$OUT"/gpu_flow_demo_*; do mv "$g" "${g/gpu_flow_demo_/gpu_flow_replay_}"; done
+      grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -175,6 +175,50 @@ def test_gpu_megatron_moe_steps_equal_torch_steps_in_fp32(family, tmp_path, smal
     assert set(safe_open(str(tmp_path / "export" / "model.safetensors"), "pt").keys()) == files
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "qwen2moe"])
+def test_gpu_megatron_routing_replay_equals_the_torch_backends(family, tmp_path, small_cfg):
+    """--use-routing-replay on megatron-core's RouterReplay against the torch backend's hooks (tests/
+    test_routing_replay.py), fp32: the same experts recorded in the no-grad forward; then, on weights whose routers
+    moved (so routing afresh picks other experts), three steps that replay them give the same losses and grad norms,
+    and differ from the torch backend's steps routed afresh."""
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.torch_backend import TorchBackend
+    from model_families import random_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = random_model(family, 128)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.config.pad_token_id = None  # (see test_gpu_megatron_moe_steps_equal_torch_steps_in_fp32)
+    model.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():  # the routers moved: the weights the steps start from
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn_like(p) * 0.9)
+    model.save_pretrained(tmp_path / "moved")
+    cfg = small_cfg(hf_checkpoint=str(tmp_path / "hf"), train_backend="megatron", lr=1e-3, use_routing_replay=True)
+    mbs = _micro_batches()
+    mg = MegatronBackend(cfg, params_dtype="float32")
+    tb, plain = TorchBackend(cfg), TorchBackend(small_cfg(hf_checkpoint=str(tmp_path / "hf"), lr=1e-3))
+    old, t_old = mg.compute_log_probs(mbs, record_routing=True), tb.compute_log_probs(mbs, record_routing=True)
+    assert max(float((a - b).abs().max()) for a, b in zip(old, t_old)) < 1e-5
+    assert mg.routes.by_mb.keys() == tb.routes.by_mb.keys() and len(mg.replays) == (1 if family == "qwen2moe" else 2)
+    for k, routes in tb.routes.by_mb.items():
+        for a, b in zip(mg.routes.by_mb[k], routes):
+            assert torch.equal(a.sort(-1).values, b.sort(-1).values), k
+    for backend in (mg, tb, plain):
+        backend.load_weights(str(tmp_path / "moved"))
+    for step in range(3):
+        m, t, p = (b.train_step(mbs, old, old, 8) for b in (mg, tb, plain))
+        assert abs(m["loss_total"] - t["loss_total"]) < 1e-5, step
+        assert abs(m["grad_norm"] - t["grad_norm"]) < 1e-4 * max(1.0, t["grad_norm"]), step
+        assert abs(p["grad_norm"] - t["grad_norm"]) > 1e-3 * t["grad_norm"], step  # the replay mattered
+
+
 def _agree(mg: dict, tb: dict, keys: tuple[str, ...], what: str) -> None:
     for k in keys:
         assert k in mg and k in tb, (what, k, sorted(mg), sorted(tb))

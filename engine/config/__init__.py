@@ -346,6 +346,23 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         return self
 
     @model_validator(mode="after")
+    def _routing_replay(self) -> "RunConfig":
+        if not self.use_routing_replay:
+            return self
+        if self.log_probs_max_tokens_per_gpu is not None:
+            raise config_error("--use-routing-replay with --log-probs-max-tokens-per-gpu: the no-grad forward that "
+                               "records the routing packs other micro-batches than the steps, so its routing cannot "
+                               "be replayed token for token", "drop --log-probs-max-tokens-per-gpu",
+                               field="log_probs_max_tokens_per_gpu", value=self.log_probs_max_tokens_per_gpu)
+        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1:
+            raise config_error(f"--use-routing-replay with --pipeline-model-parallel-size "
+                               f"{self.pipeline_model_parallel_size}: the Megatron backend replays a micro-batch's "
+                               "routing between its forward and its backward, which the pipeline schedule interleaves",
+                               "--pipeline-model-parallel-size 1, or --train-backend torch",
+                               field="pipeline_model_parallel_size", value=self.pipeline_model_parallel_size)
+        return self
+
+    @model_validator(mode="after")
     def _async_save(self) -> "RunConfig":
         if self.async_save and not self.save:
             raise config_error("--async-save with no --save: there is no checkpoint to commit in the background",

@@ -10,8 +10,9 @@ from __future__ import annotations
 _CI = ("rollflow runs these checks on every run: on the first step the policy equals the reference and the ratio is 1 "
        "(RF01), the train–inference log-prob mismatch stays under --logprob-mismatch-threshold (RF14, also after each "
        "weight sync), and every engine reports the synced weight version")
-_MOE = ("rollflow implements none of slime's MoE, MTP and FP8-kernel features (routing replay, MTP heads, DeepGEMM "
-        "forwards)")
+_MTP = ("rollflow implements none of slime's MTP and FP8-kernel features (MTP heads, DeepGEMM forwards)")
+_R3 = ("rollflow's engines do not return the experts they routed each token to (SGLang's routed experts), so the "
+       "rollout's routing cannot be replayed")
 _DELTA = ("rollflow syncs full weights: in memory (--weight-sync-method tensor), over a process group "
           "(distributed) or through <work_dir>/weights/vN (disk); there is no delta encoding")
 _BUFFER = ("slime's external rollout buffer service is not part of rollflow: a --rollout-function-path hook makes "
@@ -76,16 +77,16 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "allgather-cp": ("no rollflow backend runs context parallelism yet (--context-parallel-size > 1 is refused)",
                      "drop it"),
     "multimodal-keys": ("rollflow trains text-only models", "drop it"),
-    "enable-mtp-training": (_MOE, "drop it"),
-    "mtp-num-layers": (_MOE, "drop it"),
-    "mtp-loss-scaling-factor": (_MOE, "drop it"),
-    "use-routing-replay": (_MOE, "drop it"),
-    "use-rollout-routing-replay": (_MOE, "drop it"),
-    "megatron-deepgemm-forward-layers": (_MOE, "drop it"),
-    "megatron-deepgemm-forward-modules": (_MOE, "drop it"),
-    "megatron-deepgemm-moe-forward-layers": (_MOE, "drop it"),
-    "megatron-deepgemm-moe-forward-modules": (_MOE, "drop it"),
-    "freeze-indexer": (_MOE + "; --freeze-params-name-list freezes parameters by name", "--freeze-params-name-list"),
+    "enable-mtp-training": (_MTP, "drop it"),
+    "mtp-num-layers": (_MTP, "drop it"),
+    "mtp-loss-scaling-factor": (_MTP, "drop it"),
+    "use-rollout-routing-replay": (_R3, "--use-routing-replay (the old policy's routing, from the trainer's own "
+                                        "forward)"),
+    "megatron-deepgemm-forward-layers": (_MTP, "drop it"),
+    "megatron-deepgemm-forward-modules": (_MTP, "drop it"),
+    "megatron-deepgemm-moe-forward-layers": (_MTP, "drop it"),
+    "megatron-deepgemm-moe-forward-modules": (_MTP, "drop it"),
+    "freeze-indexer": (_MTP + "; --freeze-params-name-list freezes parameters by name", "--freeze-params-name-list"),
     "qwen-gdn-backend": ("rollflow's backends have no linear-attention (Gated DeltaNet) layers", "drop it"),
 }
 

@@ -514,6 +514,33 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
                       facts={"field": "train_backend", "value": "megatron", "reason": why})]
 
 
+@check("MODEL")
+def routing_replay_has_routers(cfg, env: Environment) -> list[Diagnosis]:
+    """--use-routing-replay: the model is a mixture of experts whose routers rollflow replays (Qwen2-MoE, Qwen3-MoE,
+    Mixtral: softmax, top k, renormalised or not); a dense model has nothing to replay (an idle flag)."""
+    from engine.model_shape import ModelShape
+    from engine.modeling import read_model_json
+    from engine.train.routing import REPLAYED
+
+    if not cfg.use_routing_replay:
+        return []
+    hf = read_model_json(cfg.model_dir, "config.json")
+    if hf is None:
+        return []  # model_dir_usable reports a missing config.json
+    family = (hf.get("text_config") or hf).get("model_type")
+    if family in REPLAYED:
+        return []
+    try:
+        moe = ModelShape.from_hf_config(hf).num_experts > 0
+    except (ConfigError, *UNMAPPABLE):
+        moe = False
+    what = (f"--use-routing-replay: {cfg.model_dir} ({family}) is a mixture of experts whose router rollflow does not "
+            f"replay (it replays {', '.join(REPLAYED)})") if moe else \
+        f"--use-routing-replay: {cfg.model_dir} ({family}) has no experts, so there is no routing to replay"
+    return [Diagnosis(code="MODEL", severity="error", what=what, fix="drop --use-routing-replay",
+                      facts={"field": "use_routing_replay", "value": True, "model_type": family})]
+
+
 @check("RF10")
 def model_has_stop(cfg, env: Environment) -> list[Diagnosis]:
     from engine.modeling import read_model_json

@@ -39,6 +39,7 @@ from engine.train.forward import check_recompute_loss, recomputed_log_probs
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
+from engine.train.routing import Routes
 from engine.train.optim import lr_lambda
 from engine.train.backend import step_hooks
 from engine.train.torch_backend import SUMMED, rng_state, set_rng_state
@@ -169,7 +170,13 @@ class MegatronBackend:
 
         self.kernels = kernels
         gpt, self.config = build_model(self.shape, vocab_padded=self.vocab_padded, dtype=self.dtype, tp=self.tp,
-                                       pp=self.pp, kernels=kernels)
+                                       pp=self.pp, kernels=kernels, routing_replay=cfg.use_routing_replay)
+        # --use-routing-replay: megatron-core's RouterReplay of each router, in module order; the recorded routing
+        self.replays = [m.router_replay for m in gpt.modules() if getattr(m, "router_replay", None) is not None]
+        self.routes = Routes()
+        if cfg.use_routing_replay and self.rank == 0:
+            log.info("megatron backend: --use-routing-replay: the steps replay the experts of %d routers, recorded in "
+                     "the forward before them", len(self.replays))
         load_hf_into(gpt, self.config, load_weights_dir(cfg.hf_checkpoint), self.shape,
                      vocab_padded=self.vocab_padded)
         self.gpt = gpt  # unwrapped: its parameter names are the mapping's
@@ -269,10 +276,12 @@ class MegatronBackend:
         return kw
 
     # ---- forward over micro-batches (Megatron's schedule: no pipelining, or 1F1B across PP stages) ---------
-    def _run(self, mbs: list[MicroBatch], loss_fn: Callable, *, forward_only: bool, entropy_grad: bool
-             ) -> list[dict[str, torch.Tensor]]:
+    def _run(self, mbs: list[MicroBatch], loss_fn: Callable, *, forward_only: bool, entropy_grad: bool,
+             routing: str | None = None) -> list[dict[str, torch.Tensor]]:
         """Run `loss_fn(j, mb, log_probs [T], entropy [T]) -> (loss, {stats})` on every micro-batch; returns the
-        stats dicts on the last pipeline stage ([] elsewhere). Gradients are finalised when not forward_only."""
+        stats dicts on the last pipeline stage ([] elsewhere). Gradients are finalised when not forward_only.
+        routing (--use-routing-replay, PP = 1): "record" each micro-batch's experts into self.routes, or "replay"
+        them (set before its forward; the no-pipelining schedule runs its backward, and any recompute, next)."""
         from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -319,14 +328,39 @@ class MegatronBackend:
             tokens, run_cu, pos, cu, longest = inputs[j]  # longest: from the host tensors, no sync
             psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=run_cu, cu_seqlens_kv=run_cu,
                                   max_seqlen_q=longest, max_seqlen_kv=longest)
+            if routing is not None:
+                self._route(routing, mb, dev)
             out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=None,
                         packed_seq_params=psp, **extra)  # last stage: logits [1, T, V/p]; else hidden [T, 1, h]
+            if routing == "record":
+                self.routes.record(mb, [r.get_recorded_indices() for r in self.replays])
             return out, partial(loss_on_logits, j, mb, tokens, cu)
 
-        return get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(range(len(mbs))), model=self.model,
-            num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
-            forward_only=forward_only) or []
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter(range(len(mbs))), model=self.model,
+                num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
+                forward_only=forward_only) or []
+        finally:
+            for r in self.replays:  # other forwards (reference, teacher, scoring) route on their own
+                r.clear_router_replay_action()
+                r.clear_indices()
+
+    def _route(self, routing: str, mb: MicroBatch, dev) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if routing == "record":
+            for r in self.replays:
+                r.clear_indices()
+                r.set_router_replay_action(RouterReplayAction.RECORD)
+            return
+        indices = self.routes.of(mb)
+        if len(indices) != len(self.replays):
+            raise RuntimeError(f"--use-routing-replay: {len(indices)} recorded routers for {len(self.replays)}")
+        for r, idx in zip(self.replays, indices):
+            r.clear_indices()
+            r.set_target_indices(idx.to(device=dev, dtype=torch.long))
+            r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _sharded_log_probs(self, logits: torch.Tensor, targets: torch.Tensor, *, entropy_grad: bool,
                            reducers: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,7 +430,8 @@ class MegatronBackend:
     @_on_own_stream
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
-                          with_entropy: bool = False, weights: dict[str, torch.Tensor] | None = None):
+                          with_entropy: bool = False, weights: dict[str, torch.Tensor] | None = None,
+                          record_routing: bool = False):
         with torch.enable_grad():  # a capture records the backward too
             self._prepare_graphs(mbs)
         for m in self.model:
@@ -405,8 +440,9 @@ class MegatronBackend:
                             "teacher_" if teacher else "ref_" if ref else "")
         other = self._teacher() if teacher else self.ref_weights if ref else weights  # weights: --keep-old-actor
         with self._swapped_in(other) if other is not None else nullcontext():
+            record = record_routing and self.replays and not (ref or teacher)
             outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp, "entropy": ent.detach()}),
-                             forward_only=True, entropy_grad=False)
+                             forward_only=True, entropy_grad=False, routing="record" if record else None)
         for m in self.model:
             m.train()
         if not self.is_last_stage:  # only the last stage computes the loss; it is the only user of these
@@ -472,7 +508,8 @@ class MegatronBackend:
 
         # a custom loss may use the entropy's gradient
         outs = self._run(mbs, loss_fn, forward_only=False,
-                         entropy_grad=spec.entropy_coef != 0 or self.hooks.custom_loss is not None)
+                         entropy_grad=spec.entropy_coef != 0 or self.hooks.custom_loss is not None,
+                         routing="replay" if self.replays and self.routes.replaying else None)
         # one device → host transfer for the step's numbers: Σ over micro-batches (the ratio check: max)
         keys = sorted({k for o in outs for k in o["stats"]})
         zero = torch.zeros((), device=dev)

@@ -258,8 +258,10 @@ def block_spec(shape: ModelShape, config, kernels: Kernels = Kernels()):
 
 
 def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int,
-                kernels: Kernels = Kernels()):
-    """A GPTModel stage for this rank (pre/post-process by pipeline stage) and its TransformerConfig."""
+                kernels: Kernels = Kernels(), routing_replay: bool = False):
+    """A GPTModel stage for this rank (pre/post-process by pipeline stage) and its TransformerConfig.
+    routing_replay (--use-routing-replay): each router gets megatron-core's RouterReplay (megatron_backend drives
+    it)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -268,6 +270,8 @@ def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp:
     if shape.num_experts:
         router_without_te()
     cfg_kw["gradient_accumulation_fusion"] = kernels.wgrad_fusion and enable_wgrad_fusion()
+    if routing_replay:
+        cfg_kw["moe_enable_routing_replay"] = True
     if cfg_kw["bias_activation_fusion"]:
         static_swiglu_kernels()
     config = TransformerConfig(**cfg_kw)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from engine.train.backend import step_hooks
 from engine.train.checks import nan_diagnosis
 from engine.train.forward import check_recompute_loss, packed_forward, use_varlen_attention
 from engine.train.optim import gather_lists, make_optimizer, reset_state, sync_and_clip
+from engine.train.routing import Routes, TorchRouters
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
 TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
@@ -113,6 +114,15 @@ class TorchBackend:
         elif cfg.bf16:
             self.masters = Fp32Masters(model)  # takes the fp32 weights, then the model holds their bf16 rounding
         self.model = model.eval()  # dropout off: see the module docstring
+        # --use-routing-replay: the old policy's experts, recorded in compute_log_probs, replayed in train_step
+        self.routes = Routes()
+        self.router_hooks = TorchRouters(model) if cfg.use_routing_replay else None
+        if self.router_hooks is not None and rank == 0:
+            import logging
+
+            logging.getLogger("rollflow").info("rollflow: --use-routing-replay: the steps replay the experts of %d "
+                                               "routers, recorded in the forward before them",
+                                               len(self.router_hooks.routers))
         self.ref = None
         self.teacher = None  # --use-opd --opd-type megatron: frozen, loaded at its first use (_teacher_model)
         self.last_log_probs: list[torch.Tensor] | None = None  # the last train step's forward, per micro-batch
@@ -204,14 +214,22 @@ class TorchBackend:
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
-                          with_entropy: bool = False, weights: list[torch.Tensor] | None = None):
+                          with_entropy: bool = False, weights: list[torch.Tensor] | None = None,
+                          record_routing: bool = False):
         """Per-token log-probs [T] of each micro-batch (0 where loss_mask is 0) under the policy, the reference or
         the --use-opd teacher, on the CPU; with_entropy: (those, the per-token entropies [T] of the same forward).
-        weights: a snapshot_weights copy the policy computes with instead of its own (--keep-old-actor)."""
+        weights: a snapshot_weights copy the policy computes with instead of its own (--keep-old-actor).
+        record_routing (--use-routing-replay, the policy): keep each micro-batch's experts for train_step."""
         model = self._teacher_model() if teacher else self._ref_model() if ref else self.model
+        record = record_routing and model is self.model and self.router_hooks is not None
+        outs = []
         with self._swapped_in(weights if model is self.model else None):
-            outs = [packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
-                                   share_prefix=self.share_prefix, chunk=self.chunk) for mb in mbs]
+            for mb in mbs:
+                with self.router_hooks.recording() if record else nullcontext() as indices:
+                    outs.append(packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
+                                               share_prefix=self.share_prefix, chunk=self.chunk))
+                if record:
+                    self.routes.record(mb, indices)
         lps = [lp.cpu() for lp, _ in outs]
         return (lps, [ent.detach().float().cpu() * mb.loss_mask for (_, ent), mb in zip(outs, mbs)]) \
             if with_entropy else lps
@@ -242,16 +260,19 @@ class TorchBackend:
         tokens, loss_total, ratio_maxdev, per_sample_losses = zero.clone(), zero.clone(), zero.clone(), []
         entropy_grad = spec.entropy_coef != 0 or self.hooks.custom_loss is not None  # a custom loss may use it
         seen: list[torch.Tensor] = []
+        replay = self.router_hooks is not None and self.routes.replaying
         for j, mb in enumerate(mbs):
-            lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
-                                     entropy_grad=entropy_grad, share_prefix=self.share_prefix,
-                                     chunk=self.chunk, recompute=self.recompute_loss)  # [T], [T]
-            mask = mb.loss_mask.to(dev)
-            old = old_log_probs[j].to(dev) if old_log_probs is not None else lp.detach()
-            seen.append(lp.detach())
-            loss, stats, per_sample = self._objective(
-                mb, lp, ent, old, ref_log_probs[j].to(dev) if ref_log_probs is not None else None, mask, denom)
-            loss.backward()
+            # a replayed routing lasts through the backward, which recomputes layers under --recompute-activations
+            with self.router_hooks.replaying(self.routes.of(mb)) if replay else nullcontext():
+                lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
+                                         entropy_grad=entropy_grad, share_prefix=self.share_prefix,
+                                         chunk=self.chunk, recompute=self.recompute_loss)  # [T], [T]
+                mask = mb.loss_mask.to(dev)
+                old = old_log_probs[j].to(dev) if old_log_probs is not None else lp.detach()
+                seen.append(lp.detach())
+                loss, stats, per_sample = self._objective(
+                    mb, lp, ent, old, ref_log_probs[j].to(dev) if ref_log_probs is not None else None, mask, denom)
+                loss.backward()
             with torch.no_grad():
                 for k, v in stats.items():
                     if k in SUMMED or k.startswith(("custom_", "tis")):

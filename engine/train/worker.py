@@ -225,7 +225,12 @@ class TrainWorker:
                              f"({type(self.backend).__name__} does not)")
         # the policy's no-grad forward: the old log-probs, or (--use-rollout-logprobs) only for the mismatch on a
         # backend that does not keep its step's log-probs, or for --use-rollout-entropy's entropies
-        policy_forward = old_from == "forward" or (old_from == "rollout" and (not records or cfg.use_rollout_entropy))
+        # (--use-routing-replay: the forward records the routing the steps replay)
+        policy_forward = old_from == "forward" or (old_from == "rollout" and (not records or cfg.use_rollout_entropy
+                                                                              or cfg.use_routing_replay))
+        replay = {"record_routing": True} if cfg.use_routing_replay else {}
+        if cfg.use_routing_replay:
+            self.backend.routes.clear()  # the last rollout's; "train" records nothing: its step routes as the old
         need_ref = need_ref or cfg.use_kl_loss or cfg.kl_coef > 0
         kept = self._old_actor(rollout_id, old_version)
         if kept is not None and old_from != "forward":
@@ -239,12 +244,12 @@ class TrainWorker:
             if policy_forward:
                 if cfg.use_rollout_entropy:
                     pairs = [self._forward_only(lambda m: self.backend.compute_log_probs(m, with_entropy=True,
-                                                                                         **weights), mbs)
+                                                                                         **weights, **replay), mbs)
                              for mbs in steps]
                     forward, self.entropy = [p[0] for p in pairs], [p[1] for p in pairs]
                 else:
-                    forward = [self._forward_only(lambda m: self.backend.compute_log_probs(m, **weights), mbs)
-                               for mbs in steps]
+                    forward = [self._forward_only(lambda m: self.backend.compute_log_probs(m, **weights, **replay),
+                                                  mbs) for mbs in steps]
             if old_from == "forward":
                 self.old = forward
             elif old_from == "rollout":
