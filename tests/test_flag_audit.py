@@ -228,6 +228,8 @@ FLAG_TESTS = {
     "kl_loss_type": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "use_unbiased_kl": "test_objective.py::test_unbiased_kl_weights_the_kl_loss_by_the_ratio_with_its_gradient",
     "use_opsm": "test_train_backend.py::test_use_opsm_masks_the_drifted_samples_with_negative_advantages",
+    "use_routing_replay":
+        "test_routing_replay.py::test_the_steps_train_on_the_recorded_experts_with_the_routers_current_weights",
     "opsm_delta": "test_objective.py::test_opsm_leaves_drifted_samples_with_negative_advantages_out_of_the_policy_loss",
     "use_opd": "test_opd.py::test_the_penalty_is_the_reverse_kl_to_the_teacher_on_every_trained_token",
     "opd_type": "test_opd.py::test_pure_distillation_moves_the_student_toward_the_teacher",
