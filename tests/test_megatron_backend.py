@@ -131,6 +131,23 @@ def test_gpu_megatron_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
     assert max(float((a - b).abs().max()) for a, b in zip(mg.compute_log_probs(mbs), t_old)) < 1e-5
 
 
+def _random_moe(family: str, path):
+    """tests/model_families.py's random `family` with N(0, 0.3) weights, saved to `path` (fp32 matmuls without TF32
+    from here on). No pad token: transformers' nn.Embedding(padding_idx=pad_token_id) never trains the pad token's
+    row, Megatron's embedding does (bench/debug/moe_grads.py found exactly that row as the only difference, 0.012)."""
+    from model_families import random_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = random_model(family, 128)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.config.pad_token_id = None
+    model.save_pretrained(path)
+    return model
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "qwen2moe"])
@@ -143,18 +160,8 @@ def test_gpu_megatron_moe_steps_equal_torch_steps_in_fp32(family, tmp_path, smal
 
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.torch_backend import TorchBackend
-    from model_families import random_model
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    model = random_model(family, 128)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    # no pad token: transformers' nn.Embedding(padding_idx=pad_token_id) never trains the pad token's row, Megatron's
-    # embedding does (bench/debug/moe_grads.py found exactly that row as the only difference, 0.012)
-    model.config.pad_token_id = None
-    model.save_pretrained(tmp_path / "hf")
+    _random_moe(family, tmp_path / "hf")
     cfg = small_cfg(hf_checkpoint=str(tmp_path / "hf"), train_backend="megatron", lr=1e-3)
     mbs = _micro_batches()
     mg = MegatronBackend(cfg, params_dtype="float32")
@@ -185,16 +192,8 @@ def test_gpu_megatron_routing_replay_equals_the_torch_backends(family, tmp_path,
     and differ from the torch backend's steps routed afresh."""
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.torch_backend import TorchBackend
-    from model_families import random_model
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    model = random_model(family, 128)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.config.pad_token_id = None  # (see test_gpu_megatron_moe_steps_equal_torch_steps_in_fp32)
-    model.save_pretrained(tmp_path / "hf")
+    model = _random_moe(family, tmp_path / "hf")
     with torch.no_grad():  # the routers moved: the weights the steps start from
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
