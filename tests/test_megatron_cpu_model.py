@@ -10,12 +10,15 @@ and dense layer 0),
 on one packed row of 3 samples:
 log-probs and entropies equal the torch backend's per-sample ones; the gradients of Σ(log p + H) equal
 transformers' gradients mapped and sharded the same way; gathering the shards gives back the HF weights.
+With routing replay (the mixtures of experts), the same after both models' routers moved, each replaying the
+routing it recorded before.
 """
 from __future__ import annotations
 
 import socket
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,8 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _case(rank: int, world: int, port: int, families: list[str], rope_in_attention: bool, out: dict) -> None:
+def _case(rank: int, world: int, port: int, families: list[str], rope_in_attention: bool, out: dict,
+          replay: bool = False) -> None:
     warnings.filterwarnings("ignore")
     torch.cuda.current_device = lambda: "cpu"  # see module docstring
     if torch.cuda.is_available():  # on a GPU host megatron-core's compiled MoE helpers would ask dynamo about the
@@ -76,7 +80,8 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         assert gpt_kw["position_embedding_type"] == ("none" if rope_in_attention else "rope")
         if s.num_experts:  # the alltoall dispatcher the runs use makes a CUDA stream; the routing and the experts
             # are the same with allgather (the GPU run takes alltoall: tests/test_gpu_flow.py)
-            cfg_kw.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
+            cfg_kw.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False,
+                          moe_enable_routing_replay=replay)
         config = TransformerConfig(**cfg_kw, use_cpu_initialization=True)
         if s.num_experts:
             mm.router_without_te()  # (build_model does this for the runs)
@@ -93,6 +98,17 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
         pos = torch.cat([torch.arange(n) for n in lens])
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12)
+        trained = (pos > 0).float()  # every token a sample predicts (its first token has no prediction)
+        mb = MicroBatch(tokens=tokens, cu_seqlens=cu, position_ids=pos, loss_mask=trained,
+                        advantages=torch.zeros(24), rollout_log_probs=torch.zeros(24), sample_ids=[0, 1, 2])
+        use_varlen_attention(hf)
+        state = (float(max((gathered[k] - v).abs().max() for k, v in hf_state.items()
+                           if not (s.tie_embeddings and k == "lm_head.weight"))) if rank == 0 else 0.0)
+        replaying, facts = nullcontext(), {}
+        if replay:
+            replaying, facts = _record_and_move_routers(model, hf, mb, dict(input_ids=tokens[None],
+                                                        position_ids=pos[None], attention_mask=None,
+                                                        packed_seq_params=psp))
         logits = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=None, packed_seq_params=psp)
         lp, ent = vocab_parallel_log_probs(logits[0].float(), shift_targets(tokens), vocab_start=r * vp // tp,
                                            vocab_size=s.vocab_size, reduce_max=reduce_max,
@@ -100,12 +116,9 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         lp, ent = align_to_tokens(lp, cu), align_to_tokens(ent, cu)
         (lp.sum() + ent.sum()).backward()
 
-        trained = (pos > 0).float()  # every token a sample predicts (its first token has no prediction)
-        mb = MicroBatch(tokens=tokens, cu_seqlens=cu, position_ids=pos, loss_mask=trained,
-                        advantages=torch.zeros(24), rollout_log_probs=torch.zeros(24), sample_ids=[0, 1, 2])
-        use_varlen_attention(hf)
-        ref_lp, ref_ent = packed_forward(hf, mb, temperature=1.0)  # the torch backend's forward
-        (ref_lp.sum() + ref_ent.sum()).backward()
+        with replaying:
+            ref_lp, ref_ent = packed_forward(hf, mb, temperature=1.0)  # the torch backend's forward
+            (ref_lp.sum() + ref_ent.sum()).backward()
         hf_grads = {n: p.grad for n, p in hf.named_parameters()}
         if s.tie_embeddings:
             hf_grads["lm_head.weight"] = hf_grads["model.embed_tokens.weight"]
@@ -120,11 +133,46 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
             grad_err[name] = float((g - tp_shard(name, want[name], r, tp)).abs().max())
         out[(family, world, rank)] = dict(
             lp=float(((lp - ref_lp) * trained).abs().max()), ent=float(((ent - ref_ent) * trained).abs().max()),
-            grad=grad_err,
-            state=(float(max((gathered[k] - v).abs().max() for k, v in hf_state.items()
-                             if not (s.tie_embeddings and k == "lm_head.weight")))
-                   if rank == 0 else 0.0))
+            grad=grad_err, state=state, **facts)
     dist.destroy_process_group()
+
+
+def _record_and_move_routers(model, hf, mb, inputs: dict):
+    """--use-routing-replay at the model level: megatron-core's RouterReplay records the routing of a no-grad
+    forward, the torch backend's hooks (engine.train.routing) that of transformers' model; both models' routers
+    then move by the same noise, far enough that routing afresh differs; Megatron is set to replay its record.
+    Returns (the torch side's replaying context, facts)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from engine.train.forward import packed_forward
+    from engine.train.routing import TorchRouters
+
+    replays = [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+    for r in replays:
+        r.set_router_replay_action(RouterReplayAction.RECORD)
+    with torch.no_grad():
+        model(**inputs)
+    mg_idx = [r.get_recorded_indices() for r in replays]
+    hooks = TorchRouters(hf)
+    with torch.no_grad(), hooks.recording() as hf_idx:
+        packed_forward(hf, mb, temperature=1.0)
+    same = len(mg_idx) == len(hf_idx) > 0 and all(torch.equal(a.sort(-1).values, b.sort(-1).values)
+                                                  for a, b in zip(mg_idx, hf_idx))
+    mg_routers = [p for n, p in model.named_parameters() if n.endswith("mlp.router.weight")]
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for a, b in zip(mg_routers, [r.weight for r in hooks.routers], strict=True):
+            noise = torch.randn(b.shape, generator=g) * 3 * b.std()
+            a.add_(noise)
+            b.add_(noise)
+    with torch.no_grad(), hooks.recording() as fresh:
+        packed_forward(hf, mb, temperature=1.0)
+    for r, idx in zip(replays, mg_idx):
+        r.clear_indices()
+        r.set_target_indices(idx)
+        r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    return hooks.replaying(hf_idx), dict(same_record=same,
+                                         moved=any(not torch.equal(a, b) for a, b in zip(fresh, hf_idx)))
 
 
 @pytest.mark.parametrize("rope_in_attention", [True, False],
@@ -145,3 +193,21 @@ def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_atten
         assert not bad, (family, w, rank, bad)
         assert res["state"] == 0.0, (family, res["state"])
     assert len(out) == len(families) * world
+
+
+def test_megatron_replays_the_routing_as_the_torch_backend():
+    """--use-routing-replay, the models: megatron-core's RouterReplay and the torch backend's router hooks record
+    the same experts; after both models' routers moved (routing afresh picks other experts), the replayed forward's
+    log-probs, entropies and every gradient (the routers' included) are equal."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = mp.Manager().dict()
+    families = ["qwen3moe", "qwen3moe-norm", "mixtral", "qwen2moe"]
+    mp.spawn(_case, args=(1, port, families, True, out, True), nprocs=1)
+    assert len(out) == len(families)
+    for (family, _, _), res in out.items():
+        assert res["same_record"] and res["moved"], family
+        assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, res["lp"], res["ent"])
+        bad = {n: e for n, e in res["grad"].items() if e > 1e-5}
+        assert not bad, (family, bad)
