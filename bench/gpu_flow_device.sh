@@ -288,9 +288,9 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --out "$OUT" --timeout 220 --extra "$extra"
       wait; for g in "$OUT"/gpu_flow_demo_*; do mv "$g" "${g/gpu_flow_demo_/gpu_flow_replay_}"; done
       grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
-    s37-replay-min)  # (the Megatron routing-replay GPU test of s37-replay alone: little device time was left)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py -k routing_replay \
-        --timeout 190 > "$OUT/pytest_gpu.txt" 2>&1
+    s37-replay-min)  # (the Megatron routing-replay GPU test of s37-replay alone, one family: little device time was left)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py \
+        -k "routing_replay and ${REPLAY_FAMILY:-qwen3moe}" --timeout 190 > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
     *) echo "unknown step $step" ;;
   esac
