@@ -135,6 +135,8 @@ def test_routing_replay_is_refused_where_it_cannot_replay(small_cfg, tiny_model,
     with pytest.raises(ConfigError, match="--log-probs-max-tokens-per-gpu"):
         small_cfg(use_routing_replay=True, use_dynamic_batch_size=True, max_tokens_per_gpu=64,
                   log_probs_max_tokens_per_gpu=128)
+    with pytest.raises(ConfigError, match="with --loss-type sft_loss: there is no old policy's forward"):
+        small_cfg(use_routing_replay=True, loss_type="sft_loss")
     with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2"):
         small_cfg(use_routing_replay=True, train_backend="megatron", pipeline_model_parallel_size=2)
     env = Environment(gpus=0.0)

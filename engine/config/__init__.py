@@ -349,6 +349,11 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     def _routing_replay(self) -> "RunConfig":
         if not self.use_routing_replay:
             return self
+        if self.loss_type == "sft_loss" or self.disable_compute_advantages_and_returns:
+            flag = "--loss-type sft_loss" if self.loss_type == "sft_loss" else "--disable-compute-advantages-and-returns"
+            raise config_error(f"--use-routing-replay with {flag}: there is no old policy's forward to record the "
+                               "routing in, so nothing would be replayed", "drop --use-routing-replay",
+                               field="use_routing_replay", value=True)
         if self.log_probs_max_tokens_per_gpu is not None:
             raise config_error("--use-routing-replay with --log-probs-max-tokens-per-gpu: the no-grad forward that "
                                "records the routing packs other micro-batches than the steps, so its routing cannot "
