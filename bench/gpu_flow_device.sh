@@ -6,7 +6,7 @@
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
-#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min
+#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -291,6 +291,21 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
     s37-replay-min)  # (the Megatron routing-replay GPU test of s37-replay alone, one family: little device time was left)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py \
         -k "routing_replay and ${REPLAY_FAMILY:-qwen3moe}" --timeout 190 > "$OUT/pytest_gpu.txt" 2>&1
+      grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
+    s38-replay)  # both routing replays on a GPU: megatron-core's RouterReplay against the torch backend's hooks
+                 # (--use-routing-replay and --use-rollout-routing-replay, three MoE families each), then Qwen3-MoE
+                 # flows replaying the built-in engine's routing (bf16 engine), both backends
+      (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py -k "routing_replay" \
+         --timeout 400 > "$OUT/pytest_gpu.txt" 2>&1) &
+      python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      extra="--rollout-max-truncated-share 1 --rollout-max-response-len 24 --hf-checkpoint $BENCH_WORK/qwen3moe \
+--use-rollout-routing-replay"
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron /tmp/rollflow_gpu_flow/ck_torch
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 240 \
+        --extra "$extra" &
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --out "$OUT" --timeout 240 --extra "$extra"
+      wait; for g in "$OUT"/gpu_flow_demo_*; do mv "$g" "${g/gpu_flow_demo_/gpu_flow_r3_}"; done
       grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
     *) echo "unknown step $step" ;;
   esac

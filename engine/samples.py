@@ -32,6 +32,9 @@ class Sample:
     remove_sample: bool = False  # set by --rollout-sample-filter-path: kept out of the loss (slime's field)
     reward_key: str | None = None  # a dict reward's key that is the training reward (--reward-key; set when scored)
     teacher_log_probs: list[float] | None = None  # [R] --use-opd --opd-type sglang: log π_teacher of the response
+    # --use-rollout-routing-replay: the experts the engine routed each token but the last to, as SGLang returns them
+    # (meta_info.routed_experts: base64 of int32 [P + R - 1, num_hidden_layers, top_k]) or as an array of that shape
+    rollout_routed_experts: Any = None
 
     @property
     def prompt_length(self) -> int:
@@ -52,6 +55,10 @@ class Sample:
         d = asdict(self)
         d.update({k: v for k, v in vars(self).items() if k not in _FIELDS})
         d["status"] = self.status.value
+        if d["rollout_routed_experts"] is not None and not isinstance(d["rollout_routed_experts"], str):
+            from engine.packing.microbatch import base64_int32  # an array, as SGLang sends it: JSON-ready
+
+            d["rollout_routed_experts"] = base64_int32(d["rollout_routed_experts"])
         return d
 
     @classmethod

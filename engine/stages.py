@@ -876,7 +876,8 @@ def rollout(run: Run, rollout_id: int) -> RolloutBatch:
                                       max_prompts=len(run.dataset.rows) if keep and isinstance(src, PromptDataSource)
                                       else None, generate=hooks.generate, hook_args=args,
                                       hook_path=cfg.custom_generate_function_path or "", partial=partial,
-                                      sample_hooks=hooks.sample_hooks)
+                                      sample_hooks=hooks.sample_hooks,
+                                      routed_experts=cfg.use_rollout_routing_replay)
         samples = [s for g in result.groups for s in g]
         for smp in samples:
             if smp.metadata.get("weight_version") in (None, ""):
@@ -1202,14 +1203,21 @@ def pack(run: Run, batch: RolloutBatch) -> PackedRollout:
     if [s.index for s in samples] != list(range(len(samples))):
         raise ValueError("Sample.index must be the sample's position in the rollout (group_index·n + j)")
     lengths = [len(s.tokens) for s in samples]
-    flops = flops_per_sample(lengths, model_shape(cfg.model_dir))
+    shape = model_shape(cfg.model_dir)
+    flops = flops_per_sample(lengths, shape)
+    if cfg.use_rollout_routing_replay:
+        from engine.train.routing import RouteLayout
+
+        routes = RouteLayout.of_shape(shape)
+    else:
+        routes = None
     max_tokens = cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None  # preflight: dynamic ⇒ set (RF03)
     steps = build_dp_schedule(lengths, dp_size=plan.dp_size, global_batch_size=plan.global_batch_size,
                               cp_size=cfg.context_parallel_size, max_tokens_per_gpu=max_tokens,
                               micro_batch_size=cfg.micro_batch_size, balance_data=cfg.balance_data,
                               balance_by_flops=cfg.balance_by_flops, flops=flops)
-    per_rank = [[[make_micro_batch([samples[i] for i in mb], [0.0] * len(mb)) for mb in step.ranks[r]]
-                 for step in steps] for r in range(plan.dp_size)]
+    per_rank = [[[make_micro_batch([samples[i] for i in mb], [0.0] * len(mb), routes=routes)
+                  for mb in step.ranks[r]] for step in steps] for r in range(plan.dp_size)]
     cap = plan.token_cap
     metrics = {f"pack/{k}": v for k, v in schedule_stats(steps, lengths, flops, cap).items()}
     metrics["pack/seconds"] = time.perf_counter() - t0

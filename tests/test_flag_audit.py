@@ -230,6 +230,7 @@ FLAG_TESTS = {
     "use_opsm": "test_train_backend.py::test_use_opsm_masks_the_drifted_samples_with_negative_advantages",
     "use_routing_replay":
         "test_routing_replay.py::test_the_steps_train_on_the_recorded_experts_with_the_routers_current_weights",
+    "use_rollout_routing_replay": "test_rollout_routing_replay.py::test_a_flow_trains_on_the_engine_routing",
     "opsm_delta": "test_objective.py::test_opsm_leaves_drifted_samples_with_negative_advantages_out_of_the_policy_loss",
     "use_opd": "test_opd.py::test_the_penalty_is_the_reverse_kl_to_the_teacher_on_every_trained_token",
     "opd_type": "test_opd.py::test_pure_distillation_moves_the_student_toward_the_teacher",

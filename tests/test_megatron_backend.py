@@ -75,7 +75,9 @@ def _tiny_qwen2(path):
     return str(path)
 
 
-def _micro_batches(n_samples: int = 8, per_mb: int = 2):
+def _micro_batches(n_samples: int = 8, per_mb: int = 2, routes=None):
+    """routes (an engine.train.routing.RouteLayout): each sample gets a random engine routing, which the
+    micro-batches carry (--use-rollout-routing-replay)."""
     from engine.algorithms import grpo_advantages
     from engine.packing.microbatch import make_micro_batch
     from engine.samples import Sample, Status
@@ -86,8 +88,16 @@ def _micro_batches(n_samples: int = 8, per_mb: int = 2):
                       response_length=6 + (5 * i) % 7, loss_mask=[1] * (6 + (5 * i) % 7),
                       rollout_log_probs=[-4.0] * (6 + (5 * i) % 7), status=Status.COMPLETED, reward=float(i % 3))
                for i in range(n_samples)]
+    if routes is not None:
+        from engine.train.routing import encode_routes
+
+        for s in samples:
+            picks = torch.stack([torch.stack([torch.randperm(routes.num_experts, generator=g)[:routes.top_k]
+                                              for _ in routes.moe_layers]) for _ in range(len(s.tokens) - 1)])
+            s.rollout_routed_experts = encode_routes(picks, list(routes.moe_layers), routes)
     adv = grpo_advantages(torch.tensor([s.reward for s in samples]), 4).tolist()
-    return [make_micro_batch(samples[j:j + per_mb], adv[j:j + per_mb]) for j in range(0, n_samples, per_mb)]
+    return [make_micro_batch(samples[j:j + per_mb], adv[j:j + per_mb], routes=routes)
+            for j in range(0, n_samples, per_mb)]
 
 
 @pytest.mark.gpu
@@ -216,6 +226,35 @@ def test_gpu_megatron_routing_replay_equals_the_torch_backends(family, tmp_path,
         assert abs(m["loss_total"] - t["loss_total"]) < 1e-5, step
         assert abs(m["grad_norm"] - t["grad_norm"]) < 1e-4 * max(1.0, t["grad_norm"]), step
         assert abs(p["grad_norm"] - t["grad_norm"]) > 1e-3 * t["grad_norm"], step  # the replay mattered
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "qwen2moe"])
+def test_gpu_megatron_rollout_routing_replay_equals_the_torch_backends(family, tmp_path, small_cfg):
+    """--use-rollout-routing-replay on megatron-core's RouterReplay against the torch backend's hooks (tests/
+    test_rollout_routing_replay.py), fp32: the micro-batches carry a random engine routing; the old log-probs'
+    forward and three steps replay it on both (a sample's last token, which the engine did not route, in no loss)
+    and agree, and differ from the torch backend routing on its own."""
+    from engine.model_shape import read
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.routing import RouteLayout
+    from engine.train.torch_backend import TorchBackend
+
+    _random_moe(family, tmp_path / "hf")
+    mbs = _micro_batches(routes=RouteLayout.of_shape(read(str(tmp_path / "hf"))))
+    cfg = small_cfg(hf_checkpoint=str(tmp_path / "hf"), train_backend="megatron", lr=1e-3,
+                    use_rollout_routing_replay=True)
+    mg, tb = MegatronBackend(cfg, params_dtype="float32"), TorchBackend(cfg)
+    plain = TorchBackend(small_cfg(hf_checkpoint=str(tmp_path / "hf"), lr=1e-3))
+    old, t_old, p_old = mg.compute_log_probs(mbs), tb.compute_log_probs(mbs), plain.compute_log_probs(mbs)
+    assert max(float((a - b).abs().max()) for a, b in zip(old, t_old)) < 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(p_old, t_old)) > 1e-3  # the replay mattered
+    for step in range(3):
+        m, t, p = (b.train_step(mbs, old, old, 8) for b in (mg, tb, plain))
+        assert abs(m["loss_total"] - t["loss_total"]) < 1e-5, step
+        assert abs(m["grad_norm"] - t["grad_norm"]) < 1e-4 * max(1.0, t["grad_norm"]), step
+        assert abs(p["grad_norm"] - t["grad_norm"]) > 1e-3 * t["grad_norm"], step
 
 
 def _agree(mg: dict, tb: dict, keys: tuple[str, ...], what: str) -> None:

@@ -347,6 +347,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
 
     @model_validator(mode="after")
     def _routing_replay(self) -> "RunConfig":
+        if self.use_rollout_routing_replay:
+            return self._rollout_routing_replay()
         if not self.use_routing_replay:
             return self
         if self.loss_type == "sft_loss" or self.disable_compute_advantages_and_returns:
@@ -361,6 +363,23 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                field="log_probs_max_tokens_per_gpu", value=self.log_probs_max_tokens_per_gpu)
         if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1:
             raise config_error(f"--use-routing-replay with --pipeline-model-parallel-size "
+                               f"{self.pipeline_model_parallel_size}: the Megatron backend replays a micro-batch's "
+                               "routing between its forward and its backward, which the pipeline schedule interleaves",
+                               "--pipeline-model-parallel-size 1, or --train-backend torch",
+                               field="pipeline_model_parallel_size", value=self.pipeline_model_parallel_size)
+        return self
+
+    def _rollout_routing_replay(self) -> "RunConfig":
+        if self.use_routing_replay:
+            raise config_error("--use-rollout-routing-replay with --use-routing-replay: the steps replay one routing, "
+                               "the engine's (rollout) or the trainer's own no-grad forward's",
+                               "drop one of the two", field="use_routing_replay", value=True)
+        if self.loss_type == "sft_loss":
+            raise config_error("--use-rollout-routing-replay with --loss-type sft_loss: supervised data has no "
+                               "rollout engine's routing to replay", "drop --use-rollout-routing-replay",
+                               field="use_rollout_routing_replay", value=True)
+        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1:
+            raise config_error(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
                                f"{self.pipeline_model_parallel_size}: the Megatron backend replays a micro-batch's "
                                "routing between its forward and its backward, which the pipeline schedule interleaves",
                                "--pipeline-model-parallel-size 1, or --train-backend torch",

@@ -11,8 +11,6 @@ _CI = ("rollflow runs these checks on every run: on the first step the policy eq
        "(RF01), the train–inference log-prob mismatch stays under --logprob-mismatch-threshold (RF14, also after each "
        "weight sync), and every engine reports the synced weight version")
 _MTP = ("rollflow implements none of slime's MTP and FP8-kernel features (MTP heads, DeepGEMM forwards)")
-_R3 = ("rollflow's engines do not return the experts they routed each token to (SGLang's routed experts), so the "
-       "rollout's routing cannot be replayed")
 _DELTA = ("rollflow syncs full weights: in memory (--weight-sync-method tensor), over a process group "
           "(distributed) or through <work_dir>/weights/vN (disk); there is no delta encoding")
 _BUFFER = ("slime's external rollout buffer service is not part of rollflow: a --rollout-function-path hook makes "
@@ -80,8 +78,6 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "enable-mtp-training": (_MTP, "drop it"),
     "mtp-num-layers": (_MTP, "drop it"),
     "mtp-loss-scaling-factor": (_MTP, "drop it"),
-    "use-rollout-routing-replay": (_R3, "--use-routing-replay (the old policy's routing, from the trainer's own "
-                                        "forward)"),
     "megatron-deepgemm-forward-layers": (_MTP, "drop it"),
     "megatron-deepgemm-forward-modules": (_MTP, "drop it"),
     "megatron-deepgemm-moe-forward-layers": (_MTP, "drop it"),

@@ -516,14 +516,18 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
 
 @check("MODEL")
 def routing_replay_has_routers(cfg, env: Environment) -> list[Diagnosis]:
-    """--use-routing-replay: the model is a mixture of experts whose routers rollflow replays (Qwen2-MoE, Qwen3-MoE,
-    Mixtral: softmax, top k, renormalised or not); a dense model has nothing to replay (an idle flag)."""
+    """--use-routing-replay / --use-rollout-routing-replay: the model is a mixture of experts whose routers rollflow
+    replays (Qwen2-MoE, Qwen3-MoE, Mixtral: softmax, top k, renormalised or not); a dense model has nothing to replay
+    (an idle flag)."""
     from engine.model_shape import ModelShape
     from engine.modeling import read_model_json
     from engine.train.routing import REPLAYED
 
-    if not cfg.use_routing_replay:
+    field = "use_rollout_routing_replay" if cfg.use_rollout_routing_replay else \
+        "use_routing_replay" if cfg.use_routing_replay else None
+    if field is None:
         return []
+    flag = "--" + field.replace("_", "-")
     hf = read_model_json(cfg.model_dir, "config.json")
     if hf is None:
         return []  # model_dir_usable reports a missing config.json
@@ -534,11 +538,11 @@ def routing_replay_has_routers(cfg, env: Environment) -> list[Diagnosis]:
         moe = ModelShape.from_hf_config(hf).num_experts > 0
     except (ConfigError, *UNMAPPABLE):
         moe = False
-    what = (f"--use-routing-replay: {cfg.model_dir} ({family}) is a mixture of experts whose router rollflow does not "
+    what = (f"{flag}: {cfg.model_dir} ({family}) is a mixture of experts whose router rollflow does not "
             f"replay (it replays {', '.join(REPLAYED)})") if moe else \
-        f"--use-routing-replay: {cfg.model_dir} ({family}) has no experts, so there is no routing to replay"
-    return [Diagnosis(code="MODEL", severity="error", what=what, fix="drop --use-routing-replay",
-                      facts={"field": "use_routing_replay", "value": True, "model_type": family})]
+        f"{flag}: {cfg.model_dir} ({family}) has no experts, so there is no routing to replay"
+    return [Diagnosis(code="MODEL", severity="error", what=what, fix=f"drop {flag}",
+                      facts={"field": field, "value": True, "model_type": family})]
 
 
 @check("RF10")

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.samples import Sample, Status
+
+if TYPE_CHECKING:
+    from engine.train.routing import RouteLayout
 
 
 @dataclass
@@ -27,6 +32,9 @@ class MicroBatch:
     sample_ids: list[int]  # [S] Sample.index, for reports (RF09 / RF13)
     response_lengths: list[int] | None = None  # [S] R_i: sample i's response is its last R_i tokens
     teacher_log_probs: torch.Tensor | None = None  # [T] --opd-type sglang: log π_teacher (0 off-response)
+    # [T, #MoE layers, k] int16 --use-rollout-routing-replay: the experts the engine routed each token to; -1 where
+    # it routed none (a sample's last token, which no engine forward saw; padding): those route on their own
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -42,11 +50,49 @@ class MicroBatch:
         return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()) if self.num_samples else 0
 
 
-def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_multiple: int = 1) -> MicroBatch:
-    """Pack `samples` (with one advantage each) into a MicroBatch; optional padding to a multiple (TP / CP)."""
+def sample_routes(s: Sample, layout: "RouteLayout", trained: bool) -> np.ndarray:
+    """A sample's engine routing as [L, #MoE layers, k] int16 (--use-rollout-routing-replay), its last token -1 (no
+    engine forward saw it). A trained sample must carry it (Sample.rollout_routed_experts: SGLang's base64 or an
+    array [L - 1, num_layers, k]); one that is not trained and has none is all -1 (its tokens are in no loss)."""
+    from engine.train.routing import decode_routes
+
+    L, raw = len(s.tokens), s.rollout_routed_experts
+    moe = len(layout.moe_layers)
+    if raw is None:
+        if trained:
+            raise ValueError(
+                f"sample {s.index}: --use-rollout-routing-replay, and the engine returned no routed experts for it: "
+                "rollflow's engines and SGLang return them to a request with `return_routed_experts` when started "
+                "with --enable-return-routed-experts (rollflow starts its own so); a --custom-generate-function-path "
+                "sets sample.rollout_routed_experts = meta_info['routed_experts'] of the sample's last /generate")
+        return np.full((L, moe, layout.top_k), -1, dtype=np.int16)
+    what = f"sample {s.index}'s routed experts"
+    if isinstance(raw, str):
+        routes = decode_routes(raw, L, layout, what)
+    else:
+        arr = np.asarray(raw)
+        if arr.shape != (L - 1, layout.num_layers, layout.top_k):
+            raise ValueError(f"{what}: shape {tuple(arr.shape)}, not [{L - 1}, {layout.num_layers}, {layout.top_k}] "
+                             f"(every token of its {L} but the last × layers × top k)")
+        routes = decode_routes(base64_int32(arr), L, layout, what)
+    return np.concatenate([routes, np.full((1, moe, layout.top_k), -1, dtype=np.int16)])
+
+
+def base64_int32(arr) -> str:
+    import base64
+
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<i4").tobytes()).decode("ascii")
+
+
+def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_multiple: int = 1,
+                     routes: "RouteLayout | None" = None) -> MicroBatch:
+    """Pack `samples` (with one advantage each) into a MicroBatch; optional padding to a multiple (TP / CP);
+    `routes` (--use-rollout-routing-replay): the model's layout of the engine's routed experts, which the micro-batch
+    then carries."""
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
     toks, pos, mask, adv, rlp, cu, resp = [], [], [], [], [], [0], []
+    routed: list[np.ndarray] = []
     teacher = any(s.teacher_log_probs is not None for s in samples)
     tlp: list[float] = []
     for s, a in zip(samples, advantages):
@@ -68,6 +114,8 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
                                  f"{len(s.teacher_log_probs or [])} teacher log-probs (--opd-type sglang scores "
                                  "every response token)")
             tlp += [0.0] * P + (list(s.teacher_log_probs) if trained else [0.0] * R)
+        if routes is not None:
+            routed.append(sample_routes(s, routes, trained))
         cu.append(cu[-1] + L)
         resp.append(R)
     pad = (-len(toks)) % pad_to_multiple
@@ -78,6 +126,8 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
         adv += [0.0] * pad
         rlp += [0.0] * pad
         tlp += [0.0] * pad if teacher else []
+        if routes is not None:
+            routed.append(np.full((pad, len(routes.moe_layers), routes.top_k), -1, dtype=np.int16))
         cu.append(cu[-1] + pad)
         resp.append(0)
     return MicroBatch(tokens=torch.tensor(toks, dtype=torch.long), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
@@ -86,7 +136,8 @@ def make_micro_batch(samples: list[Sample], advantages: list[float], pad_to_mult
                       advantages=torch.tensor(adv, dtype=torch.float32),
                       rollout_log_probs=torch.tensor(rlp, dtype=torch.float32),
                       sample_ids=[s.index for s in samples], response_lengths=resp,
-                      teacher_log_probs=torch.tensor(tlp, dtype=torch.float32) if teacher else None)
+                      teacher_log_probs=torch.tensor(tlp, dtype=torch.float32) if teacher else None,
+                      routed_experts=torch.from_numpy(np.concatenate(routed)) if routes is not None else None)
 
 
 def regroup(mbs: list[MicroBatch], cap: int) -> list[MicroBatch]:
@@ -125,13 +176,15 @@ def _joined(parts: list[tuple[MicroBatch, int, int, int | None, int]]) -> MicroB
 
     lens = [e - a for _, a, e, _, _ in parts]
     teacher = all(mb.teacher_log_probs is not None for mb, *_ in parts)
+    routed = all(mb.routed_experts is not None for mb, *_ in parts)
     return MicroBatch(tokens=cat(lambda m: m.tokens),
                       cu_seqlens=torch.tensor([0, *accumulate(lens)], dtype=torch.int32),
                       position_ids=cat(lambda m: m.position_ids), loss_mask=cat(lambda m: m.loss_mask),
                       advantages=torch.zeros(sum(lens)), rollout_log_probs=cat(lambda m: m.rollout_log_probs),
                       sample_ids=[sid for *_, sid, _ in parts if sid is not None],
                       response_lengths=[r for *_, r in parts],
-                      teacher_log_probs=cat(lambda m: m.teacher_log_probs) if teacher else None)
+                      teacher_log_probs=cat(lambda m: m.teacher_log_probs) if teacher else None,
+                      routed_experts=cat(lambda m: m.routed_experts) if routed else None)
 
 
 def split_like(outs: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:

@@ -33,6 +33,7 @@ class EngineSpec:
     compile_decode: bool = False  # ... with its decode step compiled (--sglang-enable-torch-compile)
     max_total_tokens: int | None = None  # the KV-cache tokens of one batch (--sglang-max-total-tokens)
     model_impl: str = "auto"  # the built-in engine's model code (--model-impl)
+    return_routed_experts: bool = False  # SGLang's --enable-return-routed-experts (--use-rollout-routing-replay)
 
 
 class EngineActor:
@@ -97,7 +98,8 @@ class EngineActor:
                             max_batch=self.spec.max_batch, api_key=self.spec.api_key,
                             weight_dirs=self.spec.weight_dirs, cuda_graphs=self.spec.cuda_graphs,
                             compile_decode=self.spec.compile_decode, max_total_tokens=self.spec.max_total_tokens,
-                            model_impl=self.spec.model_impl)
+                            model_impl=self.spec.model_impl,
+                            return_routed_experts=self.spec.return_routed_experts)
         self.state = state
         for attempt in range(3):  # a port checked free can be taken before the bind (another cluster on the node)
             (port,) = self._ports(node, 1)

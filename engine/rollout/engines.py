@@ -275,11 +275,15 @@ def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool, api_key
     the run's engine token (--sglang-api-key when set, so SGLang and rollflow's clients agree on it)."""
     from pathlib import Path
 
+    routed = cfg.use_rollout_routing_replay
+    sglang_args = dict(cfg.sglang_args)
+    if routed and cfg.rollout_engine == "sglang":  # SGLang records the routed experts only when launched so
+        sglang_args["enable-return-routed-experts"] = True
     return EngineSpec(kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, log_dir=log_dir,
                       tp_size=cfg.rollout_num_gpus_per_engine if cfg.rollout_engine == "sglang" else 1,
                       threads=threads, max_new_tokens=cfg.rollout_max_response_len,
                       deterministic=bool(cfg.sglang_args.get("enable-deterministic-inference")),
-                      sglang_args=dict(cfg.sglang_args), python=cfg.rollout_engine_python, colocate=cfg.colocate,
+                      sglang_args=sglang_args, python=cfg.rollout_engine_python, colocate=cfg.colocate,
                       start_timeout_s=cfg.rollout_engine_start_timeout,
                       dtype=cfg.engine_dtype("cuda" if on_gpu else "cpu"),
                       max_batch=_count_arg(cfg, "max-running-requests") or 256,
@@ -287,7 +291,8 @@ def engine_spec(cfg, *, threads: int | None, log_dir: str, on_gpu: bool, api_key
                       weight_dirs=[str(Path(cfg.work_dir).resolve() / "weights")],
                       cuda_graphs=not cfg.sglang_args.get("disable-cuda-graph"),
                       compile_decode=bool(cfg.sglang_args.get("enable-torch-compile")),
-                      max_total_tokens=_count_arg(cfg, "max-total-tokens"), model_impl=cfg.model_impl)
+                      max_total_tokens=_count_arg(cfg, "max-total-tokens"), model_impl=cfg.model_impl,
+                      return_routed_experts=routed)
 
 
 def _count_arg(cfg, key: str) -> int | None:

@@ -67,6 +67,7 @@ class GenRequest:
     seed: int | None = None
     logprob_start_len: int = -1  # ≥ 0: also return log-probs of the prompt tokens from this position
     min_new_tokens: int = 0  # SGLang's: no stop token or stop string ends the answer before this many tokens
+    return_routed_experts: bool = False  # SGLang's: the experts each token but the last was routed to (MoE)
 
 
 @dataclass
@@ -81,10 +82,36 @@ class GenResult:
     input_start: int = 0
     input_ids: list[int] = field(default_factory=list)  # [P] the prompt
     weight_version: str | None = None  # the weights the batch ran under (stamped under the generator's lock)
+    routed_experts: torch.Tensor | None = None  # [P + R - 1, #routers, k] (return_routed_experts), on the host
 
 
 def _cache_of(out) -> Any:
     return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+@contextlib.contextmanager
+def _taped(tape, into: list[torch.Tensor], rows: int, length: int, inv: torch.Tensor | None = None):
+    """Record the routers' experts of the block's forward (`tape`: engine.train.routing.TorchRouters; None: run
+    plainly) into `into` as [rows', length, #routers, k], rows' = len(inv) when the forward ran the distinct prompts
+    `inv` indexes out to the batch's rows."""
+    if tape is None:
+        yield
+        return
+    with tape.recording() as got:
+        yield
+    routes = torch.stack(got, dim=1).view(rows, length, len(got), -1)  # routers see the [rows·length] tokens
+    into.append(routes[inv] if inv is not None else routes)
+
+
+def _routes_of(results: list[GenResult], reqs: list[GenRequest], routed: list[torch.Tensor], plen: int) -> None:
+    """Each result that asked gets its routed experts, SGLang's rows: the prompt's (the left padding left out), then
+    one per output token but the last (no forward saw it) — P + R - 1 rows."""
+    prompt = routed[0].cpu()  # [b, plen, #routers, k]
+    steps = torch.cat(routed[1:], dim=1).cpu() if len(routed) > 1 else prompt[:, :0]  # [b, steps, …]
+    for i, (res, r) in enumerate(zip(results, reqs)):
+        if r.return_routed_experts:
+            P, R = len(r.input_ids), len(res.output_ids)
+            res.routed_experts = torch.cat([prompt[i, plen - P:], steps[i, :max(R - 1, 0)]])[:P + R - 1]
 
 
 class AbortBook:
@@ -188,8 +215,20 @@ class Generator:
     """Owns the served model; `generate` is called from one thread at a time (the scheduler's)."""
 
     def __init__(self, model, tokenizer, eos_ids: list[int], device: str = "cpu", cuda_graphs: bool = True,
-                 compile_decode: bool = False, fuse_ops: bool = True):
+                 compile_decode: bool = False, fuse_ops: bool = True, return_routed_experts: bool = False):
         self.model, self.tokenizer, self.eos_ids, self.device = model, tokenizer, list(eos_ids), device
+        # SGLang's --enable-return-routed-experts: hooks on the MoE routers record the experts of every forward of a
+        # batch that asks (request `return_routed_experts`); such a batch decodes eagerly (no CUDA graphs)
+        self.routers = self.route_layout = None
+        if return_routed_experts:
+            from engine.train.routing import RouteLayout, TorchRouters, router_layers
+
+            self.routers = TorchRouters(model, "--enable-return-routed-experts")
+            c = getattr(model.config, "text_config", None) or model.config
+            self.route_layout = RouteLayout(
+                num_layers=int(c.num_hidden_layers), top_k=int(c.num_experts_per_tok),
+                moe_layers=tuple(router_layers(model, self.routers.routers)),
+                num_experts=int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)))
         self.on_gpu = not str(device).startswith("cpu")
         # on CUDA: decode through captured graphs over a preallocated cache (engine/rollout/cuda_graphs.py), unless
         # SGLang's --disable-cuda-graph says otherwise; batches that ask for prompt log-probs run eagerly
@@ -298,7 +337,9 @@ class Generator:
         # 10 GB at b = 512, P = 32, V = 151,936); the CPU computes them all, as it always has
         prompt_lps = any(r.logprob_start_len >= 0 for r in reqs)
         hold = [r.min_new_tokens for r in reqs]  # min_new_tokens: the stop tokens' logits masked until then
-        graphs = self.graphs if self.graphs is not None and not prompt_lps and not any(hold) else None
+        tape = self.routers if self.routers is not None and any(r.return_routed_experts for r in reqs) else None
+        graphs = self.graphs if self.graphs is not None and not prompt_lps and not any(hold) and tape is None \
+            else None
         if graphs is not None:  # prefill into the graph's cache and draw step 0; later steps replay the graph
             return self._decode_graphs(reqs, ids, mask, pos, seeds, knobs, stop_ids, finish, feed, deliver)
         keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
@@ -309,16 +350,19 @@ class Generator:
         first: dict[tuple[int, ...], int] = {}
         row_of = torch.tensor([first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(reqs)])
         share = len(first) < b
+        routed: list[torch.Tensor] = []  # return_routed_experts: [b, P] then [b, 1] per forward, [·, #routers, k]
         if share:
             uniq = torch.tensor(sorted(first.values()))
             inv = torch.searchsorted(uniq, row_of).to(self.device)  # row → its prompt's place among the distinct
             uniq = uniq.to(self.device)
-            out = self.model(input_ids=ids[uniq], attention_mask=mask[uniq], position_ids=pos[uniq], use_cache=True,
-                             **keep)
+            with _taped(tape, routed, len(uniq), plen, inv):
+                out = self.model(input_ids=ids[uniq], attention_mask=mask[uniq], position_ids=pos[uniq],
+                                 use_cache=True, **keep)
             _cache_of(out).reorder_cache(inv)  # [u, …] → [b, …] (DynamicCache: index_select over the batch)
             all_logits = out.logits.float()[inv]
         else:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
+            with _taped(tape, routed, b, plen):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
             all_logits = out.logits.float()  # [b, P, V] (or [b, 1, V])
         self.prefill_rows += len(first)
         input_lps = [self._input_logprobs(all_logits[i], r, plen, float(temps[i])) for i, r in enumerate(reqs)]
@@ -342,10 +386,13 @@ class Generator:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
-            out = self.model(input_ids=toks[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                             use_cache=True, **{self._cache_kw: past})
+            with _taped(tape, routed, b, 1):
+                out = self.model(input_ids=toks[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                                 use_cache=True, **{self._cache_kw: past})
             past, logits = _cache_of(out), out.logits[:, -1, :].float()
         results = [self._result(r, out_ids[i], out_lp[i], finish[i], input_lps[i]) for i, r in enumerate(reqs)]
+        if tape is not None:
+            _routes_of(results, reqs, routed, plen)
         for q, res in zip(reqs, results):
             res.weight_version = self.version
             if deliver is not None:
@@ -442,6 +489,7 @@ class Generator:
         taken: list[GenRequest] = []
         while (head := feed.peek()) is not None and len(taken) + len(head) <= len(free):
             if not all(r.max_new_tokens > 0 and r.logprob_start_len < 0 and r.min_new_tokens == 0 and
+                       not r.return_routed_experts and
                        graphs.can_join(len(r.input_ids), r.max_new_tokens, r.top_k, r.top_p) for r in head):
                 break
             taken += feed.pop()

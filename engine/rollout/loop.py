@@ -134,14 +134,16 @@ class Partial:
     versions: list = field(default_factory=list)  # the weight_version of each segment
     finish_reason: dict | None = None  # None: not finished yet
     lengths: list[int] = field(default_factory=list)  # tokens of each segment
+    routes: str | None = None  # the last segment's meta_info.routed_experts (--use-rollout-routing-replay)
 
     def to_json(self) -> dict[str, Any]:
         return {"ids": self.ids, "logprobs": self.logprobs, "text": self.text, "versions": self.versions,
-                "finish_reason": self.finish_reason, "lengths": self.lengths}
+                "finish_reason": self.finish_reason, "lengths": self.lengths,
+                **({"routes": self.routes} if self.routes is not None else {})}
 
     def copy(self) -> "Partial":
         return Partial(list(self.ids), list(self.logprobs), self.text, list(self.versions), self.finish_reason,
-                       list(self.lengths))
+                       list(self.lengths), self.routes)
 
 
 def offpolicy_mask(segment_lengths: list[int], response_length: int) -> list[int]:
@@ -189,7 +191,8 @@ class PartialBuffer:
     def from_snapshot(cls, snap: dict[str, Any]) -> "PartialBuffer":
         rows = {(int(r["draw"]), int(r["j"])): Partial(list(r["ids"]), [float(x) for x in r["logprobs"]],
                                                         r.get("text", ""), list(r.get("versions", [])),
-                                                        r.get("finish_reason"), list(r.get("lengths", [])))
+                                                        r.get("finish_reason"), list(r.get("lengths", [])),
+                                                        r.get("routes"))
                 for r in snap.get("rows", [])}
         return cls(int(snap["rollout_id"]), rows)
 
@@ -247,8 +250,10 @@ class _Round:
                  params: SamplingParams, seed: int, engines: EnginePool, reward_model: RewardModel,
                  keep: Callable[[list[Sample]], bool] | None, concurrency: int,
                  generate: Callable | None = None, hook_args: Any = None, hook_path: str = "",
-                 partial: PartialBuffer | None = None, sample_hooks: list[tuple[str, Callable]] | None = None):
+                 partial: PartialBuffer | None = None, sample_hooks: list[tuple[str, Callable]] | None = None,
+                 routed_experts: bool = False):
         self.prompts, self.first_draw, self.needed, self.n = prompts, first_draw, needed, n
+        self.routed = {"return_routed_experts": True} if routed_experts else {}  # --use-rollout-routing-replay
         self.sample_hooks = sample_hooks or []
         self.partial, self.continued = partial, 0
         self.generate, self.hook_args, self.hook_path = generate, hook_args, hook_path
@@ -368,6 +373,7 @@ class _Round:
         row.logprobs += lps
         row.text += o.get("text", "")
         row.versions.append(meta.get("weight_version"))
+        row.routes = meta.get("routed_experts")  # the last call's: its prompt holds the earlier segments
         fr = meta.get("finish_reason") or {}
         if before is not None and self.params.stop and self.partial is not None and self.partial.decode is not None \
                 and (hit := stop_across_segments(row, before, self.params.stop, self.partial.decode)):
@@ -387,7 +393,7 @@ class _Round:
             if gi >= self.cutoff:  # the round was cut: no continuation (_one drops the group)
                 break
             self.continued += sum(bool(rows[j].versions) for j in todo)
-            body = {"input_ids": [prompt + rows[j].ids for j in todo], "return_logprob": True,
+            body = {"input_ids": [prompt + rows[j].ids for j in todo], "return_logprob": True, **self.routed,
                     "rid": [f"{self.rid(gi)}{j}" for j in todo],
                     "sampling_params": [self._params(gi, j, rows[j], seeds[j]) for j in todo]}
             first = not any(rows[j].versions for j in todo)  # continuations (partial rollout) are not a burst
@@ -455,7 +461,7 @@ class _Round:
         """One /generate holding every part's rows in order (a batch by itself: the engine starts it at once);
         each part gets its rows' answers, or the failure."""
         keys = ("input_ids", "rid", "sampling_params")
-        body = {"return_logprob": True, **{k: [x for b, _ in parts for x in b[k]] for k in keys}}
+        body = {"return_logprob": True, **self.routed, **{k: [x for b, _ in parts for x in b[k]] for k in keys}}
         try:
             answers = await generate_async(client, url, body, {COMPACT_HEADER: COMPACT_F64, **alone()})
             if len(answers) != len(body["input_ids"]):
@@ -487,7 +493,7 @@ class _Round:
                 tokens=list(p.ids) + row.ids, response_length=len(row.ids), response=row.text,
                 label=p.row.label, loss_mask=offpolicy_mask(row.lengths, len(row.ids)) if len(row.versions) > 1
                 and self.partial is not None and self.partial.mask_offpolicy else [1] * len(row.ids),
-                rollout_log_probs=list(row.logprobs),
+                rollout_log_probs=list(row.logprobs), rollout_routed_experts=row.routes,
                 status=status,
                 metadata={**p.row.metadata, "row": p.row.row, "draw_index": self.first_draw + gi,
                           "finish_reason": fr, "weight_version": row.versions[0] if row.versions else None,
@@ -571,12 +577,15 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
                      concurrency: int = 64, timeout_s: float = 600.0, max_prompts: int | None = None,
                      generate: Callable | None = None, hook_args: Any = None, hook_path: str = "",
                      partial: PartialBuffer | None = None,
-                     sample_hooks: list[tuple[str, Callable]] | None = None) -> RolloutResult:
+                     sample_hooks: list[tuple[str, Callable]] | None = None,
+                     routed_experts: bool = False) -> RolloutResult:
     """`batch_size` kept groups of n samples, in draw order. `draw(k)` returns the next k prompts of the data.
     `generate`: a --custom-generate-function-path hook called per sample with `hook_args` (engine/rollout/hooks.py).
     `partial` (--partial-rollout): samples aborted by a pause are continued, and the buffer records how far every
     sample got (it may start non-empty: a resumed run's samples from the checkpoint). `sample_hooks`
-    (--rollout-sample-hook-path): (path, fn) applied to each generated sample before its reward, with `hook_args`."""
+    (--rollout-sample-hook-path): (path, fn) applied to each generated sample before its reward, with `hook_args`.
+    `routed_experts` (--use-rollout-routing-replay): every /generate asks for the experts each token was routed to,
+    kept in Sample.rollout_routed_experts."""
     round_size = round_size or batch_size
     nonce = uuid.uuid4().hex[:6]  # rids of a redone rollout never collide with a previous attempt's
     deadline = time.monotonic() + timeout_s
@@ -597,7 +606,7 @@ def generate_rollout(draw: Callable[[int], list[Prompt]], *, rollout_id: int, ba
         rnd = _Round(prompts, first_draw=stats["drawn"], needed=batch_size - len(kept), rollout_id=rollout_id,
                      nonce=nonce, n=n, params=params, seed=seed, engines=engines, reward_model=reward_model,
                      keep=keep, concurrency=concurrency, generate=generate, hook_args=hook_args, hook_path=hook_path,
-                     partial=partial, sample_hooks=sample_hooks)
+                     partial=partial, sample_hooks=sample_hooks, routed_experts=routed_experts)
         left = deadline - time.monotonic()
         run_on_rollout_loop(lambda client: rnd.run(client, left), getattr(engines, "api_key", None))
         finished = [g for g in range(rnd.cutoff) if rnd.done[g] is not None]

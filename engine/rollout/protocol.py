@@ -3,7 +3,8 @@
 Checked against SGLang's source (python/sglang/srt/managers/io_struct.py `GenerateReqInput`,
 sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
 - request: `text` or `input_ids` (one prompt or a list), `sampling_params` (one dict or one per prompt), `rid`
-  (str or list), `return_logprob`, `logprob_start_len` (-1 = output tokens only), `stream`;
+  (str or list), `return_logprob`, `logprob_start_len` (-1 = output tokens only), `stream`,
+  `return_routed_experts` (a server started with --enable-return-routed-experts; a MoE model);
 - sampling params: `max_new_tokens` (SGLang's default 128), `temperature`, `top_p`, `top_k`, `stop`,
   `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `sampling_seed`, `min_new_tokens`; other
   SGLang params are accepted at their neutral value and refused (HTTP 400, naming the param) otherwise — never
@@ -12,7 +13,9 @@ sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
   {"type": "length", "length": n}, {"type": "abort", "message": …}), `prompt_tokens`, `completion_tokens`,
   `cached_tokens`, `weight_version`, `e2e_latency`, and with `return_logprob` `output_token_logprobs` /
   `input_token_logprobs` as `[logprob, token_id, None]` triples (SGLang puts the token text third only with
-  `return_text_in_logprobs`).
+  `return_text_in_logprobs`); with `return_routed_experts`, `meta_info.routed_experts`: base64 of int32
+  [prompt + output tokens − 1, num_hidden_layers, num_experts_per_tok] (SGLang's routed_experts_capturer; a dense
+  layer's ids are -1 here).
 A batched request (a list of inputs) gets a list of responses in the same order.
 
 Compact log-probs (the built-in engine only): a request with the header `X-Rollflow-Logprobs: f64-base64` gets
@@ -184,10 +187,13 @@ def to_requests(body: dict[str, Any], tokenize, default_max_new: int, limits: Li
         raise ProtocolError("`rid` values must be unique within a request")
     starts = _per_item(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1, n,
                        "logprob_start_len")
+    routed = _per_item(body.get("return_routed_experts") or False, n, "return_routed_experts")
+    if not all(isinstance(v, bool) for v in routed):
+        raise ProtocolError("`return_routed_experts` must be true / false (or one per input)")
     reqs = []
-    for x, p, r, start in zip(inputs, sps, rids, starts):
+    for x, p, r, start, rr in zip(inputs, sps, rids, starts, routed):
         reqs.append(GenRequest(rid=str(r), input_ids=list(x), logprob_start_len=_int(start, "logprob_start_len"),
-                               **_sampling(p, default_max_new, len(x), limits)))
+                               return_routed_experts=rr, **_sampling(p, default_max_new, len(x), limits)))
     return reqs, batched
 
 
@@ -239,8 +245,9 @@ def output_logprobs(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
 
 
 def to_response(res: GenResult, return_logprob: bool, weight_version: str, latency_s: float,
-                compact: bool = False) -> dict[str, Any]:
-    """SGLang's answer for one result; `compact`: output log-probs as `output_token_logprobs_f64` (COMPACT_HEADER)."""
+                compact: bool = False, route_layout=None) -> dict[str, Any]:
+    """SGLang's answer for one result; `compact`: output log-probs as `output_token_logprobs_f64` (COMPACT_HEADER);
+    `route_layout` (engine.train.routing.RouteLayout): the engine's, for a result that carries routed experts."""
     meta: dict[str, Any] = {"id": res.rid, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                             "completion_tokens": len(res.output_ids), "cached_tokens": 0,
                             "weight_version": weight_version, "e2e_latency": latency_s}
@@ -251,4 +258,8 @@ def to_response(res: GenResult, return_logprob: bool, weight_version: str, laten
             meta["output_token_logprobs"] = _triples(res.logprobs, res.output_ids)
         meta["input_token_logprobs"] = [] if res.input_logprobs is None else \
             _triples(res.input_logprobs, res.input_ids[res.input_start:])
+    if res.routed_experts is not None:
+        from engine.train.routing import encode_routes
+
+        meta["routed_experts"] = encode_routes(res.routed_experts, list(route_layout.moe_layers), route_layout)
     return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}

@@ -295,7 +295,7 @@ class EngineState:
                  admin_api_key: str | None = None, weight_dirs: list[str] | None = None,
                  max_request_bytes: int = 16 * 2**20, max_queued: int | None = None, watchdog_s: float = 300.0,
                  cuda_graphs: bool = True, compile_decode: bool = False, max_total_tokens: int | None = None,
-                 model_impl: str = "auto"):
+                 model_impl: str = "auto", return_routed_experts: bool = False):
         import torch
 
         from engine.modeling import eos_token_ids, impl_of, load_causal_lm, load_tokenizer
@@ -312,7 +312,8 @@ class EngineState:
         model = load_causal_lm(model_path, dtype=dtype, device=device, impl=model_impl).eval()
         self.model_impl = impl_of(model)  # native or transformers (/get_server_info)
         self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device,
-                                   cuda_graphs=cuda_graphs, compile_decode=compile_decode)
+                                   cuda_graphs=cuda_graphs, compile_decode=compile_decode,
+                                   return_routed_experts=return_routed_experts)
         self.limits = Limits(context_len=int(getattr(model.config, "max_position_embeddings", None) or 2**31),
                              vocab_size=int(model.config.vocab_size), max_inputs=max(4 * max_batch, 64))
         self.released = False
@@ -660,7 +661,8 @@ def create_app(state: EngineState):
                 "max_running_requests": state.max_batch,
                 "batch_window_s": state.batch_window_s, "batch_sizes": sched.batch_sizes[-100:] if sched else [],
                 "batch_seconds": sched.batch_seconds[-100:] if sched else [],
-                "continuous_batching": bool(sched and sched.continuous), **decoder_info(state.generator)}
+                "continuous_batching": bool(sched and sched.continuous),
+                "enable_return_routed_experts": state.generator.routers is not None, **decoder_info(state.generator)}
 
     requests_seen = itertools.count()
 
@@ -683,6 +685,9 @@ def create_app(state: EngineState):
             reqs, batched = to_requests(body, state.tokenize, state.default_max_new, state.limits)
         except (ProtocolError, TypeError, ValueError) as e:
             return _err(400, f"{type(e).__name__}: {e}")
+        if state.generator.routers is None and any(r.return_routed_experts for r in reqs):
+            return _err(400, "`return_routed_experts`: this engine does not record routed experts; start it with "
+                             "--enable-return-routed-experts (a mixture-of-experts model)")
         if not state.unpaused.is_set():  # /pause_generation: held until /continue_generation, as SGLang does
             await state.unpaused.wait()
         try:
@@ -696,8 +701,8 @@ def create_app(state: EngineState):
         wants = want if isinstance(want, list) else [bool(want)] * len(results)
         dt = time.perf_counter() - t0
         compact = request.headers.get(COMPACT_HEADER) == COMPACT_F64
-        out = [to_response(r, bool(w), r.weight_version or state.weight_version, dt, compact)
-               for r, w in zip(results, wants)]
+        out = [to_response(r, bool(w), r.weight_version or state.weight_version, dt, compact,
+                           state.generator.route_layout) for r, w in zip(results, wants)]
         # a JSONResponse, not the list: FastAPI's jsonable_encoder would walk every log-prob (~30 ms an answer of
         # 8 × 1,024 tokens, holding the GIL the generation thread needs between its decode steps)
         return JSONResponse(out if batched else out[0], headers={COMPACT_HEADER: COMPACT_F64} if compact else None)
@@ -983,6 +988,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="on a GPU, compile the decode step (fused kernels inside the CUDA graph; ~30 s per new "
                         "batch shape) (SGLang's flag)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="SGLang's flag: a request with `return_routed_experts` gets the experts each token was "
+                        "routed to (meta_info.routed_experts; a mixture-of-experts model; such a batch decodes "
+                        "without CUDA graphs)")
     p.add_argument("--api-key", default=None,
                    help="SGLang's flag: every endpoint but /health* needs `Authorization: Bearer KEY`; required to "
                         "serve on a non-loopback address and for the weight / memory endpoints")
@@ -1026,7 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
                         max_queued=a.max_queued_requests, watchdog_s=a.watchdog_timeout,
                         max_request_bytes=int(a.max_request_mb * 2**20), cuda_graphs=not a.disable_cuda_graph,
                         compile_decode=a.enable_torch_compile, max_total_tokens=a.max_total_tokens,
-                        model_impl=a.model_impl)
+                        model_impl=a.model_impl, return_routed_experts=a.enable_return_routed_experts)
     print(f"rollflow built-in engine serving {a.model_path} on http://{a.host}:{a.port} ({device}, {dtype}, "
           f"{state.model_impl} model code)",
           flush=True)

@@ -144,6 +144,10 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/opd_reverse_kl", "min", "`--use-opd`: mean over the trained tokens of log π_old − log "
                                              "π_teacher, the reverse KL to the teacher on the student's samples "
                                              "(its --opd-kl-coef multiple is subtracted from each advantage)"),
+    MetricDoc("train/routing_replay_diff", "min",
+              "`--use-rollout-routing-replay` (torch backend): share of the (token, MoE layer) routings of the steps' "
+              "forwards where the trainer's router alone picks other experts than the engine's, which are replayed "
+              "(about 0 at a rollout's first step, on the weights that generated it)"),
     MetricDoc("train/grad_norm", None, "gradient norm before clipping, mean over the rollout's optimizer steps"),
     MetricDoc("train/grad_norm_max", None, "largest gradient norm of the rollout's optimizer steps"),
     MetricDoc("train/lr", None, "learning rate, mean over the rollout's optimizer steps"),

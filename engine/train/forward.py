@@ -131,6 +131,7 @@ class SharedLayout:
     cu: torch.Tensor  # [G+1] int32 group boundaries in the compact row
     seg: torch.Tensor  # [T'] 0 on a group's prompt, j + 1 on its j-th suffix
     original_tokens: int = 0  # T of the micro-batch it replaces
+    origin: torch.Tensor | None = None  # [T'] each compact token's index in the micro-batch's row
     _mask: dict = field(default_factory=dict)  # (device, window) → [G, 1, L_max, L_max] bool, built once per forward
 
     def mask(self, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -185,7 +186,7 @@ def shared_layout(mb: MicroBatch, keep: torch.Tensor) -> SharedLayout | None:
         groups.setdefault(key, []).append(i)
     if len(groups) == sample.unique_consecutive().numel():
         return None  # no prompt is shared
-    toks, pos, segs, cu_c = [], [], [], [0]
+    toks, pos, segs, cu_c, origin = [], [], [], [0], []
     base = torch.empty(S, dtype=torch.long)  # compact index of sample i's first suffix token
     last = torch.empty(S, dtype=torch.long)  # compact index of its prompt's last token
     prompt_len = torch.empty(S, dtype=torch.long)
@@ -194,6 +195,7 @@ def shared_layout(mb: MicroBatch, keep: torch.Tensor) -> SharedLayout | None:
         start = cu_c[-1]
         toks.append(mb.tokens[a0:a0 + p])
         pos.append(mb.position_ids[a0:a0 + p])
+        origin.append(torch.arange(a0, a0 + p))
         segs.append(torch.zeros(p, dtype=torch.long))
         n = p
         for j, i in enumerate(members):
@@ -201,6 +203,7 @@ def shared_layout(mb: MicroBatch, keep: torch.Tensor) -> SharedLayout | None:
             base[i], last[i], prompt_len[i] = start + n, start + p - 1, p
             toks.append(mb.tokens[a + p:e])
             pos.append(mb.position_ids[a + p:e])
+            origin.append(torch.arange(a + p, e))
             segs.append(torch.full((e - a - p,), j + 1, dtype=torch.long))
             n += e - a - p
         cu_c.append(start + n)
@@ -210,7 +213,7 @@ def shared_layout(mb: MicroBatch, keep: torch.Tensor) -> SharedLayout | None:
     src = torch.where(offset == prompt_len[sample], last[sample], base[sample] + offset - 1 - prompt_len[sample])
     return SharedLayout(tokens=torch.cat(toks), position_ids=torch.cat(pos), src=src,
                         cu=torch.tensor(cu_c, dtype=torch.int32), seg=torch.cat(segs),
-                        original_tokens=mb.num_tokens)
+                        original_tokens=mb.num_tokens, origin=torch.cat(origin))
 
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedLayout,
@@ -348,6 +351,12 @@ class _HeadAsLogProbs:
 
     def __exit__(self, *exc):
         del self.head.forward  # the class's forward again
+
+
+def forward_layout(mb: MicroBatch, share_prefix: bool) -> SharedLayout | None:
+    """The shared-prompt layout packed_forward runs `mb` in (None: its own packed row)."""
+    keep = (mb.loss_mask > 0).nonzero().squeeze(-1)
+    return shared_layout(mb, keep) if share_prefix and keep.numel() else None
 
 
 def packed_forward(model, mb: MicroBatch, *, temperature: float = 1.0, fused: bool = False,

@@ -39,7 +39,7 @@ from engine.train.forward import check_recompute_loss, recomputed_log_probs
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
-from engine.train.routing import Routes
+from engine.train.routing import Routes, rollout_indices
 from engine.train.optim import lr_lambda
 from engine.train.backend import step_hooks
 from engine.train.torch_backend import SUMMED, rng_state, set_rng_state
@@ -170,13 +170,19 @@ class MegatronBackend:
 
         self.kernels = kernels
         gpt, self.config = build_model(self.shape, vocab_padded=self.vocab_padded, dtype=self.dtype, tp=self.tp,
-                                       pp=self.pp, kernels=kernels, routing_replay=cfg.use_routing_replay)
+                                       pp=self.pp, kernels=kernels,
+                                       routing_replay=cfg.use_routing_replay or cfg.use_rollout_routing_replay)
         # --use-routing-replay: megatron-core's RouterReplay of each router, in module order; the recorded routing
+        # (--use-rollout-routing-replay: the engine's, carried by the micro-batches)
         self.replays = [m.router_replay for m in gpt.modules() if getattr(m, "router_replay", None) is not None]
         self.routes = Routes()
+        self.rollout_routing = cfg.use_rollout_routing_replay
         if cfg.use_routing_replay and self.rank == 0:
             log.info("megatron backend: --use-routing-replay: the steps replay the experts of %d routers, recorded in "
                      "the forward before them", len(self.replays))
+        if self.rollout_routing and self.rank == 0:
+            log.info("megatron backend: --use-rollout-routing-replay: the policy's forwards replay the engine's "
+                     "experts at %d routers", len(self.replays))
         load_hf_into(gpt, self.config, load_weights_dir(cfg.hf_checkpoint), self.shape,
                      vocab_padded=self.vocab_padded)
         self.gpt = gpt  # unwrapped: its parameter names are the mapping's
@@ -354,12 +360,20 @@ class MegatronBackend:
                 r.clear_indices()
                 r.set_router_replay_action(RouterReplayAction.RECORD)
             return
-        indices = self.routes.of(mb)
+        indices = rollout_indices(mb, len(self.replays)) if routing == "rollout" else self.routes.of(mb)
+        if indices is None:  # a micro-batch without the engine's routing (a probe's): it routes on its own
+            for r in self.replays:
+                r.clear_indices()
+                r.clear_router_replay_action()
+            return
         if len(indices) != len(self.replays):
             raise RuntimeError(f"--use-routing-replay: {len(indices)} recorded routers for {len(self.replays)}")
         for r, idx in zip(self.replays, indices):
             r.clear_indices()
-            r.set_target_indices(idx.to(device=dev, dtype=torch.long))
+            idx = idx.to(device=dev, dtype=torch.long)
+            if routing == "rollout":  # a token the engine did not route (a sample's last; in no loss): experts 0..k-1
+                idx = torch.where(idx >= 0, idx, torch.arange(idx.shape[1], device=dev))
+            r.set_target_indices(idx)
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _sharded_log_probs(self, logits: torch.Tensor, targets: torch.Tensor, *, entropy_grad: bool,
@@ -441,8 +455,9 @@ class MegatronBackend:
         other = self._teacher() if teacher else self.ref_weights if ref else weights  # weights: --keep-old-actor
         with self._swapped_in(other) if other is not None else nullcontext():
             record = record_routing and self.replays and not (ref or teacher)
+            routing = "record" if record else "rollout" if self.rollout_routing and not (ref or teacher) else None
             outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp, "entropy": ent.detach()}),
-                             forward_only=True, entropy_grad=False, routing="record" if record else None)
+                             forward_only=True, entropy_grad=False, routing=routing)
         for m in self.model:
             m.train()
         if not self.is_last_stage:  # only the last stage computes the loss; it is the only user of these
@@ -509,7 +524,8 @@ class MegatronBackend:
         # a custom loss may use the entropy's gradient
         outs = self._run(mbs, loss_fn, forward_only=False,
                          entropy_grad=spec.entropy_coef != 0 or self.hooks.custom_loss is not None,
-                         routing="replay" if self.replays and self.routes.replaying else None)
+                         routing="rollout" if self.rollout_routing else
+                         "replay" if self.replays and self.routes.replaying else None)
         # one device → host transfer for the step's numbers: Σ over micro-batches (the ratio check: max)
         keys = sorted({k for o in outs for k in o["stats"]})
         zero = torch.zeros((), device=dev)

@@ -41,9 +41,9 @@ from engine.diagnosis import Diagnosis, DiagnosisError
 from engine.packing.microbatch import MicroBatch
 from engine.train.backend import step_hooks
 from engine.train.checks import nan_diagnosis
-from engine.train.forward import check_recompute_loss, packed_forward, use_varlen_attention
+from engine.train.forward import check_recompute_loss, forward_layout, packed_forward, use_varlen_attention
 from engine.train.optim import gather_lists, make_optimizer, reset_state, sync_and_clip
-from engine.train.routing import Routes, TorchRouters
+from engine.train.routing import Routes, TorchRouters, rollout_indices
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
 TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
@@ -114,15 +114,19 @@ class TorchBackend:
         elif cfg.bf16:
             self.masters = Fp32Masters(model)  # takes the fp32 weights, then the model holds their bf16 rounding
         self.model = model.eval()  # dropout off: see the module docstring
-        # --use-routing-replay: the old policy's experts, recorded in compute_log_probs, replayed in train_step
+        # --use-routing-replay: the old policy's experts, recorded in compute_log_probs, replayed in train_step;
+        # --use-rollout-routing-replay: the engine's, carried by the micro-batches, replayed in both
         self.routes = Routes()
-        self.router_hooks = TorchRouters(model) if cfg.use_routing_replay else None
+        self.rollout_routing = cfg.use_rollout_routing_replay
+        flag = "--use-rollout-routing-replay" if self.rollout_routing else "--use-routing-replay"
+        self.router_hooks = TorchRouters(model, flag) if cfg.use_routing_replay or self.rollout_routing else None
         if self.router_hooks is not None and rank == 0:
             import logging
 
-            logging.getLogger("rollflow").info("rollflow: --use-routing-replay: the steps replay the experts of %d "
-                                               "routers, recorded in the forward before them",
-                                               len(self.router_hooks.routers))
+            logging.getLogger("rollflow").info(
+                "rollflow: %s: %s replay the experts of %d routers, %s", flag,
+                "the policy's forwards" if self.rollout_routing else "the steps", len(self.router_hooks.routers),
+                "the engine's" if self.rollout_routing else "recorded in the forward before them")
         self.ref = None
         self.teacher = None  # --use-opd --opd-type megatron: frozen, loaded at its first use (_teacher_model)
         self.last_log_probs: list[torch.Tensor] | None = None  # the last train step's forward, per micro-batch
@@ -211,6 +215,18 @@ class TorchBackend:
                 for p, w in zip(params, current):
                     p.copy_(w)
 
+    def _rollout_routes(self, mb: MicroBatch, model: torch.nn.Module | None = None):
+        """--use-rollout-routing-replay: the policy routes `mb` to the engine's experts (a micro-batch without
+        them, e.g. a probe's, and the reference or the teacher route on their own)."""
+        if not self.rollout_routing or (model is not None and model is not self.model):
+            return nullcontext()
+        indices = rollout_indices(mb, len(self.router_hooks.routers))
+        if indices is None:
+            return nullcontext()
+        if (layout := forward_layout(mb, self.share_prefix)) is not None:  # the forward's row: shared prompts once
+            indices = [i[layout.origin] for i in indices]
+        return self.router_hooks.replaying(indices, rollout=True)
+
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_log_probs(self, mbs: list[MicroBatch], *, ref: bool = False, teacher: bool = False,
@@ -225,7 +241,7 @@ class TorchBackend:
         outs = []
         with self._swapped_in(weights if model is self.model else None):
             for mb in mbs:
-                with self.router_hooks.recording() if record else nullcontext() as indices:
+                with self.router_hooks.recording() if record else self._rollout_routes(mb, model) as indices:
                     outs.append(packed_forward(model, mb, temperature=self.temperature, fused=self.cuda,
                                                share_prefix=self.share_prefix, chunk=self.chunk))
                 if record:
@@ -261,9 +277,11 @@ class TorchBackend:
         entropy_grad = spec.entropy_coef != 0 or self.hooks.custom_loss is not None  # a custom loss may use it
         seen: list[torch.Tensor] = []
         replay = self.router_hooks is not None and self.routes.replaying
+        if self.rollout_routing:
+            self.router_hooks.take_differing()  # counted over this step's forwards only
         for j, mb in enumerate(mbs):
             # a replayed routing lasts through the backward, which recomputes layers under --recompute-activations
-            with self.router_hooks.replaying(self.routes.of(mb)) if replay else nullcontext():
+            with self.router_hooks.replaying(self.routes.of(mb)) if replay else self._rollout_routes(mb):
                 lp, ent = packed_forward(self.model, mb, temperature=self.temperature, fused=self.cuda,
                                          entropy_grad=entropy_grad, share_prefix=self.share_prefix,
                                          chunk=self.chunk, recompute=self.recompute_loss)  # [T], [T]
@@ -310,6 +328,8 @@ class TorchBackend:
             out.update({f"{k}_stepsum": v} if k.startswith("custom_") else {f"{k}_sum": v, f"{k}_count": tokens})
         out.update(loss_total=loss_total, grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
                    skipped_steps_total=float(self.skipped_steps), ratio_maxdev=ratio_maxdev)
+        if self.rollout_routing:  # the share of routings where the trainer's routers alone disagree with the engine
+            out["routing_replay_diff_sum"], out["routing_replay_diff_count"] = self.router_hooks.take_differing()
         return out
 
     def _objective(self, mb: MicroBatch, lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor,
