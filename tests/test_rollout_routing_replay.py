@@ -53,10 +53,17 @@ def test_the_engine_returns_the_experts_each_token_was_routed_to(family, tmp_pat
                 "sampling_params": [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True}
                                     for i in range(len(prompts))]}
         answers = httpx.post(url + "/generate", json=body, timeout=60).json()
+        late = httpx.post(url + "/generate", json={**body, "routed_experts_start_len": 2}, timeout=60).json()
+        bad = httpx.post(url + "/generate", json={**body, "routed_experts_start_len": 3}, timeout=60)
         info = httpx.get(url + "/get_server_info", timeout=10).json()
         layout, model = state.generator.route_layout, state.generator.model
     assert info["enable_return_routed_experts"] is True
     assert "routed_experts" not in answers[3]["meta_info"]
+    assert bad.status_code == 400 and "`routed_experts_start_len` 3 must be in [0, 2]" in bad.text
+    for a, b in zip(answers[:3], late[:3]):  # the same seeds: the same tokens; the rows from prompt position 2 on
+        assert a["output_ids"] == b["output_ids"]
+        assert base64.b64decode(b["meta_info"]["routed_experts"]) == \
+            base64.b64decode(a["meta_info"]["routed_experts"])[2 * layout.num_layers * layout.top_k * 4:]
     assert layout.moe_layers == ((1,) if family == "qwen2moe" else (0, 1))  # Qwen2-MoE's layer 0 is dense
     for p, a in zip(prompts[:3], answers[:3]):
         tokens = p + a["output_ids"]

@@ -68,6 +68,7 @@ class GenRequest:
     logprob_start_len: int = -1  # ≥ 0: also return log-probs of the prompt tokens from this position
     min_new_tokens: int = 0  # SGLang's: no stop token or stop string ends the answer before this many tokens
     return_routed_experts: bool = False  # SGLang's: the experts each token but the last was routed to (MoE)
+    routed_experts_start_len: int = 0  # SGLang's: those from this prompt position on
 
 
 @dataclass
@@ -105,13 +106,14 @@ def _taped(tape, into: list[torch.Tensor], rows: int, length: int, inv: torch.Te
 
 def _routes_of(results: list[GenResult], reqs: list[GenRequest], routed: list[torch.Tensor], plen: int) -> None:
     """Each result that asked gets its routed experts, SGLang's rows: the prompt's (the left padding left out), then
-    one per output token but the last (no forward saw it) — P + R - 1 rows."""
+    one per output token but the last (no forward saw it) — P + R - 1 rows, from routed_experts_start_len on."""
     prompt = routed[0].cpu()  # [b, plen, #routers, k]
     steps = torch.cat(routed[1:], dim=1).cpu() if len(routed) > 1 else prompt[:, :0]  # [b, steps, …]
     for i, (res, r) in enumerate(zip(results, reqs)):
         if r.return_routed_experts:
             P, R = len(r.input_ids), len(res.output_ids)
-            res.routed_experts = torch.cat([prompt[i, plen - P:], steps[i, :max(R - 1, 0)]])[:P + R - 1]
+            routes = torch.cat([prompt[i, plen - P:], steps[i, :max(R - 1, 0)]])[:P + R - 1]
+            res.routed_experts = routes[r.routed_experts_start_len:]
 
 
 class AbortBook:

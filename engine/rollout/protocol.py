@@ -4,7 +4,8 @@ Checked against SGLang's source (python/sglang/srt/managers/io_struct.py `Genera
 sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
 - request: `text` or `input_ids` (one prompt or a list), `sampling_params` (one dict or one per prompt), `rid`
   (str or list), `return_logprob`, `logprob_start_len` (-1 = output tokens only), `stream`,
-  `return_routed_experts` (a server started with --enable-return-routed-experts; a MoE model);
+  `return_routed_experts` (a server started with --enable-return-routed-experts; a MoE model) and
+  `routed_experts_start_len` (their first position, in [0, prompt tokens]);
 - sampling params: `max_new_tokens` (SGLang's default 128), `temperature`, `top_p`, `top_k`, `stop`,
   `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `sampling_seed`, `min_new_tokens`; other
   SGLang params are accepted at their neutral value and refused (HTTP 400, naming the param) otherwise — never
@@ -14,8 +15,8 @@ sampling/sampling_params.py `SamplingParams`, tokenizer_manager.py `meta_info`):
   `cached_tokens`, `weight_version`, `e2e_latency`, and with `return_logprob` `output_token_logprobs` /
   `input_token_logprobs` as `[logprob, token_id, None]` triples (SGLang puts the token text third only with
   `return_text_in_logprobs`); with `return_routed_experts`, `meta_info.routed_experts`: base64 of int32
-  [prompt + output tokens − 1, num_hidden_layers, num_experts_per_tok] (SGLang's routed_experts_capturer; a dense
-  layer's ids are -1 here).
+  [prompt + output tokens − 1 − routed_experts_start_len, num_hidden_layers, num_experts_per_tok] (SGLang's
+  routed_experts_capturer; a dense layer's ids are -1 here).
 A batched request (a list of inputs) gets a list of responses in the same order.
 
 Compact log-probs (the built-in engine only): a request with the header `X-Rollflow-Logprobs: f64-base64` gets
@@ -190,10 +191,15 @@ def to_requests(body: dict[str, Any], tokenize, default_max_new: int, limits: Li
     routed = _per_item(body.get("return_routed_experts") or False, n, "return_routed_experts")
     if not all(isinstance(v, bool) for v in routed):
         raise ProtocolError("`return_routed_experts` must be true / false (or one per input)")
+    route_starts = _per_item(body.get("routed_experts_start_len") or 0, n, "routed_experts_start_len")
     reqs = []
-    for x, p, r, start, rr in zip(inputs, sps, rids, starts, routed):
+    for x, p, r, start, rr, rs in zip(inputs, sps, rids, starts, routed, route_starts):
+        rs = _int(rs, "routed_experts_start_len")
+        if not 0 <= rs <= len(x):
+            raise ProtocolError(f"`routed_experts_start_len` {rs} must be in [0, {len(x)}] (the prompt's tokens)")
         reqs.append(GenRequest(rid=str(r), input_ids=list(x), logprob_start_len=_int(start, "logprob_start_len"),
-                               return_routed_experts=rr, **_sampling(p, default_max_new, len(x), limits)))
+                               return_routed_experts=rr, routed_experts_start_len=rs,
+                               **_sampling(p, default_max_new, len(x), limits)))
     return reqs, batched
 
 
