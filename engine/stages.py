@@ -477,7 +477,8 @@ def launch_rollout_engines(run: Run, host=None) -> None:
         key = cfg.sglang_args.get("api-key")
         run.engines = ExternalEngines(cfg.rollout_external_engine_addrs, kind=cfg.rollout_engine,
                                       api_key=str(key) if key else None,
-                                      start_timeout_s=cfg.rollout_engine_start_timeout)
+                                      start_timeout_s=cfg.rollout_engine_start_timeout,
+                                      routed_experts=cfg.use_rollout_routing_replay)
         # a server that answers again after a failure gets the run's weights again (whatever it reports)
         run.engines.resync = (lambda slots: push_weights(run, slots, run.state.weight_version)) if cfg.trains \
             else None

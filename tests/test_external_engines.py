@@ -146,6 +146,10 @@ def test_attach_checks_the_key_the_kind_and_that_the_engine_answers(server):
         ExternalEngines([server.url], kind="builtin", api_key="wrong", start_timeout_s=30).wait_started()
     with pytest.raises(ConfigError, match="is the built-in engine, but --rollout-engine is sglang"):
         ExternalEngines([server.url], kind="sglang", api_key=KEY, start_timeout_s=30).wait_started()
+    with pytest.raises(ConfigError, match=r"(?s)does not record the experts .* `rollflow serve … "
+                                          r"--enable-return-routed-experts`"):
+        ExternalEngines([server.url], kind="builtin", api_key=KEY, start_timeout_s=30,
+                        routed_experts=True).wait_started()
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="did not answer /health_generate within 1 s"):
         ExternalEngines([f"http://127.0.0.1:{_free_port()}"], kind="builtin", api_key=KEY,

@@ -73,7 +73,10 @@ class ExternalEngines(EngineGroup):
     """The run's engines at fixed URLs, as EngineGroup's callers see engines: serving(), report_failure(),
     revive(), the lock that syncs hold. No actors, no placement."""
 
-    def __init__(self, urls: list[str], *, kind: str, api_key: str | None, start_timeout_s: float):
+    def __init__(self, urls: list[str], *, kind: str, api_key: str | None, start_timeout_s: float,
+                 routed_experts: bool = False):
+        """routed_experts (--use-rollout-routing-replay): each server must say it records them."""
+        self.routed_experts = routed_experts
         self.spec = self.placement = self.host = self.prestarted = None
         self.kind, self.start_timeout_s = kind, start_timeout_s
         self.fault_tolerant, self.runtime_env, self._starting = False, {}, []
@@ -150,6 +153,14 @@ class ExternalEngines(EngineGroup):
                 "(is_generation false); a rollout needs a generating one",
                 "point the flag at a server of the policy model",
                 field="rollout_external_engine_addrs", value=slot.url)
+        if self.routed_experts and info.get("enable_return_routed_experts") is not True:
+            start = "rollflow serve … --enable-return-routed-experts" if kind == "builtin" else \
+                "python -m sglang.launch_server … --enable-return-routed-experts"
+            raise config_error(
+                f"{FLAG}: --use-rollout-routing-replay, and {slot.url} does not record the experts it routes each "
+                "token to (its /get_server_info has no enable_return_routed_experts: true)",
+                f"restart it with `{start}`, or drop --use-rollout-routing-replay",
+                field="use_rollout_routing_replay", value=True, url=slot.url)
         return {"kind": kind, "model_path": info.get("model_path"), "dtype": served_dtype(info),
                 "pid": info.get("pid"), "model_impl": info.get("model_impl"), "device": info.get("device"),
                 "max_running_requests": info.get("max_running_requests"),
