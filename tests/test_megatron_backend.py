@@ -255,6 +255,9 @@ def test_gpu_megatron_rollout_routing_replay_equals_the_torch_backends(family, t
         assert abs(m["loss_total"] - t["loss_total"]) < 1e-5, step
         assert abs(m["grad_norm"] - t["grad_norm"]) < 1e-4 * max(1.0, t["grad_norm"]), step
         assert abs(p["grad_norm"] - t["grad_norm"]) > 1e-3 * t["grad_norm"], step
+        assert m["routing_replay_diff_count"] == t["routing_replay_diff_count"] > 0, step
+        share = t["routing_replay_diff_sum"] / t["routing_replay_diff_count"]
+        assert share > 0.3 and abs(m["routing_replay_diff_sum"] / m["routing_replay_diff_count"] - share) < 0.02
 
 
 def _agree(mg: dict, tb: dict, keys: tuple[str, ...], what: str) -> None:

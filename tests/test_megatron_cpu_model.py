@@ -211,3 +211,32 @@ def test_megatron_replays_the_routing_as_the_torch_backend():
         assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, res["lp"], res["ent"])
         bad = {n: e for n, e in res["grad"].items() if e > 1e-5}
         assert not bad, (family, bad)
+
+
+def test_the_megatron_backend_counts_where_the_replayed_routing_differs():
+    """train/routing_replay_diff on the megatron backend (--use-rollout-routing-replay): the wrapped RouterReplay
+    still replays the target experts, and counts the rows the engine routed (rollflow_given) where megatron's own
+    top k of the same logits differs."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from engine.train.megatron_backend import MegatronBackend
+
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    own = logits.topk(2).indices
+    target = own.clone()
+    rest = [[e for e in range(4) if e not in row] for row in own.tolist()]
+    target[[1, 3, 5]] = torch.tensor([rest[1], rest[3], rest[5]])  # three rows routed elsewhere
+    replay, backend = RouterReplay(), SimpleNamespace(_differing=[0, 0])
+    MegatronBackend._count_differing(backend, replay)
+    replay.rollflow_given = torch.tensor([True, True, True, True, True, False])  # the last: not the engine's
+    replay.set_target_indices(target)
+    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    _, routing_map = topk_routing_with_score_function(logits, 2, router_replay=replay)
+    assert torch.equal(routing_map, torch.zeros(6, 4, dtype=torch.bool).scatter(1, target, True))
+    assert [float(x) for x in backend._differing] == [2.0, 5.0]
+    replay.set_router_replay_action(RouterReplayAction.RECORD)  # recording counts nothing
+    topk_routing_with_score_function(logits, 2, router_replay=replay)
+    assert [float(x) for x in backend._differing] == [2.0, 5.0]

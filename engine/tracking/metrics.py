@@ -145,7 +145,7 @@ METRICS: list[MetricDoc] = [
                                              "π_teacher, the reverse KL to the teacher on the student's samples "
                                              "(its --opd-kl-coef multiple is subtracted from each advantage)"),
     MetricDoc("train/routing_replay_diff", "min",
-              "`--use-rollout-routing-replay` (torch backend): share of the (token, MoE layer) routings of the steps' "
+              "`--use-rollout-routing-replay`: share of the (token, MoE layer) routings of the steps' "
               "forwards where the trainer's router alone picks other experts than the engine's, which are replayed "
               "(about 0 at a rollout's first step, on the weights that generated it)"),
     MetricDoc("train/grad_norm", None, "gradient norm before clipping, mean over the rollout's optimizer steps"),

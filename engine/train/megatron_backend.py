@@ -180,6 +180,12 @@ class MegatronBackend:
         if cfg.use_routing_replay and self.rank == 0:
             log.info("megatron backend: --use-routing-replay: the steps replay the experts of %d routers, recorded in "
                      "the forward before them", len(self.replays))
+        # (token, router) routings of the replayed forwards where the router alone picks other experts, and all
+        # of them (train/routing_replay_diff; rows the engine did not route are left out)
+        self._differing: list[Any] = [0, 0]
+        if self.rollout_routing:
+            for r in self.replays:
+                self._count_differing(r)
         if self.rollout_routing and self.rank == 0:
             log.info("megatron backend: --use-rollout-routing-replay: the policy's forwards replay the engine's "
                      "experts at %d routers", len(self.replays))
@@ -352,6 +358,27 @@ class MegatronBackend:
                 r.clear_router_replay_action()
                 r.clear_indices()
 
+    def _count_differing(self, replay) -> None:
+        """Wrap a RouterReplay's top-k so that a replayed forward also counts where the router's own top k (its
+        default computation on the same scores) differs from the replayed one."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replayed = replay.get_replay_topk
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            probs, idx = replayed(scores, topk, num_groups, group_topk, default_compute_topk)
+            given = getattr(replay, "rollflow_given", None)
+            if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD and given is not None \
+                    and default_compute_topk is not None:
+                with torch.no_grad():
+                    _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+                    differ = (own.sort(-1).values != idx.sort(-1).values).any(-1) & given
+                    self._differing[0] = self._differing[0] + differ.sum()
+                    self._differing[1] = self._differing[1] + given.sum()
+            return probs, idx
+
+        replay.get_replay_topk = get_replay_topk
+
     def _route(self, routing: str, mb: MicroBatch, dev) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -372,7 +399,8 @@ class MegatronBackend:
             r.clear_indices()
             idx = idx.to(device=dev, dtype=torch.long)
             if routing == "rollout":  # a token the engine did not route (a sample's last; in no loss): experts 0..k-1
-                idx = torch.where(idx >= 0, idx, torch.arange(idx.shape[1], device=dev))
+                r.rollflow_given = idx[:, 0] >= 0
+                idx = torch.where(r.rollflow_given[:, None], idx, torch.arange(idx.shape[1], device=dev))
             r.set_target_indices(idx)
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
@@ -521,6 +549,7 @@ class MegatronBackend:
                 row.update(tokens=stats["tokens"].float(), loss_total=loss.detach().float(), ratio_maxdev=dev_ratio)
             return loss, {"stats": row}
 
+        self._differing = [0, 0]  # train/routing_replay_diff: this step's forwards only
         # a custom loss may use the entropy's gradient
         outs = self._run(mbs, loss_fn, forward_only=False,
                          entropy_grad=spec.entropy_coef != 0 or self.hooks.custom_loss is not None,
@@ -540,6 +569,8 @@ class MegatronBackend:
         out: dict[str, Any] = {}
         for k, v in col.items():  # token sums → means over the step's tokens; a custom loss's shares → step sums
             out.update({f"{k}_stepsum": v} if k.startswith("custom_") else {f"{k}_sum": v, f"{k}_count": tokens})
+        if self.rollout_routing:
+            out["routing_replay_diff_sum"], out["routing_replay_diff_count"] = (float(x) for x in self._differing)
         if not self.reports_metrics:  # TP / PP peers of a replica report nothing, so sums count once
             out = {k: 0.0 for k in out}
             loss_total, ratio_maxdev = 0.0, 0.0
