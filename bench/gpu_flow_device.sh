@@ -6,7 +6,7 @@
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
-#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay
+#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -306,6 +306,10 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
         --extra "$extra" &
       python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --out "$OUT" --timeout 240 --extra "$extra"
       wait; for g in "$OUT"/gpu_flow_demo_*; do mv "$g" "${g/gpu_flow_demo_/gpu_flow_r3_}"; done
+      grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
+    s38-replay-min)  # (the GPU tests of s38-replay alone: little device time was left)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py -k "routing_replay" \
+        --timeout 280 > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
     *) echo "unknown step $step" ;;
   esac
