@@ -234,7 +234,7 @@ def test_gpu_megatron_routing_replay_equals_the_torch_backends(family, tmp_path,
 def test_gpu_megatron_rollout_routing_replay_equals_the_torch_backends(family, tmp_path, small_cfg):
     """--use-rollout-routing-replay on megatron-core's RouterReplay against the torch backend's hooks (tests/
     test_rollout_routing_replay.py), fp32: the micro-batches carry a random engine routing; the old log-probs'
-    forward and three steps replay it on both (a sample's last token, which the engine did not route, in no loss)
+    forward, the reference's and three steps replay it on both (a sample's last token, which the engine did not route, in no loss)
     and agree, and differ from the torch backend routing on its own."""
     from engine.model_shape import read
     from engine.train.megatron_backend import MegatronBackend
@@ -250,6 +250,7 @@ def test_gpu_megatron_rollout_routing_replay_equals_the_torch_backends(family, t
     old, t_old, p_old = mg.compute_log_probs(mbs), tb.compute_log_probs(mbs), plain.compute_log_probs(mbs)
     assert max(float((a - b).abs().max()) for a, b in zip(old, t_old)) < 1e-5
     assert max(float((a - b).abs().max()) for a, b in zip(p_old, t_old)) > 1e-3  # the replay mattered
+    assert max(float((a - b).abs().max()) for a, b in zip(mg.compute_log_probs(mbs, ref=True), old)) < 1e-6
     for step in range(3):
         m, t, p = (b.train_step(mbs, old, old, 8) for b in (mg, tb, plain))
         assert abs(m["loss_total"] - t["loss_total"]) < 1e-5, step

@@ -483,7 +483,9 @@ class MegatronBackend:
         other = self._teacher() if teacher else self.ref_weights if ref else weights  # weights: --keep-old-actor
         with self._swapped_in(other) if other is not None else nullcontext():
             record = record_routing and self.replays and not (ref or teacher)
-            routing = "record" if record else "rollout" if self.rollout_routing and not (ref or teacher) else None
+            # --use-rollout-routing-replay: the reference replays the engine's routing as the policy does (RF01 and
+            # the KL compare one routing); the teacher routes on its own
+            routing = "record" if record else "rollout" if self.rollout_routing and not teacher else None
             outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp, "entropy": ent.detach()}),
                              forward_only=True, entropy_grad=False, routing=routing)
         for m in self.model:

@@ -118,6 +118,7 @@ class TorchBackend:
         # --use-rollout-routing-replay: the engine's, carried by the micro-batches, replayed in both
         self.routes = Routes()
         self.rollout_routing = cfg.use_rollout_routing_replay
+        self.ref_router_hooks: TorchRouters | None = None  # the reference's (_ref_model)
         flag = "--use-rollout-routing-replay" if self.rollout_routing else "--use-routing-replay"
         self.router_hooks = TorchRouters(model, flag) if cfg.use_routing_replay or self.rollout_routing else None
         if self.router_hooks is not None and rank == 0:
@@ -168,6 +169,8 @@ class TorchBackend:
         if self.ref is None:
             self.ref = self._placed_ref(load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint,
                                                        self.cfg.model_impl))
+            if self.rollout_routing:  # the reference replays the engine's routing too: RF01 and the KL compare one
+                self.ref_router_hooks = TorchRouters(self.ref, "--use-rollout-routing-replay")
         return self.ref
 
     def _teacher_model(self):
@@ -216,16 +219,19 @@ class TorchBackend:
                     p.copy_(w)
 
     def _rollout_routes(self, mb: MicroBatch, model: torch.nn.Module | None = None):
-        """--use-rollout-routing-replay: the policy routes `mb` to the engine's experts (a micro-batch without
-        them, e.g. a probe's, and the reference or the teacher route on their own)."""
-        if not self.rollout_routing or (model is not None and model is not self.model):
+        """--use-rollout-routing-replay: the policy (model None or self.model) and the reference route `mb` to the
+        engine's experts (a micro-batch without them, e.g. a probe's, and the --use-opd teacher route on their
+        own)."""
+        hooks = self.router_hooks if model is None or model is self.model else \
+            self.ref_router_hooks if model is self.ref else None
+        if not self.rollout_routing or hooks is None:
             return nullcontext()
-        indices = rollout_indices(mb, len(self.router_hooks.routers))
+        indices = rollout_indices(mb, len(hooks.routers))
         if indices is None:
             return nullcontext()
         if (layout := forward_layout(mb, self.share_prefix)) is not None:  # the forward's row: shared prompts once
             indices = [i[layout.origin] for i in indices]
-        return self.router_hooks.replaying(indices, rollout=True)
+        return hooks.replaying(indices, rollout=True)
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
