@@ -7,7 +7,7 @@ process. Per run: train/mismatch (mean |log π_engine − log π_trainer| over t
 train/mismatch_max, and with the flag train/routing_replay_diff (the share of routings where the trainer's routers
 alone disagree with the engine's, which it replays instead).
 
-    python bench/r3_mismatch.py --pairs 2 --num-rollout 4 --out bench/results --name r3_mismatch
+    python bench/r3_mismatch.py --num-rollout 10 --out bench/results --name r3_mismatch
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def run(model: str, work: Path, num_rollout: int, r3: bool, extra: list[str]) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=1, help="runs per side (a side is deterministic on the CPU: its seeds are fixed)")
     p.add_argument("--num-rollout", type=int, default=4)
     p.add_argument("--work", default="/tmp/r3_mismatch")
     p.add_argument("--out", default="bench/results")
