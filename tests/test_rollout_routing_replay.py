@@ -184,6 +184,9 @@ def test_the_policy_forwards_replay_the_engine_routing(family, tmp_path, small_c
     moved = tb.compute_log_probs(other)
     assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(moved, base))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(tb.compute_log_probs(other, ref=True), moved))
+    resumed = TorchBackend(small_cfg(hf_checkpoint=path, use_rollout_routing_replay=True))
+    resumed.load_weights(path, ref=True)  # a resumed run's reference, from its checkpoint: it replays as well
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(resumed.compute_log_probs(other, ref=True), moved))
     seen: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda m, a, o: seen.append(o[2])) for r in tb.router_hooks.routers]
     out = tb.train_step(other, moved, None, 4)

@@ -167,11 +167,13 @@ class TorchBackend:
 
     def _ref_model(self):
         if self.ref is None:
-            self.ref = self._placed_ref(load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint,
-                                                       self.cfg.model_impl))
-            if self.rollout_routing:  # the reference replays the engine's routing too: RF01 and the KL compare one
-                self.ref_router_hooks = TorchRouters(self.ref, "--use-rollout-routing-replay")
+            self._set_ref(load_reference(self.cfg.ref_load, self.cfg.hf_checkpoint, self.cfg.model_impl))
         return self.ref
+
+    def _set_ref(self, model) -> None:
+        self.ref = self._placed_ref(model)
+        if self.rollout_routing:  # the reference replays the engine's routing too: RF01 and the KL compare one
+            self.ref_router_hooks = TorchRouters(self.ref, "--use-rollout-routing-replay")
 
     def _teacher_model(self):
         """--opd-teacher-load: an HF directory, or a --save directory's latest iteration (or
@@ -502,7 +504,7 @@ class TorchBackend:
             self._load_full(state, path)
             return
         if self.ref is None:  # the frozen architecture; its weights are replaced just below
-            self.ref = self._placed_ref(load_reference(None, self.cfg.hf_checkpoint, self.cfg.model_impl))
+            self._set_ref(load_reference(None, self.cfg.hf_checkpoint, self.cfg.model_impl))
         load_state_strict(self.ref, state, path)
 
     def reset_optimizer(self) -> None:
