@@ -47,7 +47,8 @@ def run(model: str, work: Path, num_rollout: int, r3: bool, extra: list[str]) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=1, help="runs per side (a side is deterministic on the CPU: its seeds are fixed)")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="runs per side (a side is deterministic on the CPU: its seeds are fixed)")
     p.add_argument("--num-rollout", type=int, default=4)
     p.add_argument("--work", default="/tmp/r3_mismatch")
     p.add_argument("--out", default="bench/results")

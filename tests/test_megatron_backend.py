@@ -234,8 +234,8 @@ def test_gpu_megatron_routing_replay_equals_the_torch_backends(family, tmp_path,
 def test_gpu_megatron_rollout_routing_replay_equals_the_torch_backends(family, tmp_path, small_cfg):
     """--use-rollout-routing-replay on megatron-core's RouterReplay against the torch backend's hooks (tests/
     test_rollout_routing_replay.py), fp32: the micro-batches carry a random engine routing; the old log-probs'
-    forward, the reference's and three steps replay it on both (a sample's last token, which the engine did not route, in no loss)
-    and agree, and differ from the torch backend routing on its own."""
+    forward, the reference's and three steps replay it on both (a sample's last token, which the engine did not
+    route, in no loss) and agree, and differ from the torch backend routing on its own."""
     from engine.model_shape import read
     from engine.train.megatron_backend import MegatronBackend
     from engine.train.routing import RouteLayout
