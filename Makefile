@@ -17,6 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e '.[dev]'
+	# megatron-core without its dependencies (their torch is the build above): the Megatron backend needs CUDA, but
+	# its model, mapping and (with CUDA's calls stood in for) whole backend also run on CPU processes over gloo,
+	# which tests/test_megatron_cpu_*.py check (expert parallelism included, which no one-GPU machine can run)
+	$(BIN)/pip install -q --no-deps "megatron-core==0.16.1"
 	touch $@
 
 # Bytecode for rollflow's own modules, which an editable install leaves out (pip compiles every other package's):

@@ -136,6 +136,8 @@ FLAG_TESTS = {
     "train_backend": "test_megatron_backend.py::test_cpu_machine_imports_and_gets_the_fix",
     "tensor_model_parallel_size": "test_megatron_backend.py::test_dp_size_counts_replicas_not_gpus",
     "pipeline_model_parallel_size": "test_megatron_backend.py::test_layout_check",
+    "expert_model_parallel_size":
+        "test_megatron_cpu_backend.py::test_expert_parallel_backend_equals_data_parallel_and_resumes",
     "megatron_cuda_graphs": "test_flag_wiring.py::test_megatron_cuda_graphs_flag_reaches_the_kernels",
     "bf16": "test_train_backend.py::test_bf16_computes_in_bf16_over_fp32_master_weights",
     "model_impl": "test_native_model.py::test_model_impl_reaches_the_trainer_and_the_engine",

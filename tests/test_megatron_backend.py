@@ -55,6 +55,33 @@ def test_layout_check(small_cfg):
     assert "6 train GPUs" in odd[0].what and "multiple of 4" in odd[0].fix
 
 
+def test_expert_parallelism_is_checked_before_anything_starts(small_cfg, tmp_path):
+    """--expert-model-parallel-size: the megatron backend only, a divisor of the data-parallel ranks (the topology
+    check) and of the model's experts; a dense model has none to place (the model check)."""
+    from engine.doctor.checks import megatron_maps_the_model
+
+    env = Environment()
+    (torch_ep,) = parallel_layout(small_cfg(expert_model_parallel_size=2, actor_num_gpus_per_node=2), env)
+    assert "--expert-model-parallel-size 2 with --train-backend torch" in torch_ep.what
+    assert torch_ep.facts["field"] == "expert_model_parallel_size"
+    assert parallel_layout(small_cfg(train_backend="megatron", expert_model_parallel_size=2,
+                                     actor_num_gpus_per_node=4), env) == []
+    (odd,) = parallel_layout(small_cfg(train_backend="megatron", expert_model_parallel_size=4,
+                                       actor_num_gpus_per_node=6, rollout_batch_size=6), env)
+    assert "does not divide the 6 data-parallel ranks" in odd.what and odd.facts["value"] == 4
+    (dense,) = megatron_maps_the_model(small_cfg(train_backend="megatron", expert_model_parallel_size=2,
+                                                 actor_num_gpus_per_node=2), env)  # the bundled Qwen2
+    assert dense.code == "MODEL" and "dense model" in dense.what and dense.fix == "--expert-model-parallel-size 1"
+    _random_moe("qwen3moe", tmp_path / "moe")  # 4 experts
+    moe = dict(train_backend="megatron", hf_checkpoint=str(tmp_path / "moe"), actor_num_gpus_per_node=6,
+               rollout_batch_size=6)
+    assert megatron_maps_the_model(small_cfg(expert_model_parallel_size=2, **moe), env) == []
+    (three,) = megatron_maps_the_model(small_cfg(expert_model_parallel_size=3, **moe), env)
+    assert "does not divide the 4 experts" in three.what and three.facts["num_experts"] == 4
+    (tp,) = megatron_maps_the_model(small_cfg(tensor_model_parallel_size=2, **moe), env)
+    assert "--expert-model-parallel-size 2" in tp.fix and "sequence parallelism" in tp.what
+
+
 def test_dp_size_counts_replicas_not_gpus(small_cfg):
     cfg = small_cfg(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=8)
     assert (cfg.train_world_size, cfg.dp_size) == (8, 4)

@@ -32,9 +32,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _case(rank: int, world: int, port: int, families: list[str], rope_in_attention: bool, out: dict,
-          replay: bool = False) -> None:
+          replay: bool = False, ep: int = 1, dispatcher: str = "allgather") -> None:
+    """ep > 1: TP = 1, each rank a data-parallel rank with its own micro-batch and num_experts / ep experts."""
     warnings.filterwarnings("ignore")
     torch.cuda.current_device = lambda: "cpu"  # see module docstring
+    if dispatcher == "alltoall":
+        _host_streams()
     if torch.cuda.is_available():  # on a GPU host megatron-core's compiled MoE helpers would ask dynamo about the
         from torch import _dynamo  # "cpu" CUDA device above: they run eagerly (the same math)
 
@@ -50,15 +53,14 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
     from megatron.core.transformer.transformer_config import TransformerConfig
     from test_megatron_mapping import hf_model
 
-    from engine.packing.microbatch import MicroBatch
     from engine.train import megatron_model as mm
     from engine.train.megatron_mapping import hf_to_megatron, padded_vocab, shape_from_hf_config, tp_shard
     from engine.train.packed_logprobs import align_to_tokens, shift_targets, vocab_parallel_log_probs
     from engine.train.forward import packed_forward, use_varlen_attention
     from engine.weights.layout import checkpoint_state
 
-    tp = world
-    parallel_state.initialize_model_parallel(tp, 1)
+    tp = world // ep
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     r = parallel_state.get_tensor_model_parallel_rank()
     group = parallel_state.get_tensor_model_parallel_group()
 
@@ -76,12 +78,13 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         # Megatron's fused SwiGLU is torch.compile'd: minutes on a small CPU, so it is left to the GPU run.
         # The rope-in-attention case also uses the HF-order RMSNorm (layers, q/k norms, final norm).
         kernels = mm.Kernels(rope_in_attention=rope_in_attention, fused_swiglu=False, hf_rms_norm=rope_in_attention)
-        cfg_kw, gpt_kw = mm.model_kwargs(s, tp=tp, pp=1, dtype=torch.float32, kernels=kernels)
+        cfg_kw, gpt_kw = mm.model_kwargs(s, tp=tp, pp=1, dtype=torch.float32, kernels=kernels, ep=ep)
         assert gpt_kw["position_embedding_type"] == ("none" if rope_in_attention else "rope")
-        if s.num_experts:  # the alltoall dispatcher the runs use makes a CUDA stream; the routing and the experts
-            # are the same with allgather (the GPU run takes alltoall: tests/test_gpu_flow.py)
-            cfg_kw.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False,
-                          moe_enable_routing_replay=replay)
+        if s.num_experts and dispatcher == "allgather":  # the alltoall dispatcher the runs use makes a CUDA stream
+            # (the EP case replaces it: _host_streams); the routing and the experts are the same with allgather
+            cfg_kw.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
+        if s.num_experts:
+            cfg_kw.update(moe_enable_routing_replay=replay)
         config = TransformerConfig(**cfg_kw, use_cpu_initialization=True)
         if s.num_experts:
             mm.router_without_te()  # (build_model does this for the runs)
@@ -92,15 +95,13 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         mm.load_hf_into(model, config, hf_state, s, vocab_padded=vp)
         gathered = mm.gather_hf_state(model, config, s)
 
-        lens = [7, 12, 5]
-        tokens = torch.randint(0, s.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1))
-        tokens[9] = 0  # token 0 in the row: the families' random models name it their pad token (see hf_model)
-        cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
-        pos = torch.cat([torch.arange(n) for n in lens])
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12)
-        trained = (pos > 0).float()  # every token a sample predicts (its first token has no prediction)
-        mb = MicroBatch(tokens=tokens, cu_seqlens=cu, position_ids=pos, loss_mask=trained,
-                        advantages=torch.zeros(24), rollout_log_probs=torch.zeros(24), sample_ids=[0, 1, 2])
+        # EP: data-parallel ranks, each its own row (rank 1's samples: other tokens, other lengths)
+        mbs = [_row(s.vocab_size, j) for j in range(ep)]
+        mb = mbs[rank] if ep > 1 else mbs[0]
+        tokens, cu, pos, trained = mb.tokens, mb.cu_seqlens, mb.position_ids, mb.loss_mask
+        longest = int((cu[1:] - cu[:-1]).max())
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                              max_seqlen_kv=longest)
         use_varlen_attention(hf)
         state = (float(max((gathered[k] - v).abs().max() for k, v in hf_state.items()
                            if not (s.tie_embeddings and k == "lm_head.weight"))) if rank == 0 else 0.0)
@@ -117,24 +118,75 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         (lp.sum() + ent.sum()).backward()
 
         with replaying:
-            ref_lp, ref_ent = packed_forward(hf, mb, temperature=1.0)  # the torch backend's forward
-            (ref_lp.sum() + ref_ent.sum()).backward()
+            for j, other in enumerate(mbs):  # EP: transformers' gradients are those of every rank's row
+                got = packed_forward(hf, other, temperature=1.0)  # the torch backend's forward
+                (got[0].sum() + got[1].sum()).backward()
+                if other is mb:
+                    ref_lp, ref_ent = got
         hf_grads = {n: p.grad for n, p in hf.named_parameters()}
         if s.tie_embeddings:
             hf_grads["lm_head.weight"] = hf_grads["model.embed_tokens.weight"]
         hf_grads = checkpoint_state(hf, hf_grads)
         want = hf_to_megatron(hf_grads, s, vocab_padded=vp)
         grad_err = {}
+        first_expert = mm.expert_offset(s)
         for name, p in model.named_parameters():
             g = p.grad
             if "q_layernorm" in name or "k_layernorm" in name:  # replicated, each rank sees its own heads:
                 g = g.clone()                                    # Megatron's finalize sums them over TP
                 dist.all_reduce(g, group=group)
-            grad_err[name] = float((g - tp_shard(name, want[name], r, tp)).abs().max())
+            if ep > 1 and ".local_experts." not in name:  # replicated over the DP ranks: DDP sums them; an
+                g = g.clone()                              # expert's already holds every rank's tokens
+                dist.all_reduce(g)
+            grad_err[mm._global_name(name, 0, first_expert)] = float(
+                (g - tp_shard(name, want[mm._global_name(name, 0, first_expert)], r, tp)).abs().max())
         out[(family, world, rank)] = dict(
             lp=float(((lp - ref_lp) * trained).abs().max()), ent=float(((ent - ref_ent) * trained).abs().max()),
-            grad=grad_err, state=state, **facts)
+            grad=grad_err, state=state, experts=sorted({n.split("local_experts.")[1].split(".")[0]
+                                                        for n in grad_err if "local_experts." in n}), **facts)
     dist.destroy_process_group()
+
+
+def _row(vocab_size: int, j: int):
+    """Packed row j: 3 samples (row 0: 7, 12 and 5 tokens, with token 0, the random models' pad token, inside)."""
+    from engine.packing.microbatch import MicroBatch
+
+    lens = [[7, 12, 5], [9, 4, 10]][j]
+    tokens = torch.randint(0, vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1 + j))
+    tokens[9] = 0  # token 0 in the row: the families' random models name it their pad token (see hf_model)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    trained = (pos > 0).float()  # every token a sample predicts (its first token has no prediction)
+    return MicroBatch(tokens=tokens, cu_seqlens=cu, position_ids=pos, loss_mask=trained,
+                      advantages=torch.zeros(len(pos)), rollout_log_probs=torch.zeros(len(pos)), sample_ids=[0, 1, 2])
+
+
+def _host_streams() -> None:
+    """megatron-core's alltoall dispatcher copies its token counts to the host on a side CUDA stream (the all-to-all
+    splits as numpy arrays) and waits for an event there: on the CPU the copies only convert, and these stand-ins
+    make the stream calls no-ops."""
+    class Event:
+        def synchronize(self):
+            pass
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def record_event(self):
+            return Event()
+
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def to_host(tensor, as_numpy=False, record_stream=False):  # moe_utils' copies only CUDA tensors; the splits
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor  # must become numpy as there
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    stream = Stream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream  # (made once, when None)
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda s: nullcontext()
 
 
 def _record_and_move_routers(model, hf, mb, inputs: dict):
@@ -193,6 +245,28 @@ def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_atten
         assert not bad, (family, w, rank, bad)
         assert res["state"] == 0.0, (family, res["state"])
     assert len(out) == len(families) * world
+
+
+def test_megatron_expert_parallelism_matches_transformers():
+    """--expert-model-parallel-size 2 at TP = 1: two data-parallel ranks, each with its own packed row, experts 0–1
+    on rank 0 and 2–3 on rank 1 (megatron-core's placement, which load_hf_into follows). Each rank's log-probs and
+    entropies equal transformers' on its row; each expert's gradient (its rank's: the tokens of both rows routed to
+    it) and every replicated weight's gradient summed over the ranks equal transformers' gradient of both rows;
+    gather_hf_state gives back the HF weights. The dispatcher is the runs' alltoall (the rows differ in length,
+    which the allgather one would not take)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = mp.Manager().dict()
+    families = ["qwen3moe", "mixtral", "qwen2moe"]
+    mp.spawn(_case, args=(2, port, families, True, out, False, 2, "alltoall"), nprocs=2)
+    assert len(out) == 2 * len(families)
+    for (family, _, rank), res in out.items():
+        assert res["experts"] == [["0", "1"], ["2", "3"]][rank], (family, rank, res["experts"])
+        assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, rank, res["lp"], res["ent"])
+        bad = {n: e for n, e in res["grad"].items() if e > 1e-5}
+        assert not bad, (family, rank, bad)
+        assert res["state"] == 0.0, (family, res["state"])
 
 
 def test_megatron_replays_the_routing_as_the_torch_backend():

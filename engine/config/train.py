@@ -25,6 +25,12 @@ class TrainArgs(Section):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     """Megatron pipeline parallelism (PP): stages that split the layers (megatron backend only)."""
 
+    expert_model_parallel_size: int = Field(1, ge=1)
+    """Megatron expert parallelism (EP) for a mixture of experts: each expert lives on one of EP data-parallel ranks
+    (num_experts / EP experts per rank), and every MoE layer sends each token to its experts' ranks and back (an
+    all-to-all over the EP group). Everything else stays replicated over the data-parallel ranks. EP must divide
+    the data-parallel size and the number of experts; experts are never split by TP (megatron backend only)."""
+
     megatron_cuda_graphs: bool = True
     """Megatron backend: replay the decoder from CUDA graphs, one per micro-batch shape (bf16/fp16, TP = PP = 1,
     without Transformer Engine; micro-batches are padded to 1,024-token buckets). --no-megatron-cuda-graphs runs

@@ -191,10 +191,26 @@ def dynamic_batch_needs_cap(cfg, env: Environment) -> list[Diagnosis]:
 
 @check("CONFIG")
 def parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
-    """TP / PP split the model (megatron backend only) and TP·PP must divide the train GPUs; no backend runs CP."""
+    """TP / PP split the model and EP the experts (megatron backend only); TP·PP must divide the train GPUs and EP
+    the data-parallel ranks; no backend runs CP."""
     tp, pp, cp, world = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                          cfg.context_parallel_size, cfg.train_world_size)
     out = []
+    ep = cfg.expert_model_parallel_size
+    if ep > 1 and cfg.train_backend != "megatron":
+        out.append(Diagnosis(code="CONFIG", severity="error",
+                             what=f"--expert-model-parallel-size {ep} with --train-backend {cfg.train_backend}: only "
+                                  "the megatron backend places experts on different GPUs",
+                             fix="--train-backend megatron, or --expert-model-parallel-size 1",
+                             facts={"field": "expert_model_parallel_size", "value": ep}))
+    elif ep > 1 and not world % (tp * pp * cp) and cfg.dp_size % ep:
+        out.append(Diagnosis(code="CONFIG", severity="error",
+                             what=f"--expert-model-parallel-size {ep} does not divide the {cfg.dp_size} data-parallel "
+                                  f"ranks ({world} train GPUs / TP·PP·CP = {tp * pp * cp}): Megatron forms each "
+                                  "EP group from data-parallel ranks",
+                             fix=f"an EP size that divides {cfg.dp_size}, or more train GPUs "
+                                 "(--actor-num-gpus-per-node / --actor-num-nodes)",
+                             facts={"field": "expert_model_parallel_size", "value": ep, "dp": cfg.dp_size}))
     if cp > 1:
         out.append(Diagnosis(code="CONFIG", severity="error", facts={"context_parallel_size": cp},
                              what=f"--context-parallel-size {cp}: no rollflow backend splits a sequence across GPUs "
@@ -481,7 +497,8 @@ def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
 @check("MODEL")
 def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     """--train-backend megatron: its mapping (engine/train/megatron_mapping.py) builds the model of --hf-checkpoint:
-    Qwen2, Qwen3, Llama, Mistral and (experts at TP = 1) Qwen2-MoE, Qwen3-MoE, Mixtral, not Qwen2's sliding windows.
+    Qwen2, Qwen3, Llama, Mistral and (experts at TP = 1, split by --expert-model-parallel-size) Qwen2-MoE, Qwen3-MoE,
+    Mixtral, not Qwen2's sliding windows.
     Found here, not at the
     train workers' model build, after Ray and the engines have started."""
     from engine.modeling import read_model_json
@@ -498,14 +515,28 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     except UNMAPPABLE as e:
         why = str(e)
     else:
-        tp = cfg.tensor_model_parallel_size
+        tp, ep = cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size
+        if ep > 1 and not shape.num_experts:
+            return [Diagnosis(code="MODEL", severity="error",
+                              what=f"--expert-model-parallel-size {ep}: {cfg.model_dir} is a dense model, it has no "
+                                   "experts to place", fix="--expert-model-parallel-size 1",
+                              facts={"field": "expert_model_parallel_size", "value": ep})]
+        if ep > 1 and shape.num_experts % ep:
+            return [Diagnosis(code="MODEL", severity="error",
+                              what=f"--expert-model-parallel-size {ep} does not divide the {shape.num_experts} "
+                                   f"experts of {cfg.model_dir}: each EP rank holds the same number of them",
+                              fix=f"an EP size that divides {shape.num_experts}",
+                              facts={"field": "expert_model_parallel_size", "value": ep,
+                                     "num_experts": shape.num_experts})]
         if tp == 1 or not shape.num_experts:
             return []  # (a TP that does not divide the heads is the topology check's)
         return [Diagnosis(code="MODEL", severity="error",
                           what=f"--train-backend megatron with --tensor-model-parallel-size {tp}: {cfg.model_dir} is a "
-                               "mixture of experts, which the Megatron mapping runs at TP = 1 only (no expert "
-                               "parallelism)", fix="--tensor-model-parallel-size 1 (the GPUs become data-parallel "
-                                                   "ranks), or --train-backend torch",
+                               "mixture of experts, which the Megatron mapping runs at TP = 1 only (megatron-core "
+                               "trains a mixture of experts under TP only with sequence parallelism, which the "
+                               "backend does not run)",
+                          fix=f"--tensor-model-parallel-size 1 and --expert-model-parallel-size {tp} (the GPUs become "
+                              "data-parallel ranks, the experts split over them), or --train-backend torch",
                           facts={"field": "tensor_model_parallel_size", "value": tp})]
     return [Diagnosis(code="MODEL", severity="error",
                       what=f"--train-backend megatron cannot build {cfg.model_dir}: {why}",

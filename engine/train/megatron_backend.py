@@ -144,10 +144,12 @@ class MegatronBackend:
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
         self.pp = getattr(cfg, "pipeline_model_parallel_size", 1)
+        self.ep = getattr(cfg, "expert_model_parallel_size", 1)
         minutes = getattr(cfg, "distributed_timeout_minutes", 10.0)
         init_distributed(self.rank, self.world_size, master, minutes)
         self.dtype = getattr(torch, params_dtype)
         self.shape = shape_from_hf_config(json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()))
+        check_tp(self.shape, self.tp, self.ep)
         # Decoder CUDA graphs are captured on this backend's own stream, and DDP's gradient accumulators must
         # be made on it (megatron_graphs): everything from here on runs there.
         self.stream = None
@@ -159,18 +161,17 @@ class MegatronBackend:
         if self.rank == 0:
             log.info("megatron backend: decoder CUDA graphs %s", "on" if off is None else f"off ({off})")
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(self.tp, self.pp,
+            parallel_state.initialize_model_parallel(self.tp, self.pp, expert_model_parallel_size=self.ep,
                                                      distributed_timeout_minutes=max(1, math.ceil(minutes)))
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed + self.rank)
 
-        check_tp(self.shape, self.tp)
         self.vocab_padded = padded_vocab(self.shape.vocab_size, self.tp)
         self.temperature = cfg.rollout_temperature if cfg.rollout_temperature > 0 else 1.0
 
         self.kernels = kernels
         gpt, self.config = build_model(self.shape, vocab_padded=self.vocab_padded, dtype=self.dtype, tp=self.tp,
-                                       pp=self.pp, kernels=kernels,
+                                       pp=self.pp, ep=self.ep, kernels=kernels,
                                        routing_replay=cfg.use_routing_replay or cfg.use_rollout_routing_replay)
         # --use-routing-replay: megatron-core's RouterReplay of each router, in module order; the recorded routing
         # (--use-rollout-routing-replay: the engine's, carried by the micro-batches)
@@ -486,8 +487,9 @@ class MegatronBackend:
             # --use-rollout-routing-replay: the reference replays the engine's routing as the policy does (RF01 and
             # the KL compare one routing); the teacher routes on its own
             routing = "record" if record else "rollout" if self.rollout_routing and not teacher else None
-            outs = self._run(mbs, lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp, "entropy": ent.detach()}),
-                             forward_only=True, entropy_grad=False, routing=routing)
+            outs = self._run(self._even(mbs), lambda j, mb, lp, ent: (lp.sum() * 0, {"log_probs": lp,
+                                                                                     "entropy": ent.detach()}),
+                             forward_only=True, entropy_grad=False, routing=routing)[:len(mbs)]
         for m in self.model:
             m.train()
         if not self.is_last_stage:  # only the last stage computes the loss; it is the only user of these
@@ -496,6 +498,26 @@ class MegatronBackend:
         # 0 where loss_mask is 0, as the torch backend (engine.train.forward.packed_forward)
         lps = [o["log_probs"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]
         return (lps, [o["entropy"].float().cpu() * mb.loss_mask for o, mb in zip(outs, mbs)]) if with_entropy else lps
+
+    def _ep_counts(self, n: int) -> tuple[int, int]:
+        """(fewest, most) micro-batches a rank of this rank's EP group runs in this call."""
+        from megatron.core import parallel_state
+
+        t = torch.tensor([n, -n], device=torch.cuda.current_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+        return -int(t[1]), int(t[0])
+
+    def _even(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """Expert parallelism: every MoE layer's forward is an all-to-all over the EP group, so each of its ranks
+        must run as many forwards. A no-grad call whose micro-batches were packed per rank
+        (--log-probs-max-tokens-per-gpu) may have fewer here: the last one runs again, its results dropped."""
+        if self.ep == 1:
+            return mbs
+        _, most = self._ep_counts(len(mbs))
+        if most > len(mbs) and not mbs:
+            raise RuntimeError(f"expert parallelism: this rank has no micro-batch to forward while an EP peer runs "
+                               f"{most}; every rank of an EP group must run the same number of forwards")
+        return mbs + [mbs[-1]] * (most - len(mbs))
 
     @_on_own_stream
     def dp_all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -519,6 +541,9 @@ class MegatronBackend:
             raise ValueError("--calculate-per-token-loss needs the step's global trained-token count")
         denom = max(global_tokens, 1.0) if spec.per_token_loss else global_batch_size
         dev = torch.cuda.current_device()
+        if self.ep > 1 and (counts := self._ep_counts(len(mbs)))[0] != counts[1]:  # the schedule's invariant I1
+            raise RuntimeError(f"expert parallelism: the ranks of an EP group have {counts[0]} to {counts[1]} "
+                               "micro-batches in this step; each must run the same number (engine/packing/schedule)")
         self._prepare_graphs(mbs)  # before zero_grad_buffer (see _prepare_graphs)
         for m in self.model:
             m.zero_grad_buffer()
@@ -678,8 +703,8 @@ class MegatronBackend:
                                                                                     metadata=_OPTIM_FORMAT)},
                                     str(root / "optim"))
         if self.rank == 0 and save_optim:
-            torch.save({"steps_done": self.steps_done, "skipped_steps": self.skipped_steps, "rng": rng_state()},
-                       root / "optim" / "backend.pt")
+            torch.save({"steps_done": self.steps_done, "skipped_steps": self.skipped_steps, "rng": rng_state(),
+                        "adam_steps": self._adam_steps()}, root / "optim" / "backend.pt")
         dist.barrier()
         if self.rank != 0:
             return []
@@ -695,6 +720,7 @@ class MegatronBackend:
         if self.cfg.ref_update_interval and (root / "ref" / "model").is_dir():
             self.load_weights(str(root / "ref"), ref=True)
         if load_optim and (root / "optim" / "backend.pt").is_file():
+            self._ensure_adam_state()
             tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
                                                                    metadata=_OPTIM_FORMAT)}
             state = dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"]
@@ -702,9 +728,52 @@ class MegatronBackend:
                 self.optimizer.load_state_dict(state)
             st = torch.load(root / "optim" / "backend.pt", weights_only=False)
             self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]
+            if "adam_steps" in st:  # (checkpoints before it: the step counts megatron-core's load left)
+                self._set_adam_steps(st["adam_steps"])
             set_rng_state(st["rng"])
         else:
             self.optimizer.reload_model_params()  # the fp32 main copy follows the loaded weights
+
+    def _inner_optimizers(self) -> list:
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def _adam_steps(self) -> list[float | None]:
+        """Each inner optimizer's Adam step count (its parameters step together), None before its first step."""
+        out = []
+        for o in self._inner_optimizers():
+            steps = {float(st["step"]) for st in o.state.values() if "step" in st}
+            out.append(max(steps) if steps else None)
+        return out
+
+    def _ensure_adam_state(self) -> None:
+        """torch's AdamW has no state before its first step, and megatron-core 0.16's optimizer checkpoint template
+        (DistributedOptimizer.state_dict, without Apex / TE) asserts one step count over the states: a backend that
+        had not stepped yet (a resumed run's) could not load its checkpoint. Each parameter gets the state AdamW's
+        first step would make, zero moments at step 0, which the load then overwrites (the steps: _set_adam_steps)."""
+        for o in self._inner_optimizers():
+            if not isinstance(o, (torch.optim.Adam, torch.optim.AdamW)):
+                continue  # (TE's / Apex's FusedAdam keep their step in the param groups)
+            for g in o.param_groups:
+                on_device = bool(g.get("fused") or g.get("capturable"))
+                for p in g["params"]:
+                    if p.numel() and not o.state.get(p):
+                        o.state[p] = {"step": torch.zeros((), dtype=torch.float32,
+                                                          device=p.device if on_device else "cpu"),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+    def _set_adam_steps(self, steps: list[float | None]) -> None:
+        """torch's AdamW (megatron-core's optimizer without Apex / TE) keeps the step of its bias correction per
+        parameter; megatron-core 0.16's dp_reshardable load restores the moments but leaves those steps as they
+        were (a backend that trained past the checkpoint went on with its later count: measured on the CPU
+        harness, tests/test_megatron_cpu_backend.py). Each parameter gets its own tensor: torch's step increments
+        it in place."""
+        for o, step in zip(self._inner_optimizers(), steps, strict=True):
+            if step is None:
+                continue
+            for st in o.state.values():
+                if "step" in st:
+                    st["step"] = torch.tensor(step, dtype=st["step"].dtype, device=st["step"].device)
 
     @_on_own_stream
     def load_weights(self, path: str, *, ref: bool = False) -> None:

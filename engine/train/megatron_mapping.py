@@ -248,12 +248,18 @@ def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
-def check_tp(shape: ModelShape, tp: int) -> None:
-    """Megatron splits heads, kv groups and the FFN evenly over TP ranks."""
+def check_tp(shape: ModelShape, tp: int, ep: int = 1) -> None:
+    """Megatron splits heads, kv groups and the FFN evenly over TP ranks, and the experts over EP ranks."""
     if shape.num_experts and tp > 1:
         raise ValueError(f"--tensor-model-parallel-size {tp} with a mixture of experts: the Megatron mapping runs "
-                         "experts at TP = 1 only (there is no expert parallelism); use TP = 1 (data parallel "
-                         "ranks), or --train-backend torch")
+                         "a mixture of experts at TP = 1 only (megatron-core trains one under TP only with "
+                         f"sequence parallelism); use TP = 1 with --expert-model-parallel-size {tp}, or "
+                         "--train-backend torch")
+    if ep > 1 and not shape.num_experts:
+        raise ValueError(f"--expert-model-parallel-size {ep}: a dense model has no experts to place; use 1")
+    if ep > 1 and shape.num_experts % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the model's {shape.num_experts} experts: "
+                         f"choose an EP size that divides {shape.num_experts}")
     for what, n in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads),
                     ("intermediate_size", shape.ffn_hidden_size)):
         if n % tp:

@@ -163,9 +163,10 @@ def use_cuda_graphs(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype, m
     return cuda_graphs_off_reason(kernels, tp=tp, pp=pp, dtype=dtype, moe=moe) is None
 
 
-def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels()
-                 ) -> tuple[dict, dict]:
-    """(TransformerConfig kwargs, GPTModel kwargs) of an HF architecture: RMSNorm, SwiGLU, RoPE, no dropout."""
+def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels(),
+                 ep: int = 1) -> tuple[dict, dict]:
+    """(TransformerConfig kwargs, GPTModel kwargs) of an HF architecture: RMSNorm, SwiGLU, RoPE, no dropout.
+    ep: expert parallelism (a mixture of experts: num_experts / ep local experts per rank)."""
     import torch.nn.functional as F
 
     s = shape
@@ -201,7 +202,8 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
                       moe_ffn_hidden_size=s.moe_expert_ffn, moe_router_pre_softmax=not s.moe_norm_topk,
                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                       # 1: experts, 0: a dense MLP (Qwen's mlp_only_layers / decoder_sparse_step)
-                      moe_layer_freq=[int(moe_layer(s, i)) for i in range(s.num_layers)])
+                      moe_layer_freq=[int(moe_layer(s, i)) for i in range(s.num_layers)],
+                      expert_model_parallel_size=ep)
         if s.moe_shared_ffn:  # Qwen2-MoE: + sigmoid(x · w_gate) · shared_expert(x)
             config.update(moe_shared_expert_intermediate_size=s.moe_shared_ffn,
                           moe_shared_expert_gate=s.moe_shared_gate)
@@ -257,7 +259,7 @@ def block_spec(shape: ModelShape, config, kernels: Kernels = Kernels()):
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=HFRMSNorm if hf_norm else LayerNormImpl)
 
 
-def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int,
+def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
                 kernels: Kernels = Kernels(), routing_replay: bool = False):
     """A GPTModel stage for this rank (pre/post-process by pipeline stage) and its TransformerConfig.
     routing_replay (--use-routing-replay): each router gets megatron-core's RouterReplay (megatron_backend drives
@@ -266,7 +268,7 @@ def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels)
+    cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels, ep=ep)
     if shape.num_experts:
         router_without_te()
     cfg_kw["gradient_accumulation_fusion"] = kernels.wgrad_fusion and enable_wgrad_fusion()
@@ -287,12 +289,27 @@ def fused_norms() -> bool:
     return have_transformer_engine()
 
 
-def _global_name(name: str, offset: int) -> str:
-    """decoder.layers.<local>.… → decoder.layers.<local + this stage's first layer>.…"""
+def _global_name(name: str, offset: int, expert_offset: int = 0) -> str:
+    """decoder.layers.<local>.… → decoder.layers.<local + this stage's first layer>.…, and (expert parallelism)
+    ….local_experts.<local>.… → ….local_experts.<local + this EP rank's first expert>.…"""
     parts = name.split(".")
     if name.startswith("decoder.layers.") and offset:
         parts[2] = str(int(parts[2]) + offset)
+    if expert_offset and ".local_experts." in name:
+        i = parts.index("local_experts") + 1
+        parts[i] = str(int(parts[i]) + expert_offset)
     return ".".join(parts)
+
+
+def expert_offset(shape: ModelShape) -> int:
+    """This rank's first expert, as megatron-core's MoELayer places them: EP rank × experts per EP rank (0 without
+    EP or experts)."""
+    from megatron.core import parallel_state
+
+    if not shape.num_experts:
+        return 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (shape.num_experts // ep)
 
 
 def layer_offset(config) -> int:
@@ -303,17 +320,18 @@ def layer_offset(config) -> int:
 
 @torch.no_grad()
 def load_hf_into(model, config, hf: dict[str, torch.Tensor], shape: ModelShape, *, vocab_padded: int) -> None:
-    """Copy HF weights into this rank's GPTModel (unwrapped) parameters: map, shard by TP, by PP stage."""
+    """Copy HF weights into this rank's GPTModel (unwrapped) parameters: map, shard by TP, by PP stage, and (EP)
+    this rank's experts only."""
     from megatron.core import parallel_state
 
     full = hf_to_megatron(hf, shape, fused_norms=fused_norms(), vocab_padded=vocab_padded)
     if shape.tie_embeddings:  # a last stage without the embedding holds its own copy of the tied LM head
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    offset = layer_offset(config)
+    offset, first_expert = layer_offset(config), expert_offset(shape)
     missing = []
     for name, p in model.named_parameters():
-        src = full.get(_global_name(name, offset))
+        src = full.get(_global_name(name, offset, first_expert))
         if src is None:
             missing.append(name)
             continue
@@ -329,16 +347,23 @@ def load_hf_into(model, config, hf: dict[str, torch.Tensor], shape: ModelShape, 
 def gather_hf_state(model, config, shape: ModelShape, *, dst_rank: int = 0, to_cpu: bool = True
                     ) -> dict[str, torch.Tensor]:
     """HF-named full weights on global rank `dst_rank` ({} elsewhere): CPU tensors, or (to_cpu=False, PP = 1) on the
-    GPU. Collective over TP and PP."""
+    GPU. Collective over TP, EP and PP."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    offset = layer_offset(config)
+    ep = parallel_state.get_expert_model_parallel_world_size() if shape.num_experts else 1
+    offset, per_rank = layer_offset(config), shape.num_experts // ep
     local: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if name == "output_layer.weight" and shape.tie_embeddings:
+            continue
+        if ep > 1 and ".local_experts." in name:  # (experts are never TP-split: check_tp) EP rank j holds
+            owners = [torch.empty_like(p) for _ in range(ep)]  # experts j·per_rank … (j+1)·per_rank − 1
+            dist.all_gather(owners, p.data.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+            for j, w in enumerate(owners):
+                local[_global_name(name, offset, j * per_rank)] = w
             continue
         shards = [torch.empty_like(p) for _ in range(tp)] if tp > 1 else [p.data]
         if tp > 1:
@@ -347,7 +372,10 @@ def gather_hf_state(model, config, shape: ModelShape, *, dst_rank: int = 0, to_c
     # Pipeline stages hold different layers: each stage's TP rank 0 sends its part to dst_rank.
     full: dict[str, torch.Tensor] = {}
     if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not dist.is_initialized():
-        full = {k: v.cpu() if to_cpu else v for k, v in local.items()} if dist.get_rank() == dst_rank else {}
+        # (a copy even where the parameters live on the host, as in tests/test_megatron_cpu_backend.py: the
+        # weights as they are now, not views that later steps move)
+        full = {k: v.to("cpu", copy=True) if to_cpu else v for k, v in local.items()} \
+            if dist.get_rank() == dst_rank else {}
     else:
         parts: list[Any] = [None] * dist.get_world_size()
         mine = {k: v.cpu() for k, v in local.items()} if parallel_state.get_tensor_model_parallel_rank() == 0 else {}

@@ -1,0 +1,146 @@
+"""The whole megatron backend (engine/train/megatron_backend.py: DDP, the distributed optimizer, the steps, save and
+load, the weights it sends) on CPU processes over gloo, for what no one-GPU machine can run: expert parallelism.
+
+Runs only where megatron-core is installed (`pip install --no-deps megatron-core==0.16.1` works on a CPU machine).
+megatron-core assumes CUDA in a few places that do not change the math; each child process replaces exactly these:
+`torch.cuda.current_device()` / `set_device` / `device_count` / `synchronize`, tensor factories asked for
+`device="cuda"` (the optimizer's overflow buffer), `Tensor.type()` names (the distributed optimizer accepts only
+`torch.cuda.*Tensor` parameters), the model-parallel RNG tracker (on the CPU generator), the alltoall dispatcher's
+side stream (tests/test_megatron_cpu_model.py: _host_streams), and the backend's own "needs CUDA" guard.
+
+Checked: two data-parallel ranks with --expert-model-parallel-size 2 (experts 0–1 on rank 0, 2–3 on rank 1) give
+the log-probs, three GRPO steps' losses and grad norms, and the weights sent to the engines of the same two ranks
+without it (EP = 1); a checkpoint saved after those steps, loaded into the same backend and into a new one, goes on
+with the steps of the run that never stopped; no-grad forwards with fewer micro-batches on one rank still run (the
+backend evens them out), a train step with fewer is refused by name instead of hanging.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _cpu_megatron() -> None:
+    """See the module docstring: what a CPU process changes for megatron-core (math untouched)."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.synchronize = lambda *a, **k: None
+    for name in ("tensor", "empty", "zeros", "ones", "full"):
+        factory = getattr(torch, name)
+
+        def on_host(*a, _factory=factory, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return _factory(*a, **k)
+
+        setattr(torch, name, on_host)
+    type_name = torch.Tensor.type
+
+    def cuda_type_name(self, *a, **k):
+        t = type_name(self, *a, **k)
+        return t.replace("torch.", "torch.cuda.", 1) if not (a or k or t.startswith("torch.cuda.")) else t
+
+    torch.Tensor.type = cuda_type_name
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    from engine.train import megatron_backend
+    from test_megatron_cpu_model import _host_streams
+
+    megatron_backend.require_megatron = lambda: None
+    _host_streams()
+
+
+def _rank(rank: int, world: int, port: int, flags: dict, hf: str, work: str, out: dict) -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _cpu_megatron()
+    from test_megatron_backend import _micro_batches
+
+    from engine.config import RunConfig
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.megatron_model import Kernels
+
+    cfg = RunConfig(hf_checkpoint=hf, train_backend="megatron", actor_num_gpus_per_node=world, lr=1e-3,
+                    rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=2, work_dir=work, **flags)
+    ep = cfg.expert_model_parallel_size
+    # the compiled and CUDA-only kernels off (Kernels: each leaves the math unchanged)
+    kernels = Kernels(fused_log_probs=False, fused_swiglu=False, fused_adam=False, wgrad_fusion=False,
+                      cuda_graphs=False)
+
+    def backend():
+        return MegatronBackend(cfg, rank=rank, world_size=world, params_dtype="float32", kernels=kernels)
+
+    b = backend()
+    mbs = _micro_batches()[rank::world]  # 4 micro-batches of 2 samples: 2 a rank
+    old = b.compute_log_probs(mbs)
+    res: dict = {"lp": [x.clone() for x in old], "steps": []}
+    for _ in range(3):
+        m = b.train_step(mbs, old, old, 8)
+        res["steps"].append((m["loss_total"], m["grad_norm"]))
+    res["state"] = b.engine_state()  # rank 0: the HF-named weights the engines get
+    ck = f"{work}/ck_ep{ep}"
+    b.save(ck)
+    res["on"] = [b.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
+    b.load(ck)
+    res["reloaded"] = [b.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
+    fresh = backend()  # a resumed run: a new backend, then its checkpoint
+    fresh.load(ck)
+    res["resumed"] = [fresh.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
+    if ep > 1:
+        fewer = mbs[:1] if rank == 1 else mbs
+        uneven = fresh.compute_log_probs(fewer)
+        res["uneven"] = max(float((x - y).abs().max()) for x, y in zip(uneven, fresh.compute_log_probs(fewer)))
+        res["uneven_count"] = len(uneven)
+        try:
+            fresh.train_step(fewer, old, old, 8)
+        except RuntimeError as e:
+            res["refused"] = str(e)
+    out[(ep, rank)] = res
+    dist.destroy_process_group()
+
+
+def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
+    from safetensors import safe_open
+    from test_megatron_backend import _random_moe
+
+    _random_moe("qwen2moe", tmp_path / "hf")  # 4 experts, 2 a token, a gated shared expert, a dense layer 0
+    out = mp.Manager().dict()
+    for ep in (1, 2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_rank, args=(2, port, {"expert_model_parallel_size": ep}, str(tmp_path / "hf"), str(tmp_path), out),
+                 nprocs=2)
+    files = set(safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt").keys())
+    for rank in (0, 1):
+        dp, ep = out[(1, rank)], out[(2, rank)]
+        assert max(float((a - b).abs().max()) for a, b in zip(dp["lp"], ep["lp"])) < 1e-6, rank
+        for (loss_dp, gn_dp), (loss_ep, gn_ep) in zip(dp["steps"], ep["steps"]):
+            assert abs(loss_dp - loss_ep) < 1e-6 and abs(gn_dp - gn_ep) < 1e-6 * gn_dp, (rank, dp["steps"],
+                                                                                         ep["steps"])
+        for run in (dp, ep):  # a checkpoint goes on exactly as the run that never stopped
+            assert run["reloaded"] == run["on"] == run["resumed"], (rank, run["on"], run["reloaded"],
+                                                                    run["resumed"])
+        assert ep["uneven"] == 0.0 and ep["uneven_count"] == (1 if rank == 1 else 2)
+        assert "expert parallelism" in ep["refused"] and "1 to 2 micro-batches" in ep["refused"]
+    sent_dp, sent_ep = out[(1, 0)]["state"], out[(2, 0)]["state"]
+    assert set(sent_ep) == set(sent_dp) == files  # every expert, under the checkpoint's names
+    assert max(float((sent_dp[k] - sent_ep[k]).abs().max()) for k in files) < 1e-4
+    assert out[(2, 1)]["state"] == {}  # (the gather lands on rank 0)
