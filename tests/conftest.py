@@ -20,7 +20,8 @@ from engine.config.data import BUNDLED_MODEL, BUNDLED_TEST, BUNDLED_TRAIN  # noq
 LONGEST_FIRST = ("test_resume_faults.py", "test_ui_browser.py", "test_async.py", "test_tracking_flow.py",
                  "test_orchestration.py", "test_dp_invariance.py", "test_hostile_inputs.py", "test_terminal.py",
                  "test_prestart.py", "test_multinode.py", "test_external_engines.py", "test_deployment.py",
-                 "test_weight_sync.py", "test_sft.py", "test_rollout_ray.py", "test_debug_rollout.py")
+                 "test_weight_sync.py", "test_megatron_cpu_model.py", "test_sft.py", "test_rollout_ray.py",
+                 "test_debug_rollout.py", "test_megatron_cpu_backend.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -54,13 +55,12 @@ def shared_ray():
     yield
 
 
-@pytest.fixture
-def small_cfg(tmp_path, tiny_model):
-    """A run small enough for CI: B=4 prompts × n=4 samples, 2 rollouts, short responses."""
+def small_configs(tmp_path: Path, model: str = BUNDLED_MODEL):
+    """small_cfg's factory, for a process that has no fixtures (tests/test_megatron_cpu_backend.py's ranks)."""
     from engine.config import RunConfig
 
     def make(**over):
-        base = dict(hf_checkpoint=tiny_model, prompt_data=BUNDLED_TRAIN, eval_prompt_data=BUNDLED_TEST,
+        base = dict(hf_checkpoint=model, prompt_data=BUNDLED_TRAIN, eval_prompt_data=BUNDLED_TEST,
                     eval_max_samples=16, apply_chat_template=True, rollout_batch_size=4, n_samples_per_prompt=4,
                     num_rollout=2, rollout_max_response_len=8, lr=1e-4, micro_batch_size=4,
                     work_dir=str(tmp_path / "work"), save=str(tmp_path / "ckpt"), progress=False,
@@ -69,6 +69,12 @@ def small_cfg(tmp_path, tiny_model):
         return RunConfig(**base)
 
     return make
+
+
+@pytest.fixture
+def small_cfg(tmp_path, tiny_model):
+    """A run small enough for CI: B=4 prompts × n=4 samples, 2 rollouts, short responses."""
+    return small_configs(tmp_path, tiny_model)
 
 
 @pytest.fixture(scope="session")

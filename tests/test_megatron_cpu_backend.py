@@ -4,7 +4,7 @@ load, the weights it sends) on CPU processes over gloo, for what no one-GPU mach
 Runs only where megatron-core is installed (`pip install --no-deps megatron-core==0.16.1` works on a CPU machine).
 megatron-core assumes CUDA in a few places that do not change the math; each child process replaces exactly these:
 `torch.cuda.current_device()` / `set_device` / `device_count` / `synchronize`, tensor factories asked for
-`device="cuda"` (the optimizer's overflow buffer), `Tensor.type()` names (the distributed optimizer accepts only
+`device="cuda"` in the few megatron-core modules that do (the optimizer's overflow buffer; _CUDA_TENSORS), `Tensor.type()` names (the distributed optimizer accepts only
 `torch.cuda.*Tensor` parameters), the model-parallel RNG tracker (on the CPU generator), the alltoall dispatcher's
 side stream (tests/test_megatron_cpu_model.py: _host_streams), and the backend's own "needs CUDA" guard.
 
@@ -13,6 +13,10 @@ the log-probs, three GRPO steps' losses and grad norms, and the weights sent to 
 without it (EP = 1); a checkpoint saved after those steps, loaded into the same backend and into a new one, goes on
 with the steps of the run that never stopped; no-grad forwards with fewer micro-batches on one rank still run (the
 backend evens them out), a train step with fewer is refused by name instead of hanging.
+
+And tests/test_megatron_backend.py's GPU tests that need no CUDA kernel run here as they are (GPU_TESTS_ON_CPU):
+the megatron backend against the torch backend step by step in fp32, for the dense model, the three mixtures of
+experts, --use-routing-replay, --use-rollout-routing-replay, slime's loss types and hooks, and kept weights.
 """
 from __future__ import annotations
 
@@ -31,21 +35,42 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+#: megatron-core's modules that make tensors with device="cuda" on the steps' path
+_CUDA_TENSORS = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
+                 "megatron.core.optimizer.grad_scaler", "megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.dist_checkpointing.exchange_utils",
+                 "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+                 "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.utils",
+                 "megatron.core.rerun_state_machine", "megatron.core.utils", "megatron.core.transformer.utils",
+                 "megatron.core.transformer.moe.moe_utils", "megatron.core.tensor_parallel.data")
+
+
+class _HostTorch:
+    """`torch` for one of _CUDA_TENSORS: its factories make on the host what it asks for on "cuda"."""
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name not in ("tensor", "empty", "zeros", "ones", "full", "empty_like"):
+            return attr
+
+        def on_host(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return attr(*a, **k)
+
+        return on_host
+
+
 def _cpu_megatron() -> None:
     """See the module docstring: what a CPU process changes for megatron-core (math untouched)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.device_count = lambda: 1
     torch.cuda.synchronize = lambda *a, **k: None
-    for name in ("tensor", "empty", "zeros", "ones", "full"):
-        factory = getattr(torch, name)
+    import importlib
 
-        def on_host(*a, _factory=factory, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return _factory(*a, **k)
-
-        setattr(torch, name, on_host)
+    for module in _CUDA_TENSORS:  # their own `torch`: replacing torch's factories process-wide made transformers'
+        importlib.import_module(module).torch = _HostTorch()  # MoE forward read garbage (seen: NaN log-probs)
     type_name = torch.Tensor.type
 
     def cuda_type_name(self, *a, **k):
@@ -144,3 +169,69 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
     assert set(sent_ep) == set(sent_dp) == files  # every expert, under the checkpoint's names
     assert max(float((sent_dp[k] - sent_ep[k]).abs().max()) for k in files) < 1e-4
     assert out[(2, 1)]["state"] == {}  # (the gather lands on rank 0)
+
+
+#: tests/test_megatron_backend.py's GPU tests that run unchanged on this harness (fp32, one rank), with the family
+#: where they take one. Not here: the second half of test_gpu_megatron_log_probs_chunk_size_takes_the_plain_steps
+#: (bf16 decoder CUDA graphs) and test_megatron_graphs.py (CUDA graphs).
+GPU_TESTS_ON_CPU = [
+    ("test_gpu_megatron_steps_equal_torch_steps_in_fp32", None),
+    *[(name, family) for name in ("test_gpu_megatron_moe_steps_equal_torch_steps_in_fp32",
+                                  "test_gpu_megatron_routing_replay_equals_the_torch_backends",
+                                  "test_gpu_megatron_rollout_routing_replay_equals_the_torch_backends")
+      for family in ("qwen3moe", "mixtral", "qwen2moe")],
+    ("test_gpu_megatron_has_the_torch_backends_loss_types_opsm_opd_ref_update_and_reset", None),
+    ("test_gpu_megatron_scores_with_kept_weights_and_restores_its_own", None),
+]
+
+
+def _gpu_tests(rank: int, port: int, tmp: str, out: dict) -> None:
+    """Every GPU_TESTS_ON_CPU case in this one process, one after another as pytest runs them on a GPU; out gets
+    None or the traceback of each."""
+    import traceback
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    _cpu_megatron()
+    import test_megatron_backend
+    from conftest import small_configs
+
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.megatron_model import Kernels
+
+    # the tests' MegatronBackend(cfg, params_dtype=...) takes the default kernels: the CPU ones instead (the
+    # compiled log-softmax, fused Adam and wgrad GEMM leave the math unchanged; bench/results/gpu_megatron.md)
+    MegatronBackend.__init__.__kwdefaults__["kernels"] = Kernels(
+        fused_log_probs=False, fused_swiglu=False, fused_adam=False, wgrad_fusion=False, cuda_graphs=False)
+    for name, family in GPU_TESTS_ON_CPU:
+        where = Path(tmp) / f"{name}-{family}"
+        where.mkdir()
+        try:
+            getattr(test_megatron_backend, name)(tmp_path=where, small_cfg=small_configs(where),
+                                                 **({"family": family} if family else {}))
+            out[(name, family)] = None
+        except BaseException:  # noqa: BLE001 (reported by the case's own test)
+            out[(name, family)] = traceback.format_exc()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gpu_tests_on_cpu(tmp_path_factory) -> dict:
+    """One process runs them all (the harness replaces CUDA calls process-wide; one start-up instead of 13)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_gpu_tests, args=(port, str(tmp_path_factory.mktemp("gpu_tests")), out), nprocs=1)
+    return dict(out)
+
+
+@pytest.mark.parametrize("name,family", GPU_TESTS_ON_CPU,
+                         ids=[n.removeprefix("test_gpu_megatron_")[:40] + (f"-{f}" if f else "")
+                              for n, f in GPU_TESTS_ON_CPU])
+def test_the_gpu_tests_of_the_megatron_backend_on_cpu(name, family, gpu_tests_on_cpu):
+    """tests/test_megatron_backend.py's GPU test `name` as it runs on a GPU: the megatron backend against the torch
+    backend, step by step (here fp32 on the CPU harness)."""
+    assert gpu_tests_on_cpu[(name, family)] is None, gpu_tests_on_cpu[(name, family)]

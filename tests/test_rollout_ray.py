@@ -135,8 +135,9 @@ def test_killed_engine_is_restarted_resynced_and_the_rollout_completes(two_engin
     group.fault_tolerant = True
     ref = ray.put(numpy_state(state))
     group.resync = lambda slots: push_object_store(slots, ref, 3, timeout_s=60)
-    # one check at start, then it sleeps until the rollout loop reports a failure
-    monitor = HealthMonitor(group, interval_s=1000, timeout_s=10, first_wait_s=0).start()
+    # it sleeps until the rollout loop reports a failure (a check at start could run after the kill below, on a
+    # loaded machine, and restart the engine before any request reached it: seen once, 0 retried requests)
+    monitor = HealthMonitor(group, interval_s=1000, timeout_s=10, first_wait_s=1000).start()
     try:
         push_object_store(group.serving_slots(), ref, 3, timeout_s=60)
         with torch.no_grad():  # the engines serve exactly the trainer's weights

@@ -473,10 +473,11 @@ def test_log_probs_chunk_size_takes_the_same_step_with_the_head_run_in_chunks(ti
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert b["loss_total"] == pytest.approx(a["loss_total"], rel=1e-5, abs=1e-7)
     assert set(pa) == set(pb)
-    # AdamW's first step moves every weight by ≈ lr·sign(g) (1e-3): where |g| is at rounding level, the sign may
-    # differ between the two sums; elsewhere the weights agree
+    # AdamW's first step moves every weight by lr·g/(|g| + eps) ≈ lr·sign(g) (1e-3): where |g| is at rounding level
+    # (near eps) the two sums' roundings move it by up to 2·lr; elsewhere the weights agree (a machine with other
+    # SIMD kernels measured 94 of 821,760 weights apart by > 1e-6, the largest by 1.4e-4)
     diff = torch.cat([(pb[k] - pa[k]).abs().flatten() for k in pa])
-    assert float(diff.max()) <= 1e-4 and int((diff > 1e-6).sum()) <= 1e-3 * diff.numel()
+    assert float(diff.max()) <= 2e-3 + 1e-6 and int((diff > 1e-6).sum()) <= 1e-3 * diff.numel()
 
 
 def test_recompute_loss_function_keeps_only_the_logits_for_the_backward_and_takes_the_same_step(tiny_model,
