@@ -20,7 +20,6 @@ experts, --use-routing-replay, --use-rollout-routing-replay, slime's loss types 
 """
 from __future__ import annotations
 
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -33,6 +32,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_megatron_cpu_model import _host_streams, rendezvous  # noqa: E402
 
 
 #: megatron-core's modules that make tensors with device="cuda" on the steps' path
@@ -84,17 +84,16 @@ def _cpu_megatron() -> None:
     mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     from engine.train import megatron_backend
-    from test_megatron_cpu_model import _host_streams
 
     megatron_backend.require_megatron = lambda: None
     _host_streams()
 
 
-def _rank(rank: int, world: int, port: int, flags: dict, hf: str, work: str, out: dict) -> None:
+def _rank(rank: int, world: int, init: str, flags: dict, hf: str, work: str, out: dict) -> None:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     _cpu_megatron()
     from test_megatron_backend import _micro_batches
 
@@ -148,11 +147,8 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
     _random_moe("qwen2moe", tmp_path / "hf")  # 4 experts, 2 a token, a gated shared expert, a dense layer 0
     out = mp.Manager().dict()
     for ep in (1, 2):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(_rank, args=(2, port, {"expert_model_parallel_size": ep}, str(tmp_path / "hf"), str(tmp_path), out),
-                 nprocs=2)
+        mp.spawn(_rank, args=(2, rendezvous(tmp_path, f"rendezvous-ep{ep}"), {"expert_model_parallel_size": ep},
+                              str(tmp_path / "hf"), str(tmp_path), out), nprocs=2)
     files = set(safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt").keys())
     for rank in (0, 1):
         dp, ep = out[(1, rank)], out[(2, rank)]
@@ -185,7 +181,7 @@ GPU_TESTS_ON_CPU = [
 ]
 
 
-def _gpu_tests(rank: int, port: int, tmp: str, out: dict) -> None:
+def _gpu_tests(rank: int, tmp: str, out: dict) -> None:
     """Every GPU_TESTS_ON_CPU case in this one process, one after another as pytest runs them on a GPU; out gets
     None or the traceback of each."""
     import traceback
@@ -193,7 +189,7 @@ def _gpu_tests(rank: int, port: int, tmp: str, out: dict) -> None:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=rendezvous(Path(tmp)), rank=0, world_size=1)
     _cpu_megatron()
     import test_megatron_backend
     from conftest import small_configs
@@ -220,11 +216,8 @@ def _gpu_tests(rank: int, port: int, tmp: str, out: dict) -> None:
 @pytest.fixture(scope="module")
 def gpu_tests_on_cpu(tmp_path_factory) -> dict:
     """One process runs them all (the harness replaces CUDA calls process-wide; one start-up instead of 13)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_gpu_tests, args=(port, str(tmp_path_factory.mktemp("gpu_tests")), out), nprocs=1)
+    mp.spawn(_gpu_tests, args=(str(tmp_path_factory.mktemp("gpu_tests")), out), nprocs=1)
     return dict(out)
 
 

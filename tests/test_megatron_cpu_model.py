@@ -15,7 +15,6 @@ routing it recorded before.
 """
 from __future__ import annotations
 
-import socket
 import sys
 import warnings
 from contextlib import nullcontext
@@ -31,7 +30,7 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _case(rank: int, world: int, port: int, families: list[str], rope_in_attention: bool, out: dict,
+def _case(rank: int, world: int, init: str, families: list[str], rope_in_attention: bool, out: dict,
           replay: bool = False, ep: int = 1, dispatcher: str = "allgather") -> None:
     """ep > 1: TP = 1, each rank a data-parallel rank with its own micro-batch and num_experts / ep experts."""
     warnings.filterwarnings("ignore")
@@ -44,7 +43,7 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
         _dynamo.config.disable = True
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -147,6 +146,12 @@ def _case(rank: int, world: int, port: int, families: list[str], rope_in_attenti
     dist.destroy_process_group()
 
 
+def rendezvous(tmp_path: Path, name: str = "rendezvous") -> str:
+    """The process group's meeting place: a file, not a port (a free port picked here can be taken by another
+    test's server before the ranks bind it: EADDRINUSE, seen once in CI)."""
+    return f"file://{tmp_path / name}"
+
+
 def _row(vocab_size: int, j: int):
     """Packed row j: 3 samples (row 0: 7, 12 and 5 tokens, with token 0, the random models' pad token, inside)."""
     from engine.packing.microbatch import MicroBatch
@@ -230,15 +235,13 @@ def _record_and_move_routers(model, hf, mb, inputs: dict):
 @pytest.mark.parametrize("rope_in_attention", [True, False],
                          ids=["rope-in-attention+hf-norm", "megatron-thd-rope+torch-norm"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_attention):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_attention, tmp_path):
+    init = rendezvous(tmp_path)
     out = mp.Manager().dict()
     families = ["qwen2", "qwen3", "llama", "qwen3moe", "qwen3moe-norm", "mistral", "mixtral", "qwen2moe"] \
         if world == 1 else \
         ["qwen2", "qwen3", "mistral"]
-    mp.spawn(_case, args=(world, port, families, rope_in_attention, out), nprocs=world)
+    mp.spawn(_case, args=(world, init, families, rope_in_attention, out), nprocs=world)
     for (family, w, rank), res in out.items():
         assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, rank, res["lp"], res["ent"])
         bad = {n: e for n, e in res["grad"].items() if e > 1e-5}
@@ -247,19 +250,17 @@ def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_atten
     assert len(out) == len(families) * world
 
 
-def test_megatron_expert_parallelism_matches_transformers():
+def test_megatron_expert_parallelism_matches_transformers(tmp_path):
     """--expert-model-parallel-size 2 at TP = 1: two data-parallel ranks, each with its own packed row, experts 0–1
     on rank 0 and 2–3 on rank 1 (megatron-core's placement, which load_hf_into follows). Each rank's log-probs and
     entropies equal transformers' on its row; each expert's gradient (its rank's: the tokens of both rows routed to
     it) and every replicated weight's gradient summed over the ranks equal transformers' gradient of both rows;
     gather_hf_state gives back the HF weights. The dispatcher is the runs' alltoall (the rows differ in length,
     which the allgather one would not take)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    init = rendezvous(tmp_path)
     out = mp.Manager().dict()
     families = ["qwen3moe", "mixtral", "qwen2moe"]
-    mp.spawn(_case, args=(2, port, families, True, out, False, 2, "alltoall"), nprocs=2)
+    mp.spawn(_case, args=(2, init, families, True, out, False, 2, "alltoall"), nprocs=2)
     assert len(out) == 2 * len(families)
     for (family, _, rank), res in out.items():
         assert res["experts"] == [["0", "1"], ["2", "3"]][rank], (family, rank, res["experts"])
@@ -269,16 +270,14 @@ def test_megatron_expert_parallelism_matches_transformers():
         assert res["state"] == 0.0, (family, res["state"])
 
 
-def test_megatron_replays_the_routing_as_the_torch_backend():
+def test_megatron_replays_the_routing_as_the_torch_backend(tmp_path):
     """--use-routing-replay, the models: megatron-core's RouterReplay and the torch backend's router hooks record
     the same experts; after both models' routers moved (routing afresh picks other experts), the replayed forward's
     log-probs, entropies and every gradient (the routers' included) are equal."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    init = rendezvous(tmp_path)
     out = mp.Manager().dict()
     families = ["qwen3moe", "qwen3moe-norm", "mixtral", "qwen2moe"]
-    mp.spawn(_case, args=(1, port, families, True, out, True), nprocs=1)
+    mp.spawn(_case, args=(1, init, families, True, out, True), nprocs=1)
     assert len(out) == len(families)
     for (family, _, _), res in out.items():
         assert res["same_record"] and res["moved"], family
