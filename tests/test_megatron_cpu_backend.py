@@ -4,9 +4,10 @@ load, the weights it sends) on CPU processes over gloo, for what no one-GPU mach
 Runs only where megatron-core is installed (`pip install --no-deps megatron-core==0.16.1` works on a CPU machine).
 megatron-core assumes CUDA in a few places that do not change the math; each child process replaces exactly these:
 `torch.cuda.current_device()` / `set_device` / `device_count` / `synchronize`, tensor factories asked for
-`device="cuda"` in the few megatron-core modules that do (the optimizer's overflow buffer; _CUDA_TENSORS), `Tensor.type()` names (the distributed optimizer accepts only
-`torch.cuda.*Tensor` parameters), the model-parallel RNG tracker (on the CPU generator), the alltoall dispatcher's
-side stream (tests/test_megatron_cpu_model.py: _host_streams), and the backend's own "needs CUDA" guard.
+`device="cuda"` in the few megatron-core modules that do (the optimizer's overflow buffer; _CUDA_TENSORS),
+`Tensor.type()` names (the distributed optimizer accepts only `torch.cuda.*Tensor` parameters), the
+model-parallel RNG tracker (on the CPU generator), the alltoall dispatcher's side stream
+(tests/test_megatron_cpu_model.py: _host_streams), and the backend's own "needs CUDA" guard.
 
 Checked: two data-parallel ranks with --expert-model-parallel-size 2 (experts 0–1 on rank 0, 2–3 on rank 1) give
 the log-probs, three GRPO steps' losses and grad norms, and the weights sent to the engines of the same two ranks
