@@ -318,7 +318,8 @@ def main() -> int:
         n = a.num_rollout or 40
         run(f"demo_{a.backend}_{precision}", ["--config", "examples/demo.yaml", *common, "--num-rollout", str(n),
                                                 "--save", f"/tmp/rollflow_gpu_flow/ck_{a.backend}"], out, a.timeout,
-            {"train_backend": a.backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"})
+            {"train_backend": a.backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"},
+            part=a.part)
     elif a.mode == "tool":  # the multi-turn tool example: a generate hook, tool tokens masked out of the loss
         n = a.num_rollout or 30
         run(f"tool_{a.backend}_{precision}", ["--config", "examples/tool.yaml", *common, "--num-rollout", str(n),

@@ -6,7 +6,7 @@
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
-#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min
+#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -311,6 +311,41 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
       timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py -k "routing_replay" \
         --timeout 280 > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 12 ;;
+    s40)  # after sessions 38–39, which no GPU reached: every GPU test (both routing replays, the backend's EP = 1
+          # paths, the 12 Megatron GPU tests the CPU harness also runs) beside the R3 flows of s38-replay, then the
+          # Megatron demo stopped after 4 rollouts and resumed by a new process from its optimizer checkpoint
+      (timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py tests/test_megatron_backend.py \
+         tests/test_megatron_graphs.py --timeout 540 > "$OUT/pytest_gpu.txt" 2>&1) &
+      python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      extra="--rollout-max-truncated-share 1 --rollout-max-response-len 24 --hf-checkpoint $BENCH_WORK/qwen3moe \
+--use-rollout-routing-replay"
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron /tmp/rollflow_gpu_flow/ck_torch
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 200 \
+        --extra "$extra" & r3=$!
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 6 --out "$OUT" --timeout 200 --extra "$extra"
+      wait $r3; for g in "$OUT"/gpu_flow_demo_*; do mv "$g" "${g/gpu_flow_demo_/gpu_flow_r3_}"; done
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron
+      for n in 4 8; do  # the same --save: the second run resumes at rollout 4 (a new process, a new backend)
+        python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout $n --out "$OUT" --timeout 150 \
+          --part "_to$n" --extra "--save-interval 2"
+      done
+      grep -h "esum\|Completed\|Failed" "$OUT"/gpu_flow_demo_megatron_bf16_to8.log | head -8
+      wait; grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
+    s40-r3)  # routed experts recorded inside the engine's CUDA graphs: the GPU engine tests (the new one among them),
+             # bench/gpu_r3_decode.py (graphs against the eager loop R3 batches ran on before), then the Megatron R3
+             # flow of s40 on the graph decoder
+      (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py \
+         -k "routed_experts or families or engine_on_cuda" --timeout 400 > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
+      python3 bench/gpu_r3_decode.py --out "$OUT/gpu_r3_decode.json" > "$OUT/gpu_r3_decode.txt" 2>&1
+      tail -n 6 "$OUT/gpu_r3_decode.txt"
+      python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 200 \
+        --part "_r3_graphs" --extra "--rollout-max-truncated-share 1 --rollout-max-response-len 24 \
+--hf-checkpoint $BENCH_WORK/qwen3moe --use-rollout-routing-replay"
+      wait $tests; grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
     *) echo "unknown step $step" ;;
   esac
 done
