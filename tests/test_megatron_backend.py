@@ -82,6 +82,32 @@ def test_expert_parallelism_is_checked_before_anything_starts(small_cfg, tmp_pat
     assert "--expert-model-parallel-size 2" in tp.fix and "sequence parallelism" in tp.what
 
 
+def test_a_resume_in_another_parallel_layout_is_refused_unless_the_optimizer_starts_over(small_cfg):
+    """The Megatron optimizer checkpoint is sharded by TP, PP and EP (megatron-core's dp_reshardable format): the
+    manifest records them, and a resume that changes one is RF05 before anything starts, naming --no-load-optim,
+    with which it passes (tests/test_megatron_cpu_backend.py loads such weights); the data-parallel size and the
+    torch backend's checkpoints may change layout."""
+    from engine.doctor.checks import resume_guard
+
+    saved = small_cfg(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=4)
+    manifest = {"settings": saved.fixed_settings()}
+    assert manifest["settings"]["megatron_layout"] == {"tensor_model_parallel_size": 2,
+                                                       "pipeline_model_parallel_size": 1,
+                                                       "expert_model_parallel_size": 1}
+    bad = resume_guard(small_cfg(train_backend="megatron", actor_num_gpus_per_node=4), "iter_0000003", manifest)
+    assert bad.code == "RF05" and "tensor_model_parallel_size: 2 in the checkpoint, 1 now" in bad.what
+    assert "--no-load-optim" in bad.fix and "--allow-config-change" not in bad.fix
+    assert resume_guard(small_cfg(train_backend="megatron", actor_num_gpus_per_node=4, load_optim=False),
+                        "iter_0000003", manifest) is None
+    assert resume_guard(small_cfg(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=8),
+                        "iter_0000003", manifest) is None  # DP 2 → 4
+    both = resume_guard(small_cfg(train_backend="megatron", actor_num_gpus_per_node=4, seed=7), "it", manifest)
+    assert "--allow-config-change seed" in both.fix and "--no-load-optim" in both.fix
+    torch_run = small_cfg(actor_num_gpus_per_node=2)
+    assert "megatron_layout" not in torch_run.fixed_settings()
+    assert resume_guard(small_cfg(actor_num_gpus_per_node=4), "it", {"settings": torch_run.fixed_settings()}) is None
+
+
 def test_dp_size_counts_replicas_not_gpus(small_cfg):
     cfg = small_cfg(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=8)
     assert (cfg.train_world_size, cfg.dp_size) == (8, 4)

@@ -128,6 +128,14 @@ def _rank(rank: int, world: int, init: str, flags: dict, hf: str, work: str, out
     fresh = backend()  # a resumed run: a new backend, then its checkpoint
     fresh.load(ck)
     res["resumed"] = [fresh.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
+    if ep > 1:  # the EP = 1 run's checkpoint (the first spawn's), resumed at EP = 2
+        other = backend()
+        try:
+            other.load(f"{work}/ck_ep1")
+        except RuntimeError as e:
+            res["layout_refused"] = str(e)
+        other.load(f"{work}/ck_ep1", load_optim=False)  # the weights reshard; Adam starts over
+        res["weights_only"] = other.train_step(mbs, old, old, 8)["loss_total"]
     if ep > 1:
         fewer = mbs[:1] if rank == 1 else mbs
         uneven = fresh.compute_log_probs(fewer)
@@ -161,6 +169,11 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
             assert run["reloaded"] == run["on"] == run["resumed"], (rank, run["on"], run["reloaded"],
                                                                     run["resumed"])
         assert ep["uneven"] == 0.0 and ep["uneven_count"] == (1 if rank == 1 else 2)
+        # another layout: the optimizer state is refused by name, the weights alone load (the same loss as the EP = 1
+        # run's first step after its save)
+        assert "expert_model_parallel_size 1 in the checkpoint, 2 now" in ep["layout_refused"]
+        assert "--no-load-optim" in ep["layout_refused"]
+        assert abs(ep["weights_only"] - dp["on"][0]) < 1e-6, (ep["weights_only"], dp["on"])
         assert "expert parallelism" in ep["refused"] and "1 to 2 micro-batches" in ep["refused"]
     sent_dp, sent_ep = out[(1, 0)]["state"], out[(2, 0)]["state"]
     assert set(sent_ep) == set(sent_dp) == files  # every expert, under the checkpoint's names

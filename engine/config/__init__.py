@@ -80,6 +80,9 @@ RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "tool_
                 "n_samples_per_prompt", "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
                 "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed",
                 "rollout_max_context_len")
+#: what shards the Megatron backend's optimizer checkpoint (megatron-core's dp_reshardable format): a resume that
+#: changes one loads the weights (they reshard) only with --no-load-optim
+MEGATRON_OPTIM_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 
 
 class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, CheckpointArgs, ClusterArgs,
@@ -825,6 +828,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         out = self.model_dump(mode="json", include=set(RESUME_FIXED))
         plan = self.batch
         out.update(global_batch_size=plan.global_batch_size, num_steps_per_rollout=plan.num_steps_per_rollout)
+        if self.train_backend == "megatron":
+            out["megatron_layout"] = {k: getattr(self, k) for k in MEGATRON_OPTIM_LAYOUT}
         return out
 
     def resume_changes(self, recorded: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
@@ -834,8 +839,13 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             return []
         allowed = {f.replace("-", "_") for f in self.allow_config_change}
         now = self.fixed_settings()
-        return [(k, recorded[k], now[k]) for k in RESUME_FIXED
-                if k in recorded and k not in allowed and recorded[k] != now[k]]
+        out = [(k, recorded[k], now[k]) for k in RESUME_FIXED
+               if k in recorded and k not in allowed and recorded[k] != now[k]]
+        # the Megatron optimizer state loads only into the parallel layout it was saved from (MEGATRON_OPTIM_LAYOUT)
+        old, new = recorded.get("megatron_layout"), now.get("megatron_layout")
+        if self.load_optim and old and new:
+            out += [(k, old[k], new[k]) for k in MEGATRON_OPTIM_LAYOUT if k in old and old[k] != new[k]]
+        return out
 
     def engine_in_trainer_blockers(self) -> list[str]:
         """Why the built-in engine cannot serve from a thread of train rank 0's process (--rollout-engine-process

@@ -337,13 +337,22 @@ def resume_guard(cfg, where: str, manifest: dict) -> Diagnosis | None:
     changes = cfg.resume_changes(manifest.get("settings"))
     if not changes:
         return None
+    from engine.config import MEGATRON_OPTIM_LAYOUT
+
     listed = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, old, new in changes)
+    kept = [k for k, _, _ in changes if k not in MEGATRON_OPTIM_LAYOUT]
+    layout = [k for k, _, _ in changes if k in MEGATRON_OPTIM_LAYOUT]
+    fixes = []
+    if kept:
+        fixes.append("a new --save to train with the new settings (--load the checkpoint there to start from its "
+                     "weights), or --allow-config-change " + " ".join(kept) + " to resume with them anyway")
+    if layout:
+        fixes.append("for " + ", ".join(layout) + ": the Megatron optimizer state is sharded by them (only the data-"
+                     "parallel size may change); resume with the sizes it was saved with, or add --no-load-optim "
+                     "(the weights reshard to the new layout, Adam's moments start over)")
     return Diagnosis(code="RF05", severity="error",
                      what=f"resuming {where} with settings that differ from the ones it was trained with: {listed}",
-                     fix="a new --save to train with the new settings (--load the checkpoint there to start from its "
-                         "weights), or --allow-config-change " + " ".join(k for k, _, _ in changes) +
-                         " to resume with them anyway",
-                     facts={"changes": [list(c) for c in changes]})
+                     fix="; ".join(fixes), facts={"changes": [list(c) for c in changes]})
 
 
 @check("MODEL")

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from engine.algorithms import LossSpec, step_objective
+from engine.config import MEGATRON_OPTIM_LAYOUT
 from engine.packing.microbatch import MicroBatch
 from engine.train.forward import check_recompute_loss, recomputed_log_probs
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
@@ -704,7 +705,7 @@ class MegatronBackend:
                                     str(root / "optim"))
         if self.rank == 0 and save_optim:
             torch.save({"steps_done": self.steps_done, "skipped_steps": self.skipped_steps, "rng": rng_state(),
-                        "adam_steps": self._adam_steps()}, root / "optim" / "backend.pt")
+                        "adam_steps": self._adam_steps(), "layout": self._layout()}, root / "optim" / "backend.pt")
         dist.barrier()
         if self.rank != 0:
             return []
@@ -720,19 +721,39 @@ class MegatronBackend:
         if self.cfg.ref_update_interval and (root / "ref" / "model").is_dir():
             self.load_weights(str(root / "ref"), ref=True)
         if load_optim and (root / "optim" / "backend.pt").is_file():
+            st = torch.load(root / "optim" / "backend.pt", weights_only=False)
+            saved = st.get("layout")  # (None: a checkpoint from before the layout was recorded)
+            if saved is not None and saved != self._layout():
+                raise RuntimeError(self._layout_error(root, ", ".join(
+                    f"{k} {saved[k]} in the checkpoint, {v} now" for k, v in self._layout().items() if saved[k] != v)))
             self._ensure_adam_state()
             tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
                                                                    metadata=_OPTIM_FORMAT)}
-            state = dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"]
+            try:
+                state = dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"]
+            except Exception as e:  # noqa: BLE001 — megatron-core's KeyError / CheckpointingException: say why
+                raise RuntimeError(self._layout_error(root, f"the state does not fit this layout ({self._layout()})"
+                                                      f": {type(e).__name__}: {' '.join(str(e).split())[:300]}")) from e
             with torch.no_grad():  # it copies into the fp32 main params, leaves that require grad
                 self.optimizer.load_state_dict(state)
-            st = torch.load(root / "optim" / "backend.pt", weights_only=False)
             self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]
             if "adam_steps" in st:  # (checkpoints before it: the step counts megatron-core's load left)
                 self._set_adam_steps(st["adam_steps"])
             set_rng_state(st["rng"])
         else:
             self.optimizer.reload_model_params()  # the fp32 main copy follows the loaded weights
+
+    def _layout(self) -> dict[str, int]:
+        """What shards the optimizer checkpoint (megatron-core's dp_reshardable format: only the data-parallel size
+        may change between a save and its load)."""
+        return {k: int(getattr(self.cfg, k)) for k in MEGATRON_OPTIM_LAYOUT}
+
+    @staticmethod
+    def _layout_error(root: Path, why: str) -> str:
+        return (f"the Megatron optimizer state in {root / 'optim'} cannot be loaded: {why}. Its format shards it by "
+                "tensor, pipeline and expert parallelism (only the data-parallel size may change): resume with the "
+                "sizes it was saved with, or with --no-load-optim (the weights reshard to any layout; Adam's "
+                "moments start over)")
 
     def _inner_optimizers(self) -> list:
         return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
