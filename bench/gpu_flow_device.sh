@@ -6,7 +6,7 @@
 #          | regress (also the demo on a `rollflow serve`) | megatron-flags | side-by-side | chunk | chunk-bench
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
-#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3
+#          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -346,6 +346,12 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
         --part "_r3_graphs" --extra "--rollout-max-truncated-share 1 --rollout-max-response-len 24 \
 --hf-checkpoint $BENCH_WORK/qwen3moe --use-rollout-routing-replay"
       wait $tests; grep -E "^FAILED|^SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
+    s40-r3-min)  # (s40-r3 without the flow and the other engine tests: little device time was left)
+      (timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py -k "routed_experts" \
+         --timeout 230 > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
+      timeout 280 python3 bench/gpu_r3_decode.py --repeats 2 --out "$OUT/gpu_r3_decode.json" \
+        > "$OUT/gpu_r3_decode.txt" 2>&1; tail -n 6 "$OUT/gpu_r3_decode.txt"
+      wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -281,6 +281,56 @@ def test_model_families_on_cuda(family, dtype, tmp_path, tiny_model):
     assert float((flat - want).abs().sum() / (24 * len(samples))) < tol
 
 
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen2moe"])
+def test_engine_on_cuda_records_routed_experts_inside_its_graphs(family, tmp_path, tiny_model):
+    """--enable-return-routed-experts on the CUDA-graph decoder (bf16): the batch and the requests that join it
+    decode through captured graphs, and each request's experts are those transformers' routers pick for its tokens
+    in one forward (bf16 on the GPU; a near-tie may round the other way: at least 98% of the rows), and those of
+    the eager loop (--sglang-disable-cuda-graph) on the rows where both drew the same tokens."""
+    from model_families import save_model
+    from test_rollout_routing_replay import _same_sets
+
+    from engine.rollout.generation import Feed, GenRequest
+    from engine.rollout.server import EngineState
+    from engine.train.routing import TorchRouters
+
+    def alone(model, tokens: list[int]) -> torch.Tensor:  # [len(tokens), #routers, k] of one forward
+        hooks = TorchRouters(model)
+        with torch.no_grad(), hooks.recording() as seen:
+            model(input_ids=torch.tensor([tokens], device="cuda"))
+        hooks.remove()
+        return torch.stack(seen, 1).view(len(tokens), len(seen), -1).cpu()
+
+    path = save_model(tmp_path / family, family, tiny_model)
+    state = EngineState(path, device="cuda:0", dtype="bfloat16", max_new_tokens=24, return_routed_experts=True)
+    eager = EngineState(path, device="cuda:0", dtype="bfloat16", max_new_tokens=24, return_routed_experts=True,
+                        cuda_graphs=False)
+    gen = state.generator
+    assert gen.graphs is not None and gen.graphs.tape is gen.routers
+
+    def reqs(rids, start=0):
+        return [GenRequest(rid=r, input_ids=[5 + i, 6, 7, 8, 9 + i][:5 - i % 3], max_new_tokens=8 + 4 * (i % 3),
+                           seed=start + i, ignore_eos=True, return_routed_experts=True) for i, r in enumerate(rids)]
+
+    first, late = reqs(["a", "b", "c", "d"]), reqs(["e", "f"], start=10)
+    feed, got = Feed(), {}
+    feed.put(late)
+    gen.generate(first, feed=feed, deliver=lambda q, r: got.setdefault(q.rid, (q, r)))
+    assert gen.graphs.graphs and gen.graphs.captures > 0 and gen.graphs.joined_rows == 2 and len(got) == 6
+    plain = {q.rid: r for q, r in zip(first + late, eager.generator.generate(first + late))}
+    same = total = 0
+    for rid, (q, res) in got.items():
+        tokens = q.input_ids + res.output_ids
+        assert len(res.output_ids) == q.max_new_tokens
+        assert res.routed_experts.shape == (len(tokens) - 1, len(gen.routers.routers), gen.route_layout.top_k)
+        hits = _same_sets(res.routed_experts.cpu(), alone(gen.model, tokens[:-1]))
+        same, total = same + int(hits.sum()), total + hits.numel()
+        if plain[rid].output_ids == res.output_ids:  # the eager loop drew the same tokens: the same experts too
+            agree = _same_sets(res.routed_experts.cpu(), plain[rid].routed_experts.cpu())
+            assert float(agree.float().mean()) >= 0.98, rid
+    assert same / total >= 0.98, (same, total)
+
+
 # ---- the whole flow, colocated on one GPU ------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
 def test_flow_on_one_gpu(backend, tmp_path, tiny_model):

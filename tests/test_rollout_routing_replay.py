@@ -76,6 +76,42 @@ def test_the_engine_returns_the_experts_each_token_was_routed_to(family, tmp_pat
         assert bool(_same_sets(routes, _alone(model, tokens[:-1])).all())
 
 
+def test_the_graph_decoder_records_each_rows_experts_also_for_requests_that_join(tmp_path, tiny_model):
+    """The CUDA-graph decode loop (its steps run without the capture on the CPU, as in test_continuous_batching.py)
+    records every step's experts into its host slots: each request, those of the first batch (a shared prompt, rows
+    that finish at different steps) and those that join the running batch later, gets the experts the model picks
+    for its tokens run alone, at SGLang's P + R - 1 rows; routed_experts_start_len drops the leading ones. Qwen2-MoE:
+    a dense layer 0 and a shared expert beside the routed ones."""
+    from engine.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+    from engine.rollout.cuda_graphs import GraphDecoder
+    from engine.rollout.generation import Feed, GenRequest, Generator
+
+    path = _model("qwen2moe", tmp_path, tiny_model)
+    model = load_causal_lm(path, impl="transformers").eval()
+    gen = Generator(model, load_tokenizer(path), eos_token_ids(path, load_tokenizer(path)), return_routed_experts=True)
+    gen.on_gpu = True  # the device sampler and the graph decoder's logic, on the CPU
+    gen.graphs = GraphDecoder(model, gen._cache_kw, capture=False, tape=gen.routers)
+
+    def req(rid, ids, n, seed, **kw):
+        return GenRequest(rid=rid, input_ids=ids, max_new_tokens=n, seed=seed, ignore_eos=True,
+                          return_routed_experts=True, **kw)
+
+    first = [req("a", [5, 6, 7, 8, 9], 9, 1), req("b", [5, 6, 7, 8, 9], 4, 2), req("c", [11, 12], 7, 3)]
+    late = [req("d", [13, 14, 15], 5, 4), req("e", [16, 17], 1, 5), req("f", [18, 19], 3, 6, routed_experts_start_len=1)]
+    feed, got = Feed(), {}
+    feed.put(late[:2])
+    feed.put(late[2:])
+    gen.generate(first, feed=feed, deliver=lambda q, r: got.setdefault(q.rid, (q, r)))
+    assert gen.graphs.joined_rows == 3 and gen.graphs.launched >= 8
+    for rid, (q, res) in got.items():
+        tokens = q.input_ids + res.output_ids
+        assert len(res.output_ids) == q.max_new_tokens, rid
+        assert res.routed_experts.shape == (len(tokens) - 1 - q.routed_experts_start_len, len(gen.routers.routers),
+                                            gen.route_layout.top_k), rid
+        alone = _alone(model, tokens[:-1])[q.routed_experts_start_len:]
+        assert bool(_same_sets(res.routed_experts, alone).all()), rid
+
+
 def test_an_engine_without_the_flag_refuses_the_request_and_a_dense_model_the_flag(tmp_path, tiny_model):
     from conftest import served_engine
 

@@ -28,6 +28,12 @@ cache object whose `update` writes at the step's slot, so no transformers intern
 function it registers (`decode_attention`) narrows that mask on sliding-window layers and applies Gemma 2's logit
 softcapping, which transformers would have done on masks of its own.
 
+Routed experts (SGLang's --enable-return-routed-experts, a mixture of experts): the routers' hooks
+(engine.train.routing.TorchRouters) record the prefill eagerly, and inside the captured step a copy of every
+router's top-k ids into a buffer of the graph ([B, #routers, k], int16); while a request of the batch asks for them,
+that buffer goes to pinned host memory after each replay with the step's tokens (one small copy, no extra wait), one
+slot per step, so a request's routing is read from its row at the steps it ran.
+
 Same draws as the eager path: the uniforms are a function of (row seed, step) only and the filters are the same
 code, so a row's tokens depend on the logits alone; the logits differ from the eager path's by float rounding
 (attention over a masked span of a preallocated cache instead of a growing one).
@@ -48,6 +54,8 @@ from engine.train.attention import masked_rows_attention
 LEN_BUCKET = 256
 #: graphs (and their caches) kept per engine
 KEEP = 2
+#: decode steps per host buffer of routed experts (--enable-return-routed-experts)
+ROUTE_CHUNK = 64
 
 
 def rows_bucket(b: int) -> int:
@@ -193,6 +201,7 @@ class _Graph:
     top_k: torch.Tensor  # [B]
     out_tokens: torch.Tensor  # [B]
     out_logprobs: torch.Tensor  # [B]
+    routes: torch.Tensor | None = None  # [B, #routers, k] int16: the step's routed experts (a recording decoder)
     graphs: dict = None  # span → the CUDA graph of a step that attends over slots [0, span)
     pool: Any = None  # one memory pool for all of them (they never run at once)
 
@@ -200,12 +209,14 @@ class _Graph:
 class GraphDecoder:
     """Prefill eagerly, then decode by replaying a captured step (see the module docstring)."""
 
-    def __init__(self, model, cache_kw: str, capture: bool = True, compile: bool = False, fold_gqa: bool = True):
+    def __init__(self, model, cache_kw: str, capture: bool = True, compile: bool = False, fold_gqa: bool = True,
+                 tape=None):
         """capture=False runs the same steps eagerly over the same cache (the CPU tests of this logic); compile:
         the decode step's model call goes through torch.compile first (fused kernels inside the graph; SGLang's
         --enable-torch-compile), compiled once per batch shape; fold_gqa: switch an sdpa model to
         `decode_attention` (False: the benchmark's before/after, only for a model without sliding-window layers or
-        softcapping, whose masks transformers' sdpa takes as they are)."""
+        softcapping, whose masks transformers' sdpa takes as they are); tape: engine.train.routing.TorchRouters, whose
+        routers every prefill and step records (`prompt_routes`, `step_routes`)."""
         cfg = model.config
         self.model, self.cache_kw, self.capture = model, cache_kw, capture
         self.folded_gqa = use_decode_attention(model) if fold_gqa else False
@@ -233,6 +244,14 @@ class GraphDecoder:
         self._ready = None  # the CUDA event after its copy
         self._pending = False
         self._weights: tuple[int, ...] = ()  # the parameters' addresses the graphs were captured with
+        self.tape = tape
+        if tape is not None:
+            self.top_k = int(getattr(cfg, "num_experts_per_tok"))
+        self.prompt_routes: torch.Tensor | None = None  # host [b, P, #routers, k] of the last start() / join()
+        self.launched = 0  # steps launched in the running batch: step t's routes are at slot t
+        self.recording = False  # whether launch() copies the steps' routes to the host (a request asks for them)
+        self._route_chunks: list[torch.Tensor] = []  # host [ROUTE_CHUNK, B, #routers, k] (pinned on a GPU)
+        self._routes_of_prompts: torch.Tensor | None = None  # the last _run_prompts' [b, P, #routers, k] (device)
 
     def clear(self) -> None:
         """Drop every graph and its cache (their memory goes back to the allocator). A graph reads the weights at
@@ -269,7 +288,12 @@ class GraphDecoder:
         """One decode step on the graph's buffers, attending over slots [0, span) (what a graph records)."""
         g.valid.index_fill_(1, g.slot, True)
         g.cache.write, g.cache.span = g.slot, span
-        logits = self._model(g.cache, g.ids, g.pos, g.valid[:, None, None, :span], self.step_model)
+        if self.tape is None:
+            logits = self._model(g.cache, g.ids, g.pos, g.valid[:, None, None, :span], self.step_model)
+        else:  # (under a capture the hooks see the graph's own outputs: the copy below is part of the graph)
+            with self.tape.recording() as got:
+                logits = self._model(g.cache, g.ids, g.pos, g.valid[:, None, None, :span], self.step_model)
+            g.routes.copy_(torch.stack(got, dim=1).view(g.rows, len(got), -1))
         toks, lps = self._draw(g, logits, g.step, flt)
         g.out_tokens.copy_(toks)
         g.out_logprobs.copy_(lps)
@@ -295,7 +319,8 @@ class GraphDecoder:
                    cache=SlotCache(self.layers, rows, self.kv_heads, length, self.head_dim, self.dtype, dev),
                    valid=z(rows, length, dt=torch.bool), ids=z(rows, 1), pos=z(rows, 1), slot=z(1), step=z(rows),
                    seeds=z(rows), temperature=torch.ones(rows, device=dev), top_p=torch.ones(rows, device=dev),
-                   top_k=z(rows) - 1, out_tokens=z(rows), out_logprobs=z(rows, dt=torch.float32))
+                   top_k=z(rows) - 1, out_tokens=z(rows), out_logprobs=z(rows, dt=torch.float32),
+                   routes=None if self.tape is None else z(rows, len(self.tape.routers), self.top_k, dt=torch.int16))
         g.valid[:, 0] = True
         g.graphs = {}
         if not self.capture:
@@ -352,6 +377,8 @@ class GraphDecoder:
             mask_p[b:, -1] = 1  # padding rows: one real token each (no row without a key to attend to)
         real = mask_p.bool()  # [B, P]
         logits = self._prefill(g, ids_p, pos_p, real)  # [B, V]
+        if self.tape is not None:
+            self.prompt_routes = self._routes_of_prompts[:b].to("cpu", torch.int16)
         g.valid.zero_()
         g.valid[:, :P] = real
         g.seeds.copy_(rowpad(seeds, 0))
@@ -366,6 +393,7 @@ class GraphDecoder:
         self._current, self._b, self._slot, self._flt = g, b, P, flt  # _slot: the host's copy of g.slot
         self.steps, self.wait_s, self.gpu_s, self.launch_s = 0, 0.0, 0.0, 0.0
         self._pending = False
+        self.launched, self.recording = 0, False
         return toks[:b], lps[:b]
 
     @property
@@ -411,6 +439,8 @@ class GraphDecoder:
         real = mask.bool()
         into = SlotCache(self.layers, k, self.kv_heads, len_bucket(P), self.head_dim, self.dtype, dev)
         logits = self._run_prompts(into, ids, pos, real)  # [k, V]
+        if self.tape is not None:
+            self.prompt_routes = self._routes_of_prompts.to("cpu", torch.int16)
         r = torch.tensor(rows, device=dev)
         for gk, gv, uk, uv in zip(g.cache.k, g.cache.v, into.k, into.v):
             gk[r, :, s - P:s] = uk[:, :, :P]  # padding positions land on slots the row does not attend to
@@ -440,7 +470,12 @@ class GraphDecoder:
         mask[:, 0, :, :P] = causal[None] & real[:, None, :]  # [b, P(query), P(key)]
         mask[:, 0, :, :P] |= torch.eye(P, dtype=torch.bool, device=dev)[None]  # pad queries see themselves
         into.write, into.span = torch.arange(P, device=dev), span
-        return self._model(into, ids, pos, mask)
+        if self.tape is None:
+            return self._model(into, ids, pos, mask)
+        with self.tape.recording() as got:
+            out = self._model(into, ids, pos, mask)
+        self._routes_of_prompts = torch.stack(got, dim=1).view(b, P, len(got), -1)  # routers see [b·P] tokens
+        return out
 
     def _prefill(self, g: _Graph, ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Run the prompts [B, P] into the cache's slots [0, P) and return the last position's logits [B, V].
@@ -465,6 +500,8 @@ class GraphDecoder:
         for k, v, uk, uv in zip(g.cache.k, g.cache.v, into.k, into.v):
             k[:, :, :P].copy_(uk[inv, :, :P])
             v[:, :, :P].copy_(uv[inv, :, :P])
+        if self.tape is not None:
+            self._routes_of_prompts = self._routes_of_prompts[inv]
         return out[inv]
 
     def launch(self) -> None:
@@ -485,6 +522,9 @@ class GraphDecoder:
         else:
             g.graphs[span].replay()
         out = torch.stack([g.out_tokens[:self._b].double(), g.out_logprobs[:self._b].double()])  # [2, b]
+        if g.routes is not None and self.recording:  # its routed experts to their host slot (read once collected)
+            self._route_slot(g, self.launched).copy_(g.routes, non_blocking=True)
+        self.launched += 1
         if self.device.type == "cuda":
             if self._host is None or self._host.shape != out.shape:
                 self._host = torch.empty(out.shape, dtype=torch.float64, pin_memory=True)
@@ -509,6 +549,32 @@ class GraphDecoder:
         self._pending = False
         toks, lps = self._host.tolist()
         return toks, lps
+
+    def _route_slot(self, g: _Graph, step: int) -> torch.Tensor:
+        """The host slot [B, #routers, k] of the running batch's step `step` (chunks of ROUTE_CHUNK steps, kept for
+        later batches of the same rows)."""
+        c, at = divmod(step, ROUTE_CHUNK)
+        shape = (ROUTE_CHUNK, *g.routes.shape)
+        if self._route_chunks and self._route_chunks[0].shape != shape:
+            self._route_chunks = []
+        while len(self._route_chunks) <= c:
+            self._route_chunks.append(torch.empty(shape, dtype=torch.int16, pin_memory=self.device.type == "cuda"))
+        return self._route_chunks[c][at]
+
+    def step_routes(self, row: int, first: int, n: int) -> torch.Tensor:
+        """Row `row`'s routed experts at the running batch's steps [first, first + n): host [n, #routers, k]. Only
+        steps already collected are complete."""
+        if first + n > self.launched:
+            raise RuntimeError(f"routed experts of steps up to {first + n - 1}: only {self.launched} were launched")
+        parts, t = [], first
+        while t < first + n:
+            c, at = divmod(t, ROUTE_CHUNK)
+            take = min(ROUTE_CHUNK - at, first + n - t)
+            parts.append(self._route_chunks[c][at:at + take, row])
+            t += take
+        if not parts:
+            return torch.empty((0, len(self.tape.routers), self.top_k), dtype=torch.int16)
+        return torch.cat(parts)
 
     def settle(self) -> None:
         """Wait for a launched step nobody will read (the batch finished first), so nothing runs after it."""

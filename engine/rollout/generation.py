@@ -220,7 +220,8 @@ class Generator:
                  compile_decode: bool = False, fuse_ops: bool = True, return_routed_experts: bool = False):
         self.model, self.tokenizer, self.eos_ids, self.device = model, tokenizer, list(eos_ids), device
         # SGLang's --enable-return-routed-experts: hooks on the MoE routers record the experts of every forward of a
-        # batch that asks (request `return_routed_experts`); such a batch decodes eagerly (no CUDA graphs)
+        # batch that asks (request `return_routed_experts`); on CUDA graphs every step records them
+        # (engine/rollout/cuda_graphs.py), except under --enable-torch-compile, where such a batch decodes eagerly
         self.routers = self.route_layout = None
         if return_routed_experts:
             from engine.train.routing import RouteLayout, TorchRouters, router_layers
@@ -272,7 +273,11 @@ class Generator:
         if self.cuda_graphs:
             from engine.rollout.cuda_graphs import GraphDecoder
 
-            self.graphs = GraphDecoder(model, self._cache_kw, compile=compile_decode)
+            tape = self.routers if not compile_decode else None
+            if self.routers is not None and compile_decode:
+                log.warning("built-in engine: batches that ask for routed experts decode without CUDA graphs under "
+                            "--enable-torch-compile (the routers' hooks are not compiled)")
+            self.graphs = GraphDecoder(model, self._cache_kw, compile=compile_decode, tape=tape)
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
@@ -340,8 +345,8 @@ class Generator:
         prompt_lps = any(r.logprob_start_len >= 0 for r in reqs)
         hold = [r.min_new_tokens for r in reqs]  # min_new_tokens: the stop tokens' logits masked until then
         tape = self.routers if self.routers is not None and any(r.return_routed_experts for r in reqs) else None
-        graphs = self.graphs if self.graphs is not None and not prompt_lps and not any(hold) and tape is None \
-            else None
+        graphs = self.graphs if self.graphs is not None and not prompt_lps and not any(hold) and \
+            (tape is None or self.graphs.tape is not None) else None
         if graphs is not None:  # prefill into the graph's cache and draw step 0; later steps replay the graph
             return self._decode_graphs(reqs, ids, mask, pos, seeds, knobs, stop_ids, finish, feed, deliver)
         keep = {"logits_to_keep": 1} if self.on_gpu and not prompt_lps else {}
@@ -426,7 +431,9 @@ class Generator:
         t (stops, aborts), so the GPU decodes while the host works. A row is free once its request finished (or
         was padding); between two steps, requests from `feed` join free rows (`GraphDecoder.can_join`), and the
         batch runs while any row has a request. `at_row` maps each busy row to its request; a launched step's
-        outputs count only for the rows whose request is still the one it ran for."""
+        outputs count only for the rows whose request is still the one it ran for. A request that asks for its
+        routed experts gets its prompt's (from its prefill) and its row's at the steps it ran
+        (`GraphDecoder.step_routes`)."""
         graphs = self.graphs
         reqs = list(reqs)  # joined requests are appended
         n0 = len(reqs)
@@ -435,22 +442,35 @@ class Generator:
         stop_ids, finish = list(stop_ids), list(finish)
         results: list[GenResult | None] = [None] * n0
 
+        # request → (its row, the first step that ran it, its prompt's routed experts) for those that ask for them
+        routes: dict[int, tuple[int, int, torch.Tensor]] = {}
+
         def done(i: int) -> None:
             res = self._result(reqs[i], out_ids[i], out_lp[i], finish[i], None)
             res.weight_version = self.version
+            if i in routes:  # SGLang's rows: the prompt's, then one per output token but the last
+                row, first, prompt = routes.pop(i)
+                r, n = reqs[i], len(out_ids[i])
+                rows = torch.cat([prompt, graphs.step_routes(row, first, max(n - 1, 0))])[:len(r.input_ids) + n - 1]
+                res.routed_experts = rows[r.routed_experts_start_len:]
             if i < n0:
                 results[i] = res
             if deliver is not None:
                 deliver(reqs[i], res)
 
-        for i in range(n0):
-            if finish[i] is not None:
-                done(i)
         # the host's time per part of the loop (bench/served_gap.py: where a served step's milliseconds go)
         gc_clock = GcClock.get()
         gc0, gcn0, take_s, join_s = gc_clock.seconds, gc_clock.collections, 0.0, 0.0
         toks, lps = graphs.start(ids, mask, pos, seeds=seeds, max_new=max(r.max_new_tokens for r in reqs),
                                  min_rows=JOIN_ROWS if feed is not None else 1, **knobs)
+        if graphs.tape is not None:
+            plen = ids.shape[1]
+            routes.update({i: (i, 0, graphs.prompt_routes[i, plen - len(r.input_ids):]) for i, r in enumerate(reqs)
+                           if r.return_routed_experts})
+            graphs.recording = bool(routes)  # (a request that asks and joins later turns it on)
+        for i in range(n0):
+            if finish[i] is not None:  # aborted before it started, or max_new_tokens 0
+                done(i)
         at_row = {i: i for i in range(n0) if finish[i] is None}  # row → request
         ready = (at_row.copy(), torch.stack([toks.double(), lps.double()]).tolist())  # step 0, from the prefill
         launched: dict[int, int] | None = None  # the rows of the step in flight and their requests
@@ -472,7 +492,7 @@ class Generator:
             t1 = time.monotonic()
             take_s += t1 - t0
             if feed is not None and not self.waiting:
-                self._join(feed, reqs, at_row, out_ids, out_lp, stop_ids, finish, done)
+                self._join(feed, reqs, at_row, out_ids, out_lp, stop_ids, finish, done, routes)
                 join_s += time.monotonic() - t1
             if launched is None and not at_row:
                 break
@@ -483,15 +503,16 @@ class Generator:
 
     def _join(self, feed: Feed, reqs: list[GenRequest], at_row: dict[int, int], out_ids: list[list[int]],
               out_lp: list[list[float]], stop_ids: list[set[int]], finish: list[dict[str, Any] | None],
-              done: Callable[[int], None]) -> None:
+              done: Callable[[int], None], routes: dict[int, tuple[int, int, torch.Tensor]]) -> None:
         """Move the requests `feed` offers into free rows while they fit: whole groups (one /generate call), in
-        arrival order; a group that does not fit now waits (for a later step, or the next batch)."""
+        arrival order; a group that does not fit now waits (for a later step, or the next batch). A joined row's
+        steps count from the next launch on (the one in flight ran the row's old contents)."""
         graphs = self.graphs
         free = [row for row in range(graphs.rows) if row not in at_row]
         taken: list[GenRequest] = []
         while (head := feed.peek()) is not None and len(taken) + len(head) <= len(free):
             if not all(r.max_new_tokens > 0 and r.logprob_start_len < 0 and r.min_new_tokens == 0 and
-                       not r.return_routed_experts and
+                       (not r.return_routed_experts or graphs.tape is not None) and
                        graphs.can_join(len(r.input_ids), r.max_new_tokens, r.top_k, r.top_p) for r in head):
                 break
             taken += feed.pop()
@@ -507,8 +528,12 @@ class Generator:
             top_p=torch.tensor([r.top_p for r in taken], device=dev),
             top_k=torch.tensor([r.top_k for r in taken], device=dev))
         toks_l, lps_l = torch.stack([toks.double(), lps.double()]).tolist()
-        for row, r, t, lp in zip(rows, taken, toks_l, lps_l):
+        plen = max(len(r.input_ids) for r in taken)
+        for j, (row, r, t, lp) in enumerate(zip(rows, taken, toks_l, lps_l)):
             i = len(reqs)
+            if r.return_routed_experts:
+                routes[i] = (row, graphs.launched, graphs.prompt_routes[j, plen - len(r.input_ids):])
+                graphs.recording = True
             reqs.append(r)
             out_ids.append([])
             out_lp.append([])

@@ -990,8 +990,8 @@ def main(argv: list[str] | None = None) -> int:
                         "batch shape) (SGLang's flag)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="SGLang's flag: a request with `return_routed_experts` gets the experts each token was "
-                        "routed to (meta_info.routed_experts; a mixture-of-experts model; such a batch decodes "
-                        "without CUDA graphs)")
+                        "routed to (meta_info.routed_experts; a mixture-of-experts model; recorded inside the CUDA "
+                        "graphs too, except under --enable-torch-compile)")
     p.add_argument("--api-key", default=None,
                    help="SGLang's flag: every endpoint but /health* needs `Authorization: Bearer KEY`; required to "
                         "serve on a non-loopback address and for the weight / memory endpoints")
