@@ -56,15 +56,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_r3_decode: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
         return 2
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SHAPE, torch_dtype="bfloat16")).to(torch.bfloat16).eval()
+    def build():  # seeded: the same weights each time (one graph decoder per model: it switches its attention)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SHAPE, torch_dtype="bfloat16")).to(torch.bfloat16).eval()
+
+    model = build()
     B, P, N = a.batch, a.prompt_len, a.new_tokens
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, SHAPE["vocab_size"] - 100, (B, P), generator=g).tolist()
     eos = [151643]
     gens = {"graphs_r3": Generator(model, StandInTokenizer(), eos, device="cuda", return_routed_experts=True),
-            "graphs_no_flag": Generator(model, StandInTokenizer(), eos, device="cuda"),
+            "graphs_no_flag": Generator(build(), StandInTokenizer(), eos, device="cuda"),
             "eager_r3": Generator(model, StandInTokenizer(), eos, device="cuda", cuda_graphs=False,
                                   return_routed_experts=True)}
     assert gens["graphs_r3"].graphs.tape is not None and gens["eager_r3"].graphs is None
