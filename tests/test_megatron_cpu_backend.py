@@ -181,6 +181,64 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
     assert out[(2, 1)]["state"] == {}  # (the gather lands on rank 0)
 
 
+def _layout_rank(rank: int, world: int, init: str, flags: dict, hf: str, work: str, load_from: str | None,
+                 out: dict) -> None:
+    """Save after three steps at `flags` (load_from None), or load that save in this layout: its optimizer state
+    (refused by name), then its weights alone. Both: the log-probs of all four micro-batches after."""
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _cpu_megatron()
+    from test_megatron_backend import _micro_batches
+
+    from engine.config import RunConfig
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.megatron_model import Kernels
+
+    cfg = RunConfig(hf_checkpoint=hf, train_backend="megatron", actor_num_gpus_per_node=world, lr=1e-3,
+                    rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=2, work_dir=work, **flags)
+    b = MegatronBackend(cfg, rank=rank, world_size=world, params_dtype="float32", kernels=Kernels(
+        fused_log_probs=False, fused_swiglu=False, fused_adam=False, wgrad_fusion=False, cuda_graphs=False))
+    mbs = _micro_batches()  # (TP = 2: one data-parallel replica, all of them on both ranks)
+    res: dict = {}
+    if load_from is None:
+        old = b.compute_log_probs(mbs)
+        for _ in range(3):
+            b.train_step(mbs, old, old, 8)
+        b.save(f"{work}/ck")
+    else:
+        try:
+            b.load(load_from)
+        except RuntimeError as e:
+            res["refused"] = str(e)
+        b.load(load_from, load_optim=False)
+    res["lp"] = [x.clone() for x in b.compute_log_probs(mbs)]
+    out[rank] = res
+    dist.destroy_process_group()
+
+
+def test_weights_saved_at_tp2_load_at_tp1_without_the_optimizer_state(tmp_path):
+    """dist_checkpointing reshards the weights (TP = 2 → 1 on two ranks: two data-parallel replicas): the same
+    log-probs; the optimizer state of the other layout is refused by name, with --no-load-optim as the fix."""
+    from test_megatron_backend import _tiny_qwen2
+
+    _tiny_qwen2(tmp_path / "hf")
+    got = {}
+    for name, flags, frm in (("save", {"tensor_model_parallel_size": 2}, None),
+                             ("load", {}, str(tmp_path / "save" / "ck"))):
+        out = mp.Manager().dict()
+        (tmp_path / name).mkdir()
+        mp.spawn(_layout_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, str(tmp_path / "hf"),
+                                     str(tmp_path / name), frm, out), nprocs=2)
+        got[name] = dict(out)
+    for rank in (0, 1):
+        assert "tensor_model_parallel_size 2 in the checkpoint, 1 now" in got["load"][rank]["refused"]
+        assert "--no-load-optim" in got["load"][rank]["refused"]
+        saved, loaded = got["save"][0]["lp"], got["load"][rank]["lp"]
+        assert max(float((a - b).abs().max()) for a, b in zip(saved, loaded)) < 1e-5, rank
+
+
 #: tests/test_megatron_backend.py's GPU tests that run unchanged on this harness (fp32, one rank), with the family
 #: where they take one. Not here: the second half of test_gpu_megatron_log_probs_chunk_size_takes_the_plain_steps
 #: (bf16 decoder CUDA graphs) and test_megatron_graphs.py (CUDA graphs).
