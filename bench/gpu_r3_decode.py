@@ -56,6 +56,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_r3_decode: no CUDA device; this benchmark runs on a GPU machine", file=sys.stderr)
         return 2
+
     def build():  # seeded: the same weights each time (one graph decoder per model: it switches its attention)
         torch.manual_seed(0)
         with torch.device("cuda"):

@@ -288,18 +288,10 @@ def test_engine_on_cuda_records_routed_experts_inside_its_graphs(family, tmp_pat
     in one forward (bf16 on the GPU; a near-tie may round the other way: at least 98% of the rows), and those of
     the eager loop (--sglang-disable-cuda-graph) on the rows where both drew the same tokens."""
     from model_families import save_model
-    from test_rollout_routing_replay import _same_sets
+    from test_rollout_routing_replay import _alone, _same_sets
 
     from engine.rollout.generation import Feed, GenRequest
     from engine.rollout.server import EngineState
-    from engine.train.routing import TorchRouters
-
-    def alone(model, tokens: list[int]) -> torch.Tensor:  # [len(tokens), #routers, k] of one forward
-        hooks = TorchRouters(model)
-        with torch.no_grad(), hooks.recording() as seen:
-            model(input_ids=torch.tensor([tokens], device="cuda"))
-        hooks.remove()
-        return torch.stack(seen, 1).view(len(tokens), len(seen), -1).cpu()
 
     path = save_model(tmp_path / family, family, tiny_model)
     state = EngineState(path, device="cuda:0", dtype="bfloat16", max_new_tokens=24, return_routed_experts=True)
@@ -323,7 +315,7 @@ def test_engine_on_cuda_records_routed_experts_inside_its_graphs(family, tmp_pat
         tokens = q.input_ids + res.output_ids
         assert len(res.output_ids) == q.max_new_tokens
         assert res.routed_experts.shape == (len(tokens) - 1, len(gen.routers.routers), gen.route_layout.top_k)
-        hits = _same_sets(res.routed_experts.cpu(), alone(gen.model, tokens[:-1]))
+        hits = _same_sets(res.routed_experts.cpu(), _alone(gen.model, tokens[:-1]))
         same, total = same + int(hits.sum()), total + hits.numel()
         if plain[rid].output_ids == res.output_ids:  # the eager loop drew the same tokens: the same experts too
             agree = _same_sets(res.routed_experts.cpu(), plain[rid].routed_experts.cpu())

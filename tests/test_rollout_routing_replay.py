@@ -23,14 +23,15 @@ def _model(family: str, path, tiny_model: str) -> str:
 
 
 def _alone(model, tokens: list[int]) -> torch.Tensor:
-    """The experts the model's routers pick for `tokens` run alone: [len(tokens), #routers, k]."""
+    """The experts the model's routers pick for `tokens` run alone (on the model's device): [len(tokens), #routers,
+    k], on the host."""
     from engine.train.routing import TorchRouters
 
     hooks = TorchRouters(model)
     with torch.no_grad(), hooks.recording() as got:
-        model(input_ids=torch.tensor([tokens]))
+        model(input_ids=torch.tensor([tokens], device=next(model.parameters()).device))
     hooks.remove()
-    return torch.stack(got, 1).view(len(tokens), len(got), -1)
+    return torch.stack(got, 1).view(len(tokens), len(got), -1).cpu()
 
 
 def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
