@@ -7,6 +7,7 @@
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 #          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
+#          | s41-reshardable
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -351,6 +352,20 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
          --timeout 230 > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
       timeout 280 python3 bench/gpu_r3_decode.py --repeats 2 --out "$OUT/gpu_r3_decode.json" \
         > "$OUT/gpu_r3_decode.txt" 2>&1; tail -n 6 "$OUT/gpu_r3_decode.txt"
+      wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
+    s41-reshardable)  # --dist-ckpt-optim-fully-reshardable on CUDA: the backend's save / load tests (both gathers),
+                      # the Megatron GPU tests beside them, then the Megatron demo saved in that format after 4
+                      # rollouts and resumed to 8 by a new process without the flag (the checkpoint's format counts)
+      (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py --timeout 400 \
+         > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 4 --out "$OUT" --timeout 150 \
+        --part "_to4" --extra "--save-interval 2 --dist-ckpt-optim-fully-reshardable"
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 8 --out "$OUT" --timeout 150 \
+        --part "_to8" --extra "--save-interval 2"
+      python3 -c "import torch, glob; [print(f, torch.load(f, weights_only=False)['format']) for f in \
+sorted(glob.glob('/tmp/rollflow_gpu_flow/ck_megatron/**/backend.pt', recursive=True))]" 2>&1 | tee "$OUT/formats.txt"
+      grep -h "esum\|Completed\|Failed" "$OUT"/gpu_flow_demo_megatron_bf16_to8.log | head -8
       wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
     *) echo "unknown step $step" ;;
   esac

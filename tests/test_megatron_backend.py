@@ -93,7 +93,8 @@ def test_a_resume_in_another_parallel_layout_is_refused_unless_the_optimizer_sta
     manifest = {"settings": saved.fixed_settings()}
     assert manifest["settings"]["megatron_layout"] == {"tensor_model_parallel_size": 2,
                                                        "pipeline_model_parallel_size": 1,
-                                                       "expert_model_parallel_size": 1}
+                                                       "expert_model_parallel_size": 1,
+                                                       "optim_format": "dp_reshardable"}
     bad = resume_guard(small_cfg(train_backend="megatron", actor_num_gpus_per_node=4), "iter_0000003", manifest)
     assert bad.code == "RF05" and "tensor_model_parallel_size: 2 in the checkpoint, 1 now" in bad.what
     assert "--no-load-optim" in bad.fix and "--allow-config-change" not in bad.fix
@@ -106,6 +107,39 @@ def test_a_resume_in_another_parallel_layout_is_refused_unless_the_optimizer_sta
     torch_run = small_cfg(actor_num_gpus_per_node=2)
     assert "megatron_layout" not in torch_run.fixed_settings()
     assert resume_guard(small_cfg(actor_num_gpus_per_node=4), "it", {"settings": torch_run.fixed_settings()}) is None
+
+
+def test_a_fully_reshardable_optimizer_state_resumes_in_any_layout(small_cfg):
+    """--dist-ckpt-optim-fully-reshardable: the manifest records the format, and a resume of such a checkpoint may
+    change TP / PP / EP with its optimizer state (tests/test_megatron_cpu_backend.py loads it); a resume that
+    does not set the flag loads it the same (the backend reads the format the checkpoint was written in). The flag
+    alone where it would change nothing is a CONFIG error naming it."""
+    from engine.diagnosis import ConfigError
+    from engine.doctor.checks import resume_guard
+
+    flag = {"dist_ckpt_optim_fully_reshardable": True}
+    saved = small_cfg(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=4, **flag)
+    manifest = {"settings": saved.fixed_settings()}
+    assert manifest["settings"]["megatron_layout"]["optim_format"] == "fully_reshardable"
+    for now in (dict(actor_num_gpus_per_node=4), dict(actor_num_gpus_per_node=4, **flag),
+                dict(pipeline_model_parallel_size=2, actor_num_gpus_per_node=4)):
+        assert resume_guard(small_cfg(train_backend="megatron", **now), "iter_0000003", manifest) is None, now
+    # a resume of the default format, with the flag set now, is still refused: the checkpoint's format counts
+    old = {"settings": small_cfg(train_backend="megatron", tensor_model_parallel_size=2,
+                                 actor_num_gpus_per_node=4).fixed_settings()}
+    bad = resume_guard(small_cfg(train_backend="megatron", actor_num_gpus_per_node=4, **flag), "it", old)
+    assert bad.code == "RF05" and "--dist-ckpt-optim-fully-reshardable" in bad.fix and "--no-load-optim" in bad.fix
+    for wrong, field, words in (
+            (dict(train_backend="torch", **flag), "dist_ckpt_optim_fully_reshardable", "layout-free"),
+            (dict(train_backend="megatron", save_optim=False, **flag), "dist_ckpt_optim_fully_reshardable",
+             "--no-save-optim"),
+            (dict(train_backend="megatron", distrib_optim_fully_reshardable_mem_efficient=True),
+             "distrib_optim_fully_reshardable_mem_efficient", "without --dist-ckpt-optim-fully-reshardable"),
+            (dict(train_backend="megatron", save=None, **flag), "dist_ckpt_optim_fully_reshardable", "no --save")):
+        with pytest.raises(ConfigError) as e:
+            small_cfg(**wrong)
+        (d,) = e.value.diagnoses
+        assert d.facts["field"] == field and words in d.what, d
 
 
 def test_dp_size_counts_replicas_not_gpus(small_cfg):
@@ -192,6 +226,36 @@ def test_gpu_megatron_steps_equal_torch_steps_in_fp32(tmp_path, small_cfg):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(mg.compute_log_probs(mbs, ref=True), trained))
     mg.load_weights(str(tmp_path / "hf"))  # the starting weights as the policy
     assert max(float((a - b).abs().max()) for a, b in zip(mg.compute_log_probs(mbs), t_old)) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mem_efficient", [False, True])
+def test_gpu_megatron_fully_reshardable_optimizer_state_resumes_exactly(mem_efficient, tmp_path, small_cfg):
+    """--dist-ckpt-optim-fully-reshardable on CUDA (bf16 weights, the fp32 main copy, the default kernels; the gather
+    over NCCL, or over gloo onto rank 0 with --distrib-optim-fully-reshardable-mem-efficient): a new backend that
+    loads the checkpoint goes on with the losses of the one that never stopped, where the weights alone give others.
+    (A change of layout needs two GPUs: tests/test_megatron_cpu_backend.py runs those on CPU processes.)"""
+    from engine.train.megatron_backend import MegatronBackend
+
+    cfg = small_cfg(hf_checkpoint=_tiny_qwen2(tmp_path / "hf"), train_backend="megatron", lr=1e-3,
+                    dist_ckpt_optim_fully_reshardable=True,
+                    distrib_optim_fully_reshardable_mem_efficient=mem_efficient)
+    mbs = _micro_batches()
+    mg = MegatronBackend(cfg)
+    old = mg.compute_log_probs(mbs)
+    for _ in range(3):
+        mg.train_step(mbs, old, old, 8)
+    mg.save(str(tmp_path / "ck"))
+    assert torch.load(tmp_path / "ck" / "optim" / "backend.pt", weights_only=False)["format"] == "fully_reshardable"
+    on = [mg.train_step(mbs, old, old, 8)["loss_total"] for _ in range(3)]
+    resumed = MegatronBackend(cfg)
+    resumed.load(str(tmp_path / "ck"))
+    assert [resumed.train_step(mbs, old, old, 8)["loss_total"] for _ in range(3)] == pytest.approx(on, abs=1e-6)
+    fresh = MegatronBackend(cfg)
+    fresh.load(str(tmp_path / "ck"), load_optim=False)
+    alone = [fresh.train_step(mbs, old, old, 8)["loss_total"] for _ in range(3)]
+    assert alone[0] == pytest.approx(on[0], abs=1e-6) and abs(alone[2] - on[2]) > 1e-4, (alone, on)
 
 
 def _random_moe(family: str, path):

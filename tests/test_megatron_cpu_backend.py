@@ -5,7 +5,8 @@ Runs only where megatron-core is installed (`pip install --no-deps megatron-core
 megatron-core assumes CUDA in a few places that do not change the math; each child process replaces exactly these:
 `torch.cuda.current_device()` / `set_device` / `device_count` / `synchronize`, tensor factories asked for
 `device="cuda"` in the few megatron-core modules that do (the optimizer's overflow buffer; _CUDA_TENSORS),
-`Tensor.type()` names (the distributed optimizer accepts only `torch.cuda.*Tensor` parameters), the
+`Tensor.type()` names (the distributed optimizer accepts only `torch.cuda.*Tensor` parameters), `Tensor.cuda()`
+(kept on the host), the
 model-parallel RNG tracker (on the CPU generator), the alltoall dispatcher's side stream
 (tests/test_megatron_cpu_model.py: _host_streams), and the backend's own "needs CUDA" guard.
 
@@ -79,6 +80,7 @@ def _cpu_megatron() -> None:
         return t.replace("torch.", "torch.cuda.", 1) if not (a or k or t.startswith("torch.cuda.")) else t
 
     torch.Tensor.type = cuda_type_name
+    torch.Tensor.cuda = lambda self, *a, **k: self  # (the optimizer's fully_reshardable gather sends from "cuda")
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -122,6 +124,11 @@ def _rank(rank: int, world: int, init: str, flags: dict, hf: str, work: str, out
     res["state"] = b.engine_state()  # rank 0: the HF-named weights the engines get
     ck = f"{work}/ck_ep{ep}"
     b.save(ck)
+    if ep == 1:  # also in the format that loads into any layout, gathered over gloo onto DP rank 0
+        b.cfg, kept = cfg.model_copy(update={"dist_ckpt_optim_fully_reshardable": True,
+                                             "distrib_optim_fully_reshardable_mem_efficient": True}), b.cfg
+        b.save(f"{work}/ck_ep1_full")
+        b.cfg = kept
     res["on"] = [b.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
     b.load(ck)
     res["reloaded"] = [b.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
@@ -135,7 +142,10 @@ def _rank(rank: int, world: int, init: str, flags: dict, hf: str, work: str, out
         except RuntimeError as e:
             res["layout_refused"] = str(e)
         other.load(f"{work}/ck_ep1", load_optim=False)  # the weights reshard; Adam starts over
-        res["weights_only"] = other.train_step(mbs, old, old, 8)["loss_total"]
+        res["weights_only"] = [other.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
+        full = backend()  # the same state saved fully_reshardable: the optimizer state loads at EP = 2 too
+        full.load(f"{work}/ck_ep1_full")
+        res["full"] = [full.train_step(mbs, old, old, 8)["loss_total"] for _ in range(2)]
     if ep > 1:
         fewer = mbs[:1] if rank == 1 else mbs
         uneven = fresh.compute_log_probs(fewer)
@@ -173,7 +183,12 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
         # run's first step after its save)
         assert "expert_model_parallel_size 1 in the checkpoint, 2 now" in ep["layout_refused"]
         assert "--no-load-optim" in ep["layout_refused"]
-        assert abs(ep["weights_only"] - dp["on"][0]) < 1e-6, (ep["weights_only"], dp["on"])
+        assert abs(ep["weights_only"][0] - dp["on"][0]) < 1e-6, (ep["weights_only"], dp["on"])
+        # saved fully_reshardable (with --distrib-optim-fully-reshardable-mem-efficient: gathered over gloo), the
+        # optimizer state loads too: the EP = 1 run's next two losses (without it, the second differs: Adam started
+        # over)
+        assert max(abs(a - b) for a, b in zip(ep["full"], dp["on"])) < 1e-6, (ep["full"], dp["on"])
+        assert abs(ep["weights_only"][1] - dp["on"][1]) > 1e-4, (ep["weights_only"], dp["on"])
         assert "expert parallelism" in ep["refused"] and "1 to 2 micro-batches" in ep["refused"]
     sent_dp, sent_ep = out[(1, 0)]["state"], out[(2, 0)]["state"]
     assert set(sent_ep) == set(sent_dp) == files  # every expert, under the checkpoint's names
@@ -183,13 +198,16 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
 
 def _layout_rank(rank: int, world: int, init: str, flags: dict, hf: str, work: str, load_from: str | None,
                  out: dict) -> None:
-    """Save after three steps at `flags` (load_from None), or load that save in this layout: its optimizer state
-    (refused by name), then its weights alone. Both: the log-probs of all four micro-batches after."""
+    """Save after three steps at `flags` (load_from None), in both optimizer formats, then train two more steps; or
+    load those saves in this layout: the default format's optimizer state (refused by name, unless this layout is
+    the saved one), its weights alone, and the fully_reshardable format's whole state, each then trained two steps.
+    Log-probs of all four micro-batches after each."""
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     _cpu_megatron()
+    from megatron.core import parallel_state
     from test_megatron_backend import _micro_batches
 
     from engine.config import RunConfig
@@ -198,45 +216,81 @@ def _layout_rank(rank: int, world: int, init: str, flags: dict, hf: str, work: s
 
     cfg = RunConfig(hf_checkpoint=hf, train_backend="megatron", actor_num_gpus_per_node=world, lr=1e-3,
                     rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=2, work_dir=work, **flags)
-    b = MegatronBackend(cfg, rank=rank, world_size=world, params_dtype="float32", kernels=Kernels(
-        fused_log_probs=False, fused_swiglu=False, fused_adam=False, wgrad_fusion=False, cuda_graphs=False))
-    mbs = _micro_batches()  # (TP = 2: one data-parallel replica, all of them on both ranks)
-    res: dict = {}
+
+    def backend():
+        return MegatronBackend(cfg, rank=rank, world_size=world, params_dtype="float32", kernels=Kernels(
+            fused_log_probs=False, fused_swiglu=False, fused_adam=False, wgrad_fusion=False, cuda_graphs=False))
+
+    b = backend()
+    every = _micro_batches()  # 4 micro-batches of 2 samples; each data-parallel replica trains its share
+    mbs = every[parallel_state.get_data_parallel_rank()::parallel_state.get_data_parallel_world_size()]
+    old = b.compute_log_probs(mbs)  # (from the Hugging Face weights, in every layout)
+
+    def two_steps(backend):
+        for _ in range(2):
+            backend.train_step(mbs, old, old, 8)
+        return [x.clone() for x in backend.compute_log_probs(every)]
+
+    res: dict = {"last_stage": parallel_state.is_pipeline_last_stage()}
     if load_from is None:
-        old = b.compute_log_probs(mbs)
         for _ in range(3):
             b.train_step(mbs, old, old, 8)
         b.save(f"{work}/ck")
+        b.cfg, kept = cfg.model_copy(update={"dist_ckpt_optim_fully_reshardable": True}), b.cfg
+        b.save(f"{work}/ck_full")
+        b.cfg = kept
+        res["lp"] = [x.clone() for x in b.compute_log_probs(every)]
+        res["on"] = two_steps(b)
     else:
         try:
-            b.load(load_from)
+            b.load(f"{load_from}/ck")
         except RuntimeError as e:
             res["refused"] = str(e)
-        b.load(load_from, load_optim=False)
-    res["lp"] = [x.clone() for x in b.compute_log_probs(mbs)]
+        b.load(f"{load_from}/ck", load_optim=False)
+        res["lp"] = [x.clone() for x in b.compute_log_probs(every)]
+        res["weights_on"] = two_steps(b)
+        full = backend()
+        full.load(f"{load_from}/ck_full")
+        res["full_on"] = two_steps(full)
     out[rank] = res
     dist.destroy_process_group()
 
 
-def test_weights_saved_at_tp2_load_at_tp1_without_the_optimizer_state(tmp_path):
-    """dist_checkpointing reshards the weights (TP = 2 → 1 on two ranks: two data-parallel replicas): the same
-    log-probs; the optimizer state of the other layout is refused by name, with --no-load-optim as the fix."""
+def test_a_checkpoint_saved_at_tp2_resumes_at_tp1_and_pp2(tmp_path):
+    """dist_checkpointing reshards the weights (TP = 2 → 1 on two ranks: two data-parallel replicas; → PP = 2): the
+    same log-probs. The default optimizer format of another layout is refused by name, with --no-load-optim as the
+    fix; saved with --dist-ckpt-optim-fully-reshardable, the optimizer state loads into TP = 1 and into PP = 2, and
+    two more steps give the log-probs of the run that never stopped (the weights alone give others: Adam started
+    over)."""
     from test_megatron_backend import _tiny_qwen2
 
     _tiny_qwen2(tmp_path / "hf")
     got = {}
     for name, flags, frm in (("save", {"tensor_model_parallel_size": 2}, None),
-                             ("load", {}, str(tmp_path / "save" / "ck"))):
+                             ("tp1", {}, str(tmp_path / "save")),
+                             ("pp2", {"pipeline_model_parallel_size": 2}, str(tmp_path / "save"))):
         out = mp.Manager().dict()
         (tmp_path / name).mkdir()
         mp.spawn(_layout_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, str(tmp_path / "hf"),
                                      str(tmp_path / name), frm, out), nprocs=2)
         got[name] = dict(out)
-    for rank in (0, 1):
-        assert "tensor_model_parallel_size 2 in the checkpoint, 1 now" in got["load"][rank]["refused"]
-        assert "--no-load-optim" in got["load"][rank]["refused"]
-        saved, loaded = got["save"][0]["lp"], got["load"][rank]["lp"]
-        assert max(float((a - b).abs().max()) for a, b in zip(saved, loaded)) < 1e-5, rank
+
+    def diff(a, b):
+        return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+    saved = got["save"][0]
+    for name, changed in (("tp1", "tensor_model_parallel_size 2 in the checkpoint, 1 now"),
+                          ("pp2", "pipeline_model_parallel_size 1 in the checkpoint, 2 now")):
+        for rank in (0, 1):
+            run = got[name][rank]
+            assert changed in run["refused"] and "--no-load-optim" in run["refused"], run["refused"]
+            assert "--dist-ckpt-optim-fully-reshardable" in run["refused"]
+            if not run["last_stage"]:  # (a first pipeline stage has no log-probs of its own)
+                continue
+            assert diff(saved["lp"], run["lp"]) < 1e-5, (name, rank)
+            assert diff(saved["on"], run["full_on"]) < 1e-5, (name, rank, diff(saved["on"], run["full_on"]))
+            assert diff(saved["on"], run["weights_on"]) > 1e-3, (name, rank)
+    assert [got["pp2"][r]["last_stage"] for r in (0, 1)] == [False, True]
 
 
 #: tests/test_megatron_backend.py's GPU tests that run unchanged on this harness (fp32, one rank), with the family

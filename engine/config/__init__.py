@@ -81,7 +81,8 @@ RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "tool_
                 "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed",
                 "rollout_max_context_len")
 #: what shards the Megatron backend's optimizer checkpoint (megatron-core's dp_reshardable format): a resume that
-#: changes one loads the weights (they reshard) only with --no-load-optim
+#: changes one loads the weights (they reshard) only with --no-load-optim, unless the checkpoint was saved with
+#: --dist-ckpt-optim-fully-reshardable
 MEGATRON_OPTIM_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 
 
@@ -398,6 +399,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         idle = {field: text for field, text, on in (
             ("keep_last_n", f"--keep-last-n {self.keep_last_n}", self.keep_last_n is not None),
             ("save_hf", "--save-hf", self.save_hf), ("save_optim", "--no-save-optim", not self.save_optim),
+            ("dist_ckpt_optim_fully_reshardable", "--dist-ckpt-optim-fully-reshardable",
+             self.dist_ckpt_optim_fully_reshardable),
             ("wait_for_save_lock", f"--wait-for-save-lock {self.wait_for_save_lock:g}", self.wait_for_save_lock > 0))
             if on}
         if idle and not self.save:
@@ -406,6 +409,27 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                "--save DIR (or s3://bucket/prefix), or drop "
                                + ", ".join(t.split(" ")[0] for t in idle.values()),
                                field=next(iter(idle)), value=list(idle.values()))
+        return self
+
+    @model_validator(mode="after")
+    def _optim_format(self) -> "RunConfig":
+        """--dist-ckpt-optim-fully-reshardable sets the format of the Megatron optimizer state a save writes."""
+        if self.distrib_optim_fully_reshardable_mem_efficient and not self.dist_ckpt_optim_fully_reshardable:
+            raise config_error("--distrib-optim-fully-reshardable-mem-efficient without "
+                               "--dist-ckpt-optim-fully-reshardable: it changes how that format is gathered, so alone "
+                               "it would do nothing", "add --dist-ckpt-optim-fully-reshardable, or drop it",
+                               field="distrib_optim_fully_reshardable_mem_efficient", value=True)
+        if not self.dist_ckpt_optim_fully_reshardable:
+            return self
+        if self.train_backend != "megatron":
+            raise config_error(f"--dist-ckpt-optim-fully-reshardable with --train-backend {self.train_backend}: it "
+                               "sets the format of Megatron's distributed optimizer state; the torch backend saves "
+                               "full, layout-free tensors already", "drop --dist-ckpt-optim-fully-reshardable",
+                               field="dist_ckpt_optim_fully_reshardable", value=True)
+        if not self.save_optim:
+            raise config_error("--dist-ckpt-optim-fully-reshardable with --no-save-optim: no optimizer state is saved, "
+                               "so its format would not matter", "drop one of the two",
+                               field="dist_ckpt_optim_fully_reshardable", value=True)
         return self
 
     @model_validator(mode="after")
@@ -830,6 +854,8 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         out.update(global_batch_size=plan.global_batch_size, num_steps_per_rollout=plan.num_steps_per_rollout)
         if self.train_backend == "megatron":
             out["megatron_layout"] = {k: getattr(self, k) for k in MEGATRON_OPTIM_LAYOUT}
+            out["megatron_layout"]["optim_format"] = ("fully_reshardable" if self.dist_ckpt_optim_fully_reshardable
+                                                      else "dp_reshardable")
         return out
 
     def resume_changes(self, recorded: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
@@ -841,9 +867,10 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         now = self.fixed_settings()
         out = [(k, recorded[k], now[k]) for k in RESUME_FIXED
                if k in recorded and k not in allowed and recorded[k] != now[k]]
-        # the Megatron optimizer state loads only into the parallel layout it was saved from (MEGATRON_OPTIM_LAYOUT)
+        # the Megatron optimizer state loads only into the parallel layout it was saved from (MEGATRON_OPTIM_LAYOUT),
+        # unless it was saved with --dist-ckpt-optim-fully-reshardable (the format the checkpoint records)
         old, new = recorded.get("megatron_layout"), now.get("megatron_layout")
-        if self.load_optim and old and new:
+        if self.load_optim and old and new and old.get("optim_format", "dp_reshardable") == "dp_reshardable":
             out += [(k, old[k], new[k]) for k in MEGATRON_OPTIM_LAYOUT if k in old and old[k] != new[k]]
         return out
 

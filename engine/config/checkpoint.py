@@ -31,6 +31,12 @@ class CheckpointArgs(Section):
     load_optim: bool = True
     """Restore optimizer, scheduler and RNG state on resume; --no-load-optim continues from the weights (and data position) with a fresh optimizer (needed for --no-save-optim checkpoints)."""
 
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Megatron backend (slime's / Megatron-LM's flag): save the distributed optimizer's state in megatron-core's fully_reshardable format, each parameter's state in model space, so a resume may change the tensor, pipeline, expert and data-parallel sizes and keep Adam's moments. Each save gathers the data-parallel ranks' shares onto every rank first (host memory: 12 bytes per parameter of the rank's model-parallel shard, on each rank). Without it (dp_reshardable: each rank writes its own share, in parallel) only the data-parallel size may change across a resume. A checkpoint always loads in the format it was written in. Needs --save, and optimizer state in it."""
+
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
+    """With --dist-ckpt-optim-fully-reshardable (slime's / Megatron-LM's flag): gather over gloo onto data-parallel rank 0 alone instead of onto every rank, for hosts that cannot hold the gathered state on every rank; saves and loads are slower (one rank writes). The checkpoint loads either way."""
+
     save_hf: bool = False
     """Also write a Hugging Face export of the weights into every iteration (iter_%07d/hf/; with --save)."""
 

@@ -349,7 +349,8 @@ def resume_guard(cfg, where: str, manifest: dict) -> Diagnosis | None:
     if layout:
         fixes.append("for " + ", ".join(layout) + ": the Megatron optimizer state is sharded by them (only the data-"
                      "parallel size may change); resume with the sizes it was saved with, or add --no-load-optim "
-                     "(the weights reshard to the new layout, Adam's moments start over)")
+                     "(the weights reshard to the new layout, Adam's moments start over). A run that saves with "
+                     "--dist-ckpt-optim-fully-reshardable can change them with its optimizer state")
     return Diagnosis(code="RF05", severity="error",
                      what=f"resuming {where} with settings that differ from the ones it was trained with: {listed}",
                      fix="; ".join(fixes), facts={"changes": [list(c) for c in changes]})

@@ -50,10 +50,29 @@ log = logging.getLogger("rollflow.megatron")
 INSTALL_HINT = ("install it on a CUDA machine with `pip install 'rollflow[megatron]'` (megatron-core==0.16.1; "
                 "Transformer Engine optional), or use --train-backend torch")
 
-# The distributed optimizer's checkpoint format: one shard per DP rank, parallel save and load (Megatron-LM's
-# default). The model-space format ('fully_sharded_model_space') is refused by 0.16's torch_dist writer
-# ("ShardedTensor.flattened_range is not supported", seen on the H200).
-_OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+# The distributed optimizer's checkpoint formats (megatron-core's `distrib_optim_sharding_type`): dp_reshardable, one
+# shard per DP rank with a parallel save and load (Megatron-LM's default), loads only into the TP / PP / EP layout it
+# was saved from; fully_reshardable (--dist-ckpt-optim-fully-reshardable) gathers each parameter's state in model
+# space and loads into any layout. The model-space format 'fully_sharded_model_space' is refused by 0.16's torch_dist
+# writer ("ShardedTensor.flattened_range is not supported", seen on the H200). A checkpoint without a recorded format
+# (written before the flag) is dp_reshardable.
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+
+
+def optim_format(cfg) -> str:
+    """The format this run saves its optimizer state in."""
+    return FULLY_RESHARDABLE if getattr(cfg, "dist_ckpt_optim_fully_reshardable", False) else DP_RESHARDABLE
+
+
+def _format_metadata(fmt: str, cfg) -> dict:
+    """megatron-core's sharded_state_dict metadata for `fmt` (with --distrib-optim-fully-reshardable-mem-efficient:
+    gathered over gloo onto data-parallel rank 0 instead of onto every rank)."""
+    out = {"distrib_optim_sharding_type": fmt}
+    if fmt == FULLY_RESHARDABLE:  # (and its keys without the chained optimizer's chained_<i>. prefix: the same
+        out.update(chained_optim_avoid_prefix=True,  # names whether the experts have an optimizer of their own)
+                   distrib_optim_fully_reshardable_mem_efficient=bool(
+                       getattr(cfg, "distrib_optim_fully_reshardable_mem_efficient", False)))
+    return out
 
 
 
@@ -699,13 +718,14 @@ class MegatronBackend:
         if self.cfg.ref_update_interval:  # the reference moves: a resume must find the one it had
             with self._swapped_in(self.ref_weights):
                 dist_checkpointing.save(self.gpt.sharded_state_dict(), str(root / "ref" / "model"))
+        fmt = optim_format(self.cfg)
         if save_optim:
-            dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(),
-                                                                                    metadata=_OPTIM_FORMAT)},
-                                    str(root / "optim"))
+            dist_checkpointing.save({"optimizer": self.optimizer.sharded_state_dict(
+                self.gpt.sharded_state_dict(), metadata=_format_metadata(fmt, self.cfg))}, str(root / "optim"))
         if self.rank == 0 and save_optim:
             torch.save({"steps_done": self.steps_done, "skipped_steps": self.skipped_steps, "rng": rng_state(),
-                        "adam_steps": self._adam_steps(), "layout": self._layout()}, root / "optim" / "backend.pt")
+                        "adam_steps": self._adam_steps(), "layout": self._layout(), "format": fmt},
+                       root / "optim" / "backend.pt")
         dist.barrier()
         if self.rank != 0:
             return []
@@ -722,20 +742,26 @@ class MegatronBackend:
             self.load_weights(str(root / "ref"), ref=True)
         if load_optim and (root / "optim" / "backend.pt").is_file():
             st = torch.load(root / "optim" / "backend.pt", weights_only=False)
+            fmt = st.get("format", DP_RESHARDABLE)  # the format it was written in, whatever this run's flag says
             saved = st.get("layout")  # (None: a checkpoint from before the layout was recorded)
-            if saved is not None and saved != self._layout():
+            if fmt == DP_RESHARDABLE and saved is not None and saved != self._layout():
                 raise RuntimeError(self._layout_error(root, ", ".join(
                     f"{k} {saved[k]} in the checkpoint, {v} now" for k, v in self._layout().items() if saved[k] != v)))
             self._ensure_adam_state()
             tmpl = {"optimizer": self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
-                                                                   metadata=_OPTIM_FORMAT)}
+                                                                   metadata=_format_metadata(fmt, self.cfg))}
             try:
                 state = dist_checkpointing.load(tmpl, str(root / "optim"))["optimizer"]
             except Exception as e:  # noqa: BLE001 — megatron-core's KeyError / CheckpointingException: say why
+                if fmt != DP_RESHARDABLE:
+                    raise
                 raise RuntimeError(self._layout_error(root, f"the state does not fit this layout ({self._layout()})"
                                                       f": {type(e).__name__}: {' '.join(str(e).split())[:300]}")) from e
-            with torch.no_grad():  # it copies into the fp32 main params, leaves that require grad
-                self.optimizer.load_state_dict(state)
+            with torch.no_grad(), self._without_adam_steps(fmt):  # it copies into the fp32 main params, leaves that
+                if fmt == FULLY_RESHARDABLE:  # require grad
+                    self._load_model_space(state)
+                else:
+                    self.optimizer.load_state_dict(state)
             self.steps_done, self.skipped_steps = st["steps_done"], st["skipped_steps"]
             if "adam_steps" in st:  # (checkpoints before it: the step counts megatron-core's load left)
                 self._set_adam_steps(st["adam_steps"])
@@ -750,10 +776,60 @@ class MegatronBackend:
 
     @staticmethod
     def _layout_error(root: Path, why: str) -> str:
-        return (f"the Megatron optimizer state in {root / 'optim'} cannot be loaded: {why}. Its format shards it by "
-                "tensor, pipeline and expert parallelism (only the data-parallel size may change): resume with the "
-                "sizes it was saved with, or with --no-load-optim (the weights reshard to any layout; Adam's "
-                "moments start over)")
+        return (f"the Megatron optimizer state in {root / 'optim'} cannot be loaded: {why}. Its format "
+                f"({DP_RESHARDABLE}) shards it by tensor, pipeline and expert parallelism (only the data-parallel size "
+                "may change): resume with the sizes it was saved with, or with --no-load-optim (the weights reshard "
+                "to any layout; Adam's moments start over). Checkpoints saved with --dist-ckpt-optim-fully-reshardable "
+                "load into any layout")
+
+    def _load_model_space(self, state: dict) -> None:
+        """A fully_reshardable optimizer state into this layout's distributed optimizers. Its tensors come in this
+        layout's structure; its other entries (param groups, their step) in the saving layout's, which differs when
+        the number of optimizers does: megatron-core gives the experts an optimizer of their own only at EP > 1.
+        So each optimizer keeps its own param groups (the learning rate is set at every step, the rest comes from
+        the flags) and takes the saved step count (all groups step together)."""
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        mine = [state] if len(opts) == 1 else [state[i] for i in range(len(opts))]
+        saved = [state] if "optimizer" in state else [v for k, v in state.items() if isinstance(k, int)]
+        steps = {float(g["step"]) for c in saved if "optimizer" in c for g in c["optimizer"]["param_groups"]
+                 if "step" in g}
+        if len(steps) > 1:
+            raise RuntimeError(f"the optimizer state's param groups hold different step counts {sorted(steps)}; "
+                               "resume with --no-load-optim")
+        for opt, own in zip(opts, mine, strict=True):
+            common = opt.state_dict()
+            for g in common["optimizer"]["param_groups"]:
+                if "step" in g and steps:
+                    g["step"] = type(g["step"])(next(iter(steps)))
+            opt.load_state_dict({**common, "param_state": own["param_state"],
+                                 "param_state_sharding_type": FULLY_RESHARDABLE})
+
+    @contextmanager
+    def _without_adam_steps(self, fmt: str):
+        """megatron-core 0.16's fully_reshardable load copies each parameter's optimizer state key by key from the
+        checkpoint, which holds no step count, and torch's AdamW (no Apex / TE) keeps one per parameter: a KeyError
+        ('step'). Each parameter keeps the step it has for that copy (a copy onto itself); backend.pt's adam_steps
+        then set them (_set_adam_steps)."""
+        if fmt != FULLY_RESHARDABLE:
+            yield
+            return
+        dist_opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+        def keeping_step(opt, copy):
+            def set_states(model_param, tensors):
+                group, order = opt.model_param_group_index_map[model_param]
+                st = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+                copy(model_param, {**tensors, "step": st["step"]} if "step" in st and "step" not in tensors
+                     else tensors)
+            return set_states
+
+        for opt in dist_opts:
+            opt._set_main_param_and_optimizer_states = keeping_step(opt, opt._set_main_param_and_optimizer_states)
+        try:
+            yield
+        finally:
+            for opt in dist_opts:
+                del opt._set_main_param_and_optimizer_states  # (the class's method again)
 
     def _inner_optimizers(self) -> list:
         return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
@@ -788,8 +864,12 @@ class MegatronBackend:
         parameter; megatron-core 0.16's dp_reshardable load restores the moments but leaves those steps as they
         were (a backend that trained past the checkpoint went on with its later count: measured on the CPU
         harness, tests/test_megatron_cpu_backend.py). Each parameter gets its own tensor: torch's step increments
-        it in place."""
-        for o, step in zip(self._inner_optimizers(), steps, strict=True):
+        it in place. A fully_reshardable checkpoint loaded with another number of optimizers (the experts' has its
+        own only at EP > 1) gives them all its one count."""
+        inner = self._inner_optimizers()
+        if len(steps) != len(inner) and len(set(steps) - {None}) == 1:
+            steps = [next(iter(set(steps) - {None}))] * len(inner)
+        for o, step in zip(inner, steps, strict=True):
             if step is None:
                 continue
             for st in o.state.values():
