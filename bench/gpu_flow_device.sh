@@ -7,7 +7,7 @@
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 #          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
-#          | s41-reshardable
+#          | s41-reshardable | s41-sp
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -366,6 +366,18 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
       python3 -c "import torch, glob; [print(f, torch.load(f, weights_only=False)['format']) for f in \
 sorted(glob.glob('/tmp/rollflow_gpu_flow/ck_megatron/**/backend.pt', recursive=True))]" 2>&1 | tee "$OUT/formats.txt"
       grep -h "esum\|Completed\|Failed" "$OUT"/gpu_flow_demo_megatron_bf16_to8.log | head -8
+      wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
+    s41-sp)  # after --sequence-parallel (TP > 1 only, which one GPU cannot run): the TP = 1 paths it touched (experts
+             # kept whole: ETP = 1, their TP mapping; the routing replays' call) in every Megatron GPU test, and an
+             # R3 flow on a random Qwen3-MoE
+      (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py \
+         tests/test_megatron_graphs.py --timeout 400 > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
+      python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from model_families import \
+save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-qwen2-arith')" > /dev/null 2>&1
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 200 \
+        --part "_r3" --extra "--rollout-max-truncated-share 1 --rollout-max-response-len 24 \
+--hf-checkpoint $BENCH_WORK/qwen3moe --use-rollout-routing-replay"
       wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from engine.diagnosis import ConfigError
 from engine.doctor.checks import Environment, parallel_layout
 from engine.train.megatron_mapping import shape_from_hf_config
 
@@ -80,6 +81,14 @@ def test_expert_parallelism_is_checked_before_anything_starts(small_cfg, tmp_pat
     assert "does not divide the 4 experts" in three.what and three.facts["num_experts"] == 4
     (tp,) = megatron_maps_the_model(small_cfg(tensor_model_parallel_size=2, **moe), env)
     assert "--expert-model-parallel-size 2" in tp.fix and "sequence parallelism" in tp.what
+    assert "--sequence-parallel" in tp.fix
+    assert megatron_maps_the_model(small_cfg(tensor_model_parallel_size=2, sequence_parallel=True, **moe), env) == []
+    for wrong, words in ((dict(train_backend="megatron", sequence_parallel=True), "--tensor-model-parallel-size 1"),
+                         (dict(sequence_parallel=True), "--train-backend torch")):
+        with pytest.raises(ConfigError) as e:
+            small_cfg(**wrong)
+        (d,) = e.value.diagnoses
+        assert d.facts["field"] == "sequence_parallel" and words in d.what, d
 
 
 def test_a_resume_in_another_parallel_layout_is_refused_unless_the_optimizer_starts_over(small_cfg):
@@ -114,7 +123,6 @@ def test_a_fully_reshardable_optimizer_state_resumes_in_any_layout(small_cfg):
     change TP / PP / EP with its optimizer state (tests/test_megatron_cpu_backend.py loads it); a resume that
     does not set the flag loads it the same (the backend reads the format the checkpoint was written in). The flag
     alone where it would change nothing is a CONFIG error naming it."""
-    from engine.diagnosis import ConfigError
     from engine.doctor.checks import resume_guard
 
     flag = {"dist_ckpt_optim_fully_reshardable": True}

@@ -255,7 +255,11 @@ def test_dense_layers_of_a_mixture_of_experts_follow_transformers():
 
 @pytest.mark.parametrize("family", MOE)
 def test_a_mixture_of_experts_is_not_split_over_tp_ranks(family):
+    """Under TP a mixture of experts needs sequence parallelism; its experts stay whole (replicated over TP)."""
     s = shape_from_hf_config(hf_model(family).config.to_dict())
     check_tp(s, 1)
-    with pytest.raises(ValueError, match="mixture of experts.*TP = 1"):
+    with pytest.raises(ValueError, match="mixture of experts.*--sequence-parallel"):
         check_tp(s, 2)
+    check_tp(s, 2, sp=True)
+    assert tp_kind("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight") == "replicated"
+    assert tp_kind("decoder.layers.1.mlp.shared_experts.linear_fc1.weight") == "gated"

@@ -83,9 +83,9 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "megatron-deepgemm-moe-forward-layers": (_MTP, "drop it"),
     "megatron-deepgemm-moe-forward-modules": (_MTP, "drop it"),
     "freeze-indexer": (_MTP + "; --freeze-params-name-list freezes parameters by name", "--freeze-params-name-list"),
-    "expert-tensor-parallel-size": ("rollflow's Megatron backend never splits an expert by TP: a mixture of experts "
-                                    "trains at TP = 1 (megatron-core needs sequence parallelism for TP there), each "
-                                    "expert whole on one of --expert-model-parallel-size ranks",
+    "expert-tensor-parallel-size": ("rollflow's Megatron backend never splits an expert by TP: each expert runs "
+                                    "whole, on one of --expert-model-parallel-size ranks, and on every TP rank "
+                                    "under --tensor-model-parallel-size with --sequence-parallel",
                                     "drop it (slime's usual 1 is what rollflow does)"),
     "qwen-gdn-backend": ("rollflow's backends have no linear-attention (Gated DeltaNet) layers", "drop it"),
 }

@@ -31,6 +31,13 @@ class TrainArgs(Section):
     all-to-all over the EP group). Everything else stays replicated over the data-parallel ranks. EP must divide
     the data-parallel size and the number of experts; experts are never split by TP (megatron backend only)."""
 
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (slime's / Megatron-LM's flag; needs TP > 1): the layers outside the
+    tensor-parallel matrices (norms, residuals, dropout-free activations between them) hold 1/TP of each micro-batch's
+    tokens, gathered before the column-parallel matrices and reduce-scattered after the row-parallel ones, in place of
+    TP's all-reduces. Activation memory outside the matrices drops by TP; the math is unchanged. A micro-batch is
+    padded to a multiple of TP tokens (a segment of its own, outside every loss). Megatron backend only."""
+
     megatron_cuda_graphs: bool = True
     """Megatron backend: replay the decoder from CUDA graphs, one per micro-batch shape (bf16/fp16, TP = PP = 1,
     without Transformer Engine; micro-batches are padded to 1,024-token buckets). --no-megatron-cuda-graphs runs
@@ -225,6 +232,22 @@ class TrainArgs(Section):
             raise config_error("--reset-optimizer-states with --use-stateless-adam: a stateless AdamW keeps no "
                                "moments, so there is nothing to reset", "drop --reset-optimizer-states",
                                field="reset_optimizer_states", value=True)
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> "TrainArgs":
+        from engine.config.base import config_error
+
+        if self.sequence_parallel and self.train_backend != "megatron":
+            raise config_error(f"--sequence-parallel with --train-backend {self.train_backend}: only the megatron "
+                               "backend splits a layer over tensor-parallel GPUs", "--train-backend megatron with "
+                               "--tensor-model-parallel-size > 1, or drop --sequence-parallel",
+                               field="sequence_parallel", value=True)
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise config_error("--sequence-parallel with --tensor-model-parallel-size 1: it splits tokens over the "
+                               "tensor-parallel group, so alone it would do nothing",
+                               "--tensor-model-parallel-size 2 (or more), or drop --sequence-parallel",
+                               field="sequence_parallel", value=True)
         return self
 
     @model_validator(mode="after")

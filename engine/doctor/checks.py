@@ -507,8 +507,8 @@ def native_model_code_runs(cfg, env: Environment) -> list[Diagnosis]:
 @check("MODEL")
 def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
     """--train-backend megatron: its mapping (engine/train/megatron_mapping.py) builds the model of --hf-checkpoint:
-    Qwen2, Qwen3, Llama, Mistral and (experts at TP = 1, split by --expert-model-parallel-size) Qwen2-MoE, Qwen3-MoE,
-    Mixtral, not Qwen2's sliding windows.
+    Qwen2, Qwen3, Llama, Mistral and (experts whole: at TP = 1 or under TP with --sequence-parallel, split over
+    ranks by --expert-model-parallel-size) Qwen2-MoE, Qwen3-MoE, Mixtral, not Qwen2's sliding windows.
     Found here, not at the
     train workers' model build, after Ray and the engines have started."""
     from engine.modeling import read_model_json
@@ -538,14 +538,14 @@ def megatron_maps_the_model(cfg, env: Environment) -> list[Diagnosis]:
                               fix=f"an EP size that divides {shape.num_experts}",
                               facts={"field": "expert_model_parallel_size", "value": ep,
                                      "num_experts": shape.num_experts})]
-        if tp == 1 or not shape.num_experts:
+        if tp == 1 or not shape.num_experts or cfg.sequence_parallel:
             return []  # (a TP that does not divide the heads is the topology check's)
         return [Diagnosis(code="MODEL", severity="error",
                           what=f"--train-backend megatron with --tensor-model-parallel-size {tp}: {cfg.model_dir} is a "
-                               "mixture of experts, which the Megatron mapping runs at TP = 1 only (megatron-core "
-                               "trains a mixture of experts under TP only with sequence parallelism, which the "
-                               "backend does not run)",
-                          fix=f"--tensor-model-parallel-size 1 and --expert-model-parallel-size {tp} (the GPUs become "
+                               "mixture of experts, which megatron-core trains under TP only with sequence "
+                               "parallelism",
+                          fix=f"add --sequence-parallel (the experts run whole on every TP rank), or "
+                              f"--tensor-model-parallel-size 1 and --expert-model-parallel-size {tp} (the GPUs become "
                               "data-parallel ranks, the experts split over them), or --train-backend torch",
                           facts={"field": "tensor_model_parallel_size", "value": tp})]
     return [Diagnosis(code="MODEL", severity="error",

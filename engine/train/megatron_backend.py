@@ -165,11 +165,12 @@ class MegatronBackend:
         self.tp = getattr(cfg, "tensor_model_parallel_size", 1)
         self.pp = getattr(cfg, "pipeline_model_parallel_size", 1)
         self.ep = getattr(cfg, "expert_model_parallel_size", 1)
+        self.sp = bool(getattr(cfg, "sequence_parallel", False)) and self.tp > 1
         minutes = getattr(cfg, "distributed_timeout_minutes", 10.0)
         init_distributed(self.rank, self.world_size, master, minutes)
         self.dtype = getattr(torch, params_dtype)
         self.shape = shape_from_hf_config(json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()))
-        check_tp(self.shape, self.tp, self.ep)
+        check_tp(self.shape, self.tp, self.ep, sp=self.sp)
         # Decoder CUDA graphs are captured on this backend's own stream, and DDP's gradient accumulators must
         # be made on it (megatron_graphs): everything from here on runs there.
         self.stream = None
@@ -182,6 +183,7 @@ class MegatronBackend:
             log.info("megatron backend: decoder CUDA graphs %s", "on" if off is None else f"off ({off})")
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(self.tp, self.pp, expert_model_parallel_size=self.ep,
+                                                     expert_tensor_parallel_size=1,  # (experts are never TP-split)
                                                      distributed_timeout_minutes=max(1, math.ceil(minutes)))
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed + self.rank)
@@ -191,7 +193,7 @@ class MegatronBackend:
 
         self.kernels = kernels
         gpt, self.config = build_model(self.shape, vocab_padded=self.vocab_padded, dtype=self.dtype, tp=self.tp,
-                                       pp=self.pp, ep=self.ep, kernels=kernels,
+                                       pp=self.pp, ep=self.ep, kernels=kernels, sp=self.sp,
                                        routing_replay=cfg.use_routing_replay or cfg.use_rollout_routing_replay)
         # --use-routing-replay: megatron-core's RouterReplay of each router, in module order; the recorded routing
         # (--use-rollout-routing-replay: the engine's, carried by the micro-batches)
@@ -213,6 +215,14 @@ class MegatronBackend:
         load_hf_into(gpt, self.config, load_weights_dir(cfg.hf_checkpoint), self.shape,
                      vocab_padded=self.vocab_padded)
         self.gpt = gpt  # unwrapped: its parameter names are the mapping's
+        if self.tp > 1 and self.ep == 1 and self.shape.num_experts:
+            # TP with --sequence-parallel: every TP rank runs the whole experts (ETP = 1) on its share of the
+            # tokens, so their gradients are partial sums over the TP ranks. megatron-core 0.16 marks experts for
+            # the expert-data-parallel reduce (which spans the TP ranks at ETP = 1) only at EP > 1; at EP = 1 they
+            # would be reduced over the data-parallel ranks alone and the TP ranks' copies would drift apart.
+            for n, p in gpt.named_parameters():
+                if ".mlp.experts." in n:
+                    p.allreduce = False
         self.config.finalize_model_grads_func = _finalize_grads_sum
         wrapped = gpt if self.dtype == torch.float32 else Float16Module(self.config, gpt)
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -331,6 +341,12 @@ class MegatronBackend:
 
                 tokens, run_cu, pos = pad_micro_batch(tokens, cu, pos, key)
                 longest = key[0]
+            elif self.sp and tokens.numel() % self.tp:  # each TP rank takes 1/TP of the tokens: a pad segment
+                from engine.train.megatron_graphs import pad_micro_batch
+
+                t_pad = -(-tokens.numel() // self.tp) * self.tp
+                tokens, run_cu, pos = pad_micro_batch(tokens, cu, pos, (t_pad, mb.num_samples + 1))
+                longest = max(longest, t_pad - mb.num_tokens)
             inputs.append((tokens.to(dev), run_cu.to(dev), pos.to(dev), cu.to(dev), longest))
         reducers = self._vocab_reducers()
         # TP = 1 reads the model-precision logits in fused kernels; TP > 1 combines the vocabulary shards.
@@ -362,7 +378,7 @@ class MegatronBackend:
             psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=run_cu, cu_seqlens_kv=run_cu,
                                   max_seqlen_q=longest, max_seqlen_kv=longest)
             if routing is not None:
-                self._route(routing, mb, dev)
+                self._route(routing, mb, dev, tokens.numel())
             out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=None,
                         packed_seq_params=psp, **extra)  # last stage: logits [1, T, V/p]; else hidden [T, 1, h]
             if routing == "record":
@@ -400,7 +416,10 @@ class MegatronBackend:
 
         replay.get_replay_topk = get_replay_topk
 
-    def _route(self, routing: str, mb: MicroBatch, dev) -> None:
+    def _route(self, routing: str, mb: MicroBatch, dev, run_tokens: int) -> None:
+        """run_tokens: the micro-batch's tokens as the model runs them (with --sequence-parallel's padding). Under
+        sequence parallelism each TP rank routes its 1/TP of them: it records, and replays, its own share (the
+        engine's routing: padded with rows it did not route, then this rank's share)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if routing == "record":
@@ -419,6 +438,13 @@ class MegatronBackend:
         for r, idx in zip(self.replays, indices):
             r.clear_indices()
             idx = idx.to(device=dev, dtype=torch.long)
+            if self.sp and routing == "rollout":
+                from megatron.core import parallel_state
+
+                idx = torch.cat([idx, idx.new_full((run_tokens - idx.shape[0], idx.shape[1]), -1)])
+                share = run_tokens // self.tp
+                at = parallel_state.get_tensor_model_parallel_rank() * share
+                idx = idx[at:at + share]
             if routing == "rollout":  # a token the engine did not route (a sample's last; in no loss): experts 0..k-1
                 r.rollflow_given = idx[:, 0] >= 0
                 idx = torch.where(r.rollflow_given[:, None], idx, torch.arange(idx.shape[1], device=dev))
@@ -617,7 +643,12 @@ class MegatronBackend:
         for k, v in col.items():  # token sums → means over the step's tokens; a custom loss's shares → step sums
             out.update({f"{k}_stepsum": v} if k.startswith("custom_") else {f"{k}_sum": v, f"{k}_count": tokens})
         if self.rollout_routing:
-            out["routing_replay_diff_sum"], out["routing_replay_diff_count"] = (float(x) for x in self._differing)
+            diff = torch.tensor([float(x) for x in self._differing], device=dev)
+            if self.sp:  # each TP rank routed its share of the tokens
+                from megatron.core import parallel_state
+
+                dist.all_reduce(diff, group=parallel_state.get_tensor_model_parallel_group())
+            out["routing_replay_diff_sum"], out["routing_replay_diff_count"] = diff.tolist()
         if not self.reports_metrics:  # TP / PP peers of a replica report nothing, so sums count once
             out = {k: 0.0 for k in out}
             loss_total, ratio_maxdev = 0.0, 0.0

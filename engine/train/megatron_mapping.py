@@ -212,7 +212,11 @@ _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 
 
 def tp_kind(name: str) -> str:
-    """How a Megatron weight is split over TP ranks: column (rows), gated (gate and up rows), row, replicated."""
+    """How a Megatron weight is split over TP ranks: column (rows), gated (gate and up rows), row, replicated. An
+    expert's weights are replicated: the backend runs experts whole on every TP rank (expert_tensor_parallel_size
+    1; a shared expert is an ordinary MLP, split by TP)."""
+    if ".local_experts." in name or ".experts.experts." in name:
+        return "replicated"
     if _GATED.search(name):
         return "gated"
     if _COLUMN.search(name):
@@ -248,13 +252,12 @@ def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
-def check_tp(shape: ModelShape, tp: int, ep: int = 1) -> None:
+def check_tp(shape: ModelShape, tp: int, ep: int = 1, *, sp: bool = False) -> None:
     """Megatron splits heads, kv groups and the FFN evenly over TP ranks, and the experts over EP ranks."""
-    if shape.num_experts and tp > 1:
-        raise ValueError(f"--tensor-model-parallel-size {tp} with a mixture of experts: the Megatron mapping runs "
-                         "a mixture of experts at TP = 1 only (megatron-core trains one under TP only with "
-                         f"sequence parallelism); use TP = 1 with --expert-model-parallel-size {tp}, or "
-                         "--train-backend torch")
+    if shape.num_experts and tp > 1 and not sp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} with a mixture of experts: megatron-core trains one "
+                         "under TP only with sequence parallelism; add --sequence-parallel, or use TP = 1 with "
+                         f"--expert-model-parallel-size {tp}, or --train-backend torch")
     if ep > 1 and not shape.num_experts:
         raise ValueError(f"--expert-model-parallel-size {ep}: a dense model has no experts to place; use 1")
     if ep > 1 and shape.num_experts % ep:

@@ -53,12 +53,23 @@ class HFRMSNorm(torch.nn.Module):
         super().__init__()
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        # sequence parallelism: each TP rank sees its share of the tokens, so the weight's gradient is a partial sum
+        # that megatron-core's finalize_model_grads all-reduces over TP (for the params it finds marked)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
         self.eps = eps
 
     def forward(self, x):
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
+
+
+class SPRMSNorm(HFRMSNorm):
+    """torch's fused RMSNorm (megatron-core's local layers' WrappedTorchNorm, which refuses sequence parallelism)
+    with the weight marked for finalize_model_grads' all-reduce over TP (--sequence-parallel)."""
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -164,9 +175,10 @@ def use_cuda_graphs(kernels: Kernels, *, tp: int, pp: int, dtype: torch.dtype, m
 
 
 def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, kernels: Kernels = Kernels(),
-                 ep: int = 1) -> tuple[dict, dict]:
+                 ep: int = 1, sp: bool = False) -> tuple[dict, dict]:
     """(TransformerConfig kwargs, GPTModel kwargs) of an HF architecture: RMSNorm, SwiGLU, RoPE, no dropout.
-    ep: expert parallelism (a mixture of experts: num_experts / ep local experts per rank)."""
+    ep: expert parallelism (a mixture of experts: num_experts / ep local experts per rank); sp: sequence
+    parallelism (--sequence-parallel, TP > 1)."""
     import torch.nn.functional as F
 
     s = shape
@@ -176,7 +188,7 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         normalization="RMSNorm", layernorm_epsilon=s.norm_eps, add_bias_linear=False, add_qkv_bias=s.qkv_bias,
         gated_linear_unit=True, activation_func=F.silu, qk_layernorm=s.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # Packed micro-batches differ in length: PP sends shapes first. (Megatron then refuses the MoE
         # `allgather` dispatcher, so the dense model names alltoall; it has no experts to dispatch.)
@@ -203,7 +215,8 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                       # 1: experts, 0: a dense MLP (Qwen's mlp_only_layers / decoder_sparse_step)
                       moe_layer_freq=[int(moe_layer(s, i)) for i in range(s.num_layers)],
-                      expert_model_parallel_size=ep)
+                      # experts are never split by TP (ETP = 1: megatron-core's default is ETP = TP)
+                      expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
         if s.moe_shared_ffn:  # Qwen2-MoE: + sigmoid(x · w_gate) · shared_expert(x)
             config.update(moe_shared_expert_intermediate_size=s.moe_shared_ffn,
                           moe_shared_expert_gate=s.moe_shared_gate)
@@ -219,9 +232,9 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
     return config, gpt
 
 
-def layer_spec(shape: ModelShape, kernels: Kernels = Kernels(), *, moe: bool | None = None):
+def layer_spec(shape: ModelShape, kernels: Kernels = Kernels(), *, moe: bool | None = None, sp: bool = False):
     """TE layers when installed; else local layers with the packed flash core attention. `moe`: whether the layer
-    has experts (default: whether the model has)."""
+    has experts (default: whether the model has); sp: sequence parallelism (norms that support it)."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -237,38 +250,42 @@ def layer_spec(shape: ModelShape, kernels: Kernels = Kernels(), *, moe: bool | N
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = ModuleSpec(module=PackedCoreAttention,
                                      params={"rope": rope, "window": shape.sliding_window or None})
-    if kernels.hf_rms_norm:
-        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HFRMSNorm
+    norm = HFRMSNorm if kernels.hf_rms_norm else SPRMSNorm if sp else None
+    if norm is not None:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
         if shape.qk_norm:
-            attn.q_layernorm = attn.k_layernorm = HFRMSNorm
+            attn.q_layernorm = attn.k_layernorm = norm
     return spec
 
 
 def block_spec(shape: ModelShape, config, kernels: Kernels = Kernels()):
     """This stage's layers (a mixture of experts with dense layers: each its own kind), and the final norm (with
-    hf_rms_norm, HF's, which a layer spec cannot set)."""
-    hf_norm = kernels.hf_rms_norm and not have_transformer_engine()
-    if not hf_norm and not shape.moe_dense_layers:
-        return layer_spec(shape, kernels)
+    hf_rms_norm, HF's, and with sequence parallelism one that supports it: a layer spec cannot set it)."""
+    own = not have_transformer_engine()
+    sp = bool(config.sequence_parallel)
+    final = HFRMSNorm if kernels.hf_rms_norm and own else SPRMSNorm if sp and own else None
+    if final is None and not shape.moe_dense_layers:
+        return layer_spec(shape, kernels, sp=sp)
     from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
     first = layer_offset(config)
-    kinds = {moe: layer_spec(shape, kernels, moe=moe) for moe in {moe_layer(shape, i) for i in range(shape.num_layers)}}
+    kinds = {moe: layer_spec(shape, kernels, moe=moe, sp=sp)
+             for moe in {moe_layer(shape, i) for i in range(shape.num_layers)}}
     specs = [kinds[moe_layer(shape, first + i)] for i in range(get_num_layers_to_build(config))]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=HFRMSNorm if hf_norm else LayerNormImpl)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final or LayerNormImpl)
 
 
 def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
-                kernels: Kernels = Kernels(), routing_replay: bool = False):
+                kernels: Kernels = Kernels(), routing_replay: bool = False, sp: bool = False):
     """A GPTModel stage for this rank (pre/post-process by pipeline stage) and its TransformerConfig.
     routing_replay (--use-routing-replay): each router gets megatron-core's RouterReplay (megatron_backend drives
-    it)."""
+    it); sp: --sequence-parallel."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels, ep=ep)
+    cfg_kw, gpt_kw = model_kwargs(shape, tp=tp, pp=pp, dtype=dtype, kernels=kernels, ep=ep, sp=sp)
     if shape.num_experts:
         router_without_te()
     cfg_kw["gradient_accumulation_fusion"] = kernels.wgrad_fusion and enable_wgrad_fusion()
