@@ -139,7 +139,7 @@ FLAG_TESTS = {
     "expert_model_parallel_size":
         "test_megatron_cpu_backend.py::test_expert_parallel_backend_equals_data_parallel_and_resumes",
     "sequence_parallel":
-        "test_megatron_cpu_backend.py::test_sequence_parallel_equals_the_torch_backend_also_for_a_mixture_of_experts_under_tp",
+        "test_megatron_cpu_backend.py::test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing",
     "megatron_cuda_graphs": "test_flag_wiring.py::test_megatron_cuda_graphs_flag_reaches_the_kernels",
     "bf16": "test_train_backend.py::test_bf16_computes_in_bf16_over_fp32_master_weights",
     "model_impl": "test_native_model.py::test_model_impl_reaches_the_trainer_and_the_engine",

@@ -242,8 +242,10 @@ def test_rollout_routing_replay_is_refused_where_it_cannot_replay(small_cfg, tin
         small_cfg(use_rollout_routing_replay=True, use_routing_replay=True)
     with pytest.raises(ConfigError, match="supervised data has no rollout engine's routing"):
         small_cfg(use_rollout_routing_replay=True, loss_type="sft_loss")
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2"):
-        small_cfg(use_rollout_routing_replay=True, train_backend="megatron", pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2 and --recompute-activations"):
+        small_cfg(use_rollout_routing_replay=True, train_backend="megatron", pipeline_model_parallel_size=2,
+                  recompute_activations=True)
+    small_cfg(use_rollout_routing_replay=True, train_backend="megatron", pipeline_model_parallel_size=2)  # (each stage its own)
     found = routing_replay_has_routers(small_cfg(use_rollout_routing_replay=True), Environment())
     assert [d.facts["field"] for d in found] == ["use_rollout_routing_replay"]
     assert "--use-rollout-routing-replay" in found[0].what and "has no experts" in found[0].what

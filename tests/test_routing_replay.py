@@ -137,8 +137,10 @@ def test_routing_replay_is_refused_where_it_cannot_replay(small_cfg, tiny_model,
                   log_probs_max_tokens_per_gpu=128)
     with pytest.raises(ConfigError, match="with --loss-type sft_loss: there is no old policy's forward"):
         small_cfg(use_routing_replay=True, loss_type="sft_loss")
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2"):
-        small_cfg(use_routing_replay=True, train_backend="megatron", pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2 and --recompute-activations"):
+        small_cfg(use_routing_replay=True, train_backend="megatron", pipeline_model_parallel_size=2,
+                  recompute_activations=True)
+    small_cfg(use_routing_replay=True, train_backend="megatron", pipeline_model_parallel_size=2)  # (each stage its own)
     env = Environment(gpus=0.0)
     (d,) = routing_replay_has_routers(small_cfg(use_routing_replay=True), env)  # the bundled Qwen2: dense
     assert d.code == "MODEL" and "has no experts" in d.what and d.fix == "drop --use-routing-replay"

@@ -365,12 +365,13 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                "records the routing packs other micro-batches than the steps, so its routing cannot "
                                "be replayed token for token", "drop --log-probs-max-tokens-per-gpu",
                                field="log_probs_max_tokens_per_gpu", value=self.log_probs_max_tokens_per_gpu)
-        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1:
+        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self.recompute_activations:
             raise config_error(f"--use-routing-replay with --pipeline-model-parallel-size "
-                               f"{self.pipeline_model_parallel_size}: the Megatron backend replays a micro-batch's "
-                               "routing between its forward and its backward, which the pipeline schedule interleaves",
-                               "--pipeline-model-parallel-size 1, or --train-backend torch",
-                               field="pipeline_model_parallel_size", value=self.pipeline_model_parallel_size)
+                               f"{self.pipeline_model_parallel_size} and --recompute-activations: the recomputed "
+                               "forward of a micro-batch runs in its backward, after the pipeline schedule has "
+                               "started later micro-batches, and would not replay its own routing",
+                               "drop --recompute-activations, or --pipeline-model-parallel-size 1",
+                               field="recompute_activations", value=True)
         return self
 
     def _rollout_routing_replay(self) -> "RunConfig":
@@ -382,12 +383,13 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise config_error("--use-rollout-routing-replay with --loss-type sft_loss: supervised data has no "
                                "rollout engine's routing to replay", "drop --use-rollout-routing-replay",
                                field="use_rollout_routing_replay", value=True)
-        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1:
+        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self.recompute_activations:
             raise config_error(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
-                               f"{self.pipeline_model_parallel_size}: the Megatron backend replays a micro-batch's "
-                               "routing between its forward and its backward, which the pipeline schedule interleaves",
-                               "--pipeline-model-parallel-size 1, or --train-backend torch",
-                               field="pipeline_model_parallel_size", value=self.pipeline_model_parallel_size)
+                               f"{self.pipeline_model_parallel_size} and --recompute-activations: the recomputed "
+                               "forward of a micro-batch runs in its backward, after the pipeline schedule has "
+                               "started later micro-batches, and would not replay its own routing",
+                               "drop --recompute-activations, or --pipeline-model-parallel-size 1",
+                               field="recompute_activations", value=True)
         return self
 
     @model_validator(mode="after")

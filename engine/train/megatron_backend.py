@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 from contextlib import contextmanager, nullcontext
@@ -40,7 +41,7 @@ from engine.train.forward import check_recompute_loss, recomputed_log_probs
 from engine.train.megatron_mapping import check_tp, padded_vocab, shape_from_hf_config
 from engine.train.megatron_model import Kernels, cuda_graphs_off_reason
 from engine.train.packed_logprobs import align_to_tokens, fused_log_probs, shift_targets, vocab_parallel_log_probs
-from engine.train.routing import Routes, rollout_indices
+from engine.train.routing import RouteLayout, Routes, rollout_indices
 from engine.train.optim import lr_lambda
 from engine.train.backend import step_hooks
 from engine.train.torch_backend import SUMMED, rng_state, set_rng_state
@@ -198,6 +199,8 @@ class MegatronBackend:
         # --use-routing-replay: megatron-core's RouterReplay of each router, in module order; the recorded routing
         # (--use-rollout-routing-replay: the engine's, carried by the micro-batches)
         self.replays = [m.router_replay for m in gpt.modules() if getattr(m, "router_replay", None) is not None]
+        # which of the model's MoE layers each of this pipeline stage's routers is (the engine's routing lists them all)
+        self.replay_rows = self._stage_moe_rows(gpt) if self.replays else []
         self.routes = Routes()
         self.rollout_routing = cfg.use_rollout_routing_replay
         if cfg.use_routing_replay and self.rank == 0:
@@ -323,8 +326,10 @@ class MegatronBackend:
              routing: str | None = None) -> list[dict[str, torch.Tensor]]:
         """Run `loss_fn(j, mb, log_probs [T], entropy [T]) -> (loss, {stats})` on every micro-batch; returns the
         stats dicts on the last pipeline stage ([] elsewhere). Gradients are finalised when not forward_only.
-        routing (--use-routing-replay, PP = 1): "record" each micro-batch's experts into self.routes, or "replay"
-        them (set before its forward; the no-pipelining schedule runs its backward, and any recompute, next)."""
+        routing (--use-routing-replay): "record" each micro-batch's experts into self.routes, or "replay" them; or
+        "rollout" (--use-rollout-routing-replay): the engine's. Set before each forward, on every pipeline stage
+        for its own routers; a recompute in the backward would replay them only without pipelining (the config
+        refuses PP > 1 with --recompute-activations)."""
         from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -416,6 +421,18 @@ class MegatronBackend:
 
         replay.get_replay_topk = get_replay_topk
 
+    def _stage_moe_rows(self, gpt) -> list[int]:
+        """This pipeline stage's routers (in module order), each as its index among the model's MoE layers."""
+        from engine.train.megatron_model import layer_offset
+
+        moe = RouteLayout.of_shape(self.shape).moe_layers
+        offset = layer_offset(self.config)
+        rows = []
+        for name, m in gpt.named_modules():
+            if getattr(m, "router_replay", None) is not None:
+                rows.append(moe.index(offset + int(re.match(r"decoder\.layers\.(\d+)\.", name).group(1))))
+        return rows
+
     def _route(self, routing: str, mb: MicroBatch, dev, run_tokens: int) -> None:
         """run_tokens: the micro-batch's tokens as the model runs them (with --sequence-parallel's padding). Under
         sequence parallelism each TP rank routes its 1/TP of them: it records, and replays, its own share (the
@@ -427,7 +444,11 @@ class MegatronBackend:
                 r.clear_indices()
                 r.set_router_replay_action(RouterReplayAction.RECORD)
             return
-        indices = rollout_indices(mb, len(self.replays)) if routing == "rollout" else self.routes.of(mb)
+        if routing == "rollout":  # the engine's routing of every MoE layer: this pipeline stage's
+            every = rollout_indices(mb, len(RouteLayout.of_shape(self.shape).moe_layers))
+            indices = None if every is None else [every[i] for i in self.replay_rows]
+        else:
+            indices = self.routes.of(mb)
         if indices is None:  # a micro-batch without the engine's routing (a probe's): it routes on its own
             for r in self.replays:
                 r.clear_indices()
@@ -644,10 +665,10 @@ class MegatronBackend:
             out.update({f"{k}_stepsum": v} if k.startswith("custom_") else {f"{k}_sum": v, f"{k}_count": tokens})
         if self.rollout_routing:
             diff = torch.tensor([float(x) for x in self._differing], device=dev)
-            if self.sp:  # each TP rank routed its share of the tokens
-                from megatron.core import parallel_state
+            if self.sp or self.pp > 1:  # each TP rank routed its share of the tokens (MoE under TP: sequence
+                from megatron.core import parallel_state  # parallel), each pipeline stage its own layers
 
-                dist.all_reduce(diff, group=parallel_state.get_tensor_model_parallel_group())
+                dist.all_reduce(diff, group=parallel_state.get_model_parallel_group())
             out["routing_replay_diff_sum"], out["routing_replay_diff_count"] = diff.tolist()
         if not self.reports_metrics:  # TP / PP peers of a replica report nothing, so sums count once
             out = {k: 0.0 for k in out}
