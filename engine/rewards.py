@@ -170,14 +170,83 @@ def f1_reward(response: str, label: Any) -> dict[str, float]:
     return {"score": 2 * p * r / (p + r), "precision": p, "recall": r}
 
 
-BUILTIN = {"exact_match": exact_match, "math": math_reward, "f1": f1_reward}
+def deepscaler_reward(response: str, label: Any) -> float:
+    """slime's deepscaler reward, for thinking models: only the text after the last </think> (else after
+    "###Response") counts, 0 without either; its last \\boxed{} against the label's answer (a boxed label's
+    content), graded as `math_reward` grades (MATH normalisation, then numeric / sympy equality); 0 without a
+    boxed answer or with an empty label."""
+    from engine.math_grader import label_answer, last_boxed, normalize
+
+    if "</think>" in response:
+        solution = response.rsplit("</think>", 1)[1]
+    elif "###Response" in response:
+        solution = response.split("###Response", 2)[1]
+    else:
+        return 0.0
+    answer = last_boxed(solution)
+    if answer is None or str(label).strip() == "":
+        return 0.0
+    got, want = normalize(answer), normalize(label_answer(label))
+    return float(got == want or math_equal(got, want))
+
+
+# DAPO's answer normalisation (verl's and slime's math_dapo, after Minerva's in lm-evaluation-harness)
+_DAPO_REPLACED = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                  (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_DAPO_DROPPED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+                 "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+                 "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+                 "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}",
+                 "\\;", ",\\!", "{,}", '"', "\\dots", "<|im_end|>", "<|endoftext|>")
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def dapo_normalize(answer: Any) -> str:
+    """A final answer as DAPO compares it: the part after the last "=", units and TeX spacing dropped, the
+    content of $…$, \\text{}, \\textbf{}, \\overline{}, \\boxed{} kept, \\fracab / \\sqrta braced, digit
+    groups' commas removed."""
+    s = str(answer).split("=")[-1]
+    for before, after in _DAPO_REPLACED:
+        s = s.replace(before, after)
+    for dropped in _DAPO_DROPPED:
+        s = s.replace(dropped, "")
+    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", s)
+    for command in ("text", "textbf", "overline"):
+        s = re.sub(r"(\\" + command + r"\{)(.*?)(\})", "\\2", s)
+    s = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", s)
+    s = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", s)
+    s = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def dapo_reward(response: str, label: Any) -> float:
+    """slime's dapo reward (DAPO's): the last "Answer: …" line within the response's last 300 characters,
+    normalised (`dapo_normalize`), against the label: 1.0 when equal, else -1.0. The label is compared as an
+    integer (DAPO-Math's answers all are), a label that is not a number as its normalised text."""
+    found = _DAPO_ANSWER.findall(str(response)[-300:])
+    got = dapo_normalize(found[-1]) if found else None
+    want = dapo_normalize(label)
+    try:
+        want = str(int(float(want)))
+    except ValueError:
+        pass
+    return 1.0 if got == want else -1.0
+
+
+BUILTIN = {"exact_match": exact_match, "math": math_reward, "f1": f1_reward, "deepscaler": deepscaler_reward,
+           "dapo": dapo_reward}
+#: the rewards slime's boxed_ prefix applies to (deepscaler and dapo find the answer in the whole response)
+BOXABLE = ("exact_match", "math", "f1")
 
 
 def rule_based(rm_type: str) -> Callable[[str, Any], Any] | None:
     """A built-in reward by name, slime's `boxed_` prefix included (`boxed_exact_match`, `boxed_f1`: the response's
     last \\boxed{…} graded, "" without one); None for a name that is none."""
     if rm_type.startswith("boxed_"):
-        inner = BUILTIN.get(rm_type[len("boxed_"):])
+        inner = BUILTIN.get(rm_type[len("boxed_"):]) if rm_type[len("boxed_"):] in BOXABLE else None
         if inner is None:
             return None
         from engine.math_grader import last_boxed
@@ -187,7 +256,7 @@ def rule_based(rm_type: str) -> Callable[[str, Any], Any] | None:
 
 
 #: every value a sample's metadata "rm_type" may take (with --rm-url: remote_rm too)
-SAMPLE_RM_TYPES = sorted([*BUILTIN, *(f"boxed_{k}" for k in BUILTIN)])
+SAMPLE_RM_TYPES = sorted([*BUILTIN, *(f"boxed_{k}" for k in BOXABLE)])
 
 
 # ---- custom functions ------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The built-in graders against slime's: `--rm-type math` (MATH normalisation), `--rm-type f1` (SQuAD / HotpotQA).
+"""The built-in graders against slime's: `--rm-type math` (MATH normalisation), `--rm-type f1` (SQuAD / HotpotQA),
+`--rm-type deepscaler` (slime/rollout/rm_hub/deepscaler.py) and `--rm-type dapo` (rm_hub/math_dapo_utils.py).
 
 Cases are slime's behaviour, read from its source: slime/rollout/rm_hub/math_utils.py (`grade_answer_verl`,
 `mathd_normalize_answer` / `_strip_string`: the comments there name \\frac12, ^\\circ, \\text{…}, " .5", "k = ", sqrt3,
@@ -11,7 +12,9 @@ from __future__ import annotations
 import pytest
 
 from engine.math_grader import label_answer, last_boxed, normalize
-from engine.rewards import f1_reward, math_reward, squad_normalize
+from engine.rewards import (RewardModel, dapo_normalize, dapo_reward, deepscaler_reward, f1_reward, math_reward,
+                            squad_normalize)
+from engine.samples import Sample
 
 # (response, label): slime scores 1 — and so does rollflow
 SLIME_EQUAL = [
@@ -84,3 +87,48 @@ def test_f1_yes_no_answers_score_only_when_they_match():
     assert f1_reward("Yes.", "yes")["score"] == 1.0
     assert f1_reward("yes it is", "yes")["score"] == 0.0  # HotpotQA: a yes/no label needs exactly yes/no
     assert f1_reward("", "the cat")["score"] == 0.0
+
+
+# ---- deepscaler, dapo -------------------------------------------------------------------------------------------
+def test_deepscaler_grades_the_boxed_answer_after_the_thinking_only():
+    """slime's get_deepscaler_rule_based_reward: the solution is what follows the last </think> (else the first
+    "###Response"); nothing without either, without a boxed answer there, or against an empty label."""
+    assert deepscaler_reward("<think>maybe \\boxed{3}</think>so \\boxed{\\frac12}", "0.5") == 1.0
+    assert deepscaler_reward("<think>\\boxed{4}</think>so \\boxed{3}", "4") == 0.0  # the thinking's box is not it
+    assert deepscaler_reward("\\boxed{4}", "4") == 0.0  # no </think>: nothing to grade
+    assert deepscaler_reward("###Response the answer is \\boxed{4}", "4") == 1.0
+    assert deepscaler_reward("<think>x</think>it is 4", "4") == 0.0  # no boxed answer (math would read "4")
+    assert deepscaler_reward("<think>x</think>\\boxed{7}", "\\boxed{7}") == 1.0  # a boxed label's content
+    assert deepscaler_reward("<think>x</think>\\boxed{7}", "") == 0.0
+
+
+def test_dapo_reads_the_last_answer_line_and_scores_plus_or_minus_one():
+    """DAPO's compute_score: the last "Answer: …" in the response's last 300 characters, normalised, against the
+    integer label; 1.0 or -1.0."""
+    assert dapo_reward("Let me think.\nAnswer: 34", "34") == 1.0
+    assert dapo_reward("Answer: 12\nno wait\nAnswer: 34", 34) == 1.0  # the last one; an int label
+    assert dapo_reward("Answer: 35", "34") == -1.0
+    assert dapo_reward("the answer is 34", "34") == -1.0  # no "Answer:" line
+    assert dapo_reward("Answer: 34" + "." * 300, "34") == -1.0  # outside the last 300 characters
+    assert dapo_reward("answer:  $1{,}000$ dollars", "1000") == 1.0  # case, $…$, {,}, units
+    assert dapo_reward("Answer: x = 5", "5.0") == 1.0  # after the last "=", the label as an integer
+    assert dapo_normalize("\\text{(A)}") == "(A)" and dapo_normalize("\\frac12") == "\\frac{1}{2}"
+    assert dapo_reward("Answer: \\frac{1}{2}", "\\frac12") == 1.0  # a label that is no number: its text
+
+
+def test_the_new_rm_types_score_through_the_reward_model_and_a_rows_metadata():
+    """--rm-type deepscaler / dapo reach the reward model, and a row's metadata may name them (slime's
+    per-sample rm_type); boxed_ does not apply to them."""
+    from engine.rewards import SAMPLE_RM_TYPES, rule_based
+
+    def scored(rm_type, response, label, metadata=None):
+        s = Sample(index=0, group_index=0, rollout_id=0, prompt="q", response=response, label=label,
+                   metadata=metadata or {})
+        RewardModel(rm_type, None).score_group([s])
+        return s.reward
+
+    assert scored("deepscaler", "<think>…</think>\\boxed{9}", "9") == 1.0
+    assert scored("dapo", "Answer: 9", "9") == 1.0 and scored("dapo", "Answer: 8", "9") == -1.0
+    assert scored("exact_match", "Answer: 9", "9", {"rm_type": "dapo"}) == 1.0
+    assert {"deepscaler", "dapo"} <= set(SAMPLE_RM_TYPES) and "boxed_dapo" not in SAMPLE_RM_TYPES
+    assert rule_based("boxed_deepscaler") is None

@@ -150,9 +150,9 @@ class DataArgs(Section):
     rollout_shuffle: bool = False
     """Shuffle prompts every epoch (seeded by --seed)."""
 
-    rm_type: Optional[Literal["exact_match", "math", "f1", "boxed_exact_match", "boxed_f1",
+    rm_type: Optional[Literal["exact_match", "math", "f1", "deepscaler", "dapo", "boxed_exact_match", "boxed_f1",
                               "remote_rm"]] = "exact_match"
-    """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number vs the label, slime's MATH normalisation, then numeric / sympy-equivalent), f1 (SQuAD-normalised token F1, with precision and recall), boxed_exact_match / boxed_f1 (slime's boxed_ prefix: the response's last \\boxed{} graded, "" without one), remote_rm (a reward service at --rm-url, slime's). As in slime, a row's metadata (--metadata-key) may name its own, e.g. "rm_type": "math"; preflight checks the names."""
+    """Built-in reward: exact_match (stripped text == label), math (final \\boxed{} or last number vs the label, slime's MATH normalisation, then numeric / sympy-equivalent), f1 (SQuAD-normalised token F1, with precision and recall), deepscaler (slime's, for thinking models: the last \\boxed{} after the last </think>, else after "###Response", graded as math; 0 without them), dapo (slime's DAPO reward: the last "Answer: …" line of the response's last 300 characters against the integer label after DAPO's normalisation, 1 or -1), boxed_exact_match / boxed_f1 (slime's boxed_ prefix: the response's last \\boxed{} graded, "" without one), remote_rm (a reward service at --rm-url, slime's). As in slime, a row's metadata (--metadata-key) may name its own, e.g. "rm_type": "math"; preflight checks the names."""
 
     rm_url: Optional[str] = None
     """--rm-type remote_rm: the reward service's URL (http or https). Each sample is POSTed as slime sends it, JSON {"prompt", "response", "label"}, and the reply's JSON is its reward: a number, or a dict of numbers (its "score" is the reward, the others are logged). A connection error, a 429 or a 5xx is retried 4 times with backoff (~15 s in all); another 4xx, or no answer after that, fails the sample (FAILED, reason in its metadata; a rollout where every sample failed is retried). The samples of a group are sent at once."""
