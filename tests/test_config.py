@@ -6,6 +6,7 @@ import pytest
 from engine.config import RunConfig
 from engine.config.cli import build_parser, flag, parse_args
 from engine.doctor import ConfigError
+from conftest import BUNDLED_TRAIN
 
 
 def test_flags_map_to_fields_and_override_yaml(tmp_path):
@@ -58,6 +59,60 @@ def test_unknown_yaml_key_suggests_the_nearest(tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_args(["--config", str(f)])
     assert "n_sample_per_prompt" in str(e.value) and "n_samples_per_prompt" in str(e.value)
+
+
+#: slime's scripts/run-qwen3-30B-A3B.sh (THUDM/slime), its flags as they are, and MODEL_ARGS of the kind its
+#: scripts/models/*.sh hold (Megatron-LM's architecture flags)
+SLIME_QWEN3_30B_A3B = """
+--num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --swiglu --disable-bias-linear --qk-layernorm
+--group-query-attention --num-attention-heads 32 --num-query-groups 4 --kv-channels 128 --normalization RMSNorm
+--norm-epsilon 1e-6 --position-embedding-type rope --rotary-percent 1.0 --rotary-base 1000000 --vocab-size 151936
+--untie-embeddings-and-output-weights --num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8
+--moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-score-function softmax --moe-aux-loss-coeff 0
+--hf-checkpoint HF --ref-load /root/Qwen3-30B-A3B_torch_dist
+--prompt-data DATA --input-key prompt --label-key label --apply-chat-template --rollout-shuffle --rm-type deepscaler
+--num-rollout 3000 --rollout-batch-size 8 --n-samples-per-prompt 4 --rollout-max-response-len 8192
+--rollout-temperature 0.8 --global-batch-size 32 --balance-data
+--eval-prompt-data aime DATA --n-samples-per-eval-prompt 16 --eval-max-response-len 16384 --eval-top-p 0.7
+--tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 1 --context-parallel-size 1
+--expert-model-parallel-size 8 --expert-tensor-parallel-size 1
+--recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+--use-dynamic-batch-size --max-tokens-per-gpu 20480
+--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --entropy-coef 0.00
+--eps-clip 0.2 --eps-clip-high 0.28 --use-tis --tis-level geometric
+--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
+--rollout-num-gpus-per-engine 8 --sglang-mem-fraction-static 0.7 --sglang-cuda-graph-bs 1 2 4 8 16 24 32
+--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
+--attention-backend flash --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate --train-backend megatron
+"""
+
+
+def test_a_slime_moe_script_ported_as_it_is_gets_a_reason_and_a_fix_for_every_flag_rollflow_lacks(tiny_model):
+    """slime's canonical Qwen3-30B-A3B script, its Megatron-LM flags included: no flag is merely "unknown"; each
+    one rollflow lacks is named with why and what to do (its architecture flags: config.json), and the script with
+    those dropped parses with SGLang engines (--rm-type deepscaler, --sequence-parallel and the rest are
+    rollflow's)."""
+    from engine.config.slime_flags import not_taken
+
+    argv = SLIME_QWEN3_30B_A3B.replace("HF", tiny_model).replace("DATA", BUNDLED_TRAIN).split()
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    what = [d.what for d in e.value.diagnoses]
+    assert not [w for w in what if w.startswith("unknown flag")], what
+    named = [w.split(" is slime's flag")[0] for w in what]
+    assert "--num-layers" in named and "--recompute-granularity" in named and "--tis-level" in named
+    assert all(d.fix for d in e.value.diagnoses)
+    kept, skip = [], False
+    for a in argv:  # the script less every flag rollflow names (and their values)
+        if a.startswith("--"):
+            skip = not_taken(a) is not None
+        if not skip:
+            kept.append(a)
+    # (on this CPU machine: SGLang on GPUs of its own, synced over NCCL, slime's other layout)
+    cfg = parse_args([a for a in kept if a != "--colocate"] + ["--rollout-engine", "sglang", "--weight-sync-method",
+                                                               "distributed"])
+    assert (cfg.rm_type, cfg.sequence_parallel, cfg.tensor_model_parallel_size) == ("deepscaler", True, 4)
 
 
 def test_slimes_flags_that_rollflow_does_not_take_are_named_with_the_reason_and_the_replacement(tmp_path):

@@ -16,6 +16,40 @@ _DELTA = ("rollflow syncs full weights: in memory (--weight-sync-method tensor),
 _BUFFER = ("slime's external rollout buffer service is not part of rollflow: a --rollout-function-path hook makes "
            "the rollout, from any source it likes")
 
+_ARCH = ("the model's architecture comes from --hf-checkpoint's config.json: the Megatron backend maps it into "
+         "megatron-core's GPTModel itself (engine/train/megatron_mapping.py; an architecture it cannot map is a MODEL "
+         "error of the preflight), with its tokenizer and vocabulary padding")
+#: Megatron-LM's architecture flags of slime's scripts/models/*.sh (MODEL_ARGS)
+_ARCH_FLAGS = (
+    "spec", "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
+    "num-query-groups", "kv-channels", "swiglu", "disable-bias-linear", "add-qkv-bias", "qk-layernorm",
+    "normalization", "norm-epsilon", "apply-layernorm-1p", "position-embedding-type", "use-rotary-position-embeddings",
+    "rotary-base", "rotary-percent", "use-rope-scaling", "rope-scaling-factor", "untie-embeddings-and-output-weights",
+    "vocab-size", "make-vocab-size-divisible-by", "max-position-embeddings", "seq-length", "tokenizer-type",
+    "tokenizer-model", "num-experts", "moe-ffn-hidden-size", "moe-router-topk", "moe-layer-freq",
+    "moe-shared-expert-intermediate-size", "moe-shared-expert-gate", "moe-router-score-function",
+    "moe-router-pre-softmax", "moe-router-topk-scaling-factor", "moe-router-num-groups", "moe-router-group-topk",
+    "moe-router-enable-expert-bias", "moe-router-bias-update-rate", "use-gated-attention", "attention-output-gate",
+    "multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim")
+_KERNELS = ("the Megatron backend chooses its layers and kernels itself: Transformer Engine's when installed, else "
+            "megatron-core's local layers with PyTorch's flash attention over packed samples, its fused kernels "
+            "each leaving the math unchanged, experts as a SequentialMLP with the alltoall dispatcher (docs/gpu.md)")
+#: Megatron-LM's kernel and implementation switches of slime's scripts (PERF_ARGS, MISC_ARGS)
+_KERNEL_FLAGS = ("transformer-impl", "attention-backend", "use-flash-attn", "use-mcore-models",
+                 "no-masked-softmax-fusion", "no-rope-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
+                 "no-bias-gelu-fusion", "no-gradient-accumulation-fusion", "moe-grouped-gemm", "moe-permute-fusion")
+_OVERLAP = ("the Megatron backend reduces gradients and gathers parameters after the backward pass, not overlapped "
+            "with it")
+_DROPOUT = "rollflow trains without dropout (slime's scripts set it to 0.0 too)"
+_RECOMPUTE = ("rollflow recomputes every decoder layer whole: --recompute-activations is slime's --recompute-granularity "
+              "full --recompute-method uniform --recompute-num-layers 1; selective and block recompute are not built in")
+_CPU_ADAM = ("Megatron's CPU optimizer (HybridDeviceOptimizer) is not wired into rollflow's Megatron backend, whose "
+             "Adam state stays on the GPUs, sharded over the data-parallel ranks; the torch backend's --offload-train "
+             "moves its weights, gradients and Adam's moments to the host while the engines generate")
+_CPU_ADAM_FIX = "drop it (more data-parallel GPUs shard Adam's state thinner)"
+_NO_AUX = ("rollflow's Megatron backend trains a mixture of experts without the load-balancing loss (an RL step "
+           "trains the policy's loss only)")
+
 #: flag (without --) → (why rollflow does not take it, what to do instead)
 NOT_TAKEN: dict[str, tuple[str, str]] = {
     "ci-test": (_CI, "drop it (the checks are always on)"),
@@ -88,6 +122,40 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
                                     "under --tensor-model-parallel-size with --sequence-parallel",
                                     "drop it (slime's usual 1 is what rollflow does)"),
     "qwen-gdn-backend": ("rollflow's backends have no linear-attention (Gated DeltaNet) layers", "drop it"),
+    # Megatron-LM's flags, which slime passes through (its scripts' MODEL_ARGS, PERF_ARGS, OPTIMIZER_ARGS, MISC_ARGS)
+    **{flag: (_ARCH, "drop it (slime's MODEL_ARGS, scripts/models/*.sh, are not needed)") for flag in _ARCH_FLAGS},
+    **{flag: (_KERNELS, "drop it") for flag in _KERNEL_FLAGS},
+    "use-distributed-optimizer": ("the Megatron backend always runs megatron-core's distributed optimizer (ZeRO-1: "
+                                  "Adam's state sharded over the data-parallel ranks)", "drop it"),
+    "overlap-grad-reduce": (_OVERLAP, "drop it"),
+    "overlap-param-gather": (_OVERLAP, "drop it"),
+    "accumulate-allreduce-grads-in-fp32": ("the Megatron backend always accumulates and reduces gradients in fp32 "
+                                           "(main grads, grad_reduce_in_fp32)", "drop it"),
+    "attention-softmax-in-fp32": ("the attention kernels (PyTorch's flash SDPA, or Transformer Engine's) compute "
+                                  "the softmax in fp32", "drop it"),
+    "attention-dropout": (_DROPOUT, "drop it"),
+    "hidden-dropout": (_DROPOUT, "drop it"),
+    "recompute-granularity": (_RECOMPUTE, "--recompute-activations"),
+    "recompute-method": (_RECOMPUTE, "--recompute-activations"),
+    "recompute-num-layers": (_RECOMPUTE, "--recompute-activations"),
+    "optimizer": ("rollflow trains with AdamW (Megatron's adam: decoupled weight decay, --adam-beta1/2, "
+                  "--weight-decay); there is no other optimizer", "drop it (--optimizer adam is what rollflow does)"),
+    "optimizer-cpu-offload": (_CPU_ADAM, _CPU_ADAM_FIX),
+    "optimizer-offload-fraction": (_CPU_ADAM, _CPU_ADAM_FIX),
+    "overlap-cpu-optimizer-d2h-h2d": (_CPU_ADAM, _CPU_ADAM_FIX),
+    "use-precision-aware-optimizer": (_CPU_ADAM + "; Adam's moments stay in fp32", "drop it"),
+    "moe-aux-loss-coeff": (_NO_AUX, "drop it"),
+    "moe-router-load-balancing-type": (_NO_AUX, "drop it"),
+    "moe-token-drop-policy": ("rollflow's mixtures of experts drop no token (no expert capacity)", "drop it"),
+    "moe-expert-capacity-factor": ("rollflow's mixtures of experts drop no token (no expert capacity)", "drop it"),
+    "moe-router-dtype": ("the router computes in the parameters' dtype (megatron-core's default); an fp32 router "
+                         "is not wired into rollflow's Megatron backend", "drop it"),
+    "ckpt-format": ("the Megatron backend's checkpoints are megatron-core's dist_checkpointing (torch_dist) in "
+                    "rollflow's iter_%07d layout", "drop it"),
+    "log-interval": ("every rollout's metrics are logged (the log, MLflow, Prefect's artifacts)", "drop it"),
+    "tis-level": ("rollflow's --use-tis weighs each token by its own ratio (slime's token level); sequence and "
+                  "geometric levels are not built in", "drop it for the token level, or a --custom-tis-function-path "
+                  "that computes the weights per sample (e.g. slime's examples/train_infer_mismatch_helper)"),
 }
 
 
