@@ -262,6 +262,7 @@ FLAG_TESTS = {
     "mis_high": "test_async.py::test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step",
     "tis_clip": "test_objective.py::test_policy_objective_closed_form_with_every_term",
     "tis_clip_low": "test_flag_wiring.py::test_tis_clip_low_bounds_the_importance_weight_from_below",
+    "tis_level": "test_flag_wiring.py::test_tis_level_reaches_the_policy_objective",
     "calculate_per_token_loss": "test_train_backend.py::test_per_token_loss_needs_and_uses_the_global_token_count",
     "gamma": "test_advantages.py::test_gae_closed_form",
     "lambd": "test_advantages.py::test_gae_closed_form",

@@ -6,6 +6,7 @@ lists, for every flag, the test that shows its effect.
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -313,6 +314,29 @@ def test_tis_clip_low_bounds_the_importance_weight_from_below():
     # the PPO loss per token is −ρA = −1, so the sample's token mean is −w
     assert float(loss()) == pytest.approx(-0.3679, abs=1e-4)
     assert float(loss(tis_clip_low=0.5)) == pytest.approx(-0.5)
+
+
+def test_tis_level_reaches_the_policy_objective():
+    """--tis-level sequence / geometric: the sample's trained tokens' log-ratios (-1 and -2 here) summed or averaged,
+    one weight for the sample; the PPO loss per token is −ρA = −1, so the sample's token mean is −w."""
+    from engine.algorithms import LossSpec, policy_objective
+
+    def loss(**over):
+        spec = LossSpec.of(RunConfig(use_tis=True, tis_clip=2.0, **over))
+        lp = torch.tensor([0.0, -1.0, -2.0])
+        return policy_objective(spec, log_probs=lp, entropy=torch.zeros(3), old_log_probs=lp, ref_log_probs=None,
+                                rollout_log_probs=torch.zeros(3), advantages=torch.ones(3),
+                                loss_mask=torch.tensor([0.0, 1.0, 1.0]), cu_seqlens=torch.tensor([0, 3]),
+                                denominator=1.0)[0]
+    assert float(loss()) == pytest.approx(-(math.exp(-1) + math.exp(-2)) / 2, abs=1e-5)  # token level
+    assert float(loss(tis_level="sequence")) == pytest.approx(-math.exp(-3), abs=1e-5)
+    assert float(loss(tis_level="geometric")) == pytest.approx(-math.exp(-1.5), abs=1e-5)
+    for wrong, words in ((dict(tis_level="sequence", use_tis=False), "without --use-tis"),
+                         (dict(tis_level="geometric", custom_tis_function_path="examples/hooks.py:icepop"),
+                          "computes its own weights")):
+        with pytest.raises(ConfigError) as e:
+            RunConfig(**{"use_tis": True, **wrong})
+        assert e.value.diagnoses[0].facts["field"] == "tis_level" and words in e.value.diagnoses[0].what
 
 
 def test_optimizer_flags():

@@ -107,6 +107,22 @@ def test_tis_weights_are_clamped_ratios():
     torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 1.0]))
 
 
+def test_tis_weights_at_the_sequence_and_geometric_levels():
+    """slime's --tis-level: sample 0 (tokens 0–2, token 0 untrained) has log-ratios 0.3 and -0.1 on its trained
+    tokens, sample 1 (tokens 3–4) 0.5 and 0.7. sequence: e^(0.2), e^(1.2) → clamped to 2.0; geometric: e^(0.1),
+    e^(0.6); every token of a sample gets its sample's weight (also the untrained one, which no loss sees)."""
+    old = torch.tensor([9.0, 0.3, -0.1, 0.5, 0.7])  # (token 0: 9, outside the mask, counts in no sum)
+    rollout = torch.zeros(5)
+    mask, cu = torch.tensor([0.0, 1, 1, 1, 1]), torch.tensor([0, 3, 5])
+    w, clipped = tis_weights(old, rollout, low=0.0, high=2.0, level="sequence", mask=mask, cu_seqlens=cu)
+    torch.testing.assert_close(w, torch.tensor([math.exp(0.2)] * 3 + [2.0] * 2))
+    torch.testing.assert_close(clipped, torch.tensor([0.0, 0, 0, 1, 1]))
+    w, _ = tis_weights(old, rollout, low=0.0, high=2.0, level="geometric", mask=mask, cu_seqlens=cu)
+    torch.testing.assert_close(w, torch.tensor([math.exp(0.1)] * 3 + [math.exp(0.6)] * 2))
+    w, _ = tis_weights(old, rollout, low=0.0, high=2.0)  # token level: each its own, clamped
+    torch.testing.assert_close(w, torch.tensor([2.0, math.exp(0.3), math.exp(-0.1), math.exp(0.5), 2.0]))
+
+
 def test_value_loss_clipping():
     # V_old = 0, R = 1, c = 0.2
     # V = 0.5: clipped V = 0.2 → (0.2 − 1)² = 0.64 vs (0.5 − 1)² = 0.25 → max 0.64 (clipped branch)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.algorithms.packed import per_sample_mean, segment_ids
+from engine.algorithms.packed import per_sample_mean, sample_sums, segment_ids
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -95,13 +95,24 @@ def cispo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
 
 
 def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, *, low: float = 0.0,
-                high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling against the engine: w = clamp(exp(log π_old,train − log π_rollout), low, high).
+                high: float = 2.0, level: str = "token", mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling against the engine: w = clamp(exp(d), low, high) with d the log-ratio
+    log π_old,train − log π_rollout of each token (level "token"), or over each sample's trained tokens (`mask`,
+    samples by `cu_seqlens`): its sum ("sequence": the ratio of the sequences' probabilities) or its mean
+    ("geometric": their geometric mean), given to every token of the sample.
 
     Both inputs are constants, so w carries no gradient; the policy loss is multiplied by it token by token.
     Returns (w [T], clipped [T]).
     """
-    w = torch.exp(old_log_probs.float() - rollout_log_probs.float())  # [T]
+    d = old_log_probs.float() - rollout_log_probs.float()  # [T]
+    if level != "token":
+        m = mask.float()
+        per = per_sample_mean(d, m, cu_seqlens)  # [S]
+        if level == "sequence":
+            per = per * sample_sums(m, cu_seqlens)
+        d = per[segment_ids(cu_seqlens)]
+    w = torch.exp(d)
     clamped = w.clamp(low, high)
     return clamped, (clamped != w).float()
 

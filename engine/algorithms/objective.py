@@ -39,6 +39,7 @@ class LossSpec:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    tis_level: str = "token"  # --tis-level
     mismatch_metrics: bool = False  # --get-mismatch-metrics: the custom TIS function runs without --use-tis
     use_opsm: bool = False
     opsm_delta: float = 1e-4
@@ -54,7 +55,7 @@ class LossSpec:
                    eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
                    use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
                    unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip,
-                   tis_clip_low=cfg.tis_clip_low, mismatch_metrics=cfg.get_mismatch_metrics,
+                   tis_clip_low=cfg.tis_clip_low, tis_level=cfg.tis_level, mismatch_metrics=cfg.get_mismatch_metrics,
                    use_opsm=cfg.use_opsm, opsm_delta=cfg.opsm_delta,
                    per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip,
                    advantages=not cfg.disable_compute_advantages_and_returns)
@@ -133,7 +134,8 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
         stats.update(tis_stats)
         pg_mask = pg_mask * m  # never a token the loss mask leaves out
     elif spec.use_tis:
-        w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip)
+        w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip,
+                                     level=spec.tis_level, mask=m, cu_seqlens=cu_seqlens)
         pg = pg * w  # [T]
         stats["tis_clipfrac"] = (tis_clipped * m).sum()
     if ref_log_probs is None:

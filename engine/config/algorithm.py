@@ -108,6 +108,9 @@ class AlgorithmArgs(Section):
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the TIS weight (with --use-tis, or a --custom-tis-function-path, which may read it)."""
 
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    """What --use-tis's ratio π_train_old / π_rollout is taken over (slime's flag): token (each token its own), sequence (the product over the sample's trained tokens: exp of the summed log-ratio) or geometric (its geometric mean: exp of the mean log-ratio); sequence and geometric weigh every token of a sample alike. The weight is clamped to [--tis-clip-low, --tis-clip] after. Needs --use-tis (a --custom-tis-function-path computes its own weights)."""
+
     get_mismatch_metrics: bool = False
     """Call --custom-tis-function-path on every micro-batch even without --use-tis, for its train–inference mismatch metrics (slime's flag; the function decides what it does to the loss, e.g. slime's MIS helper returns it unchanged when args.use_tis is off). Needs --custom-tis-function-path."""
 
@@ -264,6 +267,12 @@ class AlgorithmArgs(Section):
         if self.use_opsm and self.loss_type != "policy_loss":
             raise err(f"--use-opsm masks the policy loss, which --loss-type {self.loss_type} does not compute",
                       "--loss-type policy_loss, or drop --use-opsm", field="use_opsm", value=True)
+        if self.tis_level != "token" and (not self.use_tis or self.custom_tis_function_path):
+            raise err(f"--tis-level {self.tis_level} sets what --use-tis's built-in weight is taken over: " + (
+                "--custom-tis-function-path computes its own weights" if self.custom_tis_function_path
+                else "without --use-tis there is none") + ", so it would do nothing",
+                "drop --tis-level" + ("" if self.custom_tis_function_path else ", or add --use-tis"),
+                field="tis_level", value=self.tis_level)
         if self.mis_low >= self.mis_high:
             raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
                       "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)

@@ -153,9 +153,6 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "ckpt-format": ("the Megatron backend's checkpoints are megatron-core's dist_checkpointing (torch_dist) in "
                     "rollflow's iter_%07d layout", "drop it"),
     "log-interval": ("every rollout's metrics are logged (the log, MLflow, Prefect's artifacts)", "drop it"),
-    "tis-level": ("rollflow's --use-tis weighs each token by its own ratio (slime's token level); sequence and "
-                  "geometric levels are not built in", "drop it for the token level, or a --custom-tis-function-path "
-                  "that computes the weights per sample (e.g. slime's examples/train_infer_mismatch_helper)"),
 }
 
 
