@@ -101,7 +101,8 @@ def test_a_slime_moe_script_ported_as_it_is_gets_a_reason_and_a_fix_for_every_fl
     what = [d.what for d in e.value.diagnoses]
     assert not [w for w in what if w.startswith("unknown flag")], what
     named = [w.split(" is slime's flag")[0] for w in what]
-    assert "--num-layers" in named and "--recompute-granularity" in named and "--tis-level" not in named
+    assert "--num-layers" in named and "--optimizer" in named
+    assert "--recompute-granularity" not in named and "--tis-level" not in named  # (rollflow's flags)
     assert all(d.fix for d in e.value.diagnoses)
     kept, skip = [], False
     for a in argv:  # the script less every flag rollflow names (and their values)
@@ -112,8 +113,8 @@ def test_a_slime_moe_script_ported_as_it_is_gets_a_reason_and_a_fix_for_every_fl
     # (on this CPU machine: SGLang on GPUs of its own, synced over NCCL, slime's other layout)
     cfg = parse_args([a for a in kept if a != "--colocate"] + ["--rollout-engine", "sglang", "--weight-sync-method",
                                                                "distributed"])
-    assert (cfg.rm_type, cfg.sequence_parallel, cfg.tensor_model_parallel_size, cfg.tis_level) == \
-        ("deepscaler", True, 4, "geometric")
+    assert (cfg.rm_type, cfg.sequence_parallel, cfg.tensor_model_parallel_size, cfg.tis_level, cfg.recompute) == \
+        ("deepscaler", True, 4, "geometric", ("full", "uniform", 1))
 
 
 def test_slimes_flags_that_rollflow_does_not_take_are_named_with_the_reason_and_the_replacement(tmp_path):

@@ -167,6 +167,12 @@ FLAG_TESTS = {
         "test_train_backend.py::test_train_share_prefix_runs_each_prompt_once_and_takes_the_same_step",
     "recompute_activations":
         "test_train_backend.py::test_recompute_activations_reruns_each_layer_in_the_backward_and_changes_nothing",
+    "recompute_granularity":
+        "test_megatron_cpu_backend.py::test_slimes_recompute_settings_recompute_what_they_name_and_change_no_number",
+    "recompute_method":
+        "test_megatron_cpu_backend.py::test_slimes_recompute_settings_recompute_what_they_name_and_change_no_number",
+    "recompute_num_layers":
+        "test_megatron_cpu_backend.py::test_slimes_recompute_settings_recompute_what_they_name_and_change_no_number",
     "offload_train": "test_gpu_flow.py::test_bf16_recompute_and_offload_on_cuda",  # GPU only (preflight: CPU refused)
     "global_batch_size": "test_doctor.py::test_rf06_inconsistent_batch_sizes_with_working_values",
     "num_steps_per_rollout": "test_config.py::test_derived_numbers_are_computed_once",

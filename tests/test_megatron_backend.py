@@ -150,6 +150,35 @@ def test_a_fully_reshardable_optimizer_state_resumes_in_any_layout(small_cfg):
         assert d.facts["field"] == field and words in d.what, d
 
 
+def test_slimes_recompute_flags_are_checked(small_cfg):
+    """--recompute-granularity / --recompute-method / --recompute-num-layers (megatron backend; the CPU harness runs
+    them: tests/test_megatron_cpu_backend.py): each combination Megatron cannot take is a CONFIG error naming the
+    field; --recompute-activations is the full, uniform, 1-layer case; full recompute (not selective) with pipeline
+    parallelism is refused with the routing replays."""
+    mg = dict(train_backend="megatron")
+    assert small_cfg(recompute_activations=True, **mg).recompute == ("full", "uniform", 1)
+    assert small_cfg(recompute_granularity="selective", **mg).recompute == ("selective", None, None)
+    assert small_cfg(**mg).recompute is None
+    for wrong, field, words in (
+            (dict(recompute_granularity="selective"), "recompute_granularity", "--train-backend torch"),
+            (dict(recompute_method="block", **mg), "recompute_method", "without --recompute-granularity"),
+            (dict(recompute_granularity="full", recompute_method="block", **mg), "recompute_granularity",
+             "needs --recompute-method"),
+            (dict(recompute_granularity="selective", recompute_num_layers=2, **mg), "recompute_granularity",
+             "would do nothing"),
+            (dict(recompute_activations=True, recompute_granularity="selective", **mg), "recompute_granularity",
+             "already"),
+            (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                  use_rollout_routing_replay=True, pipeline_model_parallel_size=2, actor_num_gpus_per_node=2, **mg),
+             "recompute_granularity", "--recompute-granularity full")):
+        with pytest.raises(ConfigError) as e:
+            small_cfg(**wrong)
+        (d,) = e.value.diagnoses
+        assert d.facts["field"] == field and words in d.what, d
+    small_cfg(recompute_granularity="selective", use_rollout_routing_replay=True, pipeline_model_parallel_size=2,
+              actor_num_gpus_per_node=2, **mg)
+
+
 def test_dp_size_counts_replicas_not_gpus(small_cfg):
     cfg = small_cfg(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=8)
     assert (cfg.train_world_size, cfg.dp_size) == (8, 4)

@@ -22,6 +22,7 @@ experts, --use-routing-replay, --use-rollout-routing-replay, slime's loss types 
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -372,6 +373,62 @@ def test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing(tmp_p
         mine, sent = tb.engine_state(), out[0]["state"]
         assert set(sent) == set(mine)
         assert max(float((sent[k].float() - mine[k].float()).abs().max()) for k in mine) < 1e-4, name
+
+
+def _recompute_rank(rank: int, tmp: str, out: dict) -> None:
+    """One rank: two GRPO steps without recompute and with each of slime's recompute settings, counting how often
+    layer 0 and its core attention run."""
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=rendezvous(Path(tmp), "rendezvous-recompute"), rank=0, world_size=1)
+    _cpu_megatron()
+    from test_megatron_backend import _micro_batches, _tiny_qwen2
+
+    from engine.config import RunConfig
+    from engine.train.megatron_backend import MegatronBackend
+    from engine.train.megatron_model import Kernels
+
+    hf = _tiny_qwen2(Path(tmp) / "hf")
+    mbs = _micro_batches()
+    for name, flags in (("none", {}), ("activations", {"recompute_activations": True}),
+                        ("block", {"recompute_granularity": "full", "recompute_method": "block",
+                                   "recompute_num_layers": 1}),
+                        ("selective", {"recompute_granularity": "selective"})):
+        cfg = RunConfig(hf_checkpoint=hf, train_backend="megatron", lr=1e-3, rollout_batch_size=4,
+                        n_samples_per_prompt=4, micro_batch_size=2, work_dir=tmp, **flags)
+        b = MegatronBackend(cfg, rank=0, world_size=1, params_dtype="float32", kernels=dataclasses.replace(
+            Kernels.of(cfg), fused_log_probs=False, fused_swiglu=False, fused_adam=False, wgrad_fusion=False,
+            cuda_graphs=False))
+        runs = {"layer0": 0, "layer1": 0, "attention0": 0}
+        layers = b.gpt.decoder.layers
+        for key, module in (("layer0", layers[0]), ("layer1", layers[1]),
+                            ("attention0", layers[0].self_attention.core_attention)):
+            module.register_forward_hook(lambda *_, key=key: runs.__setitem__(key, runs[key] + 1))
+        old = b.compute_log_probs(mbs)
+        forward_only = dict(runs)
+        steps = [b.train_step(mbs, old, old, 8) for _ in range(2)]
+        out[name] = {"steps": [(m["loss_total"], m["grad_norm"]) for m in steps],
+                     "runs": {k: runs[k] - forward_only[k] for k in runs}}
+    dist.destroy_process_group()
+
+
+def test_slimes_recompute_settings_recompute_what_they_name_and_change_no_number(tmp_path):
+    """--recompute-activations (full, uniform, 1 layer), --recompute-granularity full --recompute-method block
+    --recompute-num-layers 1 (the first layer only) and --recompute-granularity selective (the core attention only):
+    two GRPO steps give the losses and grad norms of the run without recompute, and in the steps the recomputed
+    modules run twice per micro-batch (forward, then again in the backward), the others once."""
+    out = mp.Manager().dict()
+    mp.spawn(_recompute_rank, args=(str(tmp_path), out), nprocs=1)
+    base = out["none"]
+    n = base["runs"]["layer0"]  # one forward per micro-batch and step
+    assert n > 0 and base["runs"] == {"layer0": n, "layer1": n, "attention0": n}
+    assert out["activations"]["runs"] == {"layer0": 2 * n, "layer1": 2 * n, "attention0": 2 * n}
+    assert out["block"]["runs"] == {"layer0": 2 * n, "layer1": n, "attention0": 2 * n}
+    assert out["selective"]["runs"] == {"layer0": n, "layer1": n, "attention0": 2 * n}
+    for name in ("activations", "block", "selective"):
+        for (loss, gn), (loss0, gn0) in zip(out[name]["steps"], base["steps"]):
+            assert abs(loss - loss0) < 1e-6 and abs(gn - gn0) < 1e-6 * max(1.0, gn0), (name, loss, loss0, gn, gn0)
 
 
 #: tests/test_megatron_backend.py's GPU tests that run unchanged on this harness (fp32, one rank), with the family

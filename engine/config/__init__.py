@@ -55,7 +55,8 @@ NON_SEMANTIC = {"summary_json", "progress", "debug", "run_name", "work_dir", "ml
                 "ray_code", "save", "load", "experiment_name", "num_cpus", "train_threads", "mlflow_timeout",
                 "mlflow_retry_interval", "mlflow_send_interval", "log_samples_interval", "system_metrics_interval",
                 "placement_timeout", "placement_retries", "placement_retry_delay", "rollout_retries", "flow_retries", "flow_retry_delay",
-                "megatron_cuda_graphs", "offload_train", "recompute_activations",
+                "megatron_cuda_graphs", "offload_train", "recompute_activations", "recompute_granularity",
+                "recompute_method", "recompute_num_layers",
                 "recompute_loss_function", "train_share_prefix",
                 "log_probs_chunk_size", "log_probs_max_tokens_per_gpu", "train_env_vars", "async_save",
                 "check_weight_update_equal",
@@ -365,14 +366,22 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                "records the routing packs other micro-batches than the steps, so its routing cannot "
                                "be replayed token for token", "drop --log-probs-max-tokens-per-gpu",
                                field="log_probs_max_tokens_per_gpu", value=self.log_probs_max_tokens_per_gpu)
-        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self.recompute_activations:
+        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self._recomputes_layers():
             raise config_error(f"--use-routing-replay with --pipeline-model-parallel-size "
-                               f"{self.pipeline_model_parallel_size} and --recompute-activations: the recomputed "
-                               "forward of a micro-batch runs in its backward, after the pipeline schedule has "
-                               "started later micro-batches, and would not replay its own routing",
-                               "drop --recompute-activations, or --pipeline-model-parallel-size 1",
-                               field="recompute_activations", value=True)
+                               f"{self.pipeline_model_parallel_size} and {self._recomputes_layers()}: the "
+                               "recomputed forward of a micro-batch runs in its backward, after the pipeline schedule "
+                               "has started later micro-batches, and would not replay its own routing",
+                               f"drop {self._recomputes_layers()} (--recompute-granularity selective recomputes no "
+                               "router), or --pipeline-model-parallel-size 1",
+                               field="recompute_activations" if self.recompute_activations else "recompute_granularity",
+                               value=True if self.recompute_activations else "full")
         return self
+
+    def _recomputes_layers(self) -> str | None:
+        """The flag that makes Megatron recompute whole layers (their routers too) in the backward, if any."""
+        if self.recompute_activations:
+            return "--recompute-activations"
+        return "--recompute-granularity full" if self.recompute_granularity == "full" else None
 
     def _rollout_routing_replay(self) -> "RunConfig":
         if self.use_routing_replay:
@@ -383,13 +392,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise config_error("--use-rollout-routing-replay with --loss-type sft_loss: supervised data has no "
                                "rollout engine's routing to replay", "drop --use-rollout-routing-replay",
                                field="use_rollout_routing_replay", value=True)
-        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self.recompute_activations:
+        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self._recomputes_layers():
             raise config_error(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
-                               f"{self.pipeline_model_parallel_size} and --recompute-activations: the recomputed "
-                               "forward of a micro-batch runs in its backward, after the pipeline schedule has "
-                               "started later micro-batches, and would not replay its own routing",
-                               "drop --recompute-activations, or --pipeline-model-parallel-size 1",
-                               field="recompute_activations", value=True)
+                               f"{self.pipeline_model_parallel_size} and {self._recomputes_layers()}: the "
+                               "recomputed forward of a micro-batch runs in its backward, after the pipeline schedule "
+                               "has started later micro-batches, and would not replay its own routing",
+                               f"drop {self._recomputes_layers()} (--recompute-granularity selective recomputes no "
+                               "router), or --pipeline-model-parallel-size 1",
+                               field="recompute_activations" if self.recompute_activations else "recompute_granularity",
+                               value=True if self.recompute_activations else "full")
         return self
 
     @model_validator(mode="after")

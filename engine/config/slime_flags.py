@@ -41,8 +41,6 @@ _KERNEL_FLAGS = ("transformer-impl", "attention-backend", "use-flash-attn", "use
 _OVERLAP = ("the Megatron backend reduces gradients and gathers parameters after the backward pass, not overlapped "
             "with it")
 _DROPOUT = "rollflow trains without dropout (slime's scripts set it to 0.0 too)"
-_RECOMPUTE = ("rollflow recomputes every decoder layer whole: --recompute-activations is slime's --recompute-granularity "
-              "full --recompute-method uniform --recompute-num-layers 1; selective and block recompute are not built in")
 _CPU_ADAM = ("Megatron's CPU optimizer (HybridDeviceOptimizer) is not wired into rollflow's Megatron backend, whose "
              "Adam state stays on the GPUs, sharded over the data-parallel ranks; the torch backend's --offload-train "
              "moves its weights, gradients and Adam's moments to the host while the engines generate")
@@ -135,9 +133,6 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
                                   "the softmax in fp32", "drop it"),
     "attention-dropout": (_DROPOUT, "drop it"),
     "hidden-dropout": (_DROPOUT, "drop it"),
-    "recompute-granularity": (_RECOMPUTE, "--recompute-activations"),
-    "recompute-method": (_RECOMPUTE, "--recompute-activations"),
-    "recompute-num-layers": (_RECOMPUTE, "--recompute-activations"),
     "optimizer": ("rollflow trains with AdamW (Megatron's adam: decoupled weight decay, --adam-beta1/2, "
                   "--weight-decay); there is no other optimizer", "drop it (--optimizer adam is what rollflow does)"),
     "optimizer-cpu-offload": (_CPU_ADAM, _CPU_ADAM_FIX),

@@ -59,7 +59,23 @@ class TrainArgs(Section):
 
     recompute_activations: bool = False
     """Activation checkpointing: keep only each decoder layer's input and recompute the layer in the backward pass
-    (~1/3 more compute, activation memory of one layer instead of all)."""
+    (~1/3 more compute, activation memory of one layer instead of all). On the megatron backend it is slime's
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1."""
+
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Megatron's activation recompute (slime's / Megatron-LM's flag; megatron backend): full recomputes whole
+    decoder layers (with --recompute-method and --recompute-num-layers), selective only each layer's core attention
+    (the softmax of the attention, whose activations grow with the square of the length; little compute). The math
+    is unchanged. --recompute-activations is the full, uniform, 1-layer case."""
+
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With --recompute-granularity full: uniform recomputes chunks of --recompute-num-layers layers, each chunk's
+    input kept; block recomputes only the first --recompute-num-layers layers of each pipeline stage whole (the
+    others keep their activations)."""
+
+    recompute_num_layers: Optional[int] = Field(None, ge=1)
+    """With --recompute-granularity full: the chunk size (uniform) or the number of recomputed layers per pipeline
+    stage (block)."""
 
     recompute_loss_function: bool = False
     """Recompute the log-softmax and entropy over the vocabulary in the backward from the logits (slime's flag, as it checkpoints its loss function): the step keeps the logits for the backward instead of the float32 [tokens, vocabulary] intermediates (two per micro-batch in the torch backend's CPU formula), for one more log-softmax per micro-batch and the same gradients. Where the formula is the fused CUDA kernel (the torch backend on a GPU, Megatron at TP = 1), whose backward keeps only the logits already, the flag is refused: it would change nothing (bench/results/loss_memory_gpu.md); it applies on the CPU and to Megatron's vocabulary-parallel formula (TP > 1). Not with --log-probs-chunk-size, whose chunks already recompute it."""
@@ -232,6 +248,48 @@ class TrainArgs(Section):
             raise config_error("--reset-optimizer-states with --use-stateless-adam: a stateless AdamW keeps no "
                                "moments, so there is nothing to reset", "drop --reset-optimizer-states",
                                field="reset_optimizer_states", value=True)
+        return self
+
+    @property
+    def recompute(self) -> tuple[str, str | None, int | None] | None:
+        """The megatron backend's (granularity, method, num_layers), None without recompute."""
+        if self.recompute_activations:
+            return "full", "uniform", 1
+        if self.recompute_granularity is None:
+            return None
+        return self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+
+    @model_validator(mode="after")
+    def _recompute(self) -> "TrainArgs":
+        from engine.config.base import config_error
+
+        given = [f"--{k.replace('_', '-')} {getattr(self, k)}" for k in
+                 ("recompute_granularity", "recompute_method", "recompute_num_layers") if getattr(self, k) is not None]
+        if not given:
+            return self
+        field = next(k for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")
+                     if getattr(self, k) is not None)
+        if self.train_backend != "megatron":
+            raise config_error(f"{', '.join(given)} with --train-backend {self.train_backend}: Megatron's recompute "
+                               "settings", "--recompute-activations (the torch backend recomputes whole layers)",
+                               field=field, value=getattr(self, field))
+        if self.recompute_activations:
+            raise config_error(f"--recompute-activations with {', '.join(given)}: it is --recompute-granularity "
+                               "full --recompute-method uniform --recompute-num-layers 1 already",
+                               "one of the two", field=field, value=getattr(self, field))
+        if self.recompute_granularity is None:
+            raise config_error(f"{', '.join(given)} without --recompute-granularity would do nothing",
+                               "add --recompute-granularity full", field=field, value=getattr(self, field))
+        full = (self.recompute_method, self.recompute_num_layers)
+        if self.recompute_granularity == "full" and None in full:
+            raise config_error("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                               "--recompute-num-layers N", "e.g. --recompute-method uniform --recompute-num-layers 1",
+                               field="recompute_granularity", value="full")
+        if self.recompute_granularity == "selective" and full != (None, None):
+            raise config_error("--recompute-granularity selective recomputes each layer's core attention: "
+                               "--recompute-method and --recompute-num-layers choose whole layers and would do "
+                               "nothing", "drop them, or --recompute-granularity full",
+                               field="recompute_granularity", value="selective")
         return self
 
     @model_validator(mode="after")

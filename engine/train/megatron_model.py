@@ -36,13 +36,14 @@ class Kernels:
     #                            several kernels instead of torch's one fused RMSNorm)
     cuda_graphs: bool = True  # without TE, bf16/fp16, TP = PP = 1: the decoder replayed from CUDA graphs
     #                           (megatron_graphs; needs rope_in_attention)
-    recompute: bool = False  # --recompute-activations: Megatron's full recompute, every layer (not a speed choice:
-    #                          it trades ~1/3 more compute for activation memory; the math is unchanged)
+    # Megatron's activation recompute, (granularity, method, num_layers) (not a speed choice: it trades compute for
+    # activation memory; the math is unchanged): --recompute-activations is ("full", "uniform", 1)
+    recompute: tuple[str, str | None, int | None] | None = None
 
     @classmethod
     def of(cls, cfg) -> "Kernels":
-        """The run's choices: --megatron-cuda-graphs, --recompute-activations (the rest keep their defaults)."""
-        return cls(cuda_graphs=cfg.megatron_cuda_graphs, recompute=cfg.recompute_activations)
+        """The run's choices: --megatron-cuda-graphs, the recompute flags (the rest keep their defaults)."""
+        return cls(cuda_graphs=cfg.megatron_cuda_graphs, recompute=cfg.recompute)
 
 
 class HFRMSNorm(torch.nn.Module):
@@ -158,7 +159,7 @@ def cuda_graphs_off_reason(kernels: Kernels, *, tp: int, pp: int, dtype: torch.d
     if moe:
         return "a mixture of experts (the router's token counts per expert are read on the host)"
     if kernels.recompute:
-        return "--recompute-activations (the recomputed layers run inside the backward)"
+        return f"{kernels.recompute[0]} recompute (the recomputed layers run inside the backward)"
     if have_transformer_engine():
         return "Transformer Engine layers (Megatron's own graph support is for those)"
     if not rope_in_attention(kernels):
@@ -220,8 +221,9 @@ def model_kwargs(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, ker
         if s.moe_shared_ffn:  # Qwen2-MoE: + sigmoid(x · w_gate) · shared_expert(x)
             config.update(moe_shared_expert_intermediate_size=s.moe_shared_ffn,
                           moe_shared_expert_gate=s.moe_shared_gate)
-    if kernels.recompute:  # slime's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
-        config.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if kernels.recompute:  # slime's --recompute-granularity / --recompute-method / --recompute-num-layers
+        granularity, method, layers = kernels.recompute
+        config.update(recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers)
     gpt = dict(
         max_sequence_length=s.max_position_embeddings,
         # RoPE applied by PackedCoreAttention instead: GPTModel must not rotate a second time.
