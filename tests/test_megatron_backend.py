@@ -57,7 +57,7 @@ def test_layout_check(small_cfg):
 
 
 def test_expert_parallelism_is_checked_before_anything_starts(small_cfg, tmp_path):
-    """--expert-model-parallel-size: the megatron backend only, a divisor of the data-parallel ranks (the topology
+    """--expert-model-parallel-size: the megatron backend only, a divisor of a pipeline stage's GPUs (the topology
     check) and of the model's experts; a dense model has none to place (the model check)."""
     from engine.doctor.checks import megatron_maps_the_model
 
@@ -69,7 +69,10 @@ def test_expert_parallelism_is_checked_before_anything_starts(small_cfg, tmp_pat
                                      actor_num_gpus_per_node=4), env) == []
     (odd,) = parallel_layout(small_cfg(train_backend="megatron", expert_model_parallel_size=4,
                                        actor_num_gpus_per_node=6, rollout_batch_size=6), env)
-    assert "does not divide the 6 data-parallel ranks" in odd.what and odd.facts["value"] == 4
+    assert "does not divide the 6 GPUs of a pipeline stage" in odd.what and odd.facts["value"] == 4
+    # under TP (with --sequence-parallel) an EP group also takes the tensor-parallel ranks: slime's TP 4, EP 8 on 8
+    assert parallel_layout(small_cfg(train_backend="megatron", tensor_model_parallel_size=4, sequence_parallel=True,
+                                     expert_model_parallel_size=8, actor_num_gpus_per_node=8), env) == []
     (dense,) = megatron_maps_the_model(small_cfg(train_backend="megatron", expert_model_parallel_size=2,
                                                  actor_num_gpus_per_node=2), env)  # the bundled Qwen2
     assert dense.code == "MODEL" and "dense model" in dense.what and dense.fix == "--expert-model-parallel-size 1"

@@ -333,7 +333,8 @@ def test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing(tmp_p
     - --sequence-parallel at TP = 2 (each rank's norms and residuals hold half the tokens; micro-batches of odd
       length padded): the dense model, and a mixture of experts, which megatron-core trains under TP only with
       sequence parallelism: its experts run whole on both TP ranks (their gradients summed over them), the
-      engine's routing replayed (--use-rollout-routing-replay: each rank its own tokens).
+      engine's routing replayed (--use-rollout-routing-replay: each rank its own tokens); and with
+      --expert-model-parallel-size 2 on the same two ranks (an EP group of TP ranks: half the experts each).
     - PP = 2 with a mixture of experts whose layers are all MoE (Qwen3-MoE), the engine's routing replayed: each
       stage replays its own layers' routers; the share of routings that differ is summed over the stages."""
     from test_megatron_backend import _micro_batches, _random_moe, _tiny_qwen2
@@ -349,6 +350,7 @@ def test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing(tmp_p
     assert any(mb.num_tokens % 2 for mb in _micro_batches())  # (the padding runs)
     sp = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
     for name, model, flags, routes in (("sp", "dense", sp, False), ("sp-moe", "qwen2moe", sp, True),
+                                       ("sp-ep-moe", "qwen3moe", {**sp, "expert_model_parallel_size": 2}, True),
                                        ("pp-moe", "qwen3moe", {"pipeline_model_parallel_size": 2}, True)):
         hf = str(tmp_path / model)
         out = mp.Manager().dict()

@@ -28,8 +28,10 @@ class TrainArgs(Section):
     expert_model_parallel_size: int = Field(1, ge=1)
     """Megatron expert parallelism (EP) for a mixture of experts: each expert lives on one of EP data-parallel ranks
     (num_experts / EP experts per rank), and every MoE layer sends each token to its experts' ranks and back (an
-    all-to-all over the EP group). Everything else stays replicated over the data-parallel ranks. EP must divide
-    the data-parallel size and the number of experts; experts are never split by TP (megatron backend only)."""
+    all-to-all over the EP group). Everything else stays replicated over the data-parallel ranks. Experts are never
+    split by TP: under --tensor-model-parallel-size (with --sequence-parallel) an EP group also takes the
+    tensor-parallel ranks, so EP must divide data-parallel × tensor-parallel ranks (the GPUs of a pipeline stage),
+    and the number of experts (megatron backend only)."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism (slime's / Megatron-LM's flag; needs TP > 1): the layers outside the

@@ -203,12 +203,13 @@ def parallel_layout(cfg, env: Environment) -> list[Diagnosis]:
                                   "the megatron backend places experts on different GPUs",
                              fix="--train-backend megatron, or --expert-model-parallel-size 1",
                              facts={"field": "expert_model_parallel_size", "value": ep}))
-    elif ep > 1 and not world % (tp * pp * cp) and cfg.dp_size % ep:
+    elif ep > 1 and not world % (tp * pp * cp) and (cfg.dp_size * tp) % ep:
+        ranks = cfg.dp_size * tp  # (experts are never TP-split: EP groups take data- and tensor-parallel ranks)
         out.append(Diagnosis(code="CONFIG", severity="error",
-                             what=f"--expert-model-parallel-size {ep} does not divide the {cfg.dp_size} data-parallel "
-                                  f"ranks ({world} train GPUs / TP·PP·CP = {tp * pp * cp}): Megatron forms each "
-                                  "EP group from data-parallel ranks",
-                             fix=f"an EP size that divides {cfg.dp_size}, or more train GPUs "
+                             what=f"--expert-model-parallel-size {ep} does not divide the {ranks} GPUs of a pipeline "
+                                  f"stage ({cfg.dp_size} data-parallel × {tp} tensor-parallel ranks): Megatron forms "
+                                  "each EP group from them (the experts are never split by TP)",
+                             fix=f"an EP size that divides {ranks}, or more train GPUs "
                                  "(--actor-num-gpus-per-node / --actor-num-nodes)",
                              facts={"field": "expert_model_parallel_size", "value": ep, "dp": cfg.dp_size}))
     if cp > 1:
