@@ -295,10 +295,11 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_tp1_and_pp2(tmp_path):
 
 
 def _parallel_rank(rank: int, world: int, init: str, flags: dict, hf: str, work: str, routes: bool,
-                   out: dict) -> None:
+                   out: dict, moved: str | None = None) -> None:
     """Two ranks of one data-parallel replica (TP = 2 or PP = 2 in `flags`): log-probs, three GRPO steps, the
     weights the engines get; routes: the micro-batches carry a random engine routing, replayed
-    (--use-rollout-routing-replay)."""
+    (--use-rollout-routing-replay); moved (with --use-routing-replay in `flags`): the no-grad forward records the
+    routing, then the steps start from these weights (routers moved) and replay it."""
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
@@ -319,7 +320,9 @@ def _parallel_rank(rank: int, world: int, init: str, flags: dict, hf: str, work:
     b = MegatronBackend(cfg, rank=rank, world_size=world, params_dtype="float32", kernels=Kernels(
         fused_log_probs=False, fused_swiglu=False, fused_adam=False, wgrad_fusion=False, cuda_graphs=False))
     mbs = _micro_batches(routes=RouteLayout.of_shape(read(hf)) if routes else None)
-    old = b.compute_log_probs(mbs)
+    old = b.compute_log_probs(mbs, record_routing=moved is not None)
+    if moved is not None:
+        b.load_weights(moved)
     res = {"lp": [x.clone() for x in old], "steps": [b.train_step(mbs, old, old, 8) for _ in range(3)],
            "last_stage": parallel_state.is_pipeline_last_stage(), "reports": b.reports_metrics}
     res["state"] = b.engine_state()
@@ -334,7 +337,9 @@ def test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing(tmp_p
       length padded): the dense model, and a mixture of experts, which megatron-core trains under TP only with
       sequence parallelism: its experts run whole on both TP ranks (their gradients summed over them), the
       engine's routing replayed (--use-rollout-routing-replay: each rank its own tokens); and with
-      --expert-model-parallel-size 2 on the same two ranks (an EP group of TP ranks: half the experts each).
+      --expert-model-parallel-size 2 on the same two ranks (an EP group of TP ranks: half the experts each); and
+      --use-routing-replay, each TP rank recording its tokens' experts in the no-grad forward and replaying them
+      in the steps, from weights whose routers moved.
     - PP = 2 with a mixture of experts whose layers are all MoE (Qwen3-MoE), the engine's routing replayed: each
       stage replays its own layers' routers; the share of routings that differ is summed over the stages."""
     from test_megatron_backend import _micro_batches, _random_moe, _tiny_qwen2
@@ -349,17 +354,29 @@ def test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing(tmp_p
     _random_moe("qwen3moe", tmp_path / "qwen3moe")
     assert any(mb.num_tokens % 2 for mb in _micro_batches())  # (the padding runs)
     sp = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    moved = _random_moe("qwen3moe", tmp_path / "moved")
+    with torch.no_grad():  # the routers moved: routing afresh picks other experts than the recorded ones
+        for n, p in moved.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.add_(torch.randn_like(p) * 0.9)
+    moved.save_pretrained(tmp_path / "moved")
+    own = {**sp, "use_routing_replay": True}
     for name, model, flags, routes in (("sp", "dense", sp, False), ("sp-moe", "qwen2moe", sp, True),
                                        ("sp-ep-moe", "qwen3moe", {**sp, "expert_model_parallel_size": 2}, True),
+                                       ("sp-own-moe", "qwen3moe", own, False),
                                        ("pp-moe", "qwen3moe", {"pipeline_model_parallel_size": 2}, True)):
         hf = str(tmp_path / model)
+        replayed = str(tmp_path / "moved") if "use_routing_replay" in flags else None
         out = mp.Manager().dict()
         mp.spawn(_parallel_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, hf, str(tmp_path),
-                                       routes, out), nprocs=2)
+                                       routes, out, replayed), nprocs=2)
         tb = TorchBackend(RunConfig(hf_checkpoint=hf, lr=1e-3, rollout_batch_size=4, n_samples_per_prompt=4,
-                                    micro_batch_size=2, work_dir=str(tmp_path), use_rollout_routing_replay=routes))
+                                    micro_batch_size=2, work_dir=str(tmp_path), use_rollout_routing_replay=routes,
+                                    use_routing_replay=replayed is not None))
         mbs = _micro_batches(routes=RouteLayout.of_shape(read(hf)) if routes else None)
-        old = tb.compute_log_probs(mbs)
+        old = tb.compute_log_probs(mbs, record_routing=replayed is not None)
+        if replayed is not None:
+            tb.load_weights(replayed)
         for rank in (0, 1):
             if out[rank]["last_stage"]:
                 assert max(float((a - b).abs().max()) for a, b in zip(out[rank]["lp"], old)) < 1e-5, (name, rank)
