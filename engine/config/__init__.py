@@ -366,22 +366,24 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
                                "records the routing packs other micro-batches than the steps, so its routing cannot "
                                "be replayed token for token", "drop --log-probs-max-tokens-per-gpu",
                                field="log_probs_max_tokens_per_gpu", value=self.log_probs_max_tokens_per_gpu)
-        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self._recomputes_layers():
-            raise config_error(f"--use-routing-replay with --pipeline-model-parallel-size "
-                               f"{self.pipeline_model_parallel_size} and {self._recomputes_layers()}: the "
-                               "recomputed forward of a micro-batch runs in its backward, after the pipeline schedule "
-                               "has started later micro-batches, and would not replay its own routing",
-                               f"drop {self._recomputes_layers()} (--recompute-granularity selective recomputes no "
+        self._refuse_pipelined_recompute("--use-routing-replay")
+        return self
+
+    def _refuse_pipelined_recompute(self, flag: str) -> None:
+        """A routing replay with Megatron's pipeline parallelism and a recompute of whole layers (their routers too):
+        the recomputed forward of a micro-batch runs in its backward, after later micro-batches set their routing."""
+        if self.train_backend != "megatron" or self.pipeline_model_parallel_size == 1:
+            return
+        recompute = "--recompute-activations" if self.recompute_activations else \
+            "--recompute-granularity full" if self.recompute_granularity == "full" else None
+        if recompute:
+            raise config_error(f"{flag} with --pipeline-model-parallel-size {self.pipeline_model_parallel_size} and "
+                               f"{recompute}: the recomputed forward of a micro-batch runs in its backward, after the "
+                               "pipeline schedule has started later micro-batches, and would not replay its own "
+                               "routing", f"drop {recompute} (--recompute-granularity selective recomputes no "
                                "router), or --pipeline-model-parallel-size 1",
                                field="recompute_activations" if self.recompute_activations else "recompute_granularity",
                                value=True if self.recompute_activations else "full")
-        return self
-
-    def _recomputes_layers(self) -> str | None:
-        """The flag that makes Megatron recompute whole layers (their routers too) in the backward, if any."""
-        if self.recompute_activations:
-            return "--recompute-activations"
-        return "--recompute-granularity full" if self.recompute_granularity == "full" else None
 
     def _rollout_routing_replay(self) -> "RunConfig":
         if self.use_routing_replay:
@@ -392,15 +394,7 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
             raise config_error("--use-rollout-routing-replay with --loss-type sft_loss: supervised data has no "
                                "rollout engine's routing to replay", "drop --use-rollout-routing-replay",
                                field="use_rollout_routing_replay", value=True)
-        if self.train_backend == "megatron" and self.pipeline_model_parallel_size > 1 and self._recomputes_layers():
-            raise config_error(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
-                               f"{self.pipeline_model_parallel_size} and {self._recomputes_layers()}: the "
-                               "recomputed forward of a micro-batch runs in its backward, after the pipeline schedule "
-                               "has started later micro-batches, and would not replay its own routing",
-                               f"drop {self._recomputes_layers()} (--recompute-granularity selective recomputes no "
-                               "router), or --pipeline-model-parallel-size 1",
-                               field="recompute_activations" if self.recompute_activations else "recompute_granularity",
-                               value=True if self.recompute_activations else "full")
+        self._refuse_pipelined_recompute("--use-rollout-routing-replay")
         return self
 
     @model_validator(mode="after")
