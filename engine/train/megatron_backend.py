@@ -809,7 +809,7 @@ class MegatronBackend:
                     raise
                 raise RuntimeError(self._layout_error(root, f"the state does not fit this layout ({self._layout()})"
                                                       f": {type(e).__name__}: {' '.join(str(e).split())[:300]}")) from e
-            with torch.no_grad(), self._without_adam_steps(fmt):  # it copies into the fp32 main params, leaves that
+            with torch.no_grad(), self._keeping_adam_steps(fmt):  # it copies into the fp32 main params, leaves that
                 if fmt == FULLY_RESHARDABLE:  # require grad
                     self._load_model_space(state)
                 else:
@@ -857,7 +857,7 @@ class MegatronBackend:
                                  "param_state_sharding_type": FULLY_RESHARDABLE})
 
     @contextmanager
-    def _without_adam_steps(self, fmt: str):
+    def _keeping_adam_steps(self, fmt: str):
         """megatron-core 0.16's fully_reshardable load copies each parameter's optimizer state key by key from the
         checkpoint, which holds no step count, and torch's AdamW (no Apex / TE) keeps one per parameter: a KeyError
         ('step'). Each parameter keeps the step it has for that copy (a copy onto itself); backend.pt's adam_steps
