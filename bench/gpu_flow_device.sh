@@ -7,7 +7,7 @@
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 #          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
-#          | s41-reshardable | s41-sp
+#          | s41-reshardable | s41-sp | s42-mis
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -378,6 +378,27 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
       python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 6 --out "$OUT" --timeout 200 \
         --part "_r3" --extra "--rollout-max-truncated-share 1 --rollout-max-response-len 24 \
 --hf-checkpoint $BENCH_WORK/qwen3moe --use-rollout-routing-replay"
+      wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
+    s42-mis)  # slime's MIS helper built in: both demos with slime's mis.yaml as it is (--tis-mode truncate, --use-rs,
+              # --rs-veto-threshold, --tis-batch-normalize), the Megatron GPU tests beside them, and the per-rollout
+              # rejection / normalisation metrics each run logged
+      (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py --timeout 400 \
+         > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
+      rm -rf /tmp/rollflow_gpu_flow/ck_megatron /tmp/rollflow_gpu_flow/ck_torch
+      python3 bench/gpu_flow.py demo --backend torch --num-rollout 8 --out "$OUT" --timeout 300 --part "_mis" \
+        --extra "--use-tis --custom-config-path examples/mis.yaml" > "$OUT/torch_mis.txt" 2>&1 & torch_demo=$!
+      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 8 --out "$OUT" --timeout 300 \
+        --part "_mis" --extra "--use-tis --custom-config-path examples/mis.yaml"
+      wait $torch_demo
+      python3 -c "import json, glob
+keys = ('rollout/reward_mean', 'train/mismatch', 'train/tis_clipfrac', 'train/tis_norm', 'train/rs_rejected',
+        'train/rs_vetoed')
+for f in sorted(glob.glob('$BENCH_WORK/demo_*/summary.json')):
+    s = json.load(open(f)); h = s['history']
+    print(f.split('/')[-2], 'accuracy', s['test_accuracy_before'], '->', s['test_accuracy_after'])
+    for k in keys:
+        print('  ', k, [round(v, 4) for _, v in sorted((int(i), v) for i, v in h.get(k, {}).items())])
+" 2>&1 | tee "$OUT/mis_metrics.txt"
       wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -337,9 +337,12 @@ def load_function(path: str, flag: str) -> Callable:
             module = importlib.import_module(mod_name)
         fn = getattr(module, fn_name)
     except (ImportError, FileNotFoundError, AttributeError) as e:
+        from engine.config.slime_flags import slime_import_fix
+
         raise ConfigError(Diagnosis(code="CONFIG", severity="error",
                                     what=f"{flag} {path!r} cannot be loaded: {type(e).__name__}: {e}",
-                                    fix="check the module path (on PYTHONPATH) and the function name")) from None
+                                    fix=slime_import_fix(e, path)
+                                    or "check the module path (on PYTHONPATH) and the function name")) from None
     if not callable(fn):
         raise ConfigError(Diagnosis(code="CONFIG", severity="error", what=f"{flag} {path!r} is not callable",
                                     fix="point it at a function"))

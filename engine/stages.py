@@ -1289,6 +1289,7 @@ def old_log_probs_source(run: Run, first: bool) -> str:
     if cfg.use_rollout_logprobs:
         return "rollout"
     if (cfg.train_backend == "torch" and run.plan.num_steps_per_rollout == 1 and not cfg.use_mis
+            and not cfg.tis_batch_normalize  # its mean weight is over the whole step, before it
             and not cfg.keep_old_actor  # a stale rollout's old log-probs: the kept weights' forward
             and cfg.kl_coef == 0 and not cfg.custom_advantage_function_path  # that function reads them first
             and not cfg.use_opd and not cfg.rollout_data_postprocess_path  # so do these

@@ -33,6 +33,17 @@ from engine.doctor import ConfigError
      "--lambd 0.8 with --advantage-estimator reinforce_plus_plus", "drop --lambd, or --advantage-estimator ppo"),
     (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1 without --use-kl-loss", "add --use-kl-loss"),
     (["--mis-high", "3"], "--mis-high 3.0 without --use-mis", "add --use-mis, or drop --mis-high"),
+    # slime's MIS helper's settings (--tis-mode, --use-rs, …) without what they set
+    (["--tis-mode", "mask"], "--tis-mode mask without --use-tis", "add --use-tis, or drop --tis-mode"),
+    (["--use-tis", "--tis-mode", "truncate", "--tis-clip-low", "0.5"],
+     "--tis-clip-low 0.5 with --tis-mode truncate would do nothing", "--tis-mode clip"),
+    (["--rs-level", "geometric", "--rs-veto-threshold", "1e-4"],
+     "--rs-level geometric, --rs-veto-threshold 0.0001 without --use-rs", "drop --rs-level, --rs-veto-threshold"),
+    (["--use-rs", "--rs-lower-bound", "3"], "--use-rs's lower bound 3.0 is not below its upper bound 2.0",
+     "--rs-lower-bound 0.5 --rs-upper-bound 2.0"),
+    (["--tis-batch-normalize"], "--tis-batch-normalize without --use-tis", "add --use-tis"),
+    (["--use-rs", "--use-rollout-logprobs"], "--use-rollout-logprobs with --use-rs", "drop --use-rollout-logprobs"),
+    (["--use-rs", "--loss-type", "sft_loss"], "--loss-type sft_loss", "drop --use-rs"),
     (["--rollout-health-check-timeout", "5"], "--rollout-health-check-timeout 5.0 without --use-fault-tolerance",
      "add --use-fault-tolerance"),
     (["--keep-last-n", "2", "--save", ""], "--keep-last-n 2 with no --save", "drop --keep-last-n"),
@@ -61,6 +72,12 @@ def test_the_same_flags_where_they_act_are_accepted():
     assert parse_args(["--gamma", "0.9", "--custom-advantage-function-path", "m:f"]).gamma == 0.9  # it may read γ
     assert parse_args(["--use-kl-loss", "--kl-loss-coef", "0.1"]).kl_loss_coef == 0.1
     assert parse_args(["--use-mis", "--mis-high", "3"]).mis_high == 3.0
+    # slime's mis.yaml: truncate with a lower bound that --use-rs takes as its own; a function may read them all
+    assert parse_args(["--use-tis", "--tis-mode", "truncate", "--tis-clip-low", "0.5", "--use-rs"]).rs_bounds == \
+        (0.5, 2.0)
+    assert parse_args(["--use-rs", "--rs-upper-bound", "4"]).rs_bounds == (0.5, 4.0)  # 1 / --tis-clip below, as slime
+    assert parse_args(["--tis-mode", "mask", "--rs-veto-threshold", "1e-4", "--get-mismatch-metrics",
+                       "--custom-tis-function-path", "examples/hooks.py:icepop"]).tis_mode == "mask"
     assert parse_args(["--use-fault-tolerance", "--rollout-health-check-timeout", "5"]).rollout_health_check_timeout \
         == 5.0
     assert parse_args(["--keep-last-n", "2", "--save", "ck"]).keep_last_n == 2

@@ -4,6 +4,7 @@ train i; every sample one version old)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -112,6 +113,51 @@ def test_mis_drops_exactly_the_tokens_out_of_range_in_the_train_step(tiny_model)
     assert a["loss_total"] == pytest.approx(b["loss_total"], rel=1e-6, abs=1e-9)
     for (n1, p1), (_, p2) in zip(mis.backend.model.named_parameters(), plain.backend.model.named_parameters()):
         torch.testing.assert_close(p1, p2, rtol=0, atol=1e-7, msg=n1)
+
+
+def test_rejection_sampling_veto_and_batch_normalized_tis_in_the_train_step(tiny_model):
+    """--use-tis --tis-mode truncate --tis-batch-normalize --use-rs --rs-veto-threshold (slime's mis.yaml) on the
+    torch backend: off-range tokens (ratio e^±2 ∉ [0.5, 2]) and a sample with a catastrophic token (e^-12 < 1e-4)
+    leave the policy loss while the token counts stay; the other tokens (ratio 1, weight 1) are divided by the
+    step's mean truncated weight. The same step as training without them on advantages scaled by hand (at ratio 1
+    the clipped surrogate's gradient is linear in A)."""
+    torch.manual_seed(0)
+    samples = fake_samples([(4, 5), (3, 6), (5, 4), (4, 3)], n=2, rewards=[1.0, 0.0, 0.0, 1.0])
+    steps = [pack(samples, [[0, 1], [2, 3]])]
+    probe = _worker(tiny_model)
+    probe.set_rollout(copy.deepcopy(steps), [1.0, 0.0, 0.0, 1.0], need_ref=False)
+    off = {(0, 6): 2.0, (0, 12): -2.0, (1, 14): 2.0, (1, 6): -12.0}  # (1, 6): sample 2, tokens 5–8
+    for j, mb in enumerate(steps[0]):
+        mb.rollout_log_probs = probe.old[0][j].clone()
+        for (jj, t), d in off.items():
+            if jj == j:
+                assert mb.loss_mask[t] == 1
+                mb.rollout_log_probs[t] -= d
+    rejected = {(0, 6), (0, 12), (1, 14), (1, 5), (1, 6), (1, 7), (1, 8)}
+    trained = sum(float(mb.loss_mask.sum()) for mb in steps[0])  # 18
+    mean = (trained - 4 + 2 + math.exp(-2) + 2 + math.exp(-12)) / trained  # truncate: e^2 → 2
+
+    rs = _worker(tiny_model, use_tis=True, tis_mode="truncate", tis_batch_normalize=True, use_rs=True,
+                 rs_veto_threshold=1e-4)
+    rs.set_rollout(copy.deepcopy(steps), [1.0, 0.0, 0.0, 1.0], need_ref=False)
+    assert all(mb.tis_scale == pytest.approx(mean, rel=1e-6) for mb in rs.steps[0])
+    by_hand = copy.deepcopy(steps)
+    plain = _worker(tiny_model)
+    plain.set_rollout(by_hand, [1.0, 0.0, 0.0, 1.0], need_ref=False)
+    for j, mb in enumerate(by_hand[0]):
+        scale = torch.full_like(mb.advantages, 1 / mean)
+        for (jj, t) in rejected:
+            if jj == j:
+                scale[t] = 0.0
+        mb.advantages = mb.advantages * scale
+    a, b = rs.train_step(0, 4), plain.train_step(0, 4)
+    assert a["rs_rejected_sum"] == 7 and a["rs_vetoed_sum"] == 4 and a["rs_rejected_count"] == trained
+    assert a["tis_norm_sum"] / a["tis_norm_count"] == pytest.approx(mean, rel=1e-6)
+    assert a["loss_total"] == pytest.approx(b["loss_total"], rel=1e-6, abs=1e-9)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+    # the gradients (Adam's first update, ≈ lr·sign(g), would magnify the rounding of near-zero entries)
+    for (n1, p1), (_, p2) in zip(rs.backend.model.named_parameters(), plain.backend.model.named_parameters()):
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-6, msg=n1)
 
 
 # ---- the one-step flow ------------------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """RunConfig: flags, YAML, errors that name the field and the fix, derived batch numbers (RF06)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.config import RunConfig
 from engine.config.cli import build_parser, flag, parse_args
 from engine.doctor import ConfigError
 from conftest import BUNDLED_TRAIN
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_flags_map_to_fields_and_override_yaml(tmp_path):
@@ -115,6 +119,46 @@ def test_a_slime_moe_script_ported_as_it_is_gets_a_reason_and_a_fix_for_every_fl
                                                                "distributed"])
     assert (cfg.rm_type, cfg.sequence_parallel, cfg.tensor_model_parallel_size, cfg.tis_level, cfg.recompute) == \
         ("deepscaler", True, 4, "geometric", ("full", "uniform", 1))
+
+
+def test_slimes_mis_example_ported_runs_on_rollflows_built_in_rollout_correction(tiny_model, tmp_path):
+    """slime's examples/train_infer_mismatch_helper/run-qwen3-4b-mis.sh: its mis.yaml (examples/mis.yaml) sets
+    rollflow's flags (tis_lower_bound / tis_upper_bound → --tis-clip-low / --tis-clip, kept as arguments too);
+    slime's helper itself needs slime's context-parallel module, and the error says what replaces it; a key given
+    twice with two values is an error naming both."""
+    from engine.algorithms import LossSpec
+    from engine.rewards import load_function
+
+    argv = ["--hf-checkpoint", tiny_model, "--prompt-data", BUNDLED_TRAIN, "--rm-type", "deepscaler",
+            "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00", "--eps-clip-high", "0.28",
+            "--use-tis", "--custom-config-path", str(REPO / "examples" / "mis.yaml")]  # slime's file, as it is
+    cfg = parse_args(argv)
+    assert (cfg.use_tis, cfg.tis_mode, cfg.tis_clip_low, cfg.tis_clip, cfg.use_rs, cfg.rs_level, cfg.rs_bounds,
+            cfg.rs_veto_threshold, cfg.tis_batch_normalize) == \
+        (True, "truncate", 0.5, 2.0, True, "token", (0.5, 2.0), 1e-4, True)
+    assert cfg.custom_config == {"tis_lower_bound": 0.5, "tis_upper_bound": 2.0} and cfg.tis_upper_bound == 2.0
+    spec = LossSpec.of(cfg)
+    assert (spec.tis_mode, spec.use_rs, spec.rs_low, spec.rs_high, spec.rs_veto) == ("truncate", True, 0.5, 2.0, 1e-4)
+    spec = LossSpec.of(parse_args(["--use-rs", "--rs-level", "geometric", "--rs-lower-bound", "0.3",
+                                   "--rs-upper-bound", "3"]))
+    assert (spec.rs_level, spec.rs_low, spec.rs_high) == ("geometric", 0.3, 3.0)
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv + ["--tis-clip", "3"])
+    assert "sets tis_upper_bound: 2.0, and --tis-clip is also given as 3.0" in e.value.diagnoses[0].what
+    # slime's helper as the script names it: its module imports fine, the call needs slime's CP utilities
+    helper = tmp_path / "examples" / "train_infer_mismatch_helper"
+    helper.mkdir(parents=True)
+    (helper / "mis.py").write_text("def compute_mis_weights_with_cp(args, **kwargs):\n"
+                                   "    from slime.backends.megatron_utils.cp_utils import all_gather_with_cp\n")
+    path = f"{helper / 'mis.py'}:compute_mis_weights_with_cp"
+    fn = load_function(path, "--custom-tis-function-path")
+    from engine.rollout.hooks import HookError, call_hook
+
+    with pytest.raises(HookError) as e:
+        call_hook("--custom-tis-function-path", path, fn, cfg)
+    assert "No module named 'slime'" in e.value.diagnoses[0].what
+    assert e.value.diagnoses[0].fix.startswith("slime's MIS helper") and "drop --custom-tis-function-path" in \
+        e.value.diagnoses[0].fix
 
 
 def test_slimes_flags_that_rollflow_does_not_take_are_named_with_the_reason_and_the_replacement(tmp_path):

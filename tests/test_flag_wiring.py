@@ -331,12 +331,11 @@ def test_tis_level_reaches_the_policy_objective():
     assert float(loss()) == pytest.approx(-(math.exp(-1) + math.exp(-2)) / 2, abs=1e-5)  # token level
     assert float(loss(tis_level="sequence")) == pytest.approx(-math.exp(-3), abs=1e-5)
     assert float(loss(tis_level="geometric")) == pytest.approx(-math.exp(-1.5), abs=1e-5)
-    for wrong, words in ((dict(tis_level="sequence", use_tis=False), "without --use-tis"),
-                         (dict(tis_level="geometric", custom_tis_function_path="examples/hooks.py:icepop"),
-                          "computes its own weights")):
-        with pytest.raises(ConfigError) as e:
-            RunConfig(**{"use_tis": True, **wrong})
-        assert e.value.diagnoses[0].facts["field"] == "tis_level" and words in e.value.diagnoses[0].what
+    with pytest.raises(ConfigError) as e:
+        RunConfig(tis_level="sequence")
+    assert e.value.diagnoses[0].facts["field"] == "tis_level" and "without --use-tis" in e.value.diagnoses[0].what
+    # a custom TIS function may read it (slime's MIS helper reads args.tis_level)
+    assert RunConfig(use_tis=True, tis_level="geometric", custom_tis_function_path="examples/hooks.py:icepop")
 
 
 def test_optimizer_flags():

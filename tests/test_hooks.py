@@ -584,7 +584,8 @@ def test_a_repeated_list_flag_adds_to_the_list():
 
 def test_custom_config_path_arguments_reach_the_hooks_args(tmp_path, engine_url):
     """--custom-config-path (slime's flag): the YAML's keys are attributes of every hook's args; the values are kept
-    in the run's flags (a dumped config needs no file); a key that is a flag is refused."""
+    in the run's flags (a dumped config needs no file); a key that is a flag sets it (given twice with two values:
+    an error), one that args already hold is refused."""
     hook_fakes.SAMPLE_HOOKS.clear()
     (tmp_path / "custom.yaml").write_text("cut_to: 1\nnote: short answers\n")
     run = make_run(tmp_path, engine_url, rollout_sample_hook_path=["hook_fakes:cut_to_custom_length"],
@@ -595,8 +596,14 @@ def test_custom_config_path_arguments_reach_the_hooks_args(tmp_path, engine_url)
     assert all(s.response_length == 1 for g in batch.groups for s in g)
     (tmp_path / "custom.yaml").unlink()
     assert RunConfig.from_dump(run.cfg.model_dump()).cut_to == 1  # another node: from the recorded values
-    (tmp_path / "bad.yaml").write_text("lr: 0.1\n")
-    with pytest.raises(ConfigError, match="sets lr, which are rollflow flags"):
+    (tmp_path / "flag.yaml").write_text("lr: 0.1\n")  # a flag's key sets the flag, as slime's setattr does
+    cfg = RunConfig(custom_config_path=str(tmp_path / "flag.yaml"))
+    assert cfg.lr == 0.1 and cfg.custom_config == {}
+    assert RunConfig(custom_config_path=str(tmp_path / "flag.yaml"), lr=0.1).lr == 0.1
+    with pytest.raises(ConfigError, match="sets lr: 0.1, and --lr is also given as 0.2"):
+        RunConfig(custom_config_path=str(tmp_path / "flag.yaml"), lr=0.2)
+    (tmp_path / "bad.yaml").write_text("tokenizer: mine\n")
+    with pytest.raises(ConfigError, match="sets tokenizer, which hooks' args already hold"):
         RunConfig(custom_config_path=str(tmp_path / "bad.yaml"))
     with pytest.raises(ConfigError, match="no such file"):
         RunConfig(custom_config_path=str(tmp_path / "missing.yaml"))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.algorithms import cispo_policy_loss, gspo_policy_loss, kl, policy_loss, tis_weights, value_loss
+from engine.algorithms import cispo_policy_loss, gspo_policy_loss, kl, policy_loss, rollout_correction, value_loss
 
 E = math.e
 
@@ -102,9 +102,10 @@ def test_cispo_gradient_ignores_old_log_prob_path():
 
 def test_tis_weights_are_clamped_ratios():
     # exp(old − rollout): e^1 = 2.718 → 2.0 (clipped); e^−1 = 0.368; e^−3 = 0.0498 → low 0.1 (clipped)
-    w, clipped = tis_weights(torch.tensor([0.0, -1.0, -3.0]), torch.tensor([-1.0, 0.0, 0.0]), low=0.1, high=2.0)
+    w, keep, stats = rollout_correction(torch.tensor([0.0, -1.0, -3.0]), torch.tensor([-1.0, 0.0, 0.0]),
+                                        torch.ones(3), None, low=0.1, high=2.0)
     torch.testing.assert_close(w, torch.tensor([2.0, 1 / E, 0.1]))
-    torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 1.0]))
+    assert keep.tolist() == [1.0] * 3 and float(stats["tis_clipfrac"]) == 2.0
 
 
 def test_tis_weights_at_the_sequence_and_geometric_levels():
@@ -114,12 +115,12 @@ def test_tis_weights_at_the_sequence_and_geometric_levels():
     old = torch.tensor([9.0, 0.3, -0.1, 0.5, 0.7])  # (token 0: 9, outside the mask, counts in no sum)
     rollout = torch.zeros(5)
     mask, cu = torch.tensor([0.0, 1, 1, 1, 1]), torch.tensor([0, 3, 5])
-    w, clipped = tis_weights(old, rollout, low=0.0, high=2.0, level="sequence", mask=mask, cu_seqlens=cu)
+    w, _, stats = rollout_correction(old, rollout, mask, cu, low=0.0, high=2.0, level="sequence")
     torch.testing.assert_close(w, torch.tensor([math.exp(0.2)] * 3 + [2.0] * 2))
-    torch.testing.assert_close(clipped, torch.tensor([0.0, 0, 0, 1, 1]))
-    w, _ = tis_weights(old, rollout, low=0.0, high=2.0, level="geometric", mask=mask, cu_seqlens=cu)
+    assert float(stats["tis_clipfrac"]) == 2.0  # sample 1's two trained tokens
+    w, _, _ = rollout_correction(old, rollout, mask, cu, low=0.0, high=2.0, level="geometric")
     torch.testing.assert_close(w, torch.tensor([math.exp(0.1)] * 3 + [math.exp(0.6)] * 2))
-    w, _ = tis_weights(old, rollout, low=0.0, high=2.0)  # token level: each its own, clamped
+    w, _, _ = rollout_correction(old, rollout, mask, cu, low=0.0, high=2.0)  # token level: each its own, clamped
     torch.testing.assert_close(w, torch.tensor([2.0, math.exp(0.3), math.exp(-0.1), math.exp(0.5), 2.0]))
 
 
@@ -135,3 +136,82 @@ def test_value_loss_clipping():
     loss.sum().backward()
     # the clipped branch has no gradient in V; others 2(V − R): [0, −1.8, −3]
     torch.testing.assert_close(v.grad, torch.tensor([0.0, -1.8, -3.0]))
+
+
+def _slime_mis(args, train, rollout, masks):
+    """slime's examples/train_infer_mismatch_helper/mis.py `compute_mis_weights` (THUDM/slime, Apache-2.0), its
+    weights and rejection masks transcribed sample by sample as it computes them (metrics left out): the oracle."""
+    def level_ratio(d, m, level):
+        if level == "token":
+            return d
+        s = (d * m).sum()
+        return (s if level == "sequence" else s / m.sum().clamp(min=1)).expand_as(d)
+
+    tis_low = args["tis_lower_bound"] if args["tis_lower_bound"] is not None else 1.0 / args["tis_upper_bound"]
+    rs_low = args["rs_lower_bound"] if args["rs_lower_bound"] is not None else tis_low
+    rs_high = args["rs_upper_bound"] if args["rs_upper_bound"] is not None else args["tis_upper_bound"]
+    weights, out_masks = [], []
+    for t, r, m in zip(train, rollout, masks):
+        d, keep = t - r, m.clone()
+        lt = level_ratio(d, m, args["tis_level"])
+        w = torch.exp(lt.clamp(-20, 20))
+        if args["tis_mode"] == "truncate":
+            w = w.clamp(0, args["tis_upper_bound"]) * m
+        elif args["tis_mode"] == "clip":
+            w = w.clamp(tis_low, args["tis_upper_bound"]) * m
+        else:
+            keep = m * ((w >= tis_low) & (w <= args["tis_upper_bound"])).float()
+            w = w * m
+        if args["use_rs"]:
+            lr = lt if args["rs_level"] == args["tis_level"] else level_ratio(d, m, args["rs_level"])
+            rw = torch.exp(lr.clamp(-20, 20))
+            keep = keep * ((rw >= rs_low) & (rw <= rs_high)).float()
+            if args["rs_veto_threshold"] is not None:
+                keep = keep * float(not ((d < math.log(args["rs_veto_threshold"])) & m.bool()).any())
+        weights.append(w)
+        out_masks.append(keep)
+    if args["tis_batch_normalize"]:
+        if args["tis_level"] == "token":
+            mean = sum((w * m).sum() for w, m in zip(weights, masks)) / sum(m.sum() for m in masks)
+        else:
+            mean = sum((w * m).sum() / m.sum().clamp(min=1) for w, m in zip(weights, masks)) / len(weights)
+        weights = [w / mean for w in weights]
+    return weights, out_masks
+
+
+@pytest.mark.parametrize("mode", ["truncate", "clip", "mask"])
+@pytest.mark.parametrize("level,rs_level", [("token", "token"), ("sequence", "geometric"), ("geometric", "token")])
+def test_rollout_correction_is_slimes_mis_helper(mode, level, rs_level):
+    """--tis-mode / --tis-level / --use-rs / --rs-level / --rs-veto-threshold / --tis-batch-normalize against slime's
+    MIS helper on 6 samples of random log-ratios (some tokens untrained): each token's multiplier of the policy loss
+    (weight × kept) and the rejection mask are slime's. The batch-normalize mean is tis_mean_parts' (the trainer sums
+    it over micro-batches and ranks); slime has no geometric-level mean, where rollflow takes the samples' as for
+    sequence."""
+    from engine.algorithms.losses import rollout_correction, tis_mean_parts
+
+    g = torch.Generator().manual_seed(7)
+    lens = [5, 3, 6, 2, 4, 7]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    T = sum(lens)
+    old, rollout = -torch.rand(T, generator=g) * 2, -torch.rand(T, generator=g) * 2
+    old[3] = rollout[3] - 12.0  # a catastrophic token (ratio e^-12) in sample 0
+    mask = (torch.rand(T, generator=g) > 0.2).float()
+    mask[3] = 1.0
+    args = dict(tis_mode=mode, tis_level=level, tis_lower_bound=0.6, tis_upper_bound=1.8, use_rs=True,
+                rs_level=rs_level, rs_lower_bound=None, rs_upper_bound=2.5, rs_veto_threshold=1e-4,
+                tis_batch_normalize=level != "geometric")
+    split = lambda x: [x[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]  # noqa: E731
+    s_w, s_keep = _slime_mis(args, split(old), split(rollout), split(mask))
+    kw = dict(mode=mode, level=level, low=0.6, high=1.8, rs=True, rs_level=rs_level, rs_low=0.6, rs_high=2.5,
+              veto=1e-4)
+    scale = 1.0
+    if args["tis_batch_normalize"]:
+        w0, _, _ = rollout_correction(old, rollout, mask, cu, **kw)
+        total, count = tis_mean_parts(w0, mask, cu, level)
+        scale = total / count
+    w, keep, stats = rollout_correction(old, rollout, mask, cu, scale=scale, **kw)
+    torch.testing.assert_close(w * keep * mask, torch.cat(s_w) * torch.cat(s_keep), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(keep * mask, torch.cat(s_keep))
+    assert 0 < float(stats["rs_rejected"]) < float(mask.sum())  # some rejected, not all
+    assert float(stats["rs_vetoed"]) == float(mask[:5].sum())  # sample 0, whole
+    assert float(keep[:5].sum()) == 0.0

@@ -48,10 +48,12 @@ SPECS = [
     LossSpec(policy_loss="cispo", eps_clip=1.0, eps_clip_high=0.3, use_tis=True, tis_clip=1.5, tis_clip_low=0.2),
     LossSpec(eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
              kl_loss_type="k2", per_token_loss=True),
+    LossSpec(use_tis=True, tis_mode="mask", tis_clip_low=0.5, tis_clip=1.5, tis_level="geometric", use_rs=True,
+             rs_level="geometric", rs_low=0.5, rs_high=2.0, rs_veto=0.25),  # (rejects 8 of 14 tokens, vetoes 5)
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["ppo", "gspo", "cispo+tis", "per-token+kl+entropy"])
+@pytest.mark.parametrize("spec", SPECS, ids=["ppo", "gspo", "cispo+tis", "per-token+kl+entropy", "mis+rs+veto"])
 def test_loss_and_gradient_are_the_same_for_any_split(spec):
     b = _batch()
     G, N = 6, float(b["mask"].sum())

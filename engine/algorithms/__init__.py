@@ -2,8 +2,8 @@
 from engine.algorithms.advantages import (ESTIMATORS, compute_advantages, discounted_returns, gae, grpo_advantages,
                                           masked_whiten, reinforce_plus_plus_baseline_advantages,
                                           reinforce_plus_plus_returns, whiten_stats)
-from engine.algorithms.losses import (cispo_policy_loss, gspo_policy_loss, kl, masked_mean, policy_loss, tis_weights,
-                                      value_loss)
+from engine.algorithms.losses import (cispo_policy_loss, gspo_policy_loss, kl, masked_mean, policy_loss,
+                                      rollout_correction, value_loss)
 from engine.algorithms.objective import (LossSpec, StepHooks, aggregate, custom_objective, policy_objective,
                                          sft_objective, step_objective, value_objective)
 
@@ -11,4 +11,4 @@ __all__ = ["ESTIMATORS", "LossSpec", "StepHooks", "aggregate", "cispo_policy_los
            "discounted_returns",
            "gae", "grpo_advantages", "gspo_policy_loss", "kl", "masked_mean", "masked_whiten", "policy_loss",
            "policy_objective", "reinforce_plus_plus_baseline_advantages", "reinforce_plus_plus_returns",
-           "sft_objective", "step_objective", "tis_weights", "value_loss", "value_objective", "whiten_stats"]
+           "rollout_correction", "sft_objective", "step_objective", "value_loss", "value_objective", "whiten_stats"]

@@ -6,6 +6,8 @@ term (the clip fraction metric).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.algorithms.packed import per_sample_mean, sample_sums, segment_ids
@@ -94,27 +96,86 @@ def cispo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
     return -weight.detach() * advantages * log_probs, (weight != ratio).float()
 
 
-def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, *, low: float = 0.0,
-                high: float = 2.0, level: str = "token", mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling against the engine: w = clamp(exp(d), low, high) with d the log-ratio
-    log π_old,train − log π_rollout of each token (level "token"), or over each sample's trained tokens (`mask`,
-    samples by `cu_seqlens`): its sum ("sequence": the ratio of the sequences' probabilities) or its mean
-    ("geometric": their geometric mean), given to every token of the sample.
+#: slime's MIS helper's SAFETY_BOUND: log-ratios are clamped to ±20 before exp (no inf weight, no inf × 0)
+LOG_RATIO_BOUND = 20.0
 
-    Both inputs are constants, so w carries no gradient; the policy loss is multiplied by it token by token.
-    Returns (w [T], clipped [T]).
-    """
+
+def level_log_ratio(d: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, level: str) -> torch.Tensor:
+    """The log-ratio d [T] taken at `level`: each token its own ("token"), or over each sample's trained tokens
+    (`mask`, samples by `cu_seqlens`) their sum ("sequence": the log-ratio of the sequences' probabilities) or
+    their mean ("geometric": of the geometric mean), given to every token of the sample."""
+    if level == "token":
+        return d
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"level {level!r}: token, sequence or geometric")
+    m = mask.float()
+    per = per_sample_mean(d, m, cu_seqlens)  # [S]
+    if level == "sequence":
+        per = per * sample_sums(m, cu_seqlens)
+    return per[segment_ids(cu_seqlens)]
+
+
+def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                       cu_seqlens: torch.Tensor | None, *, tis: bool = True, mode: str = "clip",
+                       level: str = "token", low: float = 0.0, high: float = 2.0, rs: bool = False,
+                       rs_level: str = "token", rs_low: float = 0.5, rs_high: float = 2.0,
+                       veto: float | None = None, scale: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance sampling and rejection sampling against the engine (slime's --use-tis and its MIS helper,
+    examples/train_infer_mismatch_helper/mis.py), from d = log π_old,train − log π_rollout [T], a constant.
+
+    tis: the weight w = exp(d at `level`) bounded by `mode` — "truncate": min(w, high); "clip": clamp(w, low,
+    high); "mask": w kept where low ≤ w ≤ high, the token (a sample at the sequence / geometric level) rejected
+    elsewhere — then divided by `scale` (--tis-batch-normalize's mean weight of the step; 1 without it).
+    rs: a token (sample) whose ratio at `rs_level` lies outside [rs_low, rs_high] is rejected; `veto`: a sample with
+    any trained token of ratio below it is rejected whole. A rejected token's policy loss is dropped; the caller
+    keeps the per-sample denominators (slime). Returns (w [T], keep [T] 0/1, token sums of the trained tokens for
+    metrics: tis_clipfrac (bounded or, mode "mask", rejected by the weight), rs_rejected, rs_vetoed, tis_norm)."""
+    m = mask.float()
     d = old_log_probs.float() - rollout_log_probs.float()  # [T]
-    if level != "token":
-        m = mask.float()
-        per = per_sample_mean(d, m, cu_seqlens)  # [S]
-        if level == "sequence":
-            per = per * sample_sums(m, cu_seqlens)
-        d = per[segment_ids(cu_seqlens)]
-    w = torch.exp(d)
-    clamped = w.clamp(low, high)
-    return clamped, (clamped != w).float()
+    w, keep = torch.ones_like(d), torch.ones_like(d)
+    stats: dict[str, torch.Tensor] = {}
+    lt = None
+    if tis:
+        lt = level_log_ratio(d, m, cu_seqlens, level)
+        raw = torch.exp(lt.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        if mode == "truncate":
+            w = raw.clamp(max=high)
+            bounded = raw > high
+        elif mode == "clip":
+            w = raw.clamp(low, high)
+            bounded = w != raw
+        elif mode == "mask":
+            inside = (raw >= low) & (raw <= high)
+            w, keep, bounded = raw, inside.float(), ~inside
+        else:
+            raise ValueError(f"mode {mode!r}: truncate, clip or mask")
+        stats["tis_clipfrac"] = (bounded.float() * m).sum()
+        if scale != 1.0:
+            w = w / scale
+        stats["tis_norm"] = scale * m.sum()
+    if rs:
+        lr = lt if lt is not None and rs_level == level else level_log_ratio(d, m, cu_seqlens, rs_level)
+        rw = torch.exp(lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        rs_keep = ((rw >= rs_low) & (rw <= rs_high)).float()
+        if veto is not None:  # one catastrophic token (ratio < veto) takes its whole sample out
+            bad = sample_sums(((d < math.log(veto)) & (m > 0)).float(), cu_seqlens) > 0  # [S]
+            vetoed = bad[segment_ids(cu_seqlens)].float()
+            stats["rs_vetoed"] = (vetoed * m).sum()
+            rs_keep = rs_keep * (1 - vetoed)
+        stats["rs_rejected"] = ((1 - rs_keep) * m).sum()
+        keep = keep * rs_keep
+    return w, keep, stats
+
+
+def tis_mean_parts(w: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, level: str) -> tuple[float, float]:
+    """(Σ, count) of --tis-batch-normalize's mean over one micro-batch: the weights of the trained tokens (level
+    token), or one weight per sample with a trained token (sequence, geometric: the same on all its tokens)."""
+    m = mask.float()
+    if level == "token":
+        return float((w * m).sum()), float(m.sum())
+    has = sample_sums(m, cu_seqlens) > 0  # [S]
+    return float(per_sample_mean(w, m, cu_seqlens)[has].sum()), float(has.sum())
 
 
 def mis_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, *, low: float = 0.5,

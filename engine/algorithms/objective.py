@@ -18,7 +18,8 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
-from engine.algorithms.losses import cispo_policy_loss, gspo_policy_loss, kl, policy_loss, tis_weights, value_loss
+from engine.algorithms.losses import (cispo_policy_loss, gspo_policy_loss, kl, policy_loss, rollout_correction,
+                                      value_loss)
 from engine.algorithms.packed import per_sample_mean, response_spans, segment_ids
 
 
@@ -40,6 +41,12 @@ class LossSpec:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     tis_level: str = "token"  # --tis-level
+    tis_mode: str = "clip"  # --tis-mode
+    use_rs: bool = False  # --use-rs: rejection sampling (slime's MIS helper)
+    rs_level: str = "token"
+    rs_low: float = 0.5  # --rs-lower-bound, resolved (RunConfig.rs_bounds)
+    rs_high: float = 2.0
+    rs_veto: float | None = None  # --rs-veto-threshold
     mismatch_metrics: bool = False  # --get-mismatch-metrics: the custom TIS function runs without --use-tis
     use_opsm: bool = False
     opsm_delta: float = 1e-4
@@ -55,7 +62,9 @@ class LossSpec:
                    eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c, entropy_coef=cfg.entropy_coef,
                    use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
                    unbiased_kl=cfg.use_unbiased_kl, use_tis=cfg.use_tis, tis_clip=cfg.tis_clip,
-                   tis_clip_low=cfg.tis_clip_low, tis_level=cfg.tis_level, mismatch_metrics=cfg.get_mismatch_metrics,
+                   tis_clip_low=cfg.tis_clip_low, tis_level=cfg.tis_level, tis_mode=cfg.tis_mode, use_rs=cfg.use_rs,
+                   rs_level=cfg.rs_level, rs_low=cfg.rs_bounds[0], rs_high=cfg.rs_bounds[1],
+                   rs_veto=cfg.rs_veto_threshold, mismatch_metrics=cfg.get_mismatch_metrics,
                    use_opsm=cfg.use_opsm, opsm_delta=cfg.opsm_delta,
                    per_token_loss=cfg.calculate_per_token_loss, value_clip=cfg.value_clip,
                    advantages=not cfg.disable_compute_advantages_and_returns)
@@ -99,8 +108,8 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
                      old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
                      rollout_log_probs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
                      cu_seqlens: torch.Tensor, denominator: float, tis: Hook | None = None,
-                     pg_reducer: Hook | None = None, response_lengths: list[int] | None = None
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+                     pg_reducer: Hook | None = None, response_lengths: list[int] | None = None,
+                     tis_scale: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(loss share, token sums for metrics, per-sample loss [S]) of one packed micro-batch.
 
     log_probs, entropy [T] carry gradients; old_log_probs (trainer, before the rollout's first update),
@@ -108,6 +117,9 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
     tis: --custom-tis-function-path's Hook, which then weights the policy loss in place of --use-tis's clamp
     (custom_tis); pg_reducer: --custom-pg-loss-reducer-function-path's, which then aggregates the policy-gradient
     term alone (reduced_pg; entropy and KL keep the default aggregate). Both need the samples' response_lengths.
+    --use-tis / --use-rs without a hook: losses.rollout_correction's weight and rejection (tis_scale: the step's
+    --tis-batch-normalize factor, which the trainer computed over all micro-batches and ranks); a rejected token's
+    policy loss is dropped while its sample's token count stays, as slime.
     """
     m = loss_mask
     if spec.policy_loss == "gspo":
@@ -133,11 +145,14 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
                                             response_lengths=response_lengths)
         stats.update(tis_stats)
         pg_mask = pg_mask * m  # never a token the loss mask leaves out
-    elif spec.use_tis:
-        w, tis_clipped = tis_weights(old_log_probs, rollout_log_probs, low=spec.tis_clip_low, high=spec.tis_clip,
-                                     level=spec.tis_level, mask=m, cu_seqlens=cu_seqlens)
-        pg = pg * w  # [T]
-        stats["tis_clipfrac"] = (tis_clipped * m).sum()
+    elif spec.use_tis or spec.use_rs:
+        w, keep, tis_stats = rollout_correction(
+            old_log_probs, rollout_log_probs, m, cu_seqlens, tis=spec.use_tis, mode=spec.tis_mode,
+            level=spec.tis_level, low=spec.tis_clip_low, high=spec.tis_clip, rs=spec.use_rs, rs_level=spec.rs_level,
+            rs_low=spec.rs_low, rs_high=spec.rs_high, veto=spec.rs_veto, scale=tis_scale)
+        pg = pg * w * keep  # [T]
+        pg_mask = m * keep
+        stats.update(tis_stats)
     if ref_log_probs is None:
         kl_t = torch.zeros_like(pg)
     else:  # --use-unbiased-kl: weighted by π/π_old (with its gradient), as slime
@@ -291,7 +306,7 @@ def step_objective(spec: LossSpec, *, hooks: StepHooks | None, sample_ids: list[
                    log_probs: torch.Tensor, entropy: torch.Tensor, old_log_probs: torch.Tensor | None,
                    ref_log_probs: torch.Tensor | None, rollout_log_probs: torch.Tensor, advantages: torch.Tensor,
                    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float,
-                   response_lengths: list[int] | None = None
+                   response_lengths: list[int] | None = None, tis_scale: float = 1.0
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The --loss-type's (loss share, stats, per-sample losses) of one packed micro-batch: the one dispatch every
     train backend calls, with the run's StepHooks (None: none set); old_log_probs may be None only for sft_loss,
@@ -313,7 +328,7 @@ def step_objective(spec: LossSpec, *, hooks: StepHooks | None, sample_ids: list[
         fn, path, args = hooks.custom_loss
         return custom_objective(fn, path, args, spec, sample_ids=sample_ids, **tensors)
     return policy_objective(spec, **tensors, tis=hooks.tis, pg_reducer=hooks.pg_reducer,
-                            response_lengths=response_lengths)
+                            response_lengths=response_lengths, tis_scale=tis_scale)
 
 
 def value_objective(spec: LossSpec, *, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

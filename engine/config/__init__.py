@@ -13,6 +13,7 @@ from pydantic import ValidationInfo, model_validator
 
 from engine.config.algorithm import AlgorithmArgs
 from engine.config.base import config_error
+from engine.config.base import flag as flag_of
 from engine.config.checkpoint import CheckpointArgs
 from engine.config.cluster import ClusterArgs
 from engine.config.data import DataArgs
@@ -84,6 +85,10 @@ RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "tool_
 #: what shards the Megatron backend's optimizer checkpoint (megatron-core's dp_reshardable format): a resume that
 #: changes one loads the weights (they reshard) only with --no-load-optim, unless the checkpoint was saved with
 #: --dist-ckpt-optim-fully-reshardable
+#: --custom-config-path keys of slime's MIS helper (examples/train_infer_mismatch_helper/mis.yaml) that are
+#: rollflow's flags under another name: they set the flag and stay custom arguments (its functions read them)
+CUSTOM_CONFIG_FLAG_ALIASES = {"tis_lower_bound": "tis_clip_low", "tis_upper_bound": "tis_clip"}
+
 MEGATRON_OPTIM_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 
 
@@ -203,9 +208,40 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
     @classmethod
     def _read_custom_config(cls, data: Any, info: ValidationInfo) -> Any:
         """--custom-config-path: its YAML mapping into --custom-config (read once, on the driver; a dumped config
-        carries the values). Keys that are rollflow flags or `args`' own attributes are refused."""
+        carries the values). A key that is a rollflow flag sets that flag, as slime's setattr does (slime's MIS
+        helper's mis.yaml sets use_tis, tis_level, tis_mode, use_rs …; its tis_lower_bound / tis_upper_bound set
+        --tis-clip-low / --tis-clip and stay custom arguments too); the same flag given elsewhere with another
+        value is an error. Keys that are `args`' own attributes are refused (_custom_config_keys)."""
         if not isinstance(data, dict):
             return data
+        data = cls._read_custom_config_file(data, info)
+        custom = data.get("custom_config")
+        if isinstance(custom, str):  # the inline JSON (its errors are the field's own validator's)
+            try:
+                custom = json.loads(custom)
+            except ValueError:
+                return data
+        if not isinstance(custom, dict) or (info.context or {}).get("dumped"):
+            return data
+        src = f"--custom-config-path {data['custom_config_path']}" if data.get("custom_config_path") \
+            else "--custom-config"
+        fields, flags_set, kept = cls.model_fields, {}, {}
+        for key, value in custom.items():
+            target = key if key in fields else CUSTOM_CONFIG_FLAG_ALIASES.get(key)
+            if target is None or (key not in fields and value is None):
+                kept[key] = value
+                continue
+            if key not in fields:  # slime's own name, which its functions read: kept as a custom argument too
+                kept[key] = value
+            if target in data and data[target] != value or target in flags_set and flags_set[target] != value:
+                raise config_error(f"{src} sets {key}: {value!r}, and {flag_of(target)} is also given as "
+                                   f"{data.get(target, flags_set.get(target))!r}", f"give {flag_of(target)} once",
+                                   field=target, value=value)
+            flags_set[target] = value
+        return {**data, **flags_set, "custom_config": kept}
+
+    @classmethod
+    def _read_custom_config_file(cls, data: dict, info: ValidationInfo) -> dict:
         path = data.get("custom_config_path")
 
         def error(what: str, fix: str):
@@ -445,10 +481,10 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         from engine.rollout.hooks import HOOK_ARGS_OWN
 
         taken = sorted(k for k in self.custom_config if k in type(self).model_fields or k in HOOK_ARGS_OWN)
-        if taken:
+        if taken:  # (a flag's key became the flag in _read_custom_config: one left here came from a dump)
             src = f"--custom-config-path {self.custom_config_path}" if self.custom_config_path else "--custom-config"
             raise config_error(f"{src} sets {', '.join(taken)}, which " + (
-                "are rollflow flags: a custom argument cannot change them" if taken[0] in type(self).model_fields
+                "are rollflow flags" if taken[0] in type(self).model_fields
                 else "hooks' args already hold (engine, tokenizer, …)"),
                 "rename them, or set flags in --config / on the command line", field="custom_config",
                 value=taken)

@@ -100,7 +100,7 @@ class AlgorithmArgs(Section):
     """Whiten advantages over the trained tokens of the whole rollout (all DP ranks): (A − mean) / std."""
 
     use_tis: bool = False
-    """Truncated importance sampling: weight each token's policy loss by clamp(π_train_old / π_rollout, low, high)."""
+    """Truncated importance sampling against the engine: weight each token's policy loss by the ratio π_train_old / π_rollout (at --tis-level), bounded by --tis-mode to [--tis-clip-low, --tis-clip]."""
 
     tis_clip: float = Field(2.0, gt=0)
     """Upper bound of the TIS weight (with --use-tis, or a --custom-tis-function-path, which may read it)."""
@@ -109,7 +109,28 @@ class AlgorithmArgs(Section):
     """Lower bound of the TIS weight (with --use-tis, or a --custom-tis-function-path, which may read it)."""
 
     tis_level: Literal["token", "sequence", "geometric"] = "token"
-    """What --use-tis's ratio π_train_old / π_rollout is taken over (slime's flag): token (each token its own), sequence (the product over the sample's trained tokens: exp of the summed log-ratio) or geometric (its geometric mean: exp of the mean log-ratio); sequence and geometric weigh every token of a sample alike. The weight is clamped to [--tis-clip-low, --tis-clip] after. Needs --use-tis (a --custom-tis-function-path computes its own weights)."""
+    """What --use-tis's ratio π_train_old / π_rollout is taken over (slime's flag): token (each token its own), sequence (the product over the sample's trained tokens: exp of the summed log-ratio) or geometric (its geometric mean: exp of the mean log-ratio); sequence and geometric weigh every token of a sample alike. The weight is bounded after, as --tis-mode says. Needs --use-tis (a --custom-tis-function-path may read it)."""
+
+    tis_mode: Literal["clip", "truncate", "mask"] = "clip"
+    """How --use-tis bounds its weight w (the ratio at --tis-level): clip, clamp(w, --tis-clip-low, --tis-clip) (slime's --use-tis; at the default low 0 it is truncate); truncate, min(w, --tis-clip); mask, w itself where --tis-clip-low ≤ w ≤ --tis-clip and the token (at the sequence / geometric level, the sample) rejected elsewhere: its policy loss is dropped while its sample's token count stays (slime's MIS helper's tis_mode). Needs --use-tis (a --custom-tis-function-path may read it)."""
+
+    use_rs: bool = False
+    """Rejection sampling against the engine (slime's MIS helper's use_rs): a token (at --rs-level sequence / geometric, the whole sample) whose ratio π_train_old / π_rollout lies outside [--rs-lower-bound, --rs-upper-bound], or a sample with a token below --rs-veto-threshold, is rejected: its policy loss is dropped while its sample's token count stays, as slime. With --use-tis the kept tokens keep their weight; alone, their weight is 1. Unlike --use-mis, which takes the masked tokens out of the token counts and advantages too. Logged as train/rs_rejected (train/rs_vetoed)."""
+
+    rs_level: Literal["token", "sequence", "geometric"] = "token"
+    """What --use-rs's ratio is taken over, as --tis-level: each token, the product over the sample's trained tokens, or their geometric mean. Needs --use-rs."""
+
+    rs_lower_bound: Optional[float] = Field(None, gt=0)
+    """Lower bound of --use-rs's ratio (default: --tis-clip-low where above 0, else 1 / --tis-clip, as slime's MIS helper). Needs --use-rs."""
+
+    rs_upper_bound: Optional[float] = Field(None, gt=0)
+    """Upper bound of --use-rs's ratio (default: --tis-clip). Needs --use-rs."""
+
+    rs_veto_threshold: Optional[float] = Field(None, gt=0, lt=1)
+    """With --use-rs: a sample with any trained token whose ratio π_train_old / π_rollout is below this (slime's mis.yaml: 1e-4) is rejected whole (slime's catastrophic-token veto); logged as train/rs_vetoed, the share of trained tokens in such samples."""
+
+    tis_batch_normalize: bool = False
+    """Divide --use-tis's bounded weights by their mean, so that they average 1 (slime's MIS helper's tis_batch_normalize): over the trained tokens (--tis-level token) or the samples (sequence, geometric) of the whole optimizer step, all DP ranks (slime takes the mean of one micro-batch; over the step the loss stays the same for any micro-batch split). Needs the old log-probs before the step (the torch backend's on-policy shortcut is off with it). Logged as train/tis_norm, the mean it divided by."""
 
     get_mismatch_metrics: bool = False
     """Call --custom-tis-function-path on every micro-batch even without --use-tis, for its train–inference mismatch metrics (slime's flag; the function decides what it does to the loss, e.g. slime's MIS helper returns it unchanged when args.use_tis is off). Needs --custom-tis-function-path."""
@@ -130,7 +151,7 @@ class AlgorithmArgs(Section):
     """Upper bound of the MIS ratio: tokens above it are masked (with --use-mis, or a --custom-tis-function-path, which may read it)."""
 
     use_rollout_logprobs: bool = False
-    """Use the engine's rollout log-probs as the old policy's (slime's flag): no old-log-prob forward per rollout, the ratio is π/π_rollout. train/mismatch is still reported (torch: from the train step's own forward on the same weights; megatron still runs a no-grad forward for it). Not with --use-tis / --use-mis (their weight π_old/π_rollout would be 1). The run's first step still computes them (RF01 checks the policy against the reference there). Without this flag, a rollout with one optimizer step on the torch backend (and no --use-mis or --kl-coef) takes the old log-probs from the train step's own forward: no extra forward, the same numbers."""
+    """Use the engine's rollout log-probs as the old policy's (slime's flag): no old-log-prob forward per rollout, the ratio is π/π_rollout. train/mismatch is still reported (torch: from the train step's own forward on the same weights; megatron still runs a no-grad forward for it). Not with --use-tis / --use-mis / --use-rs (their ratio π_old/π_rollout would be 1). The run's first step still computes them (RF01 checks the policy against the reference there). Without this flag, a rollout with one optimizer step on the torch backend (and no --use-mis or --kl-coef) takes the old log-probs from the train step's own forward: no extra forward, the same numbers."""
 
     use_routing_replay: bool = False
     """Routing replay for a mixture of experts (slime's flag; GSPO's, arXiv 2507.18071): the experts each token was routed to in the policy's no-grad forward before the steps (the old policy's) are the ones every training forward of that rollout uses, so the importance ratio compares one routing; their weights are the current router's probabilities at those experts (renormalised where the model renormalises), so the router still trains. That forward then runs also under --use-rollout-logprobs. Where the rollout's only step runs on the old policy's weights (the torch backend's on-policy step without that forward), its own routing is the old one and nothing is replayed. Models: Qwen2-MoE, Qwen3-MoE and Mixtral (torch and megatron backends); not with --loss-type sft_loss or --disable-compute-advantages-and-returns (no old policy), --log-probs-max-tokens-per-gpu (its forwards pack other micro-batches), nor Megatron's pipeline parallelism with --recompute-activations (a recomputed forward runs after later micro-batches' have started). Under Megatron's pipeline parallelism each stage replays its own layers, under sequence parallelism each TP rank its own tokens. The engine's own routing is --use-rollout-routing-replay."""
@@ -181,7 +202,7 @@ class AlgorithmArgs(Section):
             ("--rollout-data-postprocess-path", self.rollout_data_postprocess_path),
             (f"--advantage-estimator {self.advantage_estimator}", self.advantage_estimator == "ppo"),
             ("--use-kl-loss", self.use_kl_loss), ("--kl-coef", self.kl_coef > 0), ("--log-kl", self.log_kl),
-            ("--use-tis", self.use_tis), ("--use-mis", self.use_mis),
+            ("--use-tis", self.use_tis), ("--use-mis", self.use_mis), ("--use-rs", self.use_rs),
             ("--use-rollout-logprobs", self.use_rollout_logprobs),
             ("--normalize-advantages", self.normalize_advantages),
             ("--disable-grpo-std-normalization", self.disable_grpo_std_normalization),
@@ -213,8 +234,8 @@ class AlgorithmArgs(Section):
             raise err("--disable-grpo-std-normalization with --disable-rewards-normalization: no normalisation runs, "
                       "so there is no std to leave out", "drop --disable-grpo-std-normalization",
                       field="disable_grpo_std_normalization")
-        if self.use_rollout_logprobs and (self.use_tis or self.use_mis):
-            which = "--use-tis" if self.use_tis else "--use-mis"
+        if self.use_rollout_logprobs and (self.use_tis or self.use_mis or self.use_rs):
+            which = "--use-tis" if self.use_tis else "--use-mis" if self.use_mis else "--use-rs"
             raise err(f"--use-rollout-logprobs with {which}: the old policy would be the rollout's, so the "
                       f"importance weight π_old / π_rollout is 1 on every token and {which} does nothing",
                       f"drop --use-rollout-logprobs to correct with {which}, or drop {which}",
@@ -267,12 +288,10 @@ class AlgorithmArgs(Section):
         if self.use_opsm and self.loss_type != "policy_loss":
             raise err(f"--use-opsm masks the policy loss, which --loss-type {self.loss_type} does not compute",
                       "--loss-type policy_loss, or drop --use-opsm", field="use_opsm", value=True)
-        if self.tis_level != "token" and (not self.use_tis or self.custom_tis_function_path):
-            raise err(f"--tis-level {self.tis_level} sets what --use-tis's built-in weight is taken over: " + (
-                "--custom-tis-function-path computes its own weights" if self.custom_tis_function_path
-                else "without --use-tis there is none") + ", so it would do nothing",
-                "drop --tis-level" + ("" if self.custom_tis_function_path else ", or add --use-tis"),
-                field="tis_level", value=self.tis_level)
+        if self.tis_level != "token" and not self.use_tis and not self.custom_tis_function_path:
+            raise err(f"--tis-level {self.tis_level} sets what --use-tis's weight is taken over: without "
+                      "--use-tis there is none, so it would do nothing", "drop --tis-level, or add --use-tis",
+                      field="tis_level", value=self.tis_level)
         if self.mis_low >= self.mis_high:
             raise err(f"--mis-low {self.mis_low} is not below --mis-high {self.mis_high}",
                       "--mis-low 0.5 --mis-high 2.0 (the defaults)", field="mis_low", value=self.mis_low)
@@ -311,8 +330,47 @@ class AlgorithmArgs(Section):
             raise err(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}",
                       f"--tis-clip-low below {self.tis_clip} (default 0.0)", field="tis_clip_low",
                       value=self.tis_clip_low)
+        self._rollout_correction_consistent(err)
         self._idle_settings_consistent(err)
         return self
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """--use-rs's (lower, upper) bounds, their defaults resolved as slime's MIS helper does."""
+        high = self.rs_upper_bound if self.rs_upper_bound is not None else self.tis_clip
+        if self.rs_lower_bound is not None:
+            return self.rs_lower_bound, high
+        return (self.tis_clip_low if self.tis_clip_low > 0 else 1.0 / self.tis_clip), high
+
+    def _rollout_correction_consistent(self, err) -> None:
+        """--tis-mode, --use-rs and their settings, --tis-batch-normalize: each refused where it would do nothing.
+        A --custom-tis-function-path may read any of them (slime's MIS helper does), so none is idle with one."""
+        custom = bool(self.custom_tis_function_path)
+        if (mode := self.changed("tis_mode")) and not (self.use_tis or custom):
+            raise err(f"{given(mode)} without --use-tis would do nothing: it bounds the TIS weight, which is 1 with "
+                      "it off", "add --use-tis, or drop --tis-mode", field="tis_mode", value=self.tis_mode)
+        if self.tis_mode == "truncate" and self.use_tis and not custom and self.changed("tis_clip_low") \
+                and not (self.use_rs and self.rs_lower_bound is None):
+            raise err(f"--tis-clip-low {self.tis_clip_low} with --tis-mode truncate would do nothing: truncate "
+                      "bounds the weight from above only", "--tis-mode clip to clamp from below too, or drop "
+                      "--tis-clip-low", field="tis_clip_low", value=self.tis_clip_low)
+        if self.use_rs and self.loss_type != "policy_loss":
+            raise err(f"--use-rs rejects tokens from the policy loss, which --loss-type {self.loss_type} does not "
+                      "compute", "--loss-type policy_loss, or drop --use-rs", field="use_rs", value=True)
+        if not (self.use_rs or custom) and (idle := self.changed("rs_level", "rs_lower_bound", "rs_upper_bound",
+                                                                  "rs_veto_threshold")):
+            raise err(f"{given(idle)} without --use-rs would do nothing: they set rejection sampling",
+                      f"add --use-rs, or drop {flags(idle)}", field=next(iter(idle)), value=idle)
+        low, high = self.rs_bounds
+        if self.use_rs and low >= high:
+            raise err(f"--use-rs's lower bound {low} is not below its upper bound {high} (--rs-lower-bound "
+                      f"{self.rs_lower_bound}, --rs-upper-bound {self.rs_upper_bound}; unset, they follow "
+                      "--tis-clip-low / --tis-clip)", "--rs-lower-bound 0.5 --rs-upper-bound 2.0",
+                      field="rs_lower_bound", value=low)
+        if self.tis_batch_normalize and not (self.use_tis or custom):
+            raise err("--tis-batch-normalize without --use-tis would do nothing: it normalises the TIS weights, "
+                      "which are 1 with it off", "add --use-tis, or drop --tis-batch-normalize",
+                      field="tis_batch_normalize", value=True)
 
     def _idle_settings_consistent(self, err) -> None:
         """Settings of a term the configuration does not compute would do nothing: the critic's (ppo only), γ and λ

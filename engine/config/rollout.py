@@ -124,7 +124,7 @@ class RolloutArgs(Section):
     """Where prompts come from (slime's hook): a class built as cls(args) with get_samples(num_prompts) -> list of groups of n Samples; state_dict() / load_state_dict(d) make it resumable. Default: --prompt-data."""
 
     custom_config_path: Optional[str] = None
-    """A YAML file of arguments for your own functions (slime's flag): each top-level key becomes an attribute of the `args` every hook gets (rollout hooks, reward, loss, advantage and Megatron hooks), e.g. `max_turns: 4` → args.max_turns. Read once when the run's flags are, on the driver; the values travel in the run's config (--custom-config). A key that is a rollflow flag is refused (set flags in --config or on the command line)."""
+    """A YAML file of arguments for your own functions (slime's flag): each top-level key becomes an attribute of the `args` every hook gets (rollout hooks, reward, loss, advantage and Megatron hooks), e.g. `max_turns: 4` → args.max_turns. Read once when the run's flags are, on the driver; the values travel in the run's config (--custom-config). A key that is a rollflow flag sets that flag, as slime's does (slime's examples/train_infer_mismatch_helper/mis.yaml sets --use-tis, --tis-mode, --use-rs …; its tis_lower_bound / tis_upper_bound set --tis-clip-low / --tis-clip and stay arguments too); the flag given elsewhere with another value is an error."""
 
     custom_config: dict[str, Any] = {}
     """The same arguments given inline as a JSON object (or filled from --custom-config-path); recorded with the run's flags, so a resume or another node sees the values the run started with."""

@@ -163,3 +163,28 @@ def markdown() -> str:
     for name, (why, instead) in sorted(NOT_TAKEN.items()):
         rows.append(f"| `--{name}` | {why.replace('|', chr(92) + '|')} | {instead.replace('|', chr(92) + '|')} |")
     return "\n".join(rows) + "\n"
+
+
+#: slime's functions a --custom-*-path may name whose work rollflow builds in: (module prefix, what to do instead)
+SLIME_FUNCTIONS = (
+    ("examples.train_infer_mismatch_helper", "slime's MIS helper (examples/train_infer_mismatch_helper/mis.py) is "
+     "built into rollflow: drop --custom-tis-function-path and keep --custom-config-path mis.yaml, whose keys are "
+     "rollflow's flags (--use-tis, --tis-mode, --tis-level, --use-rs, --rs-level, --rs-veto-threshold, "
+     "--tis-batch-normalize; tis_lower_bound / tis_upper_bound set --tis-clip-low / --tis-clip); docs/algorithms.md"),
+)
+
+
+def slime_import_fix(exc: BaseException, path: str = "") -> str | None:
+    """The fix for a --custom-*-path function that needs slime itself (a ModuleNotFoundError naming a slime module,
+    e.g. slime's MIS helper importing slime.backends.megatron_utils.cp_utils), or None for any other error."""
+    if not isinstance(exc, ModuleNotFoundError):
+        return None
+    missing = exc.name or ""
+    dotted = path.replace("/", ".").replace(".py:", ".")
+    for prefix, fix in SLIME_FUNCTIONS:
+        if prefix in dotted or missing.startswith(prefix):
+            return fix
+    if missing != "slime" and not missing.startswith("slime."):
+        return None
+    return (f"the function needs slime's module {missing}, which rollflow does not ship: copy what it uses from "
+            "slime into your module (rollflow's contracts for these hooks are slime's; docs/hooks.md)")

@@ -56,11 +56,14 @@ class HookError(DiagnosisError):
 
     @classmethod
     def of(cls, flag: str, path: str, what: str, exc: BaseException | None = None) -> "HookError":
+        from engine.config.slime_flags import slime_import_fix
+
         tb = "".join(traceback.format_exception(exc)).rstrip() if exc is not None else ""
         return cls(Diagnosis(code="HOOK", severity="error",
                              what=f"{flag} {path!r} {what}" + (f"\n{tb}" if tb else ""),
-                             fix=f"fix the function behind {flag} (the traceback above is the hook's own), or drop the "
-                                 "flag; a hook error is not retried: it would fail the same way",
+                             fix=(exc is not None and slime_import_fix(exc, path)) or
+                             f"fix the function behind {flag} (the traceback above is the hook's own), or drop the "
+                             "flag; a hook error is not retried: it would fail the same way",
                              facts={"flag": flag, "path": path, "traceback": tb}))
 
 

@@ -116,9 +116,15 @@ METRICS: list[MetricDoc] = [
     MetricDoc("train/kl", None, "KL to the frozen reference (`--ref-load`, else the initial weights), token mean, "
                                 "`--kl-loss-type`; logged every rollout with a KL term (`--use-kl-loss`, "
                                 "`--kl-coef`) or `--log-kl`, else on the run's first step only (RF01)"),
-    MetricDoc("train/tis_clipfrac", None, "`--use-tis`: share of tokens whose importance weight was clipped (with "
-                                          "`--custom-tis-function-path`: the function's own `tis_clipfrac`, if it "
-                                          "returns one)"),
+    MetricDoc("train/tis_clipfrac", None, "`--use-tis`: share of the trained tokens whose importance weight was "
+                                          "bounded (`--tis-mode mask`: rejected; with `--custom-tis-function-path`: "
+                                          "the function's own `tis_clipfrac`, if it returns one)"),
+    MetricDoc("train/tis_norm", None, "`--tis-batch-normalize`: the step's mean bounded TIS weight, which the "
+                                      "weights were divided by"),
+    MetricDoc("train/rs_rejected", None, "`--use-rs`: share of the trained tokens rejected from the policy loss "
+                                         "(ratio outside the bounds, or a vetoed sample)"),
+    MetricDoc("train/rs_vetoed", None, "`--rs-veto-threshold`: share of the trained tokens in samples rejected "
+                                       "whole for a token below it"),
     MetricDoc("train/tis_<key>", None, "`--custom-tis-function-path`: a per-token metric the function returned "
                                        "(`tis_<key>`, or `<key>` itself when it starts with tis, e.g. train/tis and "
                                        "train/tis_abs of examples/hooks.py:icepop), the mean over the trained tokens"),

@@ -633,7 +633,7 @@ class MegatronBackend:
                                             entropy=ent, old_log_probs=a["old"], ref_log_probs=a["ref"],
                                             rollout_log_probs=a["rollout"], advantages=a["adv"],
                                             loss_mask=a["mask"], cu_seqlens=a["cu"], denominator=denom,
-                                            response_lengths=mb.response_lengths)
+                                            response_lengths=mb.response_lengths, tis_scale=mb.tis_scale)
             with torch.no_grad():
                 zero = torch.zeros((), device=lp.device)
                 dev_ratio = ((torch.exp(lp - a["old"]) - 1).abs() * a["mask"]).max() \

@@ -47,9 +47,9 @@ from engine.train.routing import Routes, TorchRouters, rollout_indices
 
 #: token sums reported by a train step, reduced as Σ over ranks / Σ tokens (engine.train.backend.reduce_metrics)
 TOKEN_METRICS = ("pg_loss", "entropy", "kl", "clipfrac", "ratio", "tis_clipfrac")
-#: token sums this backend reports: the policy loss's, --loss-type sft_loss's negative log-likelihood, and the
-#: tokens --use-opsm masked
-SUMMED = (*TOKEN_METRICS, "nll", "opsm_masked")
+#: token sums this backend reports: the policy loss's, --loss-type sft_loss's negative log-likelihood, the
+#: tokens --use-opsm masked and those --use-rs rejected (keys starting "tis" are reported too)
+SUMMED = (*TOKEN_METRICS, "nll", "opsm_masked", "rs_rejected", "rs_vetoed")
 
 
 def create(cfg, *, rank: int, world_size: int, master: str | None, train_iters: int, device: str) -> "TorchBackend":
@@ -348,7 +348,7 @@ class TorchBackend:
                               entropy=ent, old_log_probs=old, ref_log_probs=ref,
                               rollout_log_probs=mb.rollout_log_probs.to(dev), advantages=mb.advantages.to(dev),
                               loss_mask=mask, cu_seqlens=mb.cu_seqlens.to(dev), denominator=denom,
-                              response_lengths=mb.response_lengths)
+                              response_lengths=mb.response_lengths, tis_scale=mb.tis_scale)
 
     def _non_finite_step(self, mbs: list[MicroBatch], bad_ids: list[int], loss_total: float,
                          grad_norm: float) -> None:

@@ -212,10 +212,11 @@ class TrainWorker:
                 raise ValueError("old_from 'none' is for --loss-type sft_loss (or "
                                  "--disable-compute-advantages-and-returns)")
             return self._set_supervised(steps)
-        if old_from == "train" and (len(steps) != 1 or cfg.use_mis or cfg.kl_coef > 0
+        if old_from == "train" and (len(steps) != 1 or cfg.use_mis or cfg.kl_coef > 0 or cfg.tis_batch_normalize
                                     or cfg.custom_advantage_function_path):
             raise ValueError("old log-probs from the train step need one optimizer step per rollout, no --use-mis, "
-                             "--kl-coef 0 and no --custom-advantage-function-path (they are used before the step)")
+                             "no --tis-batch-normalize, --kl-coef 0 and no --custom-advantage-function-path (they "
+                             "are used before the step)")
         self.old_from = old_from
         # a backend that keeps its train step's log-probs (torch) reports the mismatch from step 0's forward;
         # others (Megatron) still run the forward for it under --use-rollout-logprobs
@@ -272,6 +273,8 @@ class TrainWorker:
                         kept = mis_mask(self.old[k][j], mb.rollout_log_probs, low=cfg.mis_low, high=cfg.mis_high)
                         mis_masked += float((mb.loss_mask * (1 - kept)).sum())
                         mb.loss_mask = mb.loss_mask * kept
+            if cfg.tis_batch_normalize and not cfg.custom_tis_function_path:
+                self._tis_scales(steps)
             self.ref = [self._forward_only(lambda m: self.backend.compute_log_probs(m, ref=True), mbs)
                         for mbs in steps] if need_ref else None
             self.values = [self._forward_only(self.critic.compute_values, mbs) for mbs in steps] if self.critic else []
@@ -323,6 +326,29 @@ class TrainWorker:
         facts.update(opd)
         facts.update(post)
         return facts
+
+    def _tis_scales(self, steps: list[list[MicroBatch]]) -> None:
+        """--tis-batch-normalize: each step's mean bounded TIS weight, over its trained tokens (--tis-level token)
+        or its samples with a trained token (sequence, geometric: one weight each), all DP ranks; set on the step's
+        micro-batches (`tis_scale`), which the objective divides the weights by. A mean ≤ 1e-8 leaves them (slime)."""
+        import torch
+
+        from engine.algorithms.losses import rollout_correction, tis_mean_parts
+
+        cfg = self.cfg
+        sums = torch.zeros(len(steps), 2, dtype=torch.float64)  # [K, (Σ w, count)]
+        for k, mbs in enumerate(steps):
+            for j, mb in enumerate(mbs):
+                w, _, _ = rollout_correction(self.old[k][j], mb.rollout_log_probs, mb.loss_mask, mb.cu_seqlens,
+                                             mode=cfg.tis_mode, level=cfg.tis_level, low=cfg.tis_clip_low,
+                                             high=cfg.tis_clip)
+                sums[k] += torch.tensor(tis_mean_parts(w, mb.loss_mask, mb.cu_seqlens, cfg.tis_level),
+                                        dtype=torch.float64)
+        sums = self._all_reduce(sums)
+        for k, mbs in enumerate(steps):
+            mean = float(sums[k, 0] / sums[k, 1]) if sums[k, 1] > 0 else 0.0
+            for mb in mbs:
+                mb.tis_scale = mean if mean > 1e-8 else 1.0
 
     def _forward_only(self, compute, mbs: list[MicroBatch]):
         """compute(micro-batches) → one per-token [T] result per micro-batch (or a tuple of such lists), run over
