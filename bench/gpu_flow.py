@@ -316,8 +316,9 @@ def main() -> int:
     common = ["--colocate", "--train-backend", a.backend] + (["--bf16"] if a.bf16 else []) + a.extra.split()
     if a.mode == "demo":
         n = a.num_rollout or 40
+        ck = Path(os.environ.get("BENCH_WORK", "/tmp/rollflow_gpu_flow")) / f"ck_{a.backend}"
         run(f"demo_{a.backend}_{precision}", ["--config", "examples/demo.yaml", *common, "--num-rollout", str(n),
-                                                "--save", f"/tmp/rollflow_gpu_flow/ck_{a.backend}"], out, a.timeout,
+                                                "--save", str(ck)], out, a.timeout,
             {"train_backend": a.backend, "precision": precision, "model": "bundled tiny Qwen2 (examples/)"},
             part=a.part)
     elif a.mode == "tool":  # the multi-turn tool example: a generate hook, tool tokens masked out of the loss

@@ -7,7 +7,7 @@
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 #          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
-#          | s41-reshardable | s41-sp | s42-mis
+#          | s41-reshardable | s41-sp | s42
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -379,27 +379,59 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
         --part "_r3" --extra "--rollout-max-truncated-share 1 --rollout-max-response-len 24 \
 --hf-checkpoint $BENCH_WORK/qwen3moe --use-rollout-routing-replay"
       wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
-    s42-mis)  # slime's MIS helper built in: both demos with slime's mis.yaml as it is (--tis-mode truncate, --use-rs,
-              # --rs-veto-threshold, --tis-batch-normalize), the Megatron GPU tests beside them, and the per-rollout
-              # rejection / normalisation metrics each run logged
+    s42)  # slime's MIS helper built in and --deterministic-mode: the Megatron GPU tests; both demos with slime's
+          # mis.yaml as it is (--tis-mode truncate, --use-rs, --rs-veto-threshold, --tis-batch-normalize) and their
+          # per-rollout rejection / normalisation metrics; then each demo twice with --deterministic-mode
+          # --sglang-enable-deterministic-inference (own work dirs, side by side) and the torch demo twice without
+          # them: which per-rollout train / rollout metrics differ between the two runs of a pair
       (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py --timeout 400 \
          > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
-      rm -rf /tmp/rollflow_gpu_flow/ck_megatron /tmp/rollflow_gpu_flow/ck_torch
-      python3 bench/gpu_flow.py demo --backend torch --num-rollout 8 --out "$OUT" --timeout 300 --part "_mis" \
-        --extra "--use-tis --custom-config-path examples/mis.yaml" > "$OUT/torch_mis.txt" 2>&1 & torch_demo=$!
-      python3 bench/gpu_flow.py demo --backend megatron --bf16 --num-rollout 8 --out "$OUT" --timeout 300 \
-        --part "_mis" --extra "--use-tis --custom-config-path examples/mis.yaml"
-      wait $torch_demo
-      python3 -c "import json, glob
-keys = ('rollout/reward_mean', 'train/mismatch', 'train/tis_clipfrac', 'train/tis_norm', 'train/rs_rejected',
-        'train/rs_vetoed')
-for f in sorted(glob.glob('$BENCH_WORK/demo_*/summary.json')):
-    s = json.load(open(f)); h = s['history']
-    print(f.split('/')[-2], 'accuracy', s['test_accuracy_before'], '->', s['test_accuracy_after'])
-    for k in keys:
-        print('  ', k, [round(v, 4) for _, v in sorted((int(i), v) for i, v in h.get(k, {}).items())])
-" 2>&1 | tee "$OUT/mis_metrics.txt"
-      wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16 ;;
+      det="--deterministic-mode --sglang-enable-deterministic-inference"
+      demo() {  # BENCH_WORK backend part extra...
+        local work=$1 backend=$2 part=$3; shift 3
+        rm -rf "$work"; mkdir -p "$work"
+        BENCH_WORK=$work python3 bench/gpu_flow.py demo --backend "$backend" $([ "$backend" = megatron ] && echo --bf16) \
+          --num-rollout 8 --out "$OUT" --timeout 240 --part "$part" --extra "$*" > "$OUT/run_$part.txt" 2>&1
+      }
+      pids=()
+      demo /tmp/g/mis_t torch _mis --use-tis --custom-config-path examples/mis.yaml & pids+=($!)
+      demo /tmp/g/mis_m megatron _mis --use-tis --custom-config-path examples/mis.yaml & pids+=($!)
+      demo /tmp/g/det_t_a torch _det_a $det & pids+=($!)
+      demo /tmp/g/det_t_b torch _det_b $det & pids+=($!)
+      wait "${pids[@]}"; pids=(); echo "== first wave done $(date +%T)"
+      demo /tmp/g/det_m_a megatron _det_a $det & pids+=($!)
+      demo /tmp/g/det_m_b megatron _det_b $det & pids+=($!)
+      demo /tmp/g/plain_t_a torch _plain_a & pids+=($!)
+      demo /tmp/g/plain_t_b torch _plain_b & pids+=($!)
+      wait "${pids[@]}"; echo "== second wave done $(date +%T)"
+      python3 - <<'PY' 2>&1 | tee "$OUT/s42_metrics.txt"
+import glob, json
+def hist(work):
+    f = glob.glob(f"/tmp/g/{work}/demo_*/summary.json")
+    return json.load(open(f[0])) if f else None
+for work in ("mis_t", "mis_m"):
+    s = hist(work)
+    if s is None:
+        print(work, "no summary"); continue
+    h = s["history"]
+    print(work, "accuracy", s["test_accuracy_before"], "->", s["test_accuracy_after"])
+    for k in ("rollout/reward_mean", "train/mismatch", "train/tis_clipfrac", "train/tis_norm", "train/rs_rejected",
+              "train/rs_vetoed"):
+        print("  ", k, [round(v, 5) for _, v in sorted((int(i), v) for i, v in h.get(k, {}).items())])
+for a, b in (("det_t_a", "det_t_b"), ("det_m_a", "det_m_b"), ("plain_t_a", "plain_t_b")):
+    x, y = hist(a), hist(b)
+    if x is None or y is None:
+        print(a, b, "missing summary"); continue
+    keys = sorted(k for k in x["history"] if k.split("/")[0] in ("train", "rollout", "eval"))
+    diff = {k: max(abs(x["history"][k][i] - y["history"].get(k, {}).get(i, float("nan")))
+                   for i in x["history"][k]) for k in keys}
+    same = [k for k, d in diff.items() if d == 0]
+    print(a, b, f"{len(same)} of {len(keys)} train/rollout/eval metrics equal at every rollout;",
+          "accuracy", x["test_accuracy_after"], y["test_accuracy_after"])
+    print("   differing:", {k: d for k, d in diff.items() if d != 0})
+PY
+      wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16
+      for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 2 "$f"; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -156,6 +156,7 @@ FLAG_TESTS = {
         "test_train_backend.py::test_distributed_timeout_minutes_bounds_a_collective_a_rank_never_joins",
     "dump_details": "test_debug_rollout.py::test_a_replayed_run_trains_exactly_what_was_recorded",
     "train_env_vars": "test_dp_invariance.py::test_train_env_vars_reach_every_train_rank_before_torch",
+    "deterministic_mode": "test_flag_wiring.py::test_deterministic_mode_reaches_the_train_worker_and_megatron_core",
     "log_probs_max_tokens_per_gpu":
         "test_forward_batching.py::test_the_no_grad_forwards_run_under_their_own_cap_with_the_same_results",
     "recompute_loss_function":

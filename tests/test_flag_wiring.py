@@ -762,3 +762,52 @@ def test_tool_key_puts_each_rows_tools_into_its_prompt_and_metadata(tmp_path):
             {"prompt": "1+1=", "label": "2", "tools": bad}) + "\n")
         with pytest.raises(ConfigError, match=f"line 2 has 'tools' = .*{why}"):
             load_prompts(str(p), input_key="prompt", label_key="label", tool_key="tools")
+
+
+def test_deterministic_mode_reaches_the_train_worker_and_megatron_core(monkeypatch):
+    """--deterministic-mode: a train worker (its own process: the setting is process-wide) runs with deterministic
+    algorithms only and cuDNN's autotuning off, cuBLAS's reproducible workspace and NCCL's Ring algorithm set, a
+    value the environment gives kept; without the flag none of it. The Megatron backend's TransformerConfig gets
+    megatron-core's deterministic_mode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import json, os, sys, torch\n"
+             "from engine.config import RunConfig\n"
+             "from engine.train.worker import TrainWorker\n"
+             "cfg = RunConfig(hf_checkpoint=sys.argv[1], deterministic_mode=sys.argv[2] == '1')\n"
+             "TrainWorker(cfg.model_dump(), rank=0, world_size=1, master=None, train_iters=1, threads=1)\n"
+             "print(json.dumps([torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,\n"
+             "                  torch.backends.cudnn.benchmark, os.environ.get('CUBLAS_WORKSPACE_CONFIG'),\n"
+             "                  os.environ.get('NCCL_ALGO')]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO")}
+
+    def worker(on: bool, **extra) -> list:
+        out = subprocess.run([sys.executable, "-c", probe, BUNDLED_MODEL, "1" if on else "0"], capture_output=True,
+                             text=True, timeout=120, env={**env, **extra})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert worker(True, NCCL_ALGO="Tree") == [True, True, False, ":4096:8", "Tree"]
+    before = (torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    _worker()  # (in this process: without the flag a worker leaves all of it as it is)
+    assert (torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")) == before
+
+    import megatron.core.transformer.transformer_config as tc
+
+    from engine.model_shape import read
+    from engine.train import megatron_model as mm
+
+    seen = {}
+
+    def capture(**kw):
+        seen.update(kw)
+        raise RuntimeError("captured")
+    monkeypatch.setattr(tc, "TransformerConfig", capture)
+    for on in (True, False):
+        seen.clear()
+        with pytest.raises(RuntimeError, match="captured"):
+            mm.build_model(read(BUNDLED_MODEL), vocab_padded=128, dtype=torch.float32, tp=1, pp=1, deterministic=on)
+        assert seen.get("deterministic_mode", False) is on

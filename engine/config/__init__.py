@@ -82,13 +82,13 @@ RESUME_FIXED = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "tool_
                 "n_samples_per_prompt", "global_batch_size", "num_steps_per_rollout", "rollout_shuffle", "seed",
                 "train_backend", "advantage_estimator", "rollout_max_prompt_len", "rollout_seed",
                 "rollout_max_context_len")
-#: what shards the Megatron backend's optimizer checkpoint (megatron-core's dp_reshardable format): a resume that
-#: changes one loads the weights (they reshard) only with --no-load-optim, unless the checkpoint was saved with
-#: --dist-ckpt-optim-fully-reshardable
 #: --custom-config-path keys of slime's MIS helper (examples/train_infer_mismatch_helper/mis.yaml) that are
 #: rollflow's flags under another name: they set the flag and stay custom arguments (its functions read them)
 CUSTOM_CONFIG_FLAG_ALIASES = {"tis_lower_bound": "tis_clip_low", "tis_upper_bound": "tis_clip"}
 
+#: what shards the Megatron backend's optimizer checkpoint (megatron-core's dp_reshardable format): a resume that
+#: changes one loads the weights (they reshard) only with --no-load-optim, unless the checkpoint was saved with
+#: --dist-ckpt-optim-fully-reshardable
 MEGATRON_OPTIM_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 
 

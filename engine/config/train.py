@@ -169,6 +169,9 @@ class TrainArgs(Section):
     train_threads: int = Field(0, ge=0)
     """torch CPU threads per train worker (0 = the cores shared by the processes running at once: (cores - 1) / max(workers, engines) in a synchronous run, whose trainer and engines take turns while the driver keeps one core for its bookkeeping; cores / (workers + engines) with --async-mode)."""
 
+    deterministic_mode: bool = False
+    """Run-to-run reproducible training on a GPU (Megatron-LM's flag, which slime's scripts/run-qwen2.5-0.5B-reproducibility.sh sets): every train worker calls torch.use_deterministic_algorithms(True) (an op without a deterministic CUDA kernel is then an error naming it, not a silent difference), turns cuDNN's autotuning off, and sets CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring where --train-env-vars or the environment does not; the Megatron backend also sets megatron-core's deterministic_mode. The same command then trains to the same weights; with the built-in engine or SGLang, --sglang-enable-deterministic-inference makes the rollouts reproducible too. Slower; on CPU the kernels are deterministic already."""
+
     train_env_vars: dict[str, str] = {}
     """Extra environment variables of every train worker process (slime's flag), a JSON object, e.g. '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}' or NCCL settings; set when Ray starts the process, before torch is imported. OMP_NUM_THREADS and MKL_NUM_THREADS are refused (--train-threads sets them). The run's summary lists what each rank saw (placement.train[].env, secret-looking values redacted)."""
 

@@ -195,7 +195,8 @@ class MegatronBackend:
         self.kernels = kernels
         gpt, self.config = build_model(self.shape, vocab_padded=self.vocab_padded, dtype=self.dtype, tp=self.tp,
                                        pp=self.pp, ep=self.ep, kernels=kernels, sp=self.sp,
-                                       routing_replay=cfg.use_routing_replay or cfg.use_rollout_routing_replay)
+                                       routing_replay=cfg.use_routing_replay or cfg.use_rollout_routing_replay,
+                                       deterministic=cfg.deterministic_mode)
         # --use-routing-replay: megatron-core's RouterReplay of each router, in module order; the recorded routing
         # (--use-rollout-routing-replay: the engine's, carried by the micro-batches)
         self.replays = [m.router_replay for m in gpt.modules() if getattr(m, "router_replay", None) is not None]

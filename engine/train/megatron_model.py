@@ -279,10 +279,11 @@ def block_spec(shape: ModelShape, config, kernels: Kernels = Kernels()):
 
 
 def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp: int, pp: int, ep: int = 1,
-                kernels: Kernels = Kernels(), routing_replay: bool = False, sp: bool = False):
+                kernels: Kernels = Kernels(), routing_replay: bool = False, sp: bool = False,
+                deterministic: bool = False):
     """A GPTModel stage for this rank (pre/post-process by pipeline stage) and its TransformerConfig.
     routing_replay (--use-routing-replay): each router gets megatron-core's RouterReplay (megatron_backend drives
-    it); sp: --sequence-parallel."""
+    it); sp: --sequence-parallel; deterministic: --deterministic-mode (megatron-core's deterministic_mode)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -293,6 +294,8 @@ def build_model(shape: ModelShape, *, vocab_padded: int, dtype: torch.dtype, tp:
     cfg_kw["gradient_accumulation_fusion"] = kernels.wgrad_fusion and enable_wgrad_fusion()
     if routing_replay:
         cfg_kw["moe_enable_routing_replay"] = True
+    if deterministic:
+        cfg_kw["deterministic_mode"] = True
     if cfg_kw["bias_activation_fusion"]:
         static_swiglu_kernels()
     config = TransformerConfig(**cfg_kw)

@@ -32,6 +32,27 @@ def worker_device() -> str:
     return "cuda" if gpus and torch.cuda.is_available() else "cpu"
 
 
+#: --deterministic-mode's environment: cuBLAS's reproducible workspace (read when cuBLAS starts) and one NCCL
+#: all-reduce algorithm (read when a communicator starts), each where the environment does not set it already
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+
+
+def deterministic_mode() -> dict[str, str]:
+    """--deterministic-mode in this train process, before it starts CUDA (Megatron-LM's and slime's settings):
+    deterministic algorithms only (a nondeterministic op raises), cuDNN without autotuning, DETERMINISTIC_ENV where
+    unset. Returns the environment values in force."""
+    import os
+
+    import torch
+
+    for k, v in DETERMINISTIC_ENV.items():
+        os.environ.setdefault(k, v)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return {k: os.environ[k] for k in DETERMINISTIC_ENV}
+
+
 class TrainWorker:
     """Holds a backend (and PPO's critic) and the current rollout's micro-batches with their log-probs."""
 
@@ -45,6 +66,8 @@ class TrainWorker:
         configure_threads(threads)
         self.cfg = RunConfig.from_dump(cfg_dict)  # on its node: the run's data files may not be there
         self.rank, self.world_size, self.train_iters = rank, world_size, train_iters
+        if self.cfg.deterministic_mode:
+            deterministic_mode()
         self.device = worker_device()
         if self.device == "cuda":
             import torch
