@@ -161,6 +161,22 @@ def test_slimes_mis_example_ported_runs_on_rollflows_built_in_rollout_correction
         e.value.diagnoses[0].fix
 
 
+def test_slimes_own_sglang_flags_are_not_passed_to_sglang():
+    """slime's --sglang-router-ip / -port / -request-timeout-secs, --sglang-server-concurrency and --sglang-config
+    are slime's (its sglang_utils/arguments.py), not SGLang's launch flags: passed on they would fail SGLang's
+    launch or, --sglang-config, be read as SGLang's own --config file. Each is named, with any engine."""
+    for engine in ([], ["--rollout-engine", "sglang", "--weight-sync-method", "distributed"]):
+        with pytest.raises(ConfigError) as e:
+            parse_args([*engine, "--sglang-router-ip", "10.0.0.1", "--sglang-server-concurrency", "64",
+                        "--sglang-config", "groups.yaml"])
+        got = {d.facts["value"]: d for d in e.value.diagnoses}
+        assert sorted(got) == ["config", "router-ip", "server-concurrency"]
+        assert got["server-concurrency"].fix == "--rollout-concurrency N"
+        assert got["config"].what.startswith("--sglang-config is slime's flag, which rollflow does not take")
+    assert parse_args(["--rollout-engine", "sglang", "--weight-sync-method", "distributed",
+                       "--sglang-mem-fraction-static", "0.7"]).sglang_args == {"mem-fraction-static": "0.7"}
+
+
 def test_slimes_flags_that_rollflow_does_not_take_are_named_with_the_reason_and_the_replacement(tmp_path):
     """A slime script ported as it is stops on the first slime flag rollflow lacks, on the command line, in a
     --config file and in a dict of values, with why and what to use (not a near-miss suggestion)."""

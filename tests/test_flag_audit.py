@@ -182,6 +182,7 @@ FLAG_TESTS = {
     "min_lr": "test_train_backend.py::test_lr_follows_warmup_across_steps",
     "lr_decay_style": "test_train_backend.py::test_lr_follows_warmup_across_steps",
     "lr_warmup_iters": "test_train_backend.py::test_lr_follows_warmup_across_steps",
+    "lr_warmup_fraction": "test_train_backend.py::test_lr_follows_warmup_across_steps",
     "weight_decay": "test_flag_wiring.py::test_optimizer_flags",
     "adam_beta1": "test_flag_wiring.py::test_optimizer_flags",
     "adam_beta2": "test_flag_wiring.py::test_optimizer_flags",

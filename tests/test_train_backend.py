@@ -98,6 +98,12 @@ def test_lr_follows_warmup_across_steps(tiny_model):
     w.set_rollout(steps, rewards, need_ref=False)
     lrs = [w.train_step(k, 4)["lr"] for k in range(2)]
     assert lrs == pytest.approx([5e-4, 1e-3])  # lr·1/2, lr·2/2
+    # Megatron-LM's --lr-warmup-fraction: 0.25 of the 8 steps the worker is sized for is the same 2-step warm-up
+    w = make_worker(make_cfg(tiny_model, lr_warmup_fraction=0.25), train_iters=8)
+    w.set_rollout(*one_rollout(steps=2), need_ref=False)
+    assert [w.train_step(k, 4)["lr"] for k in range(2)] == pytest.approx([5e-4, 1e-3])
+    with pytest.raises(ConfigError, match="both set the warm-up's length"):
+        make_cfg(tiny_model, lr_warmup_fraction=0.25, lr_warmup_iters=2)
 
 
 def test_nan_step_fails_with_the_culprit_sample(tiny_model):

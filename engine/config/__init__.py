@@ -831,7 +831,15 @@ class RunConfig(DataArgs, RolloutArgs, TrainArgs, PackingArgs, AlgorithmArgs, Ch
         """--rollout-engine-python and the `--sglang-*` flags configure the engines the run starts: the built-in
         engine runs no interpreter of its own and reads only a few SGLang flags (engine/config/sglang_args.py
         `BUILTIN_READS`); any other would do nothing there. A name that is not SGLang's at all is left to the
-        doctor's check, which names the nearest flag."""
+        doctor's check, which names the nearest flag. slime's own --sglang-* flags are refused with any engine."""
+        from engine.config.slime_flags import NOT_TAKEN_SGLANG
+        from engine.diagnosis import ConfigError, Diagnosis
+
+        if slime := [k for k in self.sglang_args if k in NOT_TAKEN_SGLANG]:
+            raise ConfigError([Diagnosis(code="CONFIG", severity="error", what=f"--sglang-{k} is slime's flag, which "
+                                         f"rollflow does not take: {NOT_TAKEN_SGLANG[k][0]}",
+                                         fix=NOT_TAKEN_SGLANG[k][1], facts={"field": "sglang_args", "value": k})
+                               for k in slime])
         if self.rollout_engine != "builtin" or self.external_engines or self.no_engines:
             return  # SGLang takes them all; external engines and engine-free runs have checks of their own
         if self.rollout_engine_python:

@@ -30,14 +30,17 @@ _ARCH_FLAGS = (
     "moe-shared-expert-intermediate-size", "moe-shared-expert-gate", "moe-router-score-function",
     "moe-router-pre-softmax", "moe-router-topk-scaling-factor", "moe-router-num-groups", "moe-router-group-topk",
     "moe-router-enable-expert-bias", "moe-router-bias-update-rate", "use-gated-attention", "attention-output-gate",
-    "multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim")
+    "multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim",
+    "rotary-scaling-factor", "rotary-interleaved", "mscale", "mscale-all-dim", "no-position-embedding",
+    "post-self-attn-layernorm", "post-mlp-layernorm")
 _KERNELS = ("the Megatron backend chooses its layers and kernels itself: Transformer Engine's when installed, else "
             "megatron-core's local layers with PyTorch's flash attention over packed samples, its fused kernels "
             "each leaving the math unchanged, experts as a SequentialMLP with the alltoall dispatcher (docs/gpu.md)")
 #: Megatron-LM's kernel and implementation switches of slime's scripts (PERF_ARGS, MISC_ARGS)
 _KERNEL_FLAGS = ("transformer-impl", "attention-backend", "use-flash-attn", "use-mcore-models",
                  "no-masked-softmax-fusion", "no-rope-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
-                 "no-bias-gelu-fusion", "no-gradient-accumulation-fusion", "moe-grouped-gemm", "moe-permute-fusion")
+                 "no-bias-gelu-fusion", "no-gradient-accumulation-fusion", "moe-grouped-gemm", "moe-permute-fusion",
+                 "moe-enable-deepep", "enable-experimental")
 _OVERLAP = ("the Megatron backend reduces gradients and gathers parameters after the backward pass, not overlapped "
             "with it")
 _DROPOUT = "rollflow trains without dropout (slime's scripts set it to 0.0 too)"
@@ -45,6 +48,10 @@ _CPU_ADAM = ("Megatron's CPU optimizer (HybridDeviceOptimizer) is not wired into
              "Adam state stays on the GPUs, sharded over the data-parallel ranks; the torch backend's --offload-train "
              "moves its weights, gradients and Adam's moments to the host while the engines generate")
 _CPU_ADAM_FIX = "drop it (more data-parallel GPUs shard Adam's state thinner)"
+_FP8 = ("rollflow trains in bf16 (--bf16) or fp32; FP8 training (Transformer Engine's FP8 recipes) is not wired into "
+        "its Megatron backend")
+_UNEVEN_PP = ("the Megatron backend splits the decoder layers evenly over the --pipeline-model-parallel-size stages "
+              "(megatron-core's default split)")
 _NO_AUX = ("rollflow's Megatron backend trains a mixture of experts without the load-balancing loss (an RL step "
            "trains the policy's loss only)")
 
@@ -86,9 +93,9 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "loss-mask-type": ("SFT loss masks come from the model's own chat template, rendered turn by turn "
                        "(engine/rollout/sft.py), for any template that renders each conversation prefix as a prefix",
                        "drop it"),
-    "data-pad-size-multiplier": ("micro-batches are packed without padding (varlen), and the Megatron backend runs "
-                                 "without sequence parallelism, so no token multiple is needed (a micro-batch "
-                                 "replayed from a CUDA graph is padded to the graph's shape)", "drop it"),
+    "data-pad-size-multiplier": ("micro-batches are packed without padding (varlen); under --sequence-parallel the "
+                                 "Megatron backend pads each to a multiple of the TP size itself, and a micro-batch "
+                                 "replayed from a CUDA graph is padded to the graph's shape", "drop it"),
     "min-batch-collection-ratio": (_BUFFER, "--rollout-function-path"),
     "rollout-task-type": (_BUFFER, "--rollout-function-path"),
     "rollout-buffer-url": (_BUFFER, "--rollout-function-path"),
@@ -148,6 +155,37 @@ NOT_TAKEN: dict[str, tuple[str, str]] = {
     "ckpt-format": ("the Megatron backend's checkpoints are megatron-core's dist_checkpointing (torch_dist) in "
                     "rollflow's iter_%07d layout", "drop it"),
     "log-interval": ("every rollout's metrics are logged (the log, MLflow, Prefect's artifacts)", "drop it"),
+    "fp8-format": (_FP8, "drop it"),
+    "fp8-recipe": (_FP8, "drop it"),
+    "fp8-param-gather": (_FP8, "drop it"),
+    "decoder-first-pipeline-num-layers": (_UNEVEN_PP, "drop it, with a --pipeline-model-parallel-size that divides "
+                                                      "the model's layer count"),
+    "decoder-last-pipeline-num-layers": (_UNEVEN_PP, "drop it, with a --pipeline-model-parallel-size that divides "
+                                                     "the model's layer count"),
+    "no-offload-rollout": ("engines on their own GPUs keep their memory; colocated ones always release it while the "
+                           "trainer trains", "drop it"),
+    "prefill-num-servers": ("rollflow's engines serve prefill and decode together; prefill–decode disaggregation is "
+                            "not wired into its launcher", "drop it"),
+    "ref-micro-batch-size": ("the reference's no-grad forward packs its micro-batches by tokens, as the other "
+                             "no-grad forwards do", "--log-probs-max-tokens-per-gpu N (with --use-dynamic-batch-size)"),
+}
+
+
+_ROUTER = ("rollflow's rollout client sends each request to the engine with the fewest outstanding samples itself; "
+           "there is no router process between them")
+#: slime's own flags under the --sglang- prefix (slime/backends/sglang_utils/arguments.py), which rollflow would
+#: otherwise pass to `sglang.launch_server` (slime's --sglang-config is no SGLang --config file)
+NOT_TAKEN_SGLANG: dict[str, tuple[str, str]] = {
+    "router-ip": (_ROUTER, "drop it; engines you started yourself: --rollout-external-engine-addrs HOST:PORT …"),
+    "router-port": (_ROUTER, "drop it; engines you started yourself: --rollout-external-engine-addrs HOST:PORT …"),
+    "router-request-timeout-secs": (_ROUTER, "--rollout-timeout S (the whole rollout's deadline)"),
+    "server-concurrency": ("the rollout client caps the samples in flight over all engines, not per server",
+                           "--rollout-concurrency N"),
+    "config": ("slime's YAML of SGLang server groups (prefill / decode / regular, with per-group overrides) has no "
+               "counterpart: rollflow launches one kind of engine, each with the same --sglang-* flags (SGLang's own "
+               "--config file would read other keys)", "drop it; set the engines with --rollout-num-gpus-per-engine "
+                                                        "and --sglang-* flags (also the keys of an SGLang --config "
+                                                        "file, one --sglang-<key> each)"),
 }
 
 
@@ -160,7 +198,8 @@ def markdown() -> str:
     """docs/flags.md's table of them."""
     rows = ["**slime's flags that rollflow does not take** — `rollflow train` stops on them with the reason "
             "(engine/config/slime_flags.py).\n", "| flag | why | instead |", "|---|---|---|"]
-    for name, (why, instead) in sorted(NOT_TAKEN.items()):
+    taken = {**NOT_TAKEN, **{f"sglang-{k}": v for k, v in NOT_TAKEN_SGLANG.items()}}
+    for name, (why, instead) in sorted(taken.items()):
         rows.append(f"| `--{name}` | {why.replace('|', chr(92) + '|')} | {instead.replace('|', chr(92) + '|')} |")
     return "\n".join(rows) + "\n"
 

@@ -121,6 +121,14 @@ class TrainArgs(Section):
     lr_warmup_iters: int = Field(0, ge=0)
     """Linear warm-up steps."""
 
+    lr_warmup_fraction: Optional[float] = Field(None, gt=0, le=1)
+    """Linear warm-up over this fraction of the run's optimizer steps (Megatron-LM's flag, in slime's scripts): the warm-up ends after fraction × train_iters steps, whatever --num-rollout makes of them. Not with --lr-warmup-iters (pick one)."""
+
+    def warmup_steps(self, train_iters: int) -> float:
+        """The warm-up's length in optimizer steps: --lr-warmup-iters, or --lr-warmup-fraction of train_iters (as
+        Megatron-LM, a fraction of a step counts)."""
+        return self.lr_warmup_fraction * train_iters if self.lr_warmup_fraction else float(self.lr_warmup_iters)
+
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
 
@@ -207,6 +215,17 @@ class TrainArgs(Section):
             except re.error as e:
                 raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
         return v
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "TrainArgs":
+        """--lr-warmup-fraction or --lr-warmup-iters, not both (Megatron-LM refuses both too)."""
+        from engine.config.base import config_error
+
+        if self.lr_warmup_fraction and self.lr_warmup_iters:
+            raise config_error(f"--lr-warmup-fraction {self.lr_warmup_fraction} and --lr-warmup-iters "
+                               f"{self.lr_warmup_iters} both set the warm-up's length", "keep one of them",
+                               field="lr_warmup_fraction", value=self.lr_warmup_fraction)
+        return self
 
     @model_validator(mode="after")
     def _log_probs_chunk(self) -> "TrainArgs":

@@ -616,8 +616,8 @@ class MegatronBackend:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        lr = cfg.lr * lr_lambda(self.steps_done, warmup=cfg.lr_warmup_iters, total=self.train_iters,
-                                style=cfg.lr_decay_style, min_ratio=cfg.min_lr / cfg.lr)
+        lr = cfg.lr * lr_lambda(self.steps_done, warmup=cfg.warmup_steps(self.train_iters),
+                                total=self.train_iters, style=cfg.lr_decay_style, min_ratio=cfg.min_lr / cfg.lr)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 

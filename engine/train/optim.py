@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_ratio: float) -> float:
+def lr_lambda(step: int, *, warmup: float, total: int, style: str, min_ratio: float) -> float:
     """Multiplier of the peak LR for the 0-based scheduler step `step` (n = step + 1, see the module docstring)."""
     n = step + 1
     if warmup and n <= warmup:
@@ -35,7 +35,7 @@ def make_optimizer(params, cfg, *, lr: float, train_iters: int, fused: bool = Fa
                                       weight_decay=cfg.weight_decay, eps=1e-8, **({"fused": True} if fused else {}))
     min_ratio = cfg.min_lr / cfg.lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, warmup=cfg.lr_warmup_iters, total=train_iters,
+        optimizer, lambda s: lr_lambda(s, warmup=cfg.warmup_steps(train_iters), total=train_iters,
                                        style=cfg.lr_decay_style, min_ratio=min_ratio))
     return optimizer, scheduler
 
