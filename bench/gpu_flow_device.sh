@@ -383,15 +383,16 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
           # mis.yaml as it is (--tis-mode truncate, --use-rs, --rs-veto-threshold, --tis-batch-normalize) and their
           # per-rollout rejection / normalisation metrics; then each demo twice with --deterministic-mode
           # --sglang-enable-deterministic-inference (own work dirs, side by side) and the torch demo twice without
-          # them: which per-rollout train / rollout metrics differ between the two runs of a pair
-      (timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py --timeout 400 \
+          # them: which per-rollout train / rollout metrics differ between the two runs of a pair. Each wave's
+          # findings are written as soon as it ends (bench/s42_report.py), so a cut-off call keeps them.
+      (timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_megatron_backend.py --timeout 380 \
          > "$OUT/pytest_gpu.txt" 2>&1) & tests=$!
       det="--deterministic-mode --sglang-enable-deterministic-inference"
       demo() {  # BENCH_WORK backend part extra...
         local work=$1 backend=$2 part=$3; shift 3
         rm -rf "$work"; mkdir -p "$work"
         BENCH_WORK=$work python3 bench/gpu_flow.py demo --backend "$backend" $([ "$backend" = megatron ] && echo --bf16) \
-          --num-rollout 8 --out "$OUT" --timeout 240 --part "$part" --extra "$*" > "$OUT/run_$part.txt" 2>&1
+          --num-rollout 6 --out "$OUT" --timeout 200 --part "$part" --extra "$*" > "$OUT/run_$part.txt" 2>&1
       }
       pids=()
       demo /tmp/g/mis_t torch _mis --use-tis --custom-config-path examples/mis.yaml & pids+=($!)
@@ -399,37 +400,13 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
       demo /tmp/g/det_t_a torch _det_a $det & pids+=($!)
       demo /tmp/g/det_t_b torch _det_b $det & pids+=($!)
       wait "${pids[@]}"; pids=(); echo "== first wave done $(date +%T)"
+      python3 bench/s42_report.py mis_t mis_m det_t_a:det_t_b 2>&1 | tee "$OUT/s42_wave1.txt"
       demo /tmp/g/det_m_a megatron _det_a $det & pids+=($!)
       demo /tmp/g/det_m_b megatron _det_b $det & pids+=($!)
       demo /tmp/g/plain_t_a torch _plain_a & pids+=($!)
       demo /tmp/g/plain_t_b torch _plain_b & pids+=($!)
       wait "${pids[@]}"; echo "== second wave done $(date +%T)"
-      python3 - <<'PY' 2>&1 | tee "$OUT/s42_metrics.txt"
-import glob, json
-def hist(work):
-    f = glob.glob(f"/tmp/g/{work}/demo_*/summary.json")
-    return json.load(open(f[0])) if f else None
-for work in ("mis_t", "mis_m"):
-    s = hist(work)
-    if s is None:
-        print(work, "no summary"); continue
-    h = s["history"]
-    print(work, "accuracy", s["test_accuracy_before"], "->", s["test_accuracy_after"])
-    for k in ("rollout/reward_mean", "train/mismatch", "train/tis_clipfrac", "train/tis_norm", "train/rs_rejected",
-              "train/rs_vetoed"):
-        print("  ", k, [round(v, 5) for _, v in sorted((int(i), v) for i, v in h.get(k, {}).items())])
-for a, b in (("det_t_a", "det_t_b"), ("det_m_a", "det_m_b"), ("plain_t_a", "plain_t_b")):
-    x, y = hist(a), hist(b)
-    if x is None or y is None:
-        print(a, b, "missing summary"); continue
-    keys = sorted(k for k in x["history"] if k.split("/")[0] in ("train", "rollout", "eval"))
-    diff = {k: max(abs(x["history"][k][i] - y["history"].get(k, {}).get(i, float("nan")))
-                   for i in x["history"][k]) for k in keys}
-    same = [k for k, d in diff.items() if d == 0]
-    print(a, b, f"{len(same)} of {len(keys)} train/rollout/eval metrics equal at every rollout;",
-          "accuracy", x["test_accuracy_after"], y["test_accuracy_after"])
-    print("   differing:", {k: d for k, d in diff.items() if d != 0})
-PY
+      python3 bench/s42_report.py det_m_a:det_m_b plain_t_a:plain_t_b 2>&1 | tee "$OUT/s42_wave2.txt"
       wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16
       for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 2 "$f"; done ;;
     *) echo "unknown step $step" ;;
