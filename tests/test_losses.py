@@ -204,7 +204,7 @@ def test_rollout_correction_is_slimes_mis_helper(mode, level, rs_level):
     s_w, s_keep = _slime_mis(args, split(old), split(rollout), split(mask))
     kw = dict(mode=mode, level=level, low=0.6, high=1.8, rs=True, rs_level=rs_level, rs_low=0.6, rs_high=2.5,
               veto=1e-4)
-    scale = 1.0
+    scale = None  # (without --tis-batch-normalize: no division, no train/tis_norm)
     if args["tis_batch_normalize"]:
         w0, _, _ = rollout_correction(old, rollout, mask, cu, **kw)
         total, count = tis_mean_parts(w0, mask, cu, level)
@@ -215,3 +215,4 @@ def test_rollout_correction_is_slimes_mis_helper(mode, level, rs_level):
     assert 0 < float(stats["rs_rejected"]) < float(mask.sum())  # some rejected, not all
     assert float(stats["rs_vetoed"]) == float(mask[:5].sum())  # sample 0, whole
     assert float(keep[:5].sum()) == 0.0
+    assert ("tis_norm" in stats) == args["tis_batch_normalize"]

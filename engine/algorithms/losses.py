@@ -119,14 +119,14 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
                        cu_seqlens: torch.Tensor | None, *, tis: bool = True, mode: str = "clip",
                        level: str = "token", low: float = 0.0, high: float = 2.0, rs: bool = False,
                        rs_level: str = "token", rs_low: float = 0.5, rs_high: float = 2.0,
-                       veto: float | None = None, scale: float = 1.0
+                       veto: float | None = None, scale: float | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Importance sampling and rejection sampling against the engine (slime's --use-tis and its MIS helper,
     examples/train_infer_mismatch_helper/mis.py), from d = log π_old,train − log π_rollout [T], a constant.
 
     tis: the weight w = exp(d at `level`) bounded by `mode` — "truncate": min(w, high); "clip": clamp(w, low,
     high); "mask": w kept where low ≤ w ≤ high, the token (a sample at the sequence / geometric level) rejected
-    elsewhere — then divided by `scale` (--tis-batch-normalize's mean weight of the step; 1 without it).
+    elsewhere — then divided by `scale` (--tis-batch-normalize's mean weight of the step; None without it).
     rs: a token (sample) whose ratio at `rs_level` lies outside [rs_low, rs_high] is rejected; `veto`: a sample with
     any trained token of ratio below it is rejected whole. A rejected token's policy loss is dropped; the caller
     keeps the per-sample denominators (slime). Returns (w [T], keep [T] 0/1, token sums of the trained tokens for
@@ -151,9 +151,9 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         else:
             raise ValueError(f"mode {mode!r}: truncate, clip or mask")
         stats["tis_clipfrac"] = (bounded.float() * m).sum()
-        if scale != 1.0:
+        if scale is not None:
             w = w / scale
-        stats["tis_norm"] = scale * m.sum()
+            stats["tis_norm"] = scale * m.sum()
     if rs:
         lr = lt if lt is not None and rs_level == level else level_log_ratio(d, m, cu_seqlens, rs_level)
         rw = torch.exp(lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))

@@ -109,7 +109,7 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
                      rollout_log_probs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
                      cu_seqlens: torch.Tensor, denominator: float, tis: Hook | None = None,
                      pg_reducer: Hook | None = None, response_lengths: list[int] | None = None,
-                     tis_scale: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+                     tis_scale: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(loss share, token sums for metrics, per-sample loss [S]) of one packed micro-batch.
 
     log_probs, entropy [T] carry gradients; old_log_probs (trainer, before the rollout's first update),
@@ -118,8 +118,8 @@ def policy_objective(spec: LossSpec, *, log_probs: torch.Tensor, entropy: torch.
     (custom_tis); pg_reducer: --custom-pg-loss-reducer-function-path's, which then aggregates the policy-gradient
     term alone (reduced_pg; entropy and KL keep the default aggregate). Both need the samples' response_lengths.
     --use-tis / --use-rs without a hook: losses.rollout_correction's weight and rejection (tis_scale: the step's
-    --tis-batch-normalize factor, which the trainer computed over all micro-batches and ranks); a rejected token's
-    policy loss is dropped while its sample's token count stays, as slime.
+    --tis-batch-normalize factor, which the trainer computed over all micro-batches and ranks; None without it);
+    a rejected token's policy loss is dropped while its sample's token count stays, as slime.
     """
     m = loss_mask
     if spec.policy_loss == "gspo":
@@ -306,7 +306,7 @@ def step_objective(spec: LossSpec, *, hooks: StepHooks | None, sample_ids: list[
                    log_probs: torch.Tensor, entropy: torch.Tensor, old_log_probs: torch.Tensor | None,
                    ref_log_probs: torch.Tensor | None, rollout_log_probs: torch.Tensor, advantages: torch.Tensor,
                    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, denominator: float,
-                   response_lengths: list[int] | None = None, tis_scale: float = 1.0
+                   response_lengths: list[int] | None = None, tis_scale: float | None = None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The --loss-type's (loss share, stats, per-sample losses) of one packed micro-batch: the one dispatch every
     train backend calls, with the run's StepHooks (None: none set); old_log_probs may be None only for sft_loss,

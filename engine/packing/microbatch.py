@@ -35,7 +35,7 @@ class MicroBatch:
     # [T, #MoE layers, k] int16 --use-rollout-routing-replay: the experts the engine routed each token to; -1 where
     # it routed none (a sample's last token, which no engine forward saw; padding): those route on their own
     routed_experts: torch.Tensor | None = None
-    tis_scale: float = 1.0  # --tis-batch-normalize: its step's mean TIS weight, which the weights are divided by
+    tis_scale: float | None = None  # --tis-batch-normalize: its step's mean TIS weight (the weights ÷ it)
 
     @property
     def num_samples(self) -> int:
