@@ -7,7 +7,7 @@
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 #          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
-#          | s41-reshardable | s41-sp | s42
+#          | s41-reshardable | s41-sp | s42 | s43
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -408,6 +408,27 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
       wait "${pids[@]}"; echo "== second wave done $(date +%T)"
       python3 bench/s42_report.py det_m_a:det_m_b plain_t_a:plain_t_b 2>&1 | tee "$OUT/s42_wave2.txt"
       wait $tests; grep -E "^FAILED|^SKIPPED|^E  |passed|failed" "$OUT/pytest_gpu.txt" | tail -n 16
+      for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 2 "$f"; done ;;
+    s43)  # after s42 (every plain torch fp32 pair already equal): is --deterministic-mode what makes a pair equal
+          # where the kernels are not? The Megatron bf16 demo twice without the flags, the torch bf16 demo twice
+          # without and twice with them (own work dirs, side by side; bench/s42_report.py compares each pair)
+      det="--deterministic-mode --sglang-enable-deterministic-inference"
+      demo() {  # BENCH_WORK backend part extra...
+        local work=$1 backend=$2 part=$3; shift 3
+        rm -rf "$work"; mkdir -p "$work"
+        BENCH_WORK=$work python3 bench/gpu_flow.py demo --backend "$backend" --bf16 \
+          --num-rollout 6 --out "$OUT" --timeout 200 --part "$part" --extra "$*" > "$OUT/run_${backend}$part.txt" 2>&1
+      }
+      pids=()
+      demo /tmp/g/plain_m_a megatron _plain_a & pids+=($!)
+      demo /tmp/g/plain_m_b megatron _plain_b & pids+=($!)
+      demo /tmp/g/plain_tb_a torch _plain_a & pids+=($!)
+      demo /tmp/g/plain_tb_b torch _plain_b & pids+=($!)
+      demo /tmp/g/det_tb_a torch _det_a $det & pids+=($!)
+      demo /tmp/g/det_tb_b torch _det_b $det & pids+=($!)
+      wait "${pids[@]}"; echo "== wave done $(date +%T)"
+      python3 bench/s42_report.py plain_m_a:plain_m_b plain_tb_a:plain_tb_b det_tb_a:det_tb_b 2>&1 \
+        | tee "$OUT/s43_pairs.txt"
       for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 2 "$f"; done ;;
     *) echo "unknown step $step" ;;
   esac
