@@ -319,3 +319,65 @@ def test_the_weight_group_is_opened_again_only_when_its_engines_change():
     assert calls[7:] == ["group_push", "group_open", "group_push"]
     tg.group_close()
     assert calls[-1] == "group_close" and tg._group_engines is None
+
+
+def test_a_token_authenticated_cluster_is_diagnosed_at_once_and_joined_with_its_token(tmp_path):
+    """A real `ray start --head` with Ray's token authentication (RAY_AUTH_MODE=token, as Ray turns it on wherever
+    ~/.ray/auth_token exists): a driver joining by address without token mode, or with another token, is refused
+    by the GCS; engine.cluster.check_token_auth names that (RF02, exit 2 of engine.cluster.wait) instead of
+    ray.init's ~20 s of retries and "Failed to connect"; with the cluster's token it joins. No token reaches the
+    output."""
+    import os
+    import secrets
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    token, wrong = secrets.token_hex(16), secrets.token_hex(16)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path / "home"  # no ~/.ray/auth_token for any process here
+    home.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH_", "RAY_ADDRESS"))} | {
+        "HOME": str(home)}
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
+         f"--port={port}", "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats",
+         "--dashboard-agent-listen-port=0", f"--temp-dir={temp_dir}", "--block"],
+        env=base | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+    def wait(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "engine.cluster.wait", "--address", f"127.0.0.1:{port}",
+                               "--nodes", "1", "--timeout", "60"], cwd=root, env=base | env, capture_output=True,
+                              text=True, timeout=120)
+
+    try:
+        for line in head.stdout:  # up once Ray says how to join it
+            if "ray start --address" in line or "--block" in line:
+                break
+        assert head.poll() is None, "ray start exited"
+        joined = wait(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        assert joined.returncode == 0 and "1 Ray nodes alive" in joined.stdout, joined.stderr
+        plain = wait()
+        assert plain.returncode == 2, plain.stderr
+        assert "[RF02 error]" in plain.stderr and "requires token authentication" in plain.stderr
+        assert "no RAY_AUTH_MODE" in plain.stderr and "run rollflow with RAY_AUTH_MODE=token" in plain.stderr
+        other = wait(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=wrong)
+        assert other.returncode == 2, other.stderr
+        assert "refuses this driver's authentication token" in other.stderr
+        for p in (joined, plain, other):
+            assert token not in p.stdout + p.stderr and wrong not in p.stdout + p.stderr
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        head.stdout.close()

@@ -138,10 +138,14 @@ FAKE_SRUN = r"""#!/usr/bin/env python3
 import json, os, sys, time
 argv = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({"tool": "srun", "argv": argv}) + "\n")
+    f.write(json.dumps({"tool": "srun", "argv": argv, "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+                        "auth_token": os.environ.get("RAY_AUTH_TOKEN")}) + "\n")
 cmd = argv[argv.index("-w") + 2:]
 if cmd[:2] == ["hostname", "--ip-address"]:
     print("10.1.2.3 fe80::1")
+elif cmd[-2:] == ["get-auth-token", "--generate"]:  # Ray's: the token on stdout, no newline; a note on stderr
+    print("Generating new authentication token...", file=sys.stderr)
+    print(os.environ["FAKE_HEAD_TOKEN"], end="")
 elif "--block" in cmd:
     time.sleep(0.2)  # a real `ray start --block` runs until `ray stop`
 elif "flows.cli" in cmd or "prefect.engine" in cmd:
@@ -164,13 +168,17 @@ def _sbatch(tmp_path: Path, *args: str, **env: str) -> tuple[int, list[dict], st
         (bin_dir / name).chmod(0o755 | stat.S_IXUSR)
     log = tmp_path / "calls.jsonl"
     log.unlink(missing_ok=True)
-    full = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PREFECT__FLOW"))},
+    full = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PREFECT__FLOW", "RAY_AUTH_"))},
             "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log), "SLURM_JOB_NODELIST": "gpu[01-03]",
+            "FAKE_HEAD_TOKEN": HEAD_TOKEN,
             "SLURM_GPUS_PER_NODE": "h100:8", "SLURM_CPUS_PER_TASK": "32", "SLURM_JOB_ID": "4242", **env}
     p = subprocess.run(["bash", str(SBATCH), *args], env=full, capture_output=True, text=True, timeout=60,
                        cwd=tmp_path)
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return p.returncode, calls, p.stdout + p.stderr
+
+
+HEAD_TOKEN = "3f9a0c51d2e84b7f9a6e1c0d5b2a4e87"  # what the fake `ray get-auth-token` on the head prints
 
 
 def _cmds(calls: list[dict]) -> list[tuple[str, list[str]]]:
@@ -205,6 +213,39 @@ def test_sbatch_starts_ray_across_the_allocation_then_runs_the_flow(tmp_path):
     assert order.index(waits[0][1]) < order.index(run[1])  # the flow starts once every node has joined
     stops = [h for h, c in cmds if c[-1] == "stop"]
     assert sorted(stops) == ["gpu01", "gpu02", "gpu03"] and order.index(run[1]) < len(order) - 3
+
+
+def _ray_steps(calls: list[dict]) -> list[dict]:
+    """The srun calls that join Ray: `ray start` (head and workers), the wait, the flow."""
+    return [c for c in calls if c["tool"] == "srun" and any(x in c["argv"] for x in
+                                                            ("start", "engine.cluster.wait", "flows.cli"))]
+
+
+def test_sbatch_runs_every_ray_step_with_the_heads_token(tmp_path):
+    """Ray turns token authentication on for `ray start` wherever ~/.ray/auth_token exists, and refuses a node or
+    driver joining by address without RAY_AUTH_MODE=token (engine.cluster.check_token_auth): every step gets token
+    mode and the one token the head prints, and the token is never in the job's output."""
+    rc, calls, out = _sbatch(tmp_path, "--config", "deployments/demo.yaml")
+    assert rc == 0, out
+    (gen,) = [c for c in calls if c["tool"] == "srun" and "get-auth-token" in c["argv"]]
+    assert gen["argv"][4] == "gpu01" and gen["argv"][5:] == ["python", "-m", "ray.scripts.scripts", "get-auth-token",
+                                                             "--generate"]
+    steps = _ray_steps(calls)
+    assert len(steps) == 5  # head, two workers, the wait, the flow
+    assert all(c["auth_mode"] == "token" and c["auth_token"] == HEAD_TOKEN for c in steps), steps
+    assert calls.index(gen) < calls.index(steps[0])
+    assert HEAD_TOKEN not in out
+
+
+def test_sbatch_keeps_the_users_ray_auth_choice(tmp_path):
+    rc, calls, out = _sbatch(tmp_path, RAY_AUTH_MODE="disabled")
+    assert rc == 0, out
+    assert not [c for c in calls if "get-auth-token" in c.get("argv", [])]
+    assert all(c["auth_mode"] == "disabled" and c["auth_token"] is None for c in _ray_steps(calls))
+    rc, calls, out = _sbatch(tmp_path, RAY_AUTH_TOKEN_PATH="/shared/ray/token")  # a token the user provides
+    assert rc == 0, out
+    assert not [c for c in calls if "get-auth-token" in c.get("argv", [])]
+    assert all(c["auth_mode"] == "token" and c["auth_token"] is None for c in _ray_steps(calls))
 
 
 def test_sbatch_under_a_prefect_worker_runs_that_flow_run_and_passes_its_failure_on(tmp_path):

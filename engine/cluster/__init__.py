@@ -55,15 +55,70 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return
+            pass
     except (OSError, ValueError) as e:
         why = f"{type(e).__name__}: {e}" if not isinstance(e, TimeoutError) else f"no answer within {timeout_s:g} s"
-    raise ConfigError(Diagnosis(code="RF02", severity="error",
-                                what=f"--ray-address {address} cannot be reached ({why})",
-                                fix="start the cluster (`ray start --head` on that node), check the address and port "
-                                    "(the head's GCS port, 6379 by default) and the firewall, or leave "
-                                    "--ray-address unset for a local cluster",
-                                facts={"field": "ray_address", "value": address}))
+        raise ConfigError(Diagnosis(code="RF02", severity="error",
+                                    what=f"--ray-address {address} cannot be reached ({why})",
+                                    fix="start the cluster (`ray start --head` on that node), check the address and "
+                                        "port (the head's GCS port, 6379 by default) and the firewall, or leave "
+                                        "--ray-address unset for a local cluster",
+                                    facts={"field": "ray_address", "value": address})) from None
+    if "://" not in address:
+        check_token_auth(address)
+
+
+#: Where Ray (≥ 2.52) reads a driver's authentication token, in its order; the value is never logged
+TOKEN_SOURCES = "RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token"
+
+
+def check_token_auth(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in milliseconds (RF02, ConfigError) when the cluster at `address` refuses this driver's credentials.
+
+    Ray ≥ 2.52 turns token authentication on for a `ray start` cluster wherever ~/.ray/auth_token exists, and every
+    local `ray.init` writes that file. A driver that joins by address uses a token only with RAY_AUTH_MODE=token:
+    Ray never sends the local one on its own to an address it was given. Without it, ray.init retries for ~20 s and
+    ends in "Failed to connect to Ray cluster". One request to the cluster's GCS says which it is. A probe that
+    gets no answer within `timeout_s` (not a GCS there) leaves the diagnosis to ray.init."""
+    import threading
+
+    refused: list[Exception] = []
+
+    def probe() -> None:
+        try:
+            from ray._raylet import GcsClient
+            from ray.exceptions import AuthenticationError
+        except ImportError:  # a Ray before token authentication (2.52)
+            return
+        try:
+            GcsClient(address=address)
+        except AuthenticationError as e:
+            refused.append(e)
+        except Exception:  # noqa: BLE001 -- anything else: ray.init reports it, as before this probe
+            pass
+
+    t = threading.Thread(target=probe, name="rollflow-ray-auth-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not refused:
+        return
+    from engine.diagnosis import ConfigError, Diagnosis
+
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode and mode.lower() == "token":
+        what = (f"--ray-address {address}: the Ray cluster refuses this driver's authentication token "
+                f"(RAY_AUTH_MODE=token; the token comes from {TOKEN_SOURCES})")
+        fix = ("give this driver the cluster's token: `ray get-auth-token` on the head node prints it; set "
+               "RAY_AUTH_TOKEN to it (or RAY_AUTH_TOKEN_PATH to a file holding it) where rollflow runs")
+    else:
+        what = (f"--ray-address {address}: the Ray cluster requires token authentication and this driver has "
+                f"{f'RAY_AUTH_MODE={mode}' if mode else 'no RAY_AUTH_MODE'} (Ray uses a token to join a cluster by "
+                "address only with RAY_AUTH_MODE=token)")
+        fix = (f"run rollflow with RAY_AUTH_MODE=token and the cluster's token in {TOKEN_SOURCES} "
+               "(`ray get-auth-token` on the head node prints it); or start the cluster with RAY_AUTH_MODE=disabled "
+               "on every node (anyone who reaches its ports can then run code on it)")
+    raise ConfigError(Diagnosis(code="RF02", severity="error", what=what, fix=fix,
+                                facts={"field": "ray_address", "value": address, "ray_auth_mode": mode or ""}))
 
 
 #: rollflow's packages, shipped to the nodes of a joined cluster with --ray-code ship (runtime_env py_modules)

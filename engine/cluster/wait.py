@@ -4,7 +4,8 @@ check sees the whole allocation):
     python -m engine.cluster.wait --address 10.0.0.1:6379 --nodes 4 --timeout 300
 
 Exit 0 once the cluster has at least --nodes alive nodes, printing them; exit 1 after --timeout seconds with
-how many joined. Progress goes to stderr every 10 s.
+how many joined; exit 2 at once when the address cannot be reached or its cluster refuses this process (RF02: a
+token-authenticated cluster, say). Progress goes to stderr every 10 s.
 """
 from __future__ import annotations
 
@@ -45,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, required=True, help="alive nodes to wait for (head included)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up (default 300)")
     a = p.parse_args(argv)
-    up = wait_for_nodes(a.address, a.nodes, a.timeout)
+    from engine.diagnosis import ConfigError
+
+    try:
+        up = wait_for_nodes(a.address, a.nodes, a.timeout)
+    except ConfigError as e:  # the address cannot be reached, or its cluster refuses this process (RF02)
+        print(e, file=sys.stderr)
+        return 2
     names = ", ".join(f"{n['NodeManagerAddress']} (GPU {n['Resources'].get('GPU', 0):g}, "
                       f"CPU {n['Resources'].get('CPU', 0):g})" for n in up)
     if len(up) < a.nodes:

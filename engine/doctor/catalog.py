@@ -34,7 +34,8 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
           "more GPUs asked than the cluster has (colocated: actor_num_nodes × actor_num_gpus_per_node; decoupled: "
           "that + rollout_num_gpus)",
           "preflight compares the topology with the cluster and names the failing formula with numbers; placement "
-          "waits have a deadline, then retries with backoff, then fail with the same diagnosis"),
+          "waits have a deadline, then retries with backoff, then fail with the same diagnosis; a --ray-address "
+          "that does not answer, or whose cluster refuses this driver's Ray token (RAY_AUTH_MODE), fails at once"),
     Entry("RF03", "OOM mid-training",
           "`--max-tokens-per-gpu` too high (it only applies with `--use-dynamic-batch-size`, which requires it)",
           "preflight: dynamic batch without the cap is an error suggesting `rollout_max_response_len / cp_size`; "
