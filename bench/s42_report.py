@@ -17,7 +17,7 @@ MIS_KEYS = ("rollout/reward_mean", "train/mismatch", "train/tis_clipfrac", "trai
 
 
 def summary(work: str) -> dict | None:
-    found = glob.glob(f"/tmp/g/{work}/demo_*/summary.json")
+    found = glob.glob(f"/tmp/g/{work}/*/summary.json")  # the run's own work dir, named by its tag
     return json.load(open(found[0])) if found else None
 
 
@@ -48,7 +48,7 @@ def main(args: list[str]) -> None:
             diff[k] = max((abs(p - q) for p, q in zip(xs, ys)), default=0.0) if len(xs) == len(ys) else float("inf")
         same = [k for k, d in diff.items() if d == 0]
         print(f"{a} vs {b}: {len(same)} of {len(keys)} train/rollout/eval metrics equal at every rollout; greedy "
-              f"accuracy {x['test_accuracy_after']} and {y['test_accuracy_after']}")
+              f"accuracy {x.get('test_accuracy_after')} and {y.get('test_accuracy_after')}")
         print("   differing (largest difference):", {k: d for k, d in diff.items() if d != 0})
 
 
