@@ -98,6 +98,47 @@ def test_rf03_oom_is_classified_with_the_numbers():
     assert "32768" in d.what and "--max-tokens-per-gpu 8192" in d.fix
 
 
+def _torch_oom(asked: str, free: str, others: list[str], this: str, unallocated: str) -> str:
+    """PyTorch's CUDA OOM message (c10's caching allocator, torch 2.x), as a Ray task error carries it."""
+    procs = "".join(f"Process {4100 + i} has {o} memory in use. " for i, o in enumerate(others))
+    return (f"ray.exceptions.RayTaskError(OutOfMemoryError): ray::TrainWorker.train_step() (pid=4242)\n"
+            f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {asked}. GPU 0 has a total capacity of "
+            f"79.19 GiB of which {free} is free. {procs}Including non-PyTorch memory, this process has {this} memory "
+            f"in use. Of the allocated memory 30.00 GiB is allocated by PyTorch, and {unallocated} is reserved by "
+            "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+            "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)\n")
+
+
+def test_rf03_oom_on_a_shared_gpu_names_the_other_processes():
+    """Four runs on one H100 (bench/results/gpu_2026-12-07-s43, call 3): the OOM's own numbers say the GPU is
+    shared before the batch-size advice."""
+    cfg = RunConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=16384, rollout_max_response_len=256)
+    text = _torch_oom("9.27 GiB", "3.06 GiB", ["18.20 GiB", "17.95 GiB", "600.00 MiB"], "39.35 GiB", "512.00 MiB")
+    d = one(classify_text(text, cfg), "RF03")
+    assert "GPU 0: 9.27 GiB asked, 3.06 of 79.19 GiB free, this process holds 39.35 GiB" in d.what
+    assert "3 other processes hold 36.74 GiB" in d.what
+    assert d.fix.startswith("the GPU is shared: stop the other processes") and "--max-tokens-per-gpu 256" in d.fix
+    assert "expandable_segments" not in d.fix  # 0.5 GiB unallocated is no fragmentation
+    assert {k: d.facts[k] for k in ("asked_gib", "free_gib", "other_processes", "other_processes_gib",
+                                    "this_process_gib", "unallocated_gib")} == {
+        "asked_gib": 9.27, "free_gib": 3.06, "other_processes": 3, "other_processes_gib": 36.74,
+        "this_process_gib": 39.35, "unallocated_gib": 0.5}
+
+
+def test_rf03_oom_alone_on_the_gpu_or_fragmented():
+    cfg = RunConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=16384, rollout_max_response_len=2048)
+    alone = one(classify_text(_torch_oom("4.00 GiB", "1.20 GiB", ["450.00 MiB"], "77.40 GiB", "300.00 MiB"), cfg),
+                "RF03")
+    assert "4 GiB asked, 1.2 of 79.19 GiB free, this process holds 77.4 GiB" in alone.what
+    assert "other process" not in alone.what  # 0.45 GiB elsewhere: not a shared GPU
+    assert alone.fix.startswith("--max-tokens-per-gpu 2048")
+    frag = one(classify_text(_torch_oom("3.00 GiB", "1.50 GiB", [], "77.60 GiB", "6.25 GiB"), cfg), "RF03")
+    assert frag.fix.startswith("6.25 GiB are reserved by PyTorch but unallocated (fragmentation): try "
+                               "--train-env-vars '{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'")
+    assert "--max-tokens-per-gpu 2048" in frag.fix
+
+
 # ---- RF04 -----------------------------------------------------------------------------------------------------
 def test_rf04_model_name_mismatch_and_multinode_hint(tiny_model):
     d = one(run_preflight(RunConfig(model_name="llama"), Environment()), "RF04")

@@ -40,7 +40,9 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
           "`--max-tokens-per-gpu` too high (it only applies with `--use-dynamic-batch-size`, which requires it)",
           "preflight: dynamic batch without the cap is an error suggesting `rollout_max_response_len / cp_size`; "
           "a cap below the longest possible sample is a warning (use `--context-parallel-size`); an OOM at "
-          "runtime is classified and reported with these numbers"),
+          "runtime is classified and reported with these numbers and the OOM's own (asked, free, this process; "
+          "other processes holding the GPU, then named first; memory reserved but unallocated, then "
+          "expandable_segments)"),
     Entry("RF04", "transformers cannot find the model on multi-node runs",
           "many processes read the same local model files at once",
           "model files are read behind a per-node file lock; `--model-name` names the architecture so no process "

@@ -17,6 +17,66 @@ _INDUCTOR = re.compile(r"JSONDecodeError", re.I)
 _NAN = re.compile(r"\b(nan|inf)\b[^\n]{0,60}\b(loss|grad)|\b(loss|grad)[\w ]{0,40}(is|=|:)\s*(nan|inf)\b", re.I)
 
 
+_SIZE = r"([\d.]+) (bytes|KiB|MiB|GiB|TiB)"
+_UNITS = {"bytes": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 2**10}
+#: PyTorch's CUDA OOM message (c10's caching allocator): what was asked, the device's capacity and free memory,
+#: every other process that holds memory on it, this process's share, and its reserved-but-unallocated cache
+_CUDA_OOM = re.compile(r"Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capac(?:i)?ty of " + _SIZE +
+                       r" of which " + _SIZE + r" is free\.")
+_OTHER_PROCESS = re.compile(r"Process (\d+) has " + _SIZE + r" memory in use")
+_THIS_PROCESS = re.compile(r"this process has " + _SIZE + r" memory in use")
+_UNALLOCATED = re.compile(r"and " + _SIZE + r" is reserved by PyTorch but unallocated")
+
+
+def _gib(number: str, unit: str) -> float:
+    return float(number) * _UNITS[unit]
+
+
+def cuda_oom_facts(text: str) -> dict:
+    """The numbers of the first PyTorch CUDA OOM message in `text`, in GiB ({} when there is none): asked, gpu,
+    capacity, free, this_process, other_processes (how many) and other_processes_gib, unallocated (reserved by
+    PyTorch, not allocated)."""
+    m = _CUDA_OOM.search(text)
+    if m is None:
+        return {}
+    rest = text[m.end():m.end() + 4000]  # this message's own lines, not a later traceback's
+    end = re.search(r"If reserved but unallocated|See documentation|\n\S*Error", rest)
+    rest = rest[:end.start()] if end else rest
+    others = {pid: _gib(n, u) for pid, n, u in _OTHER_PROCESS.findall(rest)}
+    facts = {"asked_gib": _gib(*m.group(1, 2)), "gpu": int(m.group(3)), "capacity_gib": _gib(*m.group(4, 5)),
+             "free_gib": _gib(*m.group(6, 7)), "other_processes": len(others),
+             "other_processes_gib": sum(others.values())}
+    if (t := _THIS_PROCESS.search(rest)) is not None:
+        facts["this_process_gib"] = _gib(*t.groups())
+    if (u := _UNALLOCATED.search(rest)) is not None:
+        facts["unallocated_gib"] = _gib(*u.groups())
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in facts.items()}
+
+
+def _oom_context(facts: dict) -> tuple[str, str]:
+    """What the OOM message's numbers add to RF03: (more of `what`, a fix that comes before the batch-size one)."""
+    if not facts:
+        return "", ""
+    what = (f"; GPU {facts['gpu']}: {facts['asked_gib']:g} GiB asked, {facts['free_gib']:g} of "
+            f"{facts['capacity_gib']:g} GiB free")
+    if "this_process_gib" in facts:
+        what += f", this process holds {facts['this_process_gib']:g} GiB"
+    fix = ""
+    shared = facts["other_processes_gib"]
+    if facts["other_processes"] and shared >= max(1.0, 0.1 * facts["capacity_gib"]):
+        n = facts["other_processes"]
+        what += (f", {n} other process{'es hold' if n > 1 else ' holds'} {shared:g} GiB (this run's colocated "
+                 "rollout engine, if any, holds little then: it releases its memory before each train step)")
+        fix = ("the GPU is shared: stop the other processes on it or give this run GPUs of its own "
+               "(CUDA_VISIBLE_DEVICES); otherwise ")
+    unallocated = facts.get("unallocated_gib", 0.0)
+    if unallocated >= max(1.0, facts["asked_gib"]) or (unallocated >= 1.0 and unallocated + facts["free_gib"] >=
+                                                         facts["asked_gib"]):
+        fix += (f"{unallocated:g} GiB are reserved by PyTorch but unallocated (fragmentation): try --train-env-vars "
+                "'{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'; or ")
+    return what, fix
+
+
 def _next(e: BaseException) -> BaseException | None:
     """The exception behind `e`: Ray's RayTaskError keeps the remote one in `.cause`."""
     cause = getattr(e, "cause", None)
@@ -47,11 +107,12 @@ def classify_text(text: str, cfg=None) -> list[Diagnosis]:
     illegal = bool(_ILLEGAL.search(text))
     out: list[Diagnosis] = [d for d in engine if illegal or d.code == "RF08"]  # a plain OOM is the trainer's
     if _OOM.search(text) and not illegal:
-        facts = {}
+        facts = cuda_oom_facts(text)
+        more, first = _oom_context(facts)
         if cfg is not None:
-            facts = {"max_tokens_per_gpu": cfg.max_tokens_per_gpu, "micro_batch_size": cfg.micro_batch_size,
-                     "use_dynamic_batch_size": cfg.use_dynamic_batch_size,
-                     "rollout_max_response_len": cfg.rollout_max_response_len}
+            facts.update({"max_tokens_per_gpu": cfg.max_tokens_per_gpu, "micro_batch_size": cfg.micro_batch_size,
+                          "use_dynamic_batch_size": cfg.use_dynamic_batch_size,
+                          "rollout_max_response_len": cfg.rollout_max_response_len})
         if cfg is not None and cfg.use_dynamic_batch_size:
             safe = max(1, cfg.rollout_max_response_len // cfg.context_parallel_size)
             what = (f"out of memory while training with --max-tokens-per-gpu {cfg.max_tokens_per_gpu} "
@@ -62,7 +123,7 @@ def classify_text(text: str, cfg=None) -> list[Diagnosis]:
             what = f"out of memory with --micro-batch-size {mbs} (static batches)"
             fix = "--use-dynamic-batch-size --max-tokens-per-gpu <rollout_max_response_len>, or a smaller " \
                   "--micro-batch-size"
-        out.append(Diagnosis(code="RF03", severity="error", what=what, fix=fix, facts=facts))
+        out.append(Diagnosis(code="RF03", severity="error", what=what + more, fix=first + fix, facts=facts))
     if _INDUCTOR.search(text) and re.search(r"inductor|torch[._]compile|_inductor|codecache", text, re.I):
         out.append(Diagnosis(
             code="RF12", severity="error",
