@@ -45,7 +45,8 @@ def _threads_env(threads: int, extra: dict[str, str] | None = None) -> dict[str,
 
 def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     """Fail in seconds (RF02, ConfigError) when `--ray-address host:port` (or ray://host:port) does not accept a TCP
-    connection: ray.init would otherwise wait for minutes. `auto` / `local` are left to Ray."""
+    connection, or (host:port) its cluster refuses this driver's Ray token (check_token_auth): ray.init would
+    otherwise wait for minutes, or ~20 s. `auto` / `local` are left to Ray."""
     import socket
 
     from engine.diagnosis import ConfigError, Diagnosis
