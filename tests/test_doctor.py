@@ -139,6 +139,23 @@ def test_rf03_oom_alone_on_the_gpu_or_fragmented():
     assert "--max-tokens-per-gpu 2048" in frag.fix
 
 
+def test_an_oom_the_builtin_engine_answered_is_the_engines_not_the_trainers():
+    """The built-in engine answers a /generate that ran out of memory with HTTP 500 (engine/rollout/server.py), and
+    the rollout client raises that as an EngineError: RF11 with the engine's own knobs, not RF03's batch advice,
+    and no --sglang-mem-fraction-static, which the built-in engine refuses."""
+    oom = _torch_oom("3.00 GiB", "1.00 GiB", [], "78.00 GiB", "2.00 GiB").split("\n")[1]
+    text = ("engine.rollout.client.EngineError: http://127.0.0.1:30001/generate → HTTP 500: "
+            f'{{"error": {{"message": "generation failed: {oom}"}}}}')
+    cfg = RunConfig(sglang_args={"max-running-requests": "64"})
+    (d,) = classify_text(text, cfg)
+    assert d.code == "RF11" and d.what.startswith("the built-in rollout engine ran out of GPU memory while "
+                                                   "generating; GPU 0: 3 GiB asked, 1 of 79.19 GiB free")
+    assert d.fix.startswith("a smaller batch for the engine: --sglang-max-running-requests 32 (now 64)")
+    assert "mem-fraction-static" not in d.fix and "--train-env-vars" not in d.fix
+    # the same message from a train step stays the trainer's
+    assert [x.code for x in classify_text(oom, cfg)] == ["RF03"]
+
+
 # ---- RF04 -----------------------------------------------------------------------------------------------------
 def test_rf04_model_name_mismatch_and_multinode_hint(tiny_model):
     d = one(run_preflight(RunConfig(model_name="llama"), Environment()), "RF04")

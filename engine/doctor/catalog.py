@@ -74,7 +74,8 @@ CATALOG: dict[str, Entry] = {e.code: e for e in [
           "engine as `stop` / `stop_token_ids`; a high truncation share at runtime raises this diagnosis"),
     Entry("RF11", "SGLang: an illegal memory access was encountered", "usually an OOM inside the engine",
           "engine logs are scanned; the error is reported with the advice to lower `--sglang-mem-fraction-static` "
-          "(and its current value)"),
+          "(and its current value); the built-in engine's out-of-memory answer to a /generate is its own RF11, with "
+          "the OOM's numbers and a smaller `--sglang-max-running-requests`"),
     Entry("RF12", "JSONDecodeError from torch compile / inductor", "processes share one inductor cache",
           "`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` is in every Ray worker's env by default; the traceback is still "
           "classified if it happens"),

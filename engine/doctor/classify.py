@@ -53,8 +53,9 @@ def cuda_oom_facts(text: str) -> dict:
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in facts.items()}
 
 
-def _oom_context(facts: dict) -> tuple[str, str]:
-    """What the OOM message's numbers add to RF03: (more of `what`, a fix that comes before the batch-size one)."""
+def _oom_context(facts: dict, train_env: bool = True) -> tuple[str, str]:
+    """What the OOM message's numbers add to RF03: (more of `what`, a fix that comes before the batch-size one).
+    `train_env`: the OOM is a train worker's, whose allocator --train-env-vars configures."""
     if not facts:
         return "", ""
     what = (f"; GPU {facts['gpu']}: {facts['asked_gib']:g} GiB asked, {facts['free_gib']:g} of "
@@ -70,11 +71,28 @@ def _oom_context(facts: dict) -> tuple[str, str]:
         fix = ("the GPU is shared: stop the other processes on it or give this run GPUs of its own "
                "(CUDA_VISIBLE_DEVICES); otherwise ")
     unallocated = facts.get("unallocated_gib", 0.0)
-    if unallocated >= max(1.0, facts["asked_gib"]) or (unallocated >= 1.0 and unallocated + facts["free_gib"] >=
-                                                         facts["asked_gib"]):
+    if train_env and (unallocated >= max(1.0, facts["asked_gib"]) or
+                      (unallocated >= 1.0 and unallocated + facts["free_gib"] >= facts["asked_gib"])):
         fix += (f"{unallocated:g} GiB are reserved by PyTorch but unallocated (fragmentation): try --train-env-vars "
                 "'{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'; or ")
     return what, fix
+
+
+#: the rollout client's EngineError for an engine's failed answer (engine/rollout/client.py)
+_ENGINE_ANSWERED = re.compile(r"/generate → HTTP 5\d\d")
+
+
+def _builtin_engine_oom(d: Diagnosis, oom: dict, cfg) -> Diagnosis:
+    """RF11 for the built-in engine, which has no --sglang-mem-fraction-static (refused with it): its memory is
+    the batch's KV cache, which --sglang-max-running-requests and --sglang-max-total-tokens bound."""
+    rows = cfg.sglang_args.get("max-running-requests", 256) if cfg is not None else 256
+    more, first = _oom_context(oom, train_env=False)
+    return Diagnosis(
+        code="RF11", severity="error",
+        what=f"the built-in rollout engine ran out of GPU memory while generating{more}",
+        fix=f"{first}a smaller batch for the engine: --sglang-max-running-requests {max(1, int(rows) // 2)} (now "
+            f"{rows}) or a --sglang-max-total-tokens cap; colocated runs also need the trainer's share",
+        facts={**oom, "line": d.facts["line"], "max_running_requests": rows})
 
 
 def _next(e: BaseException) -> BaseException | None:
@@ -98,15 +116,21 @@ def classify_text(text: str, cfg=None) -> list[Diagnosis]:
     """Diagnoses for a log or traceback text; `cfg` (a RunConfig) adds the current values to the advice.
 
     An illegal memory access (the engine's OOM symptom) and bind failures are read as an engine log
-    (engine.rollout.diagnose.scan_engine_log: RF11, RF08); any other out-of-memory is the trainer's (RF03).
+    (engine.rollout.diagnose.scan_engine_log: RF11, RF08); so is an out-of-memory an engine answered a /generate
+    with (HTTP 5xx: the built-in engine's OOM reaches the flow that way). Any other out-of-memory is the
+    trainer's (RF03).
     """
     from engine.rollout.diagnose import scan_engine_log
 
     mem = cfg.sglang_args.get("mem-fraction-static") if cfg is not None else None
     engine = scan_engine_log(text, mem_fraction_static=float(mem) if mem is not None else None)
     illegal = bool(_ILLEGAL.search(text))
-    out: list[Diagnosis] = [d for d in engine if illegal or d.code == "RF08"]  # a plain OOM is the trainer's
-    if _OOM.search(text) and not illegal:
+    answered = bool(_OOM.search(text) and _ENGINE_ANSWERED.search(text))
+    if answered and not illegal and (cfg is None or cfg.rollout_engine == "builtin"):
+        engine = [_builtin_engine_oom(d, cuda_oom_facts(text), cfg) if d.code == "RF11" else d for d in engine]
+    # a plain OOM is the trainer's
+    out: list[Diagnosis] = [d for d in engine if illegal or answered or d.code == "RF08"]
+    if _OOM.search(text) and not illegal and not answered:
         facts = cuda_oom_facts(text)
         more, first = _oom_context(facts)
         if cfg is not None:
