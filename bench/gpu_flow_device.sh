@@ -7,7 +7,7 @@
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 #          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
-#          | s41-reshardable | s41-sp | s42 | s43 | s43-shape | s43-engine-only
+#          | s41-reshardable | s41-sp | s42 | s43 | s43-shape | s43-engine-only | s43-det-only
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -430,12 +430,13 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
       python3 bench/s42_report.py plain_m_a:plain_m_b plain_tb_a:plain_tb_b det_tb_a:det_tb_b 2>&1 \
         | tee "$OUT/s43_pairs.txt"
       for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 2 "$f"; done ;;
-    s43-shape|s43-engine-only)  # --deterministic-mode where plain runs may differ: the random Qwen2.5-0.5B shape (bf16, 3 small
+    s43-shape|s43-engine-only|s43-det-only)  # --deterministic-mode where plain runs may differ: the random Qwen2.5-0.5B shape (bf16, 3 small
                 # rollouts: 16 prompts x 8, 256 tokens; --entropy-coef 0.01 so that the all-zero rewards of a random
                 # model still give a gradient; micro-batches of 2,048 tokens), torch then Megatron, each twice
                 # plain and twice with the flags,
                 # side by side (4 runs a wave, one GPU); bench/s42_report.py compares each pair. s43-engine-only:
-                # a pair per backend with --sglang-enable-deterministic-inference alone (which flag does it)
+                # a pair per backend with --sglang-enable-deterministic-inference alone (which flag does it);
+                # s43-det-only: a torch pair with --deterministic-mode alone
       det="--deterministic-mode --sglang-enable-deterministic-inference"
       small="--rollout-batch-size 16 --global-batch-size 128 --rollout-max-response-len 256 --entropy-coef 0.01"
       small="$small --lr 1e-5 --num-rollout 3 --max-tokens-per-gpu 2048"  # 16384: four runs OOM on one H100
@@ -448,6 +449,15 @@ gpu_flow.random_model('0.5b', Path('/tmp/g/base/qwen2_0.5b'))" > "$OUT/build_0.5
         BENCH_WORK=$work python3 bench/gpu_flow.py shape --shape 0.5b --backend "$backend" --bf16 --out "$OUT" \
           --timeout 280 --part "$part" --extra "$small $*" > "$OUT/run_${backend}$part.txt" 2>&1
       }
+      if [ "$step" = s43-det-only ]; then  # --deterministic-mode alone: a torch pair
+        pids=()
+        shape /tmp/g/s_torch_trn_a torch _trn_a --deterministic-mode & pids+=($!)
+        shape /tmp/g/s_torch_trn_b torch _trn_b --deterministic-mode & pids+=($!)
+        wait "${pids[@]}"; echo "== done $(date +%T)"
+        python3 bench/s42_report.py s_torch_trn_a:s_torch_trn_b 2>&1 | tee "$OUT/s43_det_only.txt"
+        for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 1 "$f"; done
+        continue
+      fi
       if [ "$step" = s43-engine-only ]; then  # which flag: the engine's alone, a pair per backend in one wave
         pids=()
         for backend in torch megatron; do
