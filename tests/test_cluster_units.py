@@ -160,7 +160,8 @@ def test_a_lean_local_cluster_runs_only_the_gcs_the_raylet_and_its_agents():
     dashboard packages) and its ports are written as not in use, and tasks still run; Ray's Node and its command
     builder are as they were afterwards, and the stand-in exits with the raylet. RAY_ADDRESS names a cluster that is
     not there: a run without --ray-address starts its own all the same (Ray's default would join it, or a `ray
-    start` cluster of this machine, and refuse num_cpus), and says so."""
+    start` cluster of this machine, and refuse num_cpus), and says so. Ray's token authentication is on, as Ray
+    starts a local cluster, without Ray's notice of it on every start."""
     import os
     import subprocess
     import sys
@@ -177,6 +178,8 @@ build = services._build_python_executable_command_memory_profileable
 assert cluster.services_started() is None
 cluster.connect(None, 1, "ship", "lean")
 assert cluster.services_started() == "lean"
+import os
+assert os.environ.get("RAY_AUTH_MODE") == "token"  # Ray's default for a local cluster, kept (its notice is not)
 kinds = set(worker._global_node.all_processes)
 print({"gcs_server", "raylet"} <= kinds, kinds.isdisjoint({rc.PROCESS_TYPE_MONITOR, rc.PROCESS_TYPE_LOG_MONITOR,
                                                            rc.PROCESS_TYPE_DASHBOARD}), sorted(kinds))
@@ -196,9 +199,11 @@ assert cluster.services_started() is None
 stand_in[0].wait(timeout=15)  # the raylet is gone: the stand-in follows it
 print("stand-in exited")
 """
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}  # as a fresh shell has it
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})
+                         text=True, timeout=120, env={**env, "RAY_ADDRESS": "127.0.0.1:9"})
     assert out.returncode == 0, out.stderr
+    assert "Token authentication is enabled" not in out.stderr, out.stderr  # Ray's notice at every start
     assert "RAY_ADDRESS=127.0.0.1:9 is set but --ray-address is not" in out.stderr, out.stderr
     procs, answer, agents, ports, restored, exited = out.stdout.strip().splitlines()[-6:]
     assert procs.startswith("True True "), procs  # the GCS and the raylet run; no monitor, log monitor, API server

@@ -272,11 +272,32 @@ def connect(address: str | None, num_cpus: int | None = None, ray_code: str = "s
                 log.warning("rollflow: RAY_ADDRESS=%s is set but --ray-address is not: this run starts a local "
                             "Ray cluster of its own; to join that cluster, pass --ray-address auto (or its address)",
                             os.environ["RAY_ADDRESS"])
-        with _services("full" if address else services) as started:
+        with _services("full" if address else services) as started, _quiet_auth_notice(not address):
             _keeping_sigterm(lambda: ray.init(**kwargs))
         if not address:
             _started = (ray.get_runtime_context().gcs_address, started)
     return dict(ray.cluster_resources())
+
+
+#: Ray's logger for its token-authentication notices (ray/_private/authentication/authentication_token_setup.py)
+AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextmanager
+def _quiet_auth_notice(local: bool) -> Iterator[None]:
+    """Ray (>= 2.52) starts a local cluster with token authentication unless RAY_AUTH_MODE says otherwise, and
+    warns at every start that it did ("Set RAY_AUTH_MODE=disabled to opt out"): the first line of every
+    `rollflow train`. For the local cluster a run starts that notice is left out; the mode is Ray's, unchanged."""
+    if not local:
+        yield
+        return
+    notices = logging.getLogger(AUTH_NOTICE_LOGGER)
+    before = notices.level
+    notices.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        notices.setLevel(before)
 
 
 def _keeping_sigterm(fn):
