@@ -34,13 +34,18 @@ def _quiet_transformers() -> None:
 
 
 def load_tokenizer(path: str):
+    """transformers' tokenizer of the model in `path` (its pad token the EOS where it has none), kept for the
+    built-in engines, which then answer without importing transformers (engine/rollout/tokenizer_cache.py)."""
     from transformers import AutoTokenizer
+
+    from engine.rollout import tokenizer_cache
 
     _quiet_transformers()
     with model_dir_lock(path):
         tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    tokenizer_cache.remember(path, tok)
     return tok
 
 

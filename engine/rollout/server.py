@@ -298,7 +298,8 @@ class EngineState:
                  model_impl: str = "auto", return_routed_experts: bool = False):
         import torch
 
-        from engine.modeling import eos_token_ids, impl_of, load_causal_lm, load_tokenizer
+        from engine.modeling import eos_token_ids, impl_of, load_causal_lm
+        from engine.rollout.tokenizer_cache import engine_tokenizer
         from engine.rollout.protocol import Limits
 
         self.api_key, self.admin_api_key = api_key, admin_api_key
@@ -308,7 +309,7 @@ class EngineState:
         if threads and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.model_path, self.device, self.dtype, self.default_max_new = model_path, device, dtype, max_new_tokens
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = engine_tokenizer(model_path)  # without transformers where it was cached
         model = load_causal_lm(model_path, dtype=dtype, device=device, impl=model_impl).eval()
         self.model_impl = impl_of(model)  # native or transformers (/get_server_info)
         self.generator = Generator(model, self.tokenizer, eos_token_ids(model_path, self.tokenizer), device,

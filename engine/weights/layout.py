@@ -28,18 +28,21 @@ def _revert():
 def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (the model's in-memory names) under the names of its checkpoint files; the same dict when the model
     keeps them (most models)."""
-    revert = _revert()
-    if revert is None or not _converts(model):
+    if not _converts(model):
         return state
     with torch.no_grad():
-        return revert(model, dict(state))
+        return _revert()(model, dict(state))
 
 
 def _converts(model: torch.nn.Module) -> bool:
     """Whether transformers converts any of this model's weights between file and memory (cached on the model)."""
     cached = getattr(model, "_rollflow_converts", None)
     if cached is None:
-        revert = _revert()
+        from engine.modeling import impl_of
+
+        # rollflow's own model code (dense families only) keeps the checkpoint's names: transformers' conversion
+        # code is not even imported (~0.3 s of CPU with the accelerate it imports, at a worker's first sync)
+        revert = _revert() if impl_of(model) != "native" else None
         cached = False
         if revert is not None and hasattr(model, "config"):
             meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in model.named_parameters()}
