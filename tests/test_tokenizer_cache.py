@@ -48,6 +48,12 @@ def test_the_cached_tokenizer_answers_as_transformers(cache, model):
     for name in ("eos_token", "pad_token", "bos_token", "eos_token_id", "pad_token_id", "bos_token_id"):
         assert getattr(cached, name) == getattr(hf, name), name
     assert len(cached) == len(hf)
+    # anything else is transformers' own tokenizer's, loaded on first use (a caller rendering a chat template)
+    assert cached._full is None
+    messages = [{"role": "user", "content": "12+7="}]
+    assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert cached.all_special_ids == hf.all_special_ids and cached._full is not None
 
 
 def test_an_engine_reads_it_without_importing_transformers(cache, tmp_path):

@@ -150,11 +150,14 @@ def load(path: str | os.PathLike) -> "CachedTokenizer | None":
 class CachedTokenizer:
     """The calls the built-in engine makes of a tokenizer, answered by the Rust tokenizer transformers built (see
     the module docstring): `tok(text, add_special_tokens=...)["input_ids"]`, `decode(ids, skip_special_tokens=...)`,
-    the special tokens and their ids, `len(tok)`."""
+    the special tokens and their ids, `len(tok)`. Anything else (a caller holding the engine's tokenizer that
+    renders a chat template, say) is transformers' tokenizer's, loaded on first use."""
 
     def __init__(self, entry: dict[str, Any], name_or_path: str):
         from tokenizers import Tokenizer
 
+        self._full = None
+        self._full_lock = threading.Lock()
         self._tokenizer = Tokenizer.from_str(entry["backend"])
         self._tokenizer.encode_special_tokens = bool(entry["split_special_tokens"])
         self._size = int(entry["vocab_size"])
@@ -192,6 +195,17 @@ class CachedTokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name: str):  # only for what the class does not define
+        if name.startswith("__") or name in ("_full", "_full_lock", "_tokenizer"):
+            raise AttributeError(name)
+        with self._full_lock:
+            if self._full is None:
+                from engine.modeling import load_tokenizer
+
+                log.debug("rollflow: %s of the engine's tokenizer: transformers' tokenizer loaded", name)
+                self._full = load_tokenizer(self.name_or_path)
+        return getattr(self._full, name)
 
 
 def engine_tokenizer(path: str):
