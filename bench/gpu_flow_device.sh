@@ -436,7 +436,7 @@ save_model; save_model(Path('$BENCH_WORK/qwen3moe'), 'qwen3moe', 'examples/tiny-
                 # plain and twice with the flags,
                 # side by side (4 runs a wave, one GPU); bench/s42_report.py compares each pair. s43-engine-only:
                 # a pair per backend with --sglang-enable-deterministic-inference alone (which flag does it);
-                # s43-det-only: a torch pair with --deterministic-mode alone
+                # s43-det-only: a pair per backend with --deterministic-mode alone
       det="--deterministic-mode --sglang-enable-deterministic-inference"
       small="--rollout-batch-size 16 --global-batch-size 128 --rollout-max-response-len 256 --entropy-coef 0.01"
       small="$small --lr 1e-5 --num-rollout 3 --max-tokens-per-gpu 2048"  # 16384: four runs OOM on one H100
@@ -449,12 +449,15 @@ gpu_flow.random_model('0.5b', Path('/tmp/g/base/qwen2_0.5b'))" > "$OUT/build_0.5
         BENCH_WORK=$work python3 bench/gpu_flow.py shape --shape 0.5b --backend "$backend" --bf16 --out "$OUT" \
           --timeout 280 --part "$part" --extra "$small $*" > "$OUT/run_${backend}$part.txt" 2>&1
       }
-      if [ "$step" = s43-det-only ]; then  # --deterministic-mode alone: a torch pair
+      if [ "$step" = s43-det-only ]; then  # --deterministic-mode alone: a pair per backend in one wave
         pids=()
-        shape /tmp/g/s_torch_trn_a torch _trn_a --deterministic-mode & pids+=($!)
-        shape /tmp/g/s_torch_trn_b torch _trn_b --deterministic-mode & pids+=($!)
+        for backend in torch megatron; do
+          shape /tmp/g/s_${backend}_trn_a $backend _trn_a --deterministic-mode & pids+=($!)
+          shape /tmp/g/s_${backend}_trn_b $backend _trn_b --deterministic-mode & pids+=($!)
+        done
         wait "${pids[@]}"; echo "== done $(date +%T)"
-        python3 bench/s42_report.py s_torch_trn_a:s_torch_trn_b 2>&1 | tee "$OUT/s43_det_only.txt"
+        python3 bench/s42_report.py s_torch_trn_a:s_torch_trn_b s_megatron_trn_a:s_megatron_trn_b 2>&1 \
+          | tee "$OUT/s43_det_only.txt"
         for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 1 "$f"; done
         continue
       fi
