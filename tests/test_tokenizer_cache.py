@@ -54,6 +54,8 @@ def test_the_cached_tokenizer_answers_as_transformers(cache, model):
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert cached.all_special_ids == hf.all_special_ids and cached._full is not None
+    assert cached(["1+1=", "2+2="])["input_ids"] == hf(["1+1=", "2+2="])["input_ids"]  # a batch: transformers'
+    assert cached.decode([[5, 6], [7]]) == hf.decode([[5, 6], [7]])
 
 
 def test_an_engine_reads_it_without_importing_transformers(cache, tmp_path):

@@ -187,25 +187,33 @@ class CachedTokenizer:
     def __len__(self) -> int:
         return self._size
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        if not isinstance(text, str):
-            raise TypeError(f"CachedTokenizer encodes one str, got {type(text).__name__}")
+    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
+        if kwargs or not isinstance(text, str):  # a batch, tensors, padding, …: transformers' own
+            return self.full("__call__")(text, add_special_tokens=add_special_tokens, **kwargs)
         return {"input_ids": self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
 
-    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        if kwargs or not isinstance(token_ids, (list, tuple)) or any(not isinstance(t, int) for t in token_ids):
+            return self.full("decode").decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def __getattr__(self, name: str):  # only for what the class does not define
-        if name.startswith("__") or name in ("_full", "_full_lock", "_tokenizer"):
-            raise AttributeError(name)
+    def full(self, why: str):
+        """transformers' tokenizer of the same model, loaded on first use (for `why`, a call this class does not
+        answer itself)."""
         with self._full_lock:
             if self._full is None:
                 from engine.modeling import load_tokenizer
 
-                log.debug("rollflow: %s of the engine's tokenizer: transformers' tokenizer loaded", name)
+                log.debug("rollflow: %s of the engine's tokenizer: transformers' tokenizer loaded", why)
                 self._full = load_tokenizer(self.name_or_path)
-        return getattr(self._full, name)
+        return self._full
+
+    def __getattr__(self, name: str):  # only for what the class does not define
+        if name.startswith("__") or name in ("_full", "_full_lock", "_tokenizer"):
+            raise AttributeError(name)
+        return getattr(self.full(name), name)
 
 
 def engine_tokenizer(path: str):
