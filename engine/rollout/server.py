@@ -299,8 +299,8 @@ class EngineState:
         import torch
 
         from engine.modeling import eos_token_ids, impl_of, load_causal_lm
-        from engine.rollout.tokenizer_cache import engine_tokenizer
         from engine.rollout.protocol import Limits
+        from engine.rollout.tokenizer_cache import engine_tokenizer
 
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.weight_dirs = [Path(d).resolve() for d in (weight_dirs or [])]
