@@ -25,7 +25,6 @@ import math
 import os
 import re
 import shutil
-import socket
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -96,13 +95,17 @@ def init_distributed(rank: int, world_size: int, master: str | None, timeout_min
     torch.cuda.set_device(local)
     if dist.is_initialized():
         return
-    if master is None and "MASTER_ADDR" not in os.environ:
-        with socket.socket() as s:  # a lone rank: any free local port
-            s.bind(("127.0.0.1", 0))
-            master = f"127.0.0.1:{s.getsockname()[1]}"
-    init = f"tcp://{master}" if master else "env://"
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size,
-                            timeout=timedelta(minutes=timeout_minutes))
+    from engine.train.rendezvous import host_group, init_group
+
+    if master is None and "MASTER_ADDR" in os.environ:  # torchrun's MASTER_ADDR / MASTER_PORT
+        dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
+        return
+    if master is None:  # a lone rank: its own store on a loopback port the OS picks
+        from engine.rollout.ports import free_loopback_port
+
+        master = host_group("127.0.0.1", world_size, free_loopback_port, timeout_minutes)
+    init_group("nccl", master, rank, world_size, timedelta(minutes=timeout_minutes))
 
 
 def _on_own_stream(method):

@@ -69,10 +69,10 @@ def join_group(cfg, *, rank: int, world_size: int, master: str, device: str) -> 
     for another rank fails."""
     from datetime import timedelta
 
-    import torch.distributed as dist
+    from engine.train.rendezvous import init_group
 
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master}", rank=rank,
-                            world_size=world_size, timeout=timedelta(minutes=cfg.distributed_timeout_minutes))
+    init_group("nccl" if device == "cuda" else "gloo", master, rank, world_size,
+               timedelta(minutes=cfg.distributed_timeout_minutes))
 
 
 class TorchBackend:

@@ -153,14 +153,17 @@ class TrainWorker:
 
     def rendezvous(self, registry) -> str:
         """Rank 0: `host:port` of the process group's store on THIS node (its IP, a port the cluster's registry
-        handed out for this node and that is free here). Every rank connects to it, from whichever node."""
+        handed out for this node and that is free here). The store listens from now on, held by this process
+        until `setup` builds the group on it (engine/train/rendezvous.py: a port bound only later could be taken
+        in between); every rank connects to it, from whichever node."""
         import ray
 
         from engine.rollout.ports import allocate_ports
+        from engine.train.rendezvous import host_group
 
         node = ray.util.get_node_ip_address()
-        (port,) = allocate_ports(registry.reserve, node, 1)
-        return f"[{node}]:{port}" if ":" in node else f"{node}:{port}"
+        return host_group(node, self.world_size, lambda: allocate_ports(registry.reserve, node, 1)[0],
+                          self.cfg.distributed_timeout_minutes)
 
     @property
     def reports(self) -> bool:
@@ -769,17 +772,21 @@ class TrainWorker:
         """Rank 0: open a weight-update group (SGLang's /init_weights_update_group) with the engines, each given
         as (url, its ranks), hosted at this node's address on a free port; closes the one open before. Returns
         "address:port". Other ranks do nothing."""
+        from datetime import timedelta
+
         import ray
 
         from engine.rollout.client import EngineClient
         from engine.rollout.ports import free_port
+        from engine.train.rendezvous import listen_store
         from engine.weights.distributed import DEFAULT_GROUP, DistributedSender
 
         self.group_close()
         if self.rank != 0:
             return ""
         address = ray.util.get_node_ip_address()
-        port = free_port()
+        # listening before any engine is told the port (a port picked free and bound later can be taken)
+        store, port = listen_store(address, 1 + sum(n for _, n in engines), timedelta(seconds=timeout_s), free_port)
         clients = [EngineClient(url, timeout_s=timeout_s, api_key=api_key) for url, _ in engines]
         for c in clients:  # a group an earlier run left (killed before it could close it) would refuse this one
             try:
@@ -787,7 +794,7 @@ class TrainWorker:
             except Exception:  # noqa: BLE001 — none to leave: the usual case
                 pass
         self._sender = DistributedSender(clients, address, port, backend=backend, timeout_s=timeout_s,
-                                         ranks=[n for _, n in engines])
+                                         ranks=[n for _, n in engines], store=store)
         self._sender_backend = backend
         return f"{address}:{port}"
 

@@ -44,8 +44,9 @@ def dtype_name(d: torch.dtype) -> str:
 
 
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str,
-               timeout_s: float = 600.0):
-    """This process's member of a fresh process group (rank 0 hosts the store). Blocks until all ranks joined."""
+               timeout_s: float = 600.0, store=None):
+    """This process's member of a fresh process group (rank 0 hosts the store: `store`, when it already listens
+    (engine/train/rendezvous.py), else one started now). Blocks until all ranks joined."""
     import torch.distributed as dist
 
     if backend not in BACKENDS:
@@ -53,7 +54,11 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a group of world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=rank == 0,
+                              timeout=timeout)
+    else:
+        store.set_timeout(timeout)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if not torch.cuda.is_available():
@@ -96,9 +101,11 @@ class DistributedSender:
     """The trainer's rank 0 of a weight-update group with engines (EngineClient per engine)."""
 
     def __init__(self, clients: list, master_address: str, master_port: int, *, backend: str = "gloo",
-                 group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0, ranks: list[int] | None = None):
+                 group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0, ranks: list[int] | None = None,
+                 store=None):
         """ranks: each engine's ranks in the group (its tensor-parallel × pipeline size: SGLang's every rank
-        receives the whole tensors; the built-in engine has one), 1 each by default."""
+        receives the whole tensors; the built-in engine has one), 1 each by default. store: the group's TCP store,
+        already listening at master_port (engine/train/rendezvous.listen_store), else started here."""
         self.clients, self.group_name = clients, group_name
         ranks = list(ranks) if ranks is not None else [1] * len(clients)
         if len(ranks) != len(clients) or min(ranks, default=1) < 1:
@@ -118,7 +125,7 @@ class DistributedSender:
         threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(clients))]
         for t in threads:
             t.start()
-        self.pg = join_group(master_address, master_port, 0, world, backend, timeout_s)
+        self.pg = join_group(master_address, master_port, 0, world, backend, timeout_s, store=store)
         for t in threads:
             t.join()
         bad = [f"{c.url}: {a}" for c, a in zip(clients, answers) if isinstance(a, Exception)]
