@@ -122,7 +122,7 @@ def test_unbiased_kl_weights_the_kl_loss_by_the_ratio_with_its_gradient():
             ref_log_probs=lp.detach() - x, rollout_log_probs=lp.detach(), advantages=torch.zeros(2),
             loss_mask=torch.ones(2), cu_seqlens=torch.tensor([0, 2]), denominator=1)
         loss.backward()
-        return float(loss), float(stats["kl"]), lp.grad
+        return float(loss.detach()), float(stats["kl"]), lp.grad
 
     loss, kl_sum, grad = run(True)
     assert loss == pytest.approx(float((rho * x).mean()), rel=1e-6)  # one sample: its token mean
