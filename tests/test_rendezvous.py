@@ -5,6 +5,7 @@ process before rank 0's store bound it. These tests take the port on purpose."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 from datetime import timedelta
 
@@ -45,8 +46,11 @@ def test_every_port_taken_names_them_and_the_fix():
     taken = [s.getsockname()[1] for s in squatters]
     ports = iter(taken)
     try:
-        with pytest.raises(RuntimeError, match=r"RF08.*" + str(taken[0])):
+        from engine.diagnosis import DiagnosisError
+
+        with pytest.raises(DiagnosisError, match=rf"ports \[{taken[0]}, {taken[1]}\].*held by pid {os.getpid()}") as e:
             rendezvous.listen_store("127.0.0.1", 2, timedelta(seconds=5), lambda: next(ports), attempts=2)
+        assert e.value.codes == ["RF08"] and "ss -ltnp" in str(e.value)
     finally:
         for s in squatters:
             s.close()

@@ -43,8 +43,18 @@ def listen_store(host: str, world_size: int, timeout: timedelta, next_port: Call
             taken.append(port)
             continue
         return store, port
-    raise RuntimeError(f"[RF08] no port for the process group's store on {host}: {taken} were taken by other "
-                       "processes between the check and the bind; free ports on this node or widen the range")
+    from engine.diagnosis import Diagnosis, DiagnosisError
+    from engine.rollout.ports import port_holder_pid
+
+    holder = port_holder_pid(taken[-1], listening=True) if taken else None
+    held = f"pid {holder[0]} ({holder[1][:160]})" if holder else "a process this user cannot see"
+    raise DiagnosisError(Diagnosis(
+        code="RF08", severity="error",
+        what=f"the process group's store on {host}: ports {taken} were each taken by another process between the "
+             f"check that found them free and the bind ({attempts} tries); port {taken[-1]} is held by {held}",
+        fix="stop the program that keeps taking ports on this node (`ss -ltnp` lists who listens where), then "
+            "run the same command again (a run resumes from its last checkpoint)",
+        facts={"host": host, "ports": taken, "holder_pid": holder[0] if holder else None}))
 
 
 def host_group(host: str, world_size: int, next_port: Callable[[], int], timeout_minutes: float) -> str:
