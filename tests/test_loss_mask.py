@@ -109,4 +109,4 @@ def test_aggregation_counts_only_the_models_tokens(model):
     assert float(per_sample[0].detach()) == pytest.approx(-2.0) and float(loss.detach()) == pytest.approx(-2.0)
     assert float(stats["tokens"]) == 5
     loss, _, _ = policy_objective(LossSpec(per_token_loss=True), denominator=float(m.sum()), **args)
-    assert float(loss) == pytest.approx(-2.0)  # Σ over 5 model tokens of −2, divided by 5 (not by 10)
+    assert float(loss.detach()) == pytest.approx(-2.0)  # Σ over 5 model tokens of −2, divided by 5 (not by 10)
