@@ -7,7 +7,7 @@
 #          | new-flags | async-save-0.5b | profiling | loss-memory | forward-batching | s30-demos
 #          | recompute-refusal | s32-regress | s33-regress | s35-windowed | s35-families | s35-families-2 | s35-flash-window
 #          | s36-moe | s36-moe-2 | s36-moe-3 | s36-moe-flows | s37-moe | s37-replay | s37-replay-min | s38-replay | s38-replay-min | s40 | s40-r3 | s40-r3-min
-#          | s41-reshardable | s41-sp | s42 | s43 | s43-shape | s43-engine-only | s43-det-only
+#          | s41-reshardable | s41-sp | s42 | s43 | s43-shape | s43-engine-only | s43-det-only | s46-tests
 # Under $OUT: nvidia_smi.txt, pytest_gpu.txt, gpu_flow_<tag>.json and .log (bench/gpu_flow.py). The bundle of the
 # runtime dependencies (.gpu/, ../shared/gpu/make-bundle.sh) is unpacked by the prelude. The device tool brings back
 # at most 8 files: with more, everything under $OUT is packed into $OUT/results.tgz at the end.
@@ -484,6 +484,10 @@ gpu_flow.random_model('0.5b', Path('/tmp/g/base/qwen2_0.5b'))" > "$OUT/build_0.5
           2>&1 | tee "$OUT/s43_shape_$backend.txt"
       done
       for f in "$OUT"/run_*.txt; do echo "-- $f"; tail -n 3 "$f"; done ;;
+    s46-tests)  # after session 45's rendezvous change (a TCPStore held from the port pick to init_process_group:
+                # Megatron's lone rank, the torch group, the weight-update group): the GPU tests of both backends
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_flow.py tests/test_megatron_backend.py \
+        --timeout 280 > "$OUT/pytest_gpu.txt" 2>&1; tail -n 12 "$OUT/pytest_gpu.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done
