@@ -32,6 +32,8 @@ def listen_store(host: str, world_size: int, timeout: timedelta, next_port: Call
     while the port turns out taken (another process bound it after it was checked free)."""
     import torch.distributed as dist
 
+    if attempts < 1:
+        raise ValueError(f"listen_store: attempts={attempts}; it must be at least 1")
     taken: list[int] = []
     for _ in range(attempts):
         port = int(next_port())
@@ -46,7 +48,7 @@ def listen_store(host: str, world_size: int, timeout: timedelta, next_port: Call
     from engine.diagnosis import Diagnosis, DiagnosisError
     from engine.rollout.ports import port_holder_pid
 
-    holder = port_holder_pid(taken[-1], listening=True) if taken else None
+    holder = port_holder_pid(taken[-1], listening=True)
     held = f"pid {holder[0]} ({holder[1][:160]})" if holder else "a process this user cannot see"
     raise DiagnosisError(Diagnosis(
         code="RF08", severity="error",
