@@ -35,6 +35,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import spawn_ranks  # noqa: E402
 from test_megatron_cpu_model import _host_streams, rendezvous  # noqa: E402
 
 
@@ -167,7 +168,7 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
     _random_moe("qwen2moe", tmp_path / "hf")  # 4 experts, 2 a token, a gated shared expert, a dense layer 0
     out = mp.Manager().dict()
     for ep in (1, 2):
-        mp.spawn(_rank, args=(2, rendezvous(tmp_path, f"rendezvous-ep{ep}"), {"expert_model_parallel_size": ep},
+        spawn_ranks(_rank, args=(2, rendezvous(tmp_path, f"rendezvous-ep{ep}"), {"expert_model_parallel_size": ep},
                               str(tmp_path / "hf"), str(tmp_path), out), nprocs=2)
     files = set(safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt").keys())
     for rank in (0, 1):
@@ -272,7 +273,7 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_tp1_and_pp2(tmp_path):
                              ("pp2", {"pipeline_model_parallel_size": 2}, str(tmp_path / "save"))):
         out = mp.Manager().dict()
         (tmp_path / name).mkdir()
-        mp.spawn(_layout_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, str(tmp_path / "hf"),
+        spawn_ranks(_layout_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, str(tmp_path / "hf"),
                                      str(tmp_path / name), frm, out), nprocs=2)
         got[name] = dict(out)
 
@@ -368,7 +369,7 @@ def test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing(tmp_p
         hf = str(tmp_path / model)
         replayed = str(tmp_path / "moved") if "use_routing_replay" in flags else None
         out = mp.Manager().dict()
-        mp.spawn(_parallel_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, hf, str(tmp_path),
+        spawn_ranks(_parallel_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, hf, str(tmp_path),
                                        routes, out, replayed), nprocs=2)
         tb = TorchBackend(RunConfig(hf_checkpoint=hf, lr=1e-3, rollout_batch_size=4, n_samples_per_prompt=4,
                                     micro_batch_size=2, work_dir=str(tmp_path), use_rollout_routing_replay=routes,
@@ -438,7 +439,7 @@ def test_slimes_recompute_settings_recompute_what_they_name_and_change_no_number
     two GRPO steps give the losses and grad norms of the run without recompute, and in the steps the recomputed
     modules run twice per micro-batch (forward, then again in the backward), the others once."""
     out = mp.Manager().dict()
-    mp.spawn(_recompute_rank, args=(str(tmp_path), out), nprocs=1)
+    spawn_ranks(_recompute_rank, args=(str(tmp_path), out), nprocs=1)
     base = out["none"]
     n = base["runs"]["layer0"]  # one forward per micro-batch and step
     assert n > 0 and base["runs"] == {"layer0": n, "layer1": n, "attention0": n}
@@ -500,7 +501,7 @@ def _gpu_tests(rank: int, tmp: str, out: dict) -> None:
 def gpu_tests_on_cpu(tmp_path_factory) -> dict:
     """One process runs them all (the harness replaces CUDA calls process-wide; one start-up instead of 13)."""
     out = mp.Manager().dict()
-    mp.spawn(_gpu_tests, args=(str(tmp_path_factory.mktemp("gpu_tests")), out), nprocs=1)
+    spawn_ranks(_gpu_tests, args=(str(tmp_path_factory.mktemp("gpu_tests")), out), nprocs=1)
     return dict(out)
 
 

@@ -28,6 +28,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import spawn_ranks  # noqa: E402
 
 
 def _case(rank: int, world: int, init: str, families: list[str], rope_in_attention: bool, out: dict,
@@ -241,7 +242,7 @@ def test_megatron_model_matches_transformers_on_packed_rows(world, rope_in_atten
     families = ["qwen2", "qwen3", "llama", "qwen3moe", "qwen3moe-norm", "mistral", "mixtral", "qwen2moe"] \
         if world == 1 else \
         ["qwen2", "qwen3", "mistral"]
-    mp.spawn(_case, args=(world, init, families, rope_in_attention, out), nprocs=world)
+    spawn_ranks(_case, args=(world, init, families, rope_in_attention, out), nprocs=world)
     for (family, w, rank), res in out.items():
         assert res["lp"] < 1e-5 and res["ent"] < 1e-5, (family, rank, res["lp"], res["ent"])
         bad = {n: e for n, e in res["grad"].items() if e > 1e-5}
@@ -260,7 +261,7 @@ def test_megatron_expert_parallelism_matches_transformers(tmp_path):
     init = rendezvous(tmp_path)
     out = mp.Manager().dict()
     families = ["qwen3moe", "mixtral", "qwen2moe"]
-    mp.spawn(_case, args=(2, init, families, True, out, False, 2, "alltoall"), nprocs=2)
+    spawn_ranks(_case, args=(2, init, families, True, out, False, 2, "alltoall"), nprocs=2)
     assert len(out) == 2 * len(families)
     for (family, _, rank), res in out.items():
         assert res["experts"] == [["0", "1"], ["2", "3"]][rank], (family, rank, res["experts"])
@@ -277,7 +278,7 @@ def test_megatron_replays_the_routing_as_the_torch_backend(tmp_path):
     init = rendezvous(tmp_path)
     out = mp.Manager().dict()
     families = ["qwen3moe", "qwen3moe-norm", "mixtral", "qwen2moe"]
-    mp.spawn(_case, args=(1, init, families, True, out, True), nprocs=1)
+    spawn_ranks(_case, args=(1, init, families, True, out, True), nprocs=1)
     assert len(out) == len(families)
     for (family, _, _), res in out.items():
         assert res["same_record"] and res["moved"], family

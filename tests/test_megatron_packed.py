@@ -6,9 +6,9 @@ import os
 import socket
 from types import SimpleNamespace
 
-import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import spawn_ranks
 
 from engine.packing.microbatch import MicroBatch
 from engine.train.attention import packed_causal_attention
@@ -159,7 +159,7 @@ def test_two_vocab_shards_give_the_full_softmax_and_its_gradient():
         port = s.getsockname()[1]
     out = mp.Manager().dict()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_tp_worker, args=(port, out), nprocs=2)
+    spawn_ranks(_tp_worker, args=(port, out), nprocs=2)
     torch.manual_seed(4)
     full = torch.randn(8, 11).requires_grad_()
     targets = torch.tensor([0, 5, 6, 10, 3, 7, 9, 1])
