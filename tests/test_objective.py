@@ -310,7 +310,8 @@ def test_a_custom_pg_loss_reducer_aggregates_the_policy_term_alone_and_dr_grpo_i
     rest = default - float(per_sample_mean(pg, mask, b["cu"]).sum()) / G
     expected = float(torch.zeros(G).index_add(0, torch.repeat_interleave(torch.arange(G), torch.tensor(b["lens"])),
                                               pg * mask).sum()) / DR_GRPO_DIVISOR / G + rest
-    assert float(whole) == pytest.approx(float(expected), rel=1e-6)
+    # float32 sums in another order, and `rest` a difference of two such sums: ~1e-6 apart on some CPUs
+    assert float(whole) == pytest.approx(float(expected), rel=1e-5)
     assert float(whole) != pytest.approx(float(default), rel=1e-3)  # it is not the default
     # any split into micro-batches sums to the whole, gradients included
     parts = [run(dr, s) for s in ([0, 1], [2], [3, 4, 5])]

@@ -831,8 +831,12 @@ def test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_th
             mb.loss_mask[b - r + r // 2:b] = 0
     w.set_rollout(steps, rewards, need_ref=False)
     direct = w.train_step(0, 8)
-    assert halved["loss_total"] == pytest.approx(direct["loss_total"], rel=1e-6, abs=1e-9)
-    assert halved["grad_norm"] == pytest.approx(direct["grad_norm"], rel=1e-6) and direct["grad_norm"] > 0
+    # the same maths, not the same float32 rounding: logits are computed only at trained positions, so the old
+    # forward (before the hook, full masks) multiplies more rows than the direct one (halved masks), and the CPU's
+    # GEMM may block them differently (log-probs ~1e-7 apart on some Xeons, equal on others); the on-policy loss is
+    # ±advantage terms cancelling to ~0, so it is compared in absolute terms
+    assert halved["loss_total"] == pytest.approx(direct["loss_total"], abs=1e-5)
+    assert halved["grad_norm"] == pytest.approx(direct["grad_norm"], rel=2e-5) and direct["grad_norm"] > 0
 
     plain = step()
     doubled = step(rollout_data_postprocess_path="hook_fakes:double_advantages")
