@@ -800,9 +800,9 @@ def test_a_custom_pg_loss_reducer_reaches_the_step(tiny_model):
 def test_a_rollout_data_postprocess_hook_rewrites_masks_and_advantages_before_the_step(tiny_model, monkeypatch):
     """--rollout-data-postprocess-path (slime's contract) through the stage, the worker and the torch backend:
     the hook sees this rank's samples with their old log-probs and advantages and the rollout id; masking each
-    response's second half gives exactly the step of a rollout packed with those masks; doubling the advantages
-    doubles the gradient; a mask raised above the rollout's is refused; examples/hooks.py's confident-token mask
-    takes a share of tokens out, logged as train/postprocess_masked_share."""
+    response's second half gives the step of a rollout packed with those masks (to float32 rounding); doubling
+    the advantages doubles the gradient; a mask raised above the rollout's is refused; examples/hooks.py's
+    confident-token mask takes a share of tokens out, logged as train/postprocess_masked_share."""
     from engine.rollout.hooks import HookError
     from engine.stages import train
 
