@@ -169,7 +169,7 @@ def test_expert_parallel_backend_equals_data_parallel_and_resumes(tmp_path):
     out = mp.Manager().dict()
     for ep in (1, 2):
         spawn_ranks(_rank, args=(2, rendezvous(tmp_path, f"rendezvous-ep{ep}"), {"expert_model_parallel_size": ep},
-                              str(tmp_path / "hf"), str(tmp_path), out), nprocs=2)
+                                 str(tmp_path / "hf"), str(tmp_path), out), nprocs=2)
     files = set(safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt").keys())
     for rank in (0, 1):
         dp, ep = out[(1, rank)], out[(2, rank)]
@@ -274,7 +274,7 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_tp1_and_pp2(tmp_path):
         out = mp.Manager().dict()
         (tmp_path / name).mkdir()
         spawn_ranks(_layout_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, str(tmp_path / "hf"),
-                                     str(tmp_path / name), frm, out), nprocs=2)
+                                        str(tmp_path / name), frm, out), nprocs=2)
         got[name] = dict(out)
 
     def diff(a, b):
@@ -370,7 +370,7 @@ def test_sp_and_pp_steps_equal_the_torch_backends_with_the_engines_routing(tmp_p
         replayed = str(tmp_path / "moved") if "use_routing_replay" in flags else None
         out = mp.Manager().dict()
         spawn_ranks(_parallel_rank, args=(2, rendezvous(tmp_path, f"rendezvous-{name}"), flags, hf, str(tmp_path),
-                                       routes, out, replayed), nprocs=2)
+                                          routes, out, replayed), nprocs=2)
         tb = TorchBackend(RunConfig(hf_checkpoint=hf, lr=1e-3, rollout_batch_size=4, n_samples_per_prompt=4,
                                     micro_batch_size=2, work_dir=str(tmp_path), use_rollout_routing_replay=routes,
                                     use_routing_replay=replayed is not None))
